@@ -1,0 +1,571 @@
+//! The sans-IO server: every lock-server decision, and no IO or clock.
+//!
+//! [`Core`] takes requests (`handle_request`), connection events
+//! (`connect`/`disconnect`) and the passing of time (`handle_timeout`), each
+//! with `now` as an argument, and queues the responses to send, addressed
+//! by connection, in its outbox. [`Core::poll_timeout`] says when it next
+//! needs `handle_timeout`. The mio shell in `server` only moves bytes; tests
+//! drive the same core with a fake clock.
+//!
+//! Time is in microseconds since the core's epoch (the server's start).
+//! Timers run on a 1 ms tick: a deadline rounds *up* to the next tick and
+//! fires once the clock has reached that tick, so nothing happens early.
+
+pub mod lock_table;
+pub mod timer_wheel;
+pub mod waiters;
+
+use std::fmt::Write as _;
+
+use crate::protocol::{ErrorCode, Request, RequestError, Response};
+use lock_table::{LockTable, NIL};
+use timer_wheel::{TimerId, TimerLinks, TimerStore, TimerWheel};
+use waiters::{ConnWaiters, Waiters};
+
+/// A connection as the core knows it: the shell's slab index.
+pub type ConnId = u32;
+
+/// Microseconds since the core's epoch.
+pub type Micros = u64;
+
+const MICROS_PER_TICK: u64 = 1_000;
+const MICROS_PER_S: u64 = 1_000_000;
+
+/// Timer ids with this bit are waiters; without it, lock-table entries.
+const WAITER_TIMER: TimerId = 1 << 30;
+
+/// Capacity limits (spec §4). Every one is a bound on memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Keys in the table, held or waited on (~60 B each).
+    pub max_keys: usize,
+    /// Queued waiters in total (~56 B each).
+    pub max_waiters: usize,
+    /// Queued waiters on one key.
+    pub max_waiters_per_key: u32,
+    /// Queued waits one connection may have.
+    pub max_waits_per_conn: u32,
+    /// Open connections (enforced by the shell).
+    pub max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_keys: 1 << 20,
+            max_waiters: 1 << 18,
+            max_waiters_per_key: 1 << 14,
+            max_waits_per_conn: 1 << 12,
+            max_connections: 1 << 14,
+        }
+    }
+}
+
+/// The counters reported by `I` (spec §2.2).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub grants: u64,
+    pub timeouts: u64,
+    pub busy: u64,
+    pub expired: u64,
+    pub released: u64,
+    pub extended: u64,
+    pub not_held: u64,
+    pub errors: u64,
+    /// Connections closed at accept by the `--allow` list.
+    pub refused: u64,
+}
+
+/// A response and the connection it goes to.
+pub type Output = (ConnId, Response);
+
+#[derive(Clone, Copy, Debug, Default)]
+struct ConnState {
+    open: bool,
+    waiters: ConnWaiters,
+}
+
+/// The lock server's state machine.
+pub struct Core {
+    limits: Limits,
+    table: LockTable,
+    waiters: Waiters,
+    wheel: TimerWheel,
+    conns: Vec<ConnState>,
+    connections: usize,
+    /// Entries held by an unknown grant of an earlier run.
+    unknown_holders: usize,
+    /// Until this instant every key counts as held by an unknown grant
+    /// (after an unclean restart with a state directory); 0 = no grace.
+    grace_until: Micros,
+    next_token: u64,
+    stats: Stats,
+    outbox: Vec<Output>,
+}
+
+/// Gives the timer wheel the links embedded in entries and waiters.
+struct TimerNodes<'a> {
+    table: &'a mut LockTable,
+    waiters: &'a mut Waiters,
+}
+
+impl TimerStore for TimerNodes<'_> {
+    fn links(&mut self, id: TimerId) -> &mut TimerLinks {
+        if id & WAITER_TIMER != 0 {
+            &mut self.waiters.get_mut(id & !WAITER_TIMER).timer
+        } else {
+            &mut self.table.get_mut(id).lease
+        }
+    }
+}
+
+fn tick_at_or_after(at: Micros) -> u64 {
+    at.div_ceil(MICROS_PER_TICK)
+}
+
+impl Core {
+    /// A core whose first grant gets `first_token` (spec §7: at least
+    /// `unix_time_ms × 2^20`, or above a persisted high-water mark).
+    pub fn new(limits: Limits, first_token: u64) -> Core {
+        Core {
+            limits,
+            table: LockTable::new(),
+            waiters: Waiters::new(),
+            wheel: TimerWheel::new(),
+            conns: Vec::new(),
+            connections: 0,
+            unknown_holders: 0,
+            grace_until: 0,
+            next_token: first_token.max(1),
+            stats: Stats::default(),
+            outbox: Vec::new(),
+        }
+    }
+
+    /// Treat every key as held by an unknown grant until `until` (spec §7).
+    pub fn set_grace_until(&mut self, until: Micros) {
+        self.grace_until = until;
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    pub fn stats_mut(&mut self) -> &mut Stats {
+        &mut self.stats
+    }
+
+    /// The token the next grant gets.
+    pub fn next_token(&self) -> u64 {
+        self.next_token
+    }
+
+    /// Keys in the table.
+    pub fn keys(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Queued waiters.
+    pub fn waiter_count(&self) -> usize {
+        self.waiters.len()
+    }
+
+    /// Open connections the core knows of.
+    pub fn connections(&self) -> usize {
+        self.connections
+    }
+
+    /// The responses produced since the last drain, in the order they must
+    /// be written.
+    pub fn drain_outbox(&mut self) -> std::vec::Drain<'_, Output> {
+        self.outbox.drain(..)
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) next has work, or
+    /// `None` when no timer is armed.
+    pub fn poll_timeout(&self) -> Option<Micros> {
+        self.wheel.next_tick().map(|tick| tick * MICROS_PER_TICK)
+    }
+
+    /// A connection opened.
+    pub fn connect(&mut self, conn: ConnId) {
+        let index = conn as usize;
+        if self.conns.len() <= index {
+            self.conns.resize(index + 1, ConnState::default());
+        }
+        if !self.conns[index].open {
+            self.conns[index] = ConnState {
+                open: true,
+                waiters: ConnWaiters::default(),
+            };
+            self.connections += 1;
+        }
+    }
+
+    /// A connection closed: its waiters leave their queues unanswered.
+    /// Its grants stay (spec §1).
+    pub fn disconnect(&mut self, conn: ConnId) {
+        let Some(state) = self.conns.get(conn as usize) else {
+            return;
+        };
+        if !state.open {
+            return;
+        }
+        let mut waiter = state.waiters.head;
+        while waiter != NIL {
+            let next = self.waiters.next_of_conn(waiter);
+            self.remove_waiter(waiter);
+            waiter = next;
+        }
+        self.conns[conn as usize].open = false;
+        self.connections -= 1;
+    }
+
+    /// Answers a request that the decoder rejected.
+    pub fn handle_invalid(&mut self, conn: ConnId, error: RequestError) {
+        self.send_error(conn, error.code, error.id);
+    }
+
+    /// Queues an `X` to `conn` and counts it.
+    pub fn send_error(&mut self, conn: ConnId, code: ErrorCode, id: u64) {
+        self.stats.errors += 1;
+        self.outbox.push((conn, code.response(id)));
+    }
+
+    /// Evaluates one valid request that arrived (its last byte was read) at
+    /// `now`.
+    pub fn handle_request(&mut self, conn: ConnId, request: &Request<'_>, now: Micros) {
+        match *request {
+            Request::Acquire {
+                wait_s,
+                lease_s,
+                owner,
+                key,
+            } => self.acquire(conn, key, wait_s, lease_s, owner, now),
+            Request::Release { token, key } => self.release(conn, key, token, now),
+            Request::Extend {
+                lease_s,
+                token,
+                key,
+            } => self.extend(conn, key, token, lease_s, now),
+            Request::Query { key } => self.query(conn, key, now),
+            Request::Ping { nonce } => self.outbox.push((conn, Response::Pong { nonce })),
+            Request::Info => {
+                let text = self.info_text(now);
+                self.outbox.push((conn, Response::Info(text)));
+            }
+        }
+    }
+
+    /// Fires every timer due at `now`: lease expiries hand keys on, wait
+    /// deadlines answer `T`.
+    pub fn handle_timeout(&mut self, now: Micros) {
+        let now_tick = now / MICROS_PER_TICK;
+        loop {
+            let mut nodes = TimerNodes {
+                table: &mut self.table,
+                waiters: &mut self.waiters,
+            };
+            let Some(id) = self.wheel.poll(&mut nodes, now_tick) else {
+                break;
+            };
+            if id & WAITER_TIMER != 0 {
+                let waiter = id & !WAITER_TIMER;
+                let (conn, owner) = {
+                    let node = self.waiters.get(waiter);
+                    (node.conn, node.owner)
+                };
+                self.remove_waiter(waiter);
+                self.stats.timeouts += 1;
+                self.outbox.push((conn, Response::Timeout { owner }));
+            } else {
+                if self.table.get(id).token != 0 {
+                    self.stats.expired += 1;
+                } else {
+                    self.unknown_holders -= 1;
+                }
+                self.hand_over(id, now);
+            }
+        }
+    }
+
+    /// Graceful shutdown (spec §4): every queued waiter gets `B`, then every
+    /// open connection gets `X 8`. The shell flushes and closes.
+    pub fn shut_down(&mut self) {
+        for conn in 0..self.conns.len() {
+            if !self.conns[conn].open {
+                continue;
+            }
+            let mut waiter = self.conns[conn].waiters.head;
+            while waiter != NIL {
+                let next = self.waiters.next_of_conn(waiter);
+                let owner = self.waiters.get(waiter).owner;
+                self.remove_waiter(waiter);
+                self.stats.busy += 1;
+                self.outbox.push((conn as ConnId, Response::Busy { owner }));
+                waiter = next;
+            }
+        }
+        for conn in 0..self.conns.len() {
+            if self.conns[conn].open {
+                self.send_error(conn as ConnId, ErrorCode::ShuttingDown, 0);
+            }
+        }
+    }
+
+    fn acquire(&mut self, conn: ConnId, key: &str, wait_s: u8, lease_s: u8, owner: u64, now: Micros) {
+        let hash = self.table.hash(key);
+        let entry = match self.table.find(key, hash) {
+            Some(_) if wait_s == 0 => return self.timeout(conn, owner),
+            Some(entry) => {
+                if !self.can_queue(conn, self.table.get(entry).waiters) {
+                    return self.busy(conn, owner);
+                }
+                entry
+            }
+            None if now >= self.grace_until => {
+                if self.next_token == u64::MAX {
+                    return self.busy(conn, owner);
+                }
+                let Some(entry) = self.insert_key(key, hash, 0, owner) else {
+                    return self.busy(conn, owner);
+                };
+                return self.grant(entry, conn, owner, lease_s, now);
+            }
+            None if wait_s == 0 => return self.timeout(conn, owner),
+            None => {
+                // The key may still be leased by the previous run: queue
+                // behind an unknown holder whose lease ends at the horizon.
+                if !self.can_queue(conn, NIL) {
+                    return self.busy(conn, owner);
+                }
+                let Some(entry) = self.insert_key(key, hash, 0, 0) else {
+                    return self.busy(conn, owner);
+                };
+                self.unknown_holders += 1;
+                self.arm_lease_at(entry, self.grace_until);
+                entry
+            }
+        };
+        let waiter = {
+            let queue = &mut self.table.get_mut(entry).waiters;
+            let conn_list = &mut self.conns[conn as usize].waiters;
+            self.waiters.push_back(queue, conn_list, conn, entry, owner, lease_s)
+        };
+        let deadline = now + u64::from(wait_s) * MICROS_PER_S;
+        let mut nodes = TimerNodes {
+            table: &mut self.table,
+            waiters: &mut self.waiters,
+        };
+        self.wheel.arm(&mut nodes, waiter | WAITER_TIMER, tick_at_or_after(deadline));
+    }
+
+    /// Whether one more waiter fits: in total, on the queue with head
+    /// `queue_head`, and on `conn`.
+    fn can_queue(&self, conn: ConnId, queue_head: u32) -> bool {
+        let Some(state) = self.conns.get(conn as usize).filter(|state| state.open) else {
+            return false;
+        };
+        self.waiters.len() < self.limits.max_waiters
+            && self.waiters.queue_len(queue_head) < self.limits.max_waiters_per_key
+            && state.waiters.len < self.limits.max_waits_per_conn
+    }
+
+    fn insert_key(&mut self, key: &str, hash: u64, token: u64, owner: u64) -> Option<u32> {
+        if self.table.len() >= self.limits.max_keys {
+            return None;
+        }
+        self.table.insert(key, hash, token, owner)
+    }
+
+    fn release(&mut self, conn: ConnId, key: &str, token: u64, now: Micros) {
+        match self.active_grant(key, token) {
+            Some(entry) => {
+                self.cancel_lease(entry);
+                self.stats.released += 1;
+                self.outbox.push((conn, Response::Released { token }));
+                self.hand_over(entry, now);
+            }
+            None => self.not_held(conn, token),
+        }
+    }
+
+    fn extend(&mut self, conn: ConnId, key: &str, token: u64, lease_s: u8, now: Micros) {
+        match self.active_grant(key, token) {
+            Some(entry) => {
+                self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
+                self.stats.extended += 1;
+                self.outbox.push((conn, Response::Extended { token }));
+            }
+            None => self.not_held(conn, token),
+        }
+    }
+
+    fn query(&mut self, conn: ConnId, key: &str, now: Micros) {
+        let response = match self.table.find(key, self.table.hash(key)) {
+            Some(entry) => {
+                let entry = self.table.get(entry);
+                let deadline = self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK;
+                Response::Query {
+                    token: entry.token,
+                    owner: entry.owner,
+                    lease_ms: millis_left(deadline, now),
+                    waiters: self.waiters.queue_len(entry.waiters),
+                }
+            }
+            None if now < self.grace_until => Response::Query {
+                token: 0,
+                owner: 0,
+                lease_ms: millis_left(self.grace_until, now),
+                waiters: 0,
+            },
+            None => Response::Query {
+                token: 0,
+                owner: 0,
+                lease_ms: 0,
+                waiters: 0,
+            },
+        };
+        self.outbox.push((conn, response));
+    }
+
+    /// The entry of `key` if `token` is its active grant. Token 0 (an
+    /// unknown holder) never matches.
+    fn active_grant(&self, key: &str, token: u64) -> Option<u32> {
+        let entry = self.table.find(key, self.table.hash(key))?;
+        (token != 0 && self.table.get(entry).token == token).then_some(entry)
+    }
+
+    /// The key's holder is gone: grant the head waiter, or drop the key.
+    fn hand_over(&mut self, entry: u32, now: Micros) {
+        loop {
+            let head = self.table.get(entry).waiters;
+            if head == NIL {
+                self.table.remove(entry);
+                return;
+            }
+            let (conn, owner, lease_s) = {
+                let waiter = self.waiters.get(head);
+                (waiter.conn, waiter.owner, waiter.lease_s)
+            };
+            self.unlink_waiter(head);
+            if self.next_token == u64::MAX {
+                self.busy(conn, owner);
+                continue;
+            }
+            return self.grant(entry, conn, owner, lease_s, now);
+        }
+    }
+
+    fn grant(&mut self, entry: u32, conn: ConnId, owner: u64, lease_s: u8, now: Micros) {
+        let token = self.next_token;
+        self.next_token += 1;
+        let held = self.table.get_mut(entry);
+        held.token = token;
+        held.owner = owner;
+        self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
+        self.stats.grants += 1;
+        self.outbox.push((conn, Response::Acquired { owner, token }));
+    }
+
+    fn arm_lease_at(&mut self, entry: u32, deadline: Micros) {
+        let mut nodes = TimerNodes {
+            table: &mut self.table,
+            waiters: &mut self.waiters,
+        };
+        self.wheel.arm(&mut nodes, entry, tick_at_or_after(deadline));
+    }
+
+    fn cancel_lease(&mut self, entry: u32) {
+        let mut nodes = TimerNodes {
+            table: &mut self.table,
+            waiters: &mut self.waiters,
+        };
+        self.wheel.cancel(&mut nodes, entry);
+    }
+
+    /// Takes a waiter out of its queue and its connection's list, silently.
+    /// A key held only by an unknown grant and waited on by nobody is
+    /// dropped: it means the same as a key that is not in the table.
+    fn remove_waiter(&mut self, waiter: u32) {
+        let entry = self.unlink_waiter(waiter);
+        let held = self.table.get(entry);
+        if held.token == 0 && held.waiters == NIL {
+            self.cancel_lease(entry);
+            self.unknown_holders -= 1;
+            self.table.remove(entry);
+        }
+    }
+
+    /// Takes a waiter out of its queue and its connection's list and
+    /// returns the entry it queued on.
+    fn unlink_waiter(&mut self, waiter: u32) -> u32 {
+        let mut nodes = TimerNodes {
+            table: &mut self.table,
+            waiters: &mut self.waiters,
+        };
+        self.wheel.cancel(&mut nodes, waiter | WAITER_TIMER);
+        let (conn, entry) = {
+            let node = self.waiters.get(waiter);
+            (node.conn, node.lock)
+        };
+        let queue = &mut self.table.get_mut(entry).waiters;
+        let conn_list = &mut self.conns[conn as usize].waiters;
+        self.waiters.remove(waiter, queue, conn_list);
+        entry
+    }
+
+    fn timeout(&mut self, conn: ConnId, owner: u64) {
+        self.stats.timeouts += 1;
+        self.outbox.push((conn, Response::Timeout { owner }));
+    }
+
+    fn busy(&mut self, conn: ConnId, owner: u64) {
+        self.stats.busy += 1;
+        self.outbox.push((conn, Response::Busy { owner }));
+    }
+
+    fn not_held(&mut self, conn: ConnId, token: u64) {
+        self.stats.not_held += 1;
+        self.outbox.push((conn, Response::NotHeld { token }));
+    }
+
+    /// The `I` line: `name=value` pairs separated by single spaces.
+    pub fn info_text(&self, now: Micros) -> String {
+        let s = &self.stats;
+        let mut text = String::with_capacity(320);
+        let _ = write!(
+            text,
+            "version={} uptime_s={} connections={} keys={} held={} waiters={} \
+             grants={} timeouts={} busy={} expired={} released={} extended={} \
+             not_held={} errors={} refused={} next_token={}",
+            env!("CARGO_PKG_VERSION"),
+            now / MICROS_PER_S,
+            self.connections,
+            self.table.len(),
+            self.table.len() - self.unknown_holders,
+            self.waiters.len(),
+            s.grants,
+            s.timeouts,
+            s.busy,
+            s.expired,
+            s.released,
+            s.extended,
+            s.not_held,
+            s.errors,
+            s.refused,
+            self.next_token,
+        );
+        text
+    }
+}
+
+/// Milliseconds from `now` to `deadline`, rounded up, saturating.
+fn millis_left(deadline: Micros, now: Micros) -> u32 {
+    let left = deadline.saturating_sub(now).div_ceil(1_000);
+    u32::try_from(left).unwrap_or(u32::MAX)
+}

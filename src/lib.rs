@@ -1,0 +1,17 @@
+//! kunci — a small, exact, fast lock server.
+//!
+//! `acquire(key, wait, lease)` with bounded FIFO waiting, a lease the
+//! server reclaims when a client dies, and a strictly increasing u64
+//! fencing token per grant. The wire protocol is described in
+//! `docs/PROTOCOL.md`.
+//!
+//! # Layout
+//!
+//! - [`protocol`] — frames: decode, encode, limits, error codes; no IO.
+//! - [`core`] — the sans-IO server: lock table, waiter queues, timer wheel;
+//!   every call takes `now` and queues the responses to send.
+//! - [`server`] — the mio shell: listeners, connections, buffers, signals.
+
+pub mod core;
+pub mod protocol;
+pub mod server;
