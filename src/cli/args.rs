@@ -1,0 +1,64 @@
+//! Option values shared by the subcommands.
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use crate::addr::Address;
+
+/// Reads the value of an option as UTF-8 text.
+pub fn text(value: Result<OsString, lexopt::Error>) -> Result<String, String> {
+    value
+        .map_err(|e| e.to_string())?
+        .into_string()
+        .map_err(|v| format!("not valid UTF-8: {v:?}"))
+}
+
+/// Parses a number of the type the option takes, naming the option on error.
+pub fn number<T: std::str::FromStr>(option: &str, value: Result<OsString, lexopt::Error>) -> Result<T, String> {
+    let text = text(value)?;
+    text.parse()
+        .map_err(|_| format!("{option}: invalid value {text:?}"))
+}
+
+/// Parses an address option.
+pub fn address(value: Result<OsString, lexopt::Error>) -> Result<Address, String> {
+    text(value)?.parse().map_err(|e: crate::addr::AddressError| e.to_string())
+}
+
+/// Parses seconds with an optional decimal fraction (`--wait 2.5`),
+/// exactly, without floating point: at most nanosecond precision.
+pub fn seconds(option: &str, text: &str) -> Result<Duration, String> {
+    let bad = || format!("{option}: invalid number of seconds {text:?}");
+    let (whole, fraction) = text.split_once('.').unwrap_or((text, ""));
+    if whole.is_empty() && fraction.is_empty()
+        || !whole.bytes().all(|b| b.is_ascii_digit())
+        || !fraction.bytes().all(|b| b.is_ascii_digit())
+        || fraction.len() > 9
+    {
+        return Err(bad());
+    }
+    let whole: u64 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| bad())? };
+    let nanos: u32 = if fraction.is_empty() {
+        0
+    } else {
+        format!("{fraction:0<9}").parse().map_err(|_| bad())?
+    };
+    Ok(Duration::new(whole, nanos))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_accept_decimals_exactly() {
+        assert_eq!(seconds("--wait", "0"), Ok(Duration::ZERO));
+        assert_eq!(seconds("--wait", "2.5"), Ok(Duration::from_millis(2500)));
+        assert_eq!(seconds("--wait", ".25"), Ok(Duration::from_millis(250)));
+        assert_eq!(seconds("--wait", "255"), Ok(Duration::from_secs(255)));
+        assert_eq!(seconds("--wait", "1.000000001"), Ok(Duration::new(1, 1)));
+        for bad in ["", ".", "-1", "1e3", "abc", "1.2.3", "1.0000000001"] {
+            assert!(seconds("--wait", bad).is_err(), "{bad}");
+        }
+    }
+}

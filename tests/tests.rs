@@ -1,0 +1,3 @@
+//! kunci's integration tests: one binary, one module per area.
+
+mod util;
