@@ -68,9 +68,15 @@ mod tests {
 
     #[test]
     fn parses_tcp_and_unix() {
-        assert_eq!("127.0.0.1:5862".parse(), Ok(Address::Tcp("127.0.0.1:5862".into())));
+        assert_eq!(
+            "127.0.0.1:5862".parse(),
+            Ok(Address::Tcp("127.0.0.1:5862".into()))
+        );
         assert_eq!("[::1]:0".parse(), Ok(Address::Tcp("[::1]:0".into())));
-        assert_eq!("unix:/tmp/k.sock".parse(), Ok(Address::Unix("/tmp/k.sock".into())));
+        assert_eq!(
+            "unix:/tmp/k.sock".parse(),
+            Ok(Address::Unix("/tmp/k.sock".into()))
+        );
         for bad in ["", "unix:", "localhost", ":5862", "host:port", "host:70000"] {
             assert!(bad.parse::<Address>().is_err(), "{bad}");
         }

@@ -317,7 +317,15 @@ impl Core {
         }
     }
 
-    fn acquire(&mut self, conn: ConnId, key: &str, wait_s: u8, lease_s: u8, owner: u64, now: Micros) {
+    fn acquire(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        wait_s: u8,
+        lease_s: u8,
+        owner: u64,
+        now: Micros,
+    ) {
         let hash = self.table.hash(key);
         let entry = match self.table.find(key, hash) {
             Some(_) if wait_s == 0 => return self.timeout(conn, owner),
@@ -354,14 +362,19 @@ impl Core {
         let waiter = {
             let queue = &mut self.table.get_mut(entry).waiters;
             let conn_list = &mut self.conns[conn as usize].waiters;
-            self.waiters.push_back(queue, conn_list, conn, entry, owner, lease_s)
+            self.waiters
+                .push_back(queue, conn_list, conn, entry, owner, lease_s)
         };
         let deadline = now + u64::from(wait_s) * MICROS_PER_S;
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
         };
-        self.wheel.arm(&mut nodes, waiter | WAITER_TIMER, tick_at_or_after(deadline));
+        self.wheel.arm(
+            &mut nodes,
+            waiter | WAITER_TIMER,
+            tick_at_or_after(deadline),
+        );
     }
 
     /// Whether one more waiter fits: in total, on the queue with head
@@ -469,7 +482,8 @@ impl Core {
         held.owner = owner;
         self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
         self.stats.grants += 1;
-        self.outbox.push((conn, Response::Acquired { owner, token }));
+        self.outbox
+            .push((conn, Response::Acquired { owner, token }));
     }
 
     fn arm_lease_at(&mut self, entry: u32, deadline: Micros) {
@@ -477,7 +491,8 @@ impl Core {
             table: &mut self.table,
             waiters: &mut self.waiters,
         };
-        self.wheel.arm(&mut nodes, entry, tick_at_or_after(deadline));
+        self.wheel
+            .arm(&mut nodes, entry, tick_at_or_after(deadline));
     }
 
     fn cancel_lease(&mut self, entry: u32) {
