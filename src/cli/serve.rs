@@ -32,6 +32,10 @@ Options:
                               (default {per_conn})
   --max-connections N         open connections; one more gets `X 7` and is
                               closed (default {max_connections})
+  --allow CIDR                accept TCP peers only from this network
+                              (e.g. 10.0.0.0/8, ::1/128); repeat for several.
+                              Others are closed at once and counted as
+                              `refused`. Default: anyone who can connect.
   --unix-mode MODE            permissions of unix: socket files, octal
                               (default {unix_mode:o})
   -h, --help                  show this help
@@ -77,6 +81,13 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
                     .ok()
                     .filter(|mode| *mode <= 0o777)
                     .ok_or_else(|| format!("--unix-mode: invalid octal mode {text:?}"))?;
+            }
+            Long("allow") => {
+                let text = args::text(parser.value())?;
+                let network = text
+                    .parse()
+                    .map_err(|e: crate::addr::AddressError| format!("--allow: {e}"))?;
+                config.allow.push(network);
             }
             Short('h') | Long("help") => return Ok(None),
             other => return Err(other.unexpected().to_string()),

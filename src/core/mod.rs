@@ -422,7 +422,11 @@ impl Core {
         let response = match self.table.find(key, self.table.hash(key)) {
             Some(entry) => {
                 let entry = self.table.get(entry);
-                let deadline = self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK;
+                // The tick rounded the true deadline up by less than one
+                // tick: report the earliest deadline that rounds to it, so
+                // a fresh grant never shows more than its lease.
+                let deadline = (self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK)
+                    .saturating_sub(MICROS_PER_TICK - 1);
                 Response::Query {
                     token: entry.token,
                     owner: entry.owner,

@@ -22,7 +22,7 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook_mio::v1_0::Signals;
 use slab::Slab;
 
-use crate::addr::Address;
+use crate::addr::{Address, Network};
 use crate::core::timer_wheel::{TimerId, TimerLinks, TimerStore, TimerWheel};
 use crate::core::{ConnId, Core, Limits, Micros};
 use crate::protocol::{self, Decoded, ErrorCode};
@@ -66,6 +66,9 @@ pub struct Config {
     pub limits: Limits,
     /// Permissions of `unix:` socket files.
     pub unix_mode: u32,
+    /// When not empty, TCP peers outside these networks are closed at
+    /// accept (and counted as `refused`).
+    pub allow: Vec<Network>,
 }
 
 impl Default for Config {
@@ -74,6 +77,7 @@ impl Default for Config {
             listen: vec![Address::Tcp(crate::addr::DEFAULT_ADDRESS.to_owned())],
             limits: Limits::default(),
             unix_mode: 0o600,
+            allow: Vec::new(),
         }
     }
 }
@@ -114,6 +118,7 @@ pub struct Server {
 /// Everything the loop mutates, apart from the poll and the listeners.
 struct EventLoop {
     registry: mio::Registry,
+    allow: Vec<Network>,
     core: Core,
     conns: Slab<Connection>,
     conn_timers: TimerWheel,
@@ -161,6 +166,7 @@ impl Server {
         raise_fd_limit(config.limits.max_connections);
         let loop_state = EventLoop {
             registry: poll.registry().try_clone()?,
+            allow: config.allow.clone(),
             core: Core::new(config.limits, first_token),
             conns: Slab::new(),
             conn_timers: TimerWheel::new(),
@@ -373,6 +379,18 @@ impl EventLoop {
     }
 
     fn admit(&mut self, stream: Stream, peer: Peer) {
+        if let Peer::Tcp(address) = peer {
+            if !self.allow.is_empty()
+                && !self
+                    .allow
+                    .iter()
+                    .any(|network| network.contains(address.ip()))
+            {
+                debug!("refusing {address}: not in --allow");
+                self.core.stats_mut().refused += 1;
+                return;
+            }
+        }
         let mut conn = Connection::new(stream);
         if self.core.connections() >= self.core.limits().max_connections {
             debug!("refusing {peer:?}: connection limit");
@@ -420,7 +438,7 @@ fn is_out_of_descriptors(error: &io::Error) -> bool {
 /// (never above the hard limit), so the configured limit, not the
 /// environment's default, decides.
 fn raise_fd_limit(max_connections: usize) {
-    let wanted = max_connections as u64 + 64;
+    let wanted = (max_connections + 64) as libc::rlim_t;
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -430,13 +448,11 @@ fn raise_fd_limit(max_connections: usize) {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
             return;
         }
-        if (limit.rlim_cur as u64) < wanted {
-            let raised = wanted.min(limit.rlim_max as u64);
-            limit.rlim_cur = raised as libc::rlim_t;
+        if limit.rlim_cur < wanted {
+            limit.rlim_cur = wanted.min(limit.rlim_max);
             let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && (limit.rlim_cur as u64) < wanted
-        {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < wanted {
             warn!(
                 "file descriptor limit {} is below --max-connections {} + 64: \
                  connections beyond it are refused",
