@@ -127,9 +127,9 @@ impl StateDir {
     fn write(&mut self, recorded: Recorded) -> io::Result<()> {
         let temporary = self.dir.join(format!("{STATE_FILE}.tmp"));
         let mut file = File::create(&temporary)?;
-        write!(
+        writeln!(
             file,
-            "kunci-state 1 token_high_water={} lease_horizon_ms={}\n",
+            "kunci-state 1 token_high_water={} lease_horizon_ms={}",
             recorded.token_high_water, recorded.lease_horizon_ms
         )?;
         file.sync_all()?;
