@@ -50,8 +50,11 @@ const LINGER: Duration = Duration::from_secs(2);
 const LINGERING_REFUSED_MAX: usize = 256;
 /// How long a graceful shutdown waits for peers to take their last bytes.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
-/// After `accept` fails for lack of file descriptors, retry this much later.
+/// After `accept` keeps failing (no file descriptors), retry this much later.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// Connections refused with the spare descriptor per wake-up before the
+/// loop backs off and serves the connections it has.
+const ACCEPT_REFUSALS_PER_WAKEUP: usize = 64;
 
 const SIGNAL_TOKEN: Token = Token(usize::MAX);
 const WAKE_TOKEN: Token = Token(usize::MAX - 1);
@@ -399,36 +402,52 @@ impl EventLoop {
         if self.accept_paused_until.is_some() || self.shutdown_deadline.is_some() {
             return;
         }
+        let mut refused = 0;
         loop {
             match listener.accept() {
                 Ok((stream, peer)) => self.admit(stream, peer),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => {}
                 Err(e) if is_out_of_descriptors(&e) => {
-                    self.refuse_with_spare_fd(listener);
-                    return;
+                    if refused == 0 {
+                        warn!("accept: out of file descriptors; refusing new connections");
+                    }
+                    refused += 1;
+                    if refused > ACCEPT_REFUSALS_PER_WAKEUP || !self.refuse_with_spare_fd(listener)
+                    {
+                        return self.pause_accepting();
+                    }
                 }
                 Err(e) => {
-                    // ECONNABORTED and friends: that peer is gone, go on.
-                    debug!("accept: {e}");
+                    warn!("accept: {e}");
+                    return self.pause_accepting();
                 }
             }
         }
     }
 
     /// Out of descriptors: give up the spare one to accept the waiting
-    /// peer and tell it so, instead of leaving it hanging in the backlog;
-    /// then back off briefly rather than spin on an accept that cannot
-    /// succeed.
-    fn refuse_with_spare_fd(&mut self, listener: &Listener) {
-        warn!("accept: out of file descriptors; refusing connections for now");
-        if self.spare_fd.take().is_some() {
-            if let Ok((stream, _)) = listener.accept() {
-                let mut conn = Connection::new(stream);
-                self.send_connection_limit(&mut conn);
-            }
+    /// peer and tell it so with `X 7`, rather than leave it hanging in the
+    /// backlog. Returns whether a spare descriptor was there to use.
+    fn refuse_with_spare_fd(&mut self, listener: &Listener) -> bool {
+        if self.spare_fd.take().is_none() {
             self.spare_fd = File::open("/dev/null").ok();
+            return false;
         }
+        let accepted = listener.accept();
+        if let Ok((stream, _)) = accepted {
+            let mut conn = Connection::new(stream);
+            self.send_connection_limit(&mut conn);
+            conn.stream.shutdown_write();
+        }
+        self.spare_fd = File::open("/dev/null").ok();
+        self.spare_fd.is_some()
+    }
+
+    /// Stops accepting briefly instead of spinning on an accept that keeps
+    /// failing; the poll timeout brings us back.
+    fn pause_accepting(&mut self) {
         self.accept_paused_until = Some(self.now() + micros(ACCEPT_BACKOFF));
     }
 
