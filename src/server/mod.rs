@@ -769,9 +769,14 @@ impl EventLoop {
             return;
         };
         if conn.phase == Phase::Closing {
-            if conn.output.is_empty() && !conn.write_shut {
-                conn.stream.shutdown_write();
-                conn.write_shut = true;
+            if conn.output.is_empty() {
+                if conn.peer_closed {
+                    return self.close(id);
+                }
+                if !conn.write_shut {
+                    conn.stream.shutdown_write();
+                    conn.write_shut = true;
+                }
             }
             return;
         }
@@ -866,6 +871,7 @@ impl EventLoop {
             };
             match conn.stream.read(&mut self.read_buffer) {
                 Ok(0) => {
+                    conn.peer_closed = true;
                     if conn.output.is_empty() {
                         return self.close(id);
                     }
