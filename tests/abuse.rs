@@ -266,3 +266,34 @@ fn a_pipelining_peer_that_never_reads_stays_bounded() {
     );
     drop(stream);
 }
+
+#[test]
+fn peers_outside_the_allow_list_are_closed_at_accept_and_counted() {
+    let dir = crate::util::TempDir::new("allow");
+    let unix = format!("unix:{}", dir.join("k.sock").display());
+    let server = TestServer::start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--listen",
+        &unix,
+        "--allow",
+        "10.0.0.0/8",
+    ]);
+    let mut outsider = server.peer();
+    outsider.send(&ping(1));
+    outsider.expect_closed();
+    let mut local = Peer::connect(&unix);
+    local.send(b"I\n");
+    match local.recv() {
+        Response::Info(text) => {
+            let info = crate::util::parse_info(&text);
+            assert_eq!(info["refused"], "1");
+            assert_eq!(info["connections"], "1");
+        }
+        other => panic!("expected info, got {other:?}"),
+    }
+    let allowed = TestServer::start(&["--allow", "127.0.0.0/8", "--allow", "::1/128"]);
+    let mut insider = allowed.peer();
+    insider.send(&ping(2));
+    assert_eq!(insider.recv(), Response::Pong { nonce: 2 });
+}
