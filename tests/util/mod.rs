@@ -1,1 +1,4 @@
 //! Test helpers shared by the modules.
+
+pub mod fake;
+pub mod model;
