@@ -2,4 +2,5 @@
 
 mod core;
 mod protocol;
+mod simulation;
 mod util;

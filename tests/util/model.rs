@@ -50,6 +50,9 @@ pub struct Model {
     /// Open connections, each with the number of waits it has queued.
     pub conns: BTreeMap<ConnId, u32>,
     pub counters: Counters,
+    /// How often a wait ran out at the tick its key's lease did, and the
+    /// core let the wait go first.
+    pub ties: u64,
 }
 
 impl Model {
@@ -60,6 +63,7 @@ impl Model {
             next_token: first_token.max(1),
             conns: BTreeMap::new(),
             counters: Counters::default(),
+            ties: 0,
         }
     }
 
@@ -272,6 +276,7 @@ impl Model {
                 keys,
                 conns,
                 counters,
+                ties,
                 ..
             } = self;
             for name in expiring {
@@ -293,6 +298,7 @@ impl Model {
                             waiter.owner, waiter.deadline_tick
                         ));
                     }
+                    *ties += 1;
                     counters.timeouts += 1;
                     *conns.get_mut(&waiter.conn).unwrap() -= 1;
                     expected.push((
