@@ -24,7 +24,7 @@ struct Rng(u64);
 
 impl Rng {
     fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x5eed_0f_c0ffee)
+        Rng(seed ^ 0x5eed_0fc0_ffee)
     }
 
     fn next(&mut self) -> u64 {
