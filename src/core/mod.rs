@@ -98,6 +98,8 @@ pub struct Core {
     /// Until this instant every key counts as held by an unknown grant
     /// (after an unclean restart with a state directory); 0 = no grace.
     grace_until: Micros,
+    /// The latest lease deadline armed for a grant of this run.
+    lease_deadline_max: Micros,
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
@@ -136,6 +138,7 @@ impl Core {
             connections: 0,
             unknown_holders: 0,
             grace_until: 0,
+            lease_deadline_max: 0,
             next_token: first_token.max(1),
             stats: Stats::default(),
             outbox: Vec::new(),
@@ -145,6 +148,22 @@ impl Core {
     /// Treat every key as held by an unknown grant until `until` (spec §7).
     pub fn set_grace_until(&mut self, until: Micros) {
         self.grace_until = until;
+    }
+
+    /// Until when keys count as held by unknown grants (0 = never).
+    pub fn grace_until(&self) -> Micros {
+        self.grace_until
+    }
+
+    /// The latest lease deadline ever armed for a grant of this run: no
+    /// lease this core granted runs past it.
+    pub fn lease_deadline_max(&self) -> Micros {
+        self.lease_deadline_max
+    }
+
+    /// Keys held by a grant of this run.
+    pub fn held(&self) -> usize {
+        self.table.len() - self.unknown_holders
     }
 
     pub fn limits(&self) -> &Limits {
@@ -317,7 +336,15 @@ impl Core {
         }
     }
 
-    fn acquire(&mut self, conn: ConnId, key: &str, wait_s: u8, lease_s: u8, owner: u64, now: Micros) {
+    fn acquire(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        wait_s: u8,
+        lease_s: u8,
+        owner: u64,
+        now: Micros,
+    ) {
         let hash = self.table.hash(key);
         let entry = match self.table.find(key, hash) {
             Some(_) if wait_s == 0 => return self.timeout(conn, owner),
@@ -354,14 +381,19 @@ impl Core {
         let waiter = {
             let queue = &mut self.table.get_mut(entry).waiters;
             let conn_list = &mut self.conns[conn as usize].waiters;
-            self.waiters.push_back(queue, conn_list, conn, entry, owner, lease_s)
+            self.waiters
+                .push_back(queue, conn_list, conn, entry, owner, lease_s)
         };
         let deadline = now + u64::from(wait_s) * MICROS_PER_S;
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
         };
-        self.wheel.arm(&mut nodes, waiter | WAITER_TIMER, tick_at_or_after(deadline));
+        self.wheel.arm(
+            &mut nodes,
+            waiter | WAITER_TIMER,
+            tick_at_or_after(deadline),
+        );
     }
 
     /// Whether one more waiter fits: in total, on the queue with head
@@ -409,7 +441,11 @@ impl Core {
         let response = match self.table.find(key, self.table.hash(key)) {
             Some(entry) => {
                 let entry = self.table.get(entry);
-                let deadline = self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK;
+                // The tick rounded the true deadline up by less than one
+                // tick: report the earliest deadline that rounds to it, so
+                // a fresh grant never shows more than its lease.
+                let deadline = (self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK)
+                    .saturating_sub(MICROS_PER_TICK - 1);
                 Response::Query {
                     token: entry.token,
                     owner: entry.owner,
@@ -469,15 +505,20 @@ impl Core {
         held.owner = owner;
         self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
         self.stats.grants += 1;
-        self.outbox.push((conn, Response::Acquired { owner, token }));
+        self.outbox
+            .push((conn, Response::Acquired { owner, token }));
     }
 
     fn arm_lease_at(&mut self, entry: u32, deadline: Micros) {
+        if self.table.get(entry).token != 0 {
+            self.lease_deadline_max = self.lease_deadline_max.max(deadline);
+        }
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
         };
-        self.wheel.arm(&mut nodes, entry, tick_at_or_after(deadline));
+        self.wheel
+            .arm(&mut nodes, entry, tick_at_or_after(deadline));
     }
 
     fn cancel_lease(&mut self, entry: u32) {
@@ -646,7 +687,7 @@ impl Core {
             now / MICROS_PER_S,
             self.connections,
             self.table.len(),
-            self.table.len() - self.unknown_holders,
+            self.held(),
             self.waiters.len(),
             s.grants,
             s.timeouts,
