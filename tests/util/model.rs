@@ -179,7 +179,7 @@ impl Model {
                     Some(held) => Response::Query {
                         token: held.token,
                         owner: held.owner,
-                        lease_ms: ((held.lease_tick * MS).saturating_sub(now)).div_ceil(MS) as u32,
+                        lease_ms: lease_ms_left(held.lease_tick, now),
                         waiters: held.queue.len() as u32,
                     },
                     None => Response::Query {
@@ -363,6 +363,14 @@ impl Model {
         self.next_token += grants.len() as u64;
         Ok(expected)
     }
+}
+
+/// What `Q` shows for a lease that runs out at `lease_tick`: the time from
+/// `now` to the earliest deadline that rounds up to that tick, rounded up.
+/// It is never more than the exact time left, and at most 1 ms less.
+pub fn lease_ms_left(lease_tick: u64, now: Micros) -> u32 {
+    let earliest = (lease_tick * MS).saturating_sub(MS - 1);
+    earliest.saturating_sub(now).div_ceil(MS) as u32
 }
 
 /// Compares answers that must come in this order. An `I` text matches when
