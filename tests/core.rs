@@ -819,6 +819,27 @@ fn grace_query_shows_token_0_and_the_time_left_to_the_horizon() {
     );
 }
 
+/// Regression: `Q` during the grace showed 1 ms less time to the horizon
+/// once a wait queued on the key (the key's entry rounded the horizon like
+/// a lease deadline) than before.
+#[test]
+fn grace_query_time_left_does_not_drop_when_a_waiter_queues() {
+    for horizon in [10 * S, 10 * S + 1, 10 * S + 999] {
+        let mut fake = Fake::with_conns(2);
+        fake.core.set_grace_until(horizon);
+        fake.set_now(2 * S + 300);
+        let before = fake.query("a");
+        fake.enqueue(1, "a", 100, 30, 1);
+        let (token, owner, lease_ms, waiters) = fake.query("a");
+        assert_eq!(
+            (token, owner, lease_ms, waiters),
+            (0, 0, before.2, 1),
+            "horizon {horizon}"
+        );
+        assert_eq!(lease_ms as u64, (horizon - fake.now).div_ceil(MS));
+    }
+}
+
 #[test]
 fn grace_limits_still_apply() {
     let mut fake = Fake::new(limits(1, 10, 10, 10), 3);

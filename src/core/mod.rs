@@ -443,9 +443,14 @@ impl Core {
                 let entry = self.table.get(entry);
                 // The tick rounded the true deadline up by less than one
                 // tick: report the earliest deadline that rounds to it, so
-                // a fresh grant never shows more than its lease.
-                let deadline = (self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK)
-                    .saturating_sub(MICROS_PER_TICK - 1);
+                // a fresh grant never shows more than its lease. An unknown
+                // holder's lease ends exactly at the horizon.
+                let deadline = if entry.token == 0 {
+                    self.grace_until
+                } else {
+                    (self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK)
+                        .saturating_sub(MICROS_PER_TICK - 1)
+                };
                 Response::Query {
                     token: entry.token,
                     owner: entry.owner,
