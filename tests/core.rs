@@ -531,6 +531,57 @@ fn a_key_with_no_holder_and_no_waiters_leaves_the_table() {
 }
 
 #[test]
+fn thousands_of_keys_and_waiters_come_and_go_and_the_table_empties() {
+    let mut fake = Fake::with_conns(64);
+    let keys: Vec<String> = (0..6_000)
+        .map(|i| {
+            if i % 4 == 0 {
+                format!("a-long-key-beyond-the-inline-bytes/{i}")
+            } else {
+                format!("k{i}")
+            }
+        })
+        .collect();
+    for round in 0..2 {
+        let mut tokens = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            tokens.push(fake.grant((i % 64) as u32, key, 200, i as u64));
+        }
+        // 5000 waiters: more than the node storage keeps when it empties.
+        for i in 0..5_000u64 {
+            fake.enqueue((i % 63 + 1) as u32, &keys[i as usize], 100, 50, 10_000 + i);
+        }
+        assert_eq!((fake.core.keys(), fake.core.waiter_count()), (6_000, 5_000));
+        fake.core.check_invariants();
+        // Release every other key (handing it to its waiter), close one
+        // connection, then let the rest time out and run out.
+        for (i, key) in keys.iter().enumerate().step_by(2) {
+            let out = fake.release(0, key, tokens[i]);
+            assert_eq!(out[0], (0, released(tokens[i])));
+            assert_eq!(out.len(), if i < 5_000 { 2 } else { 1 });
+        }
+        fake.core.disconnect(5);
+        fake.core.check_invariants();
+        let start = fake.now;
+        let out = fake.run_until(start + 100 * S);
+        assert!(
+            out.iter()
+                .all(|(_, r)| matches!(r, Response::Timeout { .. }))
+        );
+        assert_eq!(fake.core.waiter_count(), 0);
+        fake.core.check_invariants();
+        assert_eq!(fake.run_until(start + 300 * S), vec![]);
+        assert_eq!(
+            (fake.core.keys(), fake.core.poll_timeout()),
+            (0, None),
+            "round {round}"
+        );
+        fake.core.check_invariants();
+        fake.core.connect(5);
+    }
+}
+
+#[test]
 fn poll_timeout_is_none_when_idle_and_never_later_than_the_earliest_deadline() {
     let mut fake = Fake::with_conns(3);
     assert_eq!(fake.core.poll_timeout(), None);

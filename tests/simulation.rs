@@ -153,8 +153,19 @@ impl Sim {
         } else {
             Limits::default()
         };
-        let conns = rng.range(1, 8) as ConnId;
-        let key_count = rng.range(1, 6);
+        // A few seeds spread over many keys and connections, so that the
+        // table's buckets grow and shrink.
+        let crowd = rng.chance(5);
+        let conns = if crowd {
+            rng.range(8, 40)
+        } else {
+            rng.range(1, 8)
+        } as ConnId;
+        let key_count = if crowd {
+            rng.range(60, 300)
+        } else {
+            rng.range(1, 6)
+        };
         let keys = (0..key_count)
             .map(|i| {
                 if rng.chance(20) {
