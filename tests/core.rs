@@ -1141,6 +1141,7 @@ proptest! {
     fn random_sequences_match_the_reference_model(
         ops in prop::collection::vec(op_strategy(), 1..200),
         small in prop::bool::ANY,
+        grace in prop_oneof![Just(0u64), 1..20 * S],
     ) {
         let limits = if small { limits(2, 3, 2, 2) } else { Limits::default() };
         let mut pair = Pair {
@@ -1149,6 +1150,8 @@ proptest! {
             next_owner: 0,
             stale_token: 0,
         };
+        pair.fake.core.set_grace_until(grace);
+        pair.model.grace_until = grace;
         for conn in 0..3 {
             pair.model.connect(conn);
         }

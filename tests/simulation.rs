@@ -179,10 +179,17 @@ impl Sim {
         for conn in 0..conns {
             model.connect(conn);
         }
+        let mut fake = Fake::new(limits, conns);
+        // Some seeds start as after an unclean restart.
+        if rng.chance(15) {
+            let horizon = rng.range(1, 40 * S);
+            fake.core.set_grace_until(horizon);
+            model.grace_until = horizon;
+        }
         let short = rng.chance(60);
         Sim {
             rng,
-            fake: Fake::new(limits, conns),
+            fake,
             model,
             conns,
             open: vec![true; conns as usize],

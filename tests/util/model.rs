@@ -1,6 +1,7 @@
-//! A small, obviously correct reference model of the core (without the
-//! restart grace): an ordered map from key to holder and FIFO queue, with
-//! the spec's rules written out as directly as possible.
+//! A small, obviously correct reference model of the core: an ordered map
+//! from key to holder and FIFO queue, with the spec's rules written out as
+//! directly as possible. During a restart grace a key that is waited on is
+//! held by an unknown grant (token 0) whose lease ends at the horizon.
 //!
 //! One thing the spec leaves open is what happens first when a key's lease
 //! and a wait on that key run out at the same 1 ms tick, and in which order
@@ -50,6 +51,8 @@ pub struct Model {
     /// Open connections, each with the number of waits it has queued.
     pub conns: BTreeMap<ConnId, u32>,
     pub counters: Counters,
+    /// The restart grace's horizon (0: none).
+    pub grace_until: Micros,
     /// How often a wait ran out at the tick its key's lease did, and the
     /// core let the wait go first.
     pub ties: u64,
@@ -63,6 +66,7 @@ impl Model {
             next_token: first_token.max(1),
             conns: BTreeMap::new(),
             counters: Counters::default(),
+            grace_until: 0,
             ties: 0,
         }
     }
@@ -76,7 +80,15 @@ impl Model {
             for key in self.keys.values_mut() {
                 key.queue.retain(|waiter| waiter.conn != conn);
             }
+            self.drop_unknown_holders();
         }
+    }
+
+    /// A key held by an unknown grant that nobody waits on any more means
+    /// the same as a key not in the table.
+    fn drop_unknown_holders(&mut self) {
+        self.keys
+            .retain(|_, key| key.token != 0 || !key.queue.is_empty());
     }
 
     pub fn waiters(&self) -> usize {
@@ -135,6 +147,38 @@ impl Model {
                     *self.conns.get_mut(&conn).unwrap() += 1;
                     return vec![];
                 }
+                if now < self.grace_until {
+                    // Held by an unknown grant until the horizon.
+                    if wait_s == 0 {
+                        self.counters.timeouts += 1;
+                        return vec![(conn, Response::Timeout { owner })];
+                    }
+                    let fits = waiters < self.limits.max_waiters
+                        && self.limits.max_waiters_per_key > 0
+                        && queued_by_conn < self.limits.max_waits_per_conn
+                        && self.keys.len() < self.limits.max_keys;
+                    if !fits {
+                        self.counters.busy += 1;
+                        return vec![(conn, Response::Busy { owner })];
+                    }
+                    let queue = VecDeque::from([Waiter {
+                        conn,
+                        owner,
+                        lease_s,
+                        deadline_tick: tick_of(now + u64::from(wait_s) * S),
+                    }]);
+                    self.keys.insert(
+                        key.to_owned(),
+                        Key {
+                            token: 0,
+                            owner: 0,
+                            lease_tick: tick_of(self.grace_until),
+                            queue,
+                        },
+                    );
+                    *self.conns.get_mut(&conn).unwrap() += 1;
+                    return vec![];
+                }
                 if self.keys.len() >= self.limits.max_keys {
                     self.counters.busy += 1;
                     return vec![(conn, Response::Busy { owner })];
@@ -175,12 +219,23 @@ impl Model {
                 vec![(conn, Response::Extended { token })]
             }
             Request::Query { key } => {
+                let to_horizon = self.grace_until.saturating_sub(now).div_ceil(MS) as u32;
                 let response = match self.keys.get(key) {
                     Some(held) => Response::Query {
                         token: held.token,
                         owner: held.owner,
-                        lease_ms: lease_ms_left(held.lease_tick, now),
+                        lease_ms: if held.token == 0 {
+                            to_horizon
+                        } else {
+                            lease_ms_left(held.lease_tick, now)
+                        },
                         waiters: held.queue.len() as u32,
+                    },
+                    None if now < self.grace_until => Response::Query {
+                        token: 0,
+                        owner: 0,
+                        lease_ms: to_horizon,
+                        waiters: 0,
                     },
                     None => Response::Query {
                         token: 0,
@@ -234,7 +289,7 @@ impl Model {
             now / S,
             self.conns.len(),
             self.keys.len(),
-            self.keys.len(),
+            self.keys.values().filter(|key| key.token != 0).count(),
             self.waiters(),
             c.grants,
             c.timeouts,
@@ -281,7 +336,9 @@ impl Model {
             } = self;
             for name in expiring {
                 let held = keys.get_mut(&name).unwrap();
-                counters.expired += 1;
+                if held.token != 0 {
+                    counters.expired += 1;
+                }
                 // Waits that run out at this same tick may go first; any
                 // other waiter ahead of the one granted is a FIFO violation.
                 let first_granted = held
@@ -346,6 +403,7 @@ impl Model {
                     false
                 });
             }
+            keys.retain(|_, key| key.token != 0 || !key.queue.is_empty());
         }
         // Hand-over tokens continue the sequence, earlier ticks first.
         grants.sort_by_key(|&(_, token)| token);
