@@ -508,6 +508,31 @@ fn tokens_strictly_increase_across_keys_and_hand_overs_and_are_never_0() {
 }
 
 #[test]
+fn when_the_token_space_runs_out_acquires_are_busy_and_tokens_never_wrap() {
+    let mut fake = Fake {
+        core: Core::new(Limits::default(), u64::MAX - 2),
+        now: 0,
+    };
+    for conn in 0..3 {
+        fake.core.connect(conn);
+    }
+    assert_eq!(fake.grant(1, "a", 5, 1), u64::MAX - 2);
+    fake.enqueue(2, "a", 100, 5, 2);
+    fake.enqueue(2, "a", 100, 5, 3);
+    assert_eq!(
+        fake.release(1, "a", u64::MAX - 2),
+        vec![(1, released(u64::MAX - 2)), (2, acquired(2, u64::MAX - 1))]
+    );
+    assert_eq!(fake.core.next_token(), u64::MAX);
+    assert_eq!(fake.acquire(1, "b", 0, 5, 4), vec![(1, busy(4))]);
+    // The last waiter cannot be granted either: B, and the key goes.
+    assert_eq!(fake.run_until(5 * S), vec![(2, busy(3))]);
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(fake.core.waiter_count(), 0);
+    fake.core.check_invariants();
+}
+
+#[test]
 fn a_key_with_no_holder_and_no_waiters_leaves_the_table() {
     let mut fake = Fake::with_conns(3);
     assert_eq!(fake.core.keys(), 0);
@@ -789,6 +814,22 @@ fn shutdown_answers_every_waiter_busy_then_every_connection_x_8() {
     // Grants are untouched by the shutdown itself.
     assert_eq!(fake.core.keys(), 2);
     assert_eq!(fake.release(1, "a", a), vec![(1, released(a))]);
+}
+
+#[test]
+fn shutdown_during_the_grace_answers_its_waiters_busy_and_empties_the_table() {
+    let mut fake = Fake::with_conns(3);
+    fake.core.set_grace_until(30 * S);
+    fake.enqueue(1, "a", 100, 30, 1);
+    fake.enqueue(2, "a", 100, 30, 2);
+    fake.enqueue(2, "b", 100, 30, 3);
+    fake.core.shut_down();
+    let mut out = fake.drain();
+    out.truncate(3);
+    out.sort_by_key(|(conn, response)| (*conn, format!("{response:?}")));
+    assert_eq!(out, vec![(1, busy(1)), (2, busy(2)), (2, busy(3))]);
+    assert_eq!((fake.core.keys(), fake.core.poll_timeout()), (0, None));
+    fake.core.check_invariants();
 }
 
 #[test]
