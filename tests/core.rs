@@ -606,6 +606,35 @@ fn thousands_of_keys_and_waiters_come_and_go_and_the_table_empties() {
     }
 }
 
+/// Regression: after an idle spell of more than 2³¹ ms (≈ 24.9 days) with
+/// no timer armed, the shell has no reason to call `handle_timeout`, so the
+/// wheel still stood where it was; a lease armed then (relative to that
+/// stale position, modulo 2³² ticks) was misread and ran out at once.
+#[test]
+fn lease_armed_after_a_long_idle_spell_does_not_expire_early() {
+    for idle_days in [1, 24, 25, 30, 50, 200] {
+        let mut fake = Fake::with_conns(2);
+        fake.grant(1, "a", 1, 1);
+        assert_eq!(fake.run_until(S), vec![]);
+        assert_eq!(fake.core.poll_timeout(), None);
+        // The next request arrives after the idle spell; the shell handles
+        // it before it calls handle_timeout.
+        let back = S + idle_days * 86_400 * S;
+        fake.set_now(back);
+        let token = fake.grant(1, "b", 30, 2);
+        fake.enqueue(1, "b", 10, 30, 3);
+        assert!(fake.core.poll_timeout() <= Some(back + 10 * S));
+        assert_eq!(fake.run_until(back), vec![], "{idle_days} days");
+        assert_eq!(fake.query("b"), (token, 2, 30_000, 1), "{idle_days} days");
+        assert_eq!(fake.run_until(back + 10 * S - 1), vec![]);
+        assert_eq!(fake.run_until(back + 10 * S), vec![(1, timeout(3))]);
+        assert_eq!(fake.run_until(back + 30 * S - 1), vec![]);
+        assert_eq!(fake.query("b").0, token);
+        assert_eq!(fake.run_until(back + 30 * S), vec![]);
+        assert_eq!(fake.core.keys(), 0, "{idle_days} days");
+    }
+}
+
 #[test]
 fn poll_timeout_is_none_when_idle_and_never_later_than_the_earliest_deadline() {
     let mut fake = Fake::with_conns(3);

@@ -258,6 +258,18 @@ impl Core {
     /// Evaluates one valid request that arrived (its last byte was read) at
     /// `now`.
     pub fn handle_request(&mut self, conn: ConnId, request: &Request<'_>, now: Micros) {
+        if self.wheel.is_empty() {
+            // With nothing armed the shell need not call `handle_timeout`,
+            // so an idle wheel may stand far behind `now`; deadlines are
+            // kept relative to its position (modulo 2³² ticks), so bring it
+            // up to date before this request arms one. Nothing can fire.
+            let mut nodes = TimerNodes {
+                table: &mut self.table,
+                waiters: &mut self.waiters,
+            };
+            let fired = self.wheel.poll(&mut nodes, now / MICROS_PER_TICK);
+            debug_assert!(fired.is_none());
+        }
         match *request {
             Request::Acquire {
                 wait_s,
