@@ -121,6 +121,7 @@ struct Counts {
     not_held: u64,
     leases_run_out: u64,
     waits_first_at_a_tie: u64,
+    idle_spells: u64,
 }
 
 impl Counts {
@@ -136,6 +137,7 @@ impl Counts {
         self.not_held += other.not_held;
         self.leases_run_out += other.leases_run_out;
         self.waits_first_at_a_tie += other.waits_first_at_a_tie;
+        self.idle_spells += other.idle_spells;
     }
 }
 
@@ -399,6 +401,15 @@ impl Sim {
     /// Moves the clock, landing exactly on deadlines often.
     fn advance(&mut self) -> Result<(), String> {
         let now = self.fake.now;
+        if self.model.earliest_tick().is_none() && self.rng.chance(20) {
+            // Idle for up to 60 days: with nothing armed, the shell sleeps
+            // and the next request comes before any handle_timeout.
+            let idle = self.rng.range(1, 60 * 86_400) * S + self.rng.below(S);
+            self.log(|| format!("idle for {idle} µs"));
+            self.fake.set_now(now + idle);
+            self.counts.idle_spells += 1;
+            return Ok(());
+        }
         let earliest = self.model.earliest_tick().map(|tick| tick * MS);
         let wakeup = self.fake.core.poll_timeout();
         let target = match self.rng.below(100) {
