@@ -196,6 +196,12 @@ impl LockTable {
         }
     }
 
+    /// The indices of the live entries, for consistency checks.
+    #[doc(hidden)]
+    pub fn live_indices(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.entries.len() as u32).filter(|&index| self.entries[index as usize].key.len != 0)
+    }
+
     pub fn get(&self, index: u32) -> &LockEntry {
         &self.entries[index as usize]
     }

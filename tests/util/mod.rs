@@ -378,3 +378,6 @@ pub fn granted(response: Response, owner: u64) -> u64 {
         other => panic!("expected A for owner {owner}, got {other:?}"),
     }
 }
+
+pub mod fake;
+pub mod model;

@@ -1,0 +1,1237 @@
+//! The sans-IO core on a fake clock: every cell of the request × key-status
+//! matrix (spec §5), deadlines to the microsecond, limits, tokens, `Q`, `I`,
+//! shutdown and the restart grace; then random sequences against the
+//! reference model.
+
+use kunci::core::{Core, Limits, Output};
+use kunci::protocol::{ErrorCode, Request, RequestError, Response};
+use proptest::prelude::*;
+
+use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
+use crate::util::model::{Model, same_as_multiset, same_in_order};
+
+fn acquired(owner: u64, token: u64) -> Response {
+    Response::Acquired { owner, token }
+}
+
+fn timeout(owner: u64) -> Response {
+    Response::Timeout { owner }
+}
+
+fn busy(owner: u64) -> Response {
+    Response::Busy { owner }
+}
+
+fn released(token: u64) -> Response {
+    Response::Released { token }
+}
+
+fn extended(token: u64) -> Response {
+    Response::Extended { token }
+}
+
+fn not_held(token: u64) -> Response {
+    Response::NotHeld { token }
+}
+
+fn limits(max_keys: usize, max_waiters: usize, per_key: u32, per_conn: u32) -> Limits {
+    Limits {
+        max_keys,
+        max_waiters,
+        max_waiters_per_key: per_key,
+        max_waits_per_conn: per_conn,
+        ..Limits::default()
+    }
+}
+
+// ---- F: the key is free ----------------------------------------------------
+
+#[test]
+fn free_key_acquire_with_wait_0_or_more_is_granted_at_once() {
+    let mut fake = Fake::with_conns(3);
+    fake.set_now(5 * S);
+    assert_eq!(
+        fake.acquire(1, "a", 0, 30, 11),
+        vec![(1, acquired(11, FIRST_TOKEN))]
+    );
+    assert_eq!(
+        fake.acquire(2, "b", 200, 7, 12),
+        vec![(2, acquired(12, FIRST_TOKEN + 1))]
+    );
+    assert_eq!(fake.query("a"), (FIRST_TOKEN, 11, 30_000, 0));
+    assert_eq!(fake.query("b"), (FIRST_TOKEN + 1, 12, 7_000, 0));
+    assert_eq!(fake.core.keys(), 2);
+    assert_eq!(fake.core.waiter_count(), 0);
+}
+
+#[test]
+fn free_key_at_the_key_limit_is_busy_for_wait_0_and_wait_n() {
+    let mut fake = Fake::new(limits(2, 10, 10, 10), 3);
+    fake.grant(1, "a", 30, 1);
+    fake.grant(1, "b", 30, 2);
+    assert_eq!(fake.acquire(2, "c", 0, 30, 3), vec![(2, busy(3))]);
+    assert_eq!(fake.acquire(2, "c", 9, 30, 4), vec![(2, busy(4))]);
+    assert_eq!(fake.query("c"), (0, 0, 0, 0));
+    // The key limit does not stop waiting on a key that is already there.
+    assert_eq!(fake.acquire(2, "a", 0, 30, 5), vec![(2, timeout(5))]);
+    fake.enqueue(2, "a", 9, 30, 6);
+    assert_eq!(fake.core.keys(), 2);
+    assert_eq!(fake.core.stats().busy, 2);
+    // B is definitive: nothing was granted, so the next token is unused.
+    assert_eq!(fake.core.next_token(), FIRST_TOKEN + 2);
+}
+
+#[test]
+fn free_key_release_and_extend_are_not_held_and_create_nothing() {
+    let mut fake = Fake::with_conns(2);
+    for token in [0, 1, FIRST_TOKEN, u64::MAX] {
+        assert_eq!(fake.release(1, "a", token), vec![(1, not_held(token))]);
+        assert_eq!(fake.extend(1, "a", 10, token), vec![(1, not_held(token))]);
+    }
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(fake.core.stats().not_held, 8);
+    assert_eq!(fake.core.poll_timeout(), None);
+}
+
+#[test]
+fn free_key_query_is_all_zero() {
+    let mut fake = Fake::with_conns(1);
+    assert_eq!(fake.query("nobody"), (0, 0, 0, 0));
+    assert_eq!(fake.core.keys(), 0);
+}
+
+// ---- H: held, no waiters -----------------------------------------------------
+
+#[test]
+fn held_key_acquire_wait_0_times_out_at_once_and_changes_nothing() {
+    let mut fake = Fake::with_conns(3);
+    let token = fake.grant(1, "a", 30, 1);
+    assert_eq!(fake.acquire(2, "a", 0, 30, 2), vec![(2, timeout(2))]);
+    // Not re-entrant: the holder's own connection and owner get T too.
+    assert_eq!(fake.acquire(1, "a", 0, 30, 1), vec![(1, timeout(1))]);
+    assert_eq!(fake.query("a"), (token, 1, 30_000, 0));
+    assert_eq!(fake.core.stats().timeouts, 2);
+    assert_eq!(fake.core.waiter_count(), 0);
+}
+
+#[test]
+fn held_key_acquire_with_wait_queues_without_an_answer() {
+    let mut fake = Fake::with_conns(3);
+    let token = fake.grant(1, "a", 30, 1);
+    fake.enqueue(2, "a", 5, 30, 2);
+    assert_eq!(fake.query("a"), (token, 1, 30_000, 1));
+    // The same owner again is a new, independent attempt.
+    fake.enqueue(1, "a", 5, 30, 1);
+    assert_eq!(fake.query("a"), (token, 1, 30_000, 2));
+    assert_eq!(fake.core.waiter_count(), 2);
+}
+
+#[test]
+fn release_by_the_holder_frees_the_key_and_removes_it() {
+    let mut fake = Fake::with_conns(3);
+    let token = fake.grant(1, "a", 30, 1);
+    // Any connection may release: grants are not tied to connections.
+    assert_eq!(fake.release(2, "a", token), vec![(2, released(token))]);
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(fake.query("a"), (0, 0, 0, 0));
+    assert_eq!(fake.core.poll_timeout(), None);
+    assert_eq!(fake.release(1, "a", token), vec![(1, not_held(token))]);
+    assert_eq!(fake.core.stats().released, 1);
+}
+
+#[test]
+fn release_or_extend_with_a_wrong_token_is_not_held_and_changes_nothing() {
+    let mut fake = Fake::with_conns(3);
+    let old = fake.grant(1, "a", 30, 1);
+    assert_eq!(fake.release(1, "a", old), vec![(1, released(old))]);
+    let other = fake.grant(1, "b", 30, 2);
+    fake.set_now(2 * S);
+    let token = fake.grant(1, "a", 30, 3);
+    fake.enqueue(2, "a", 100, 30, 4);
+    for wrong in [0, old, other, token + 1, u64::MAX] {
+        assert_eq!(fake.release(2, "a", wrong), vec![(2, not_held(wrong))]);
+        assert_eq!(fake.extend(2, "a", 200, wrong), vec![(2, not_held(wrong))]);
+    }
+    assert_eq!(fake.query("a"), (token, 3, 30_000, 1));
+    // The lease was not touched: it still runs out 30 s after the grant.
+    assert_eq!(fake.run_until(32 * S - 1), vec![]);
+    assert_eq!(fake.run_until(32 * S), vec![(2, acquired(4, token + 1))]);
+}
+
+#[test]
+fn extend_by_the_holder_resets_the_lease_from_now() {
+    let mut fake = Fake::with_conns(2);
+    let token = fake.grant(1, "a", 10, 1);
+    fake.set_now(8 * S + 250);
+    // A shorter lease is allowed: lease := now + lease.
+    assert_eq!(fake.extend(1, "a", 3, token), vec![(1, extended(token))]);
+    assert_eq!(fake.query("a"), (token, 1, 3_000, 0));
+    let deadline = 11 * S + 250;
+    assert_eq!(fake.run_until(deadline - 1), vec![]);
+    assert_eq!(fake.query("a").0, token);
+    // The deadline rounds up to the next 1 ms tick.
+    assert_eq!(fake.run_until(tick_of(deadline) * MS - 1), vec![]);
+    assert_eq!(fake.query("a").0, token);
+    assert_eq!(fake.run_until(tick_of(deadline) * MS), vec![]);
+    assert_eq!(fake.query("a"), (0, 0, 0, 0));
+    assert_eq!(fake.core.stats().extended, 1);
+    assert_eq!(fake.core.stats().expired, 1);
+}
+
+#[test]
+fn lease_expiry_on_a_held_key_frees_it_exactly_at_the_deadline_tick() {
+    let mut fake = Fake::with_conns(2);
+    fake.set_now(1_234_567);
+    let token = fake.grant(1, "a", 2, 1);
+    let deadline = 3_234_567;
+    assert!(fake.core.poll_timeout() <= Some(3_235_000));
+    assert_eq!(fake.run_until(deadline - 1), vec![]);
+    assert_eq!(fake.query("a").0, token);
+    assert_eq!(fake.run_until(deadline), vec![]);
+    // Past the deadline but before its tick: still held, with 0 ms left.
+    assert_eq!(fake.run_until(3_234_999), vec![]);
+    assert_eq!(fake.query("a"), (token, 1, 0, 0));
+    assert_eq!(fake.core.stats().expired, 0);
+    // The old holder gets no message.
+    assert_eq!(fake.run_until(3_235_000), vec![]);
+    assert_eq!(fake.query("a"), (0, 0, 0, 0));
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(fake.core.stats().expired, 1);
+    assert_eq!(fake.core.poll_timeout(), None);
+    assert_eq!(fake.release(1, "a", token), vec![(1, not_held(token))]);
+}
+
+#[test]
+fn holder_connection_closing_changes_nothing() {
+    let mut fake = Fake::with_conns(3);
+    let token = fake.grant(1, "a", 5, 1);
+    fake.enqueue(2, "a", 100, 5, 2);
+    fake.core.disconnect(1);
+    assert_eq!(fake.drain(), vec![]);
+    assert_eq!(fake.query("a"), (token, 1, 5_000, 1));
+    // The lease still runs out on time and the key goes to the waiter.
+    assert_eq!(fake.run_until(5 * S - 1), vec![]);
+    assert_eq!(fake.run_until(5 * S), vec![(2, acquired(2, token + 1))]);
+    // And a grant whose connection is gone is still released by token.
+    let token_b = fake.grant(2, "b", 5, 3);
+    fake.core.disconnect(2);
+    assert_eq!(fake.release(0, "b", token_b), vec![(0, released(token_b))]);
+}
+
+// ---- HW: held with waiters --------------------------------------------------
+
+#[test]
+fn held_key_with_waiters_acquire_wait_0_times_out_and_wait_n_queues_at_the_tail() {
+    let mut fake = Fake::with_conns(4);
+    let token = fake.grant(1, "a", 30, 1);
+    fake.enqueue(2, "a", 50, 30, 2);
+    assert_eq!(fake.acquire(3, "a", 0, 30, 3), vec![(3, timeout(3))]);
+    fake.enqueue(3, "a", 50, 30, 4);
+    fake.enqueue(1, "a", 50, 30, 5);
+    assert_eq!(fake.query("a"), (token, 1, 30_000, 3));
+    // The tail: released three times, in arrival order.
+    assert_eq!(
+        fake.release(1, "a", token),
+        vec![(1, released(token)), (2, acquired(2, token + 1))]
+    );
+    assert_eq!(
+        fake.release(2, "a", token + 1),
+        vec![(2, released(token + 1)), (3, acquired(4, token + 2))]
+    );
+    assert_eq!(fake.query("a"), (token + 2, 4, 30_000, 1));
+    assert_eq!(
+        fake.release(3, "a", token + 2),
+        vec![(3, released(token + 2)), (1, acquired(5, token + 3))]
+    );
+    assert_eq!(fake.query("a"), (token + 3, 5, 30_000, 0));
+}
+
+#[test]
+fn release_hands_over_with_a_fresh_lease_from_the_release() {
+    let mut fake = Fake::with_conns(3);
+    let token = fake.grant(1, "a", 30, 1);
+    fake.enqueue(2, "a", 100, 4, 2);
+    fake.set_now(10 * S);
+    assert_eq!(
+        fake.release(1, "a", token),
+        vec![(1, released(token)), (2, acquired(2, token + 1))]
+    );
+    assert_eq!(fake.query("a"), (token + 1, 2, 4_000, 0));
+    // The waiter's own deadline no longer applies: it holds the key now.
+    assert_eq!(fake.run_until(14 * S - 1), vec![]);
+    assert_eq!(fake.query("a").0, token + 1);
+    assert_eq!(fake.run_until(14 * S), vec![]);
+    assert_eq!(fake.query("a"), (0, 0, 0, 0));
+    assert_eq!(fake.run_until(200 * S), vec![]);
+}
+
+#[test]
+fn extend_with_waiters_resets_the_lease_and_delays_the_hand_over() {
+    let mut fake = Fake::with_conns(3);
+    let token = fake.grant(1, "a", 5, 1);
+    fake.enqueue(2, "a", 60, 5, 2);
+    fake.set_now(4 * S);
+    assert_eq!(fake.extend(1, "a", 5, token), vec![(1, extended(token))]);
+    assert_eq!(fake.query("a"), (token, 1, 5_000, 1));
+    assert_eq!(fake.run_until(5 * S), vec![]);
+    assert_eq!(fake.run_until(9 * S - 1), vec![]);
+    assert_eq!(fake.run_until(9 * S), vec![(2, acquired(2, token + 1))]);
+}
+
+#[test]
+fn lease_expiry_with_waiters_grants_the_head_at_the_deadline_tick() {
+    let mut fake = Fake::with_conns(4);
+    fake.set_now(700);
+    let token = fake.grant(1, "a", 3, 1);
+    fake.enqueue(2, "a", 200, 7, 2);
+    fake.enqueue(3, "a", 200, 7, 3);
+    // Deadline 3_000_700 µs, tick 3001.
+    assert_eq!(fake.run_until(3_000_700), vec![]);
+    assert_eq!(fake.run_until(3_000_999), vec![]);
+    assert_eq!(fake.run_until(3_001_000), vec![(2, acquired(2, token + 1))]);
+    assert_eq!(fake.query("a"), (token + 1, 2, 7_000, 1));
+    assert_eq!(fake.core.stats().expired, 1);
+    // The new lease starts at the hand-over.
+    assert_eq!(fake.run_until(10_001_000 - 1), vec![]);
+    assert_eq!(
+        fake.run_until(10_001_000),
+        vec![(3, acquired(3, token + 2))]
+    );
+    assert_eq!(fake.run_until(17_001_000), vec![]);
+    assert_eq!(fake.core.keys(), 0);
+}
+
+#[test]
+fn waiter_deadline_answers_timeout_exactly_at_its_tick_and_leaves_the_queue() {
+    let mut fake = Fake::with_conns(4);
+    let token = fake.grant(1, "a", 100, 1);
+    fake.set_now(500_001);
+    fake.enqueue(2, "a", 3, 30, 2);
+    fake.set_now(600_000);
+    fake.enqueue(3, "a", 3, 30, 3);
+    // Deadline 3_500_001 µs: tick 3501, so 3_501_000 µs.
+    assert!(fake.core.poll_timeout() <= Some(3_501_000));
+    assert_eq!(fake.run_until(3_500_000), vec![]);
+    assert_eq!(fake.run_until(3_500_001), vec![]);
+    assert_eq!(fake.run_until(3_500_999), vec![]);
+    assert_eq!(fake.query("a").3, 2);
+    assert_eq!(fake.run_until(3_501_000), vec![(2, timeout(2))]);
+    assert_eq!(fake.query("a"), (token, 1, 96_499, 1));
+    // An aligned deadline fires at exactly that microsecond.
+    assert_eq!(fake.run_until(3_600_000 - 1), vec![]);
+    assert_eq!(fake.run_until(3_600_000), vec![(3, timeout(3))]);
+    assert_eq!(fake.query("a"), (token, 1, 96_400, 0));
+    // The key is still held, so it stays in the table.
+    assert_eq!(fake.core.keys(), 1);
+    assert_eq!(fake.core.stats().timeouts, 2);
+}
+
+#[test]
+fn the_next_waiter_after_a_timed_out_head_gets_the_key() {
+    let mut fake = Fake::with_conns(4);
+    let token = fake.grant(1, "a", 100, 1);
+    fake.enqueue(2, "a", 1, 30, 2);
+    fake.enqueue(3, "a", 50, 30, 3);
+    assert_eq!(fake.run_until(S), vec![(2, timeout(2))]);
+    assert_eq!(
+        fake.release(1, "a", token),
+        vec![(1, released(token)), (3, acquired(3, token + 1))]
+    );
+}
+
+#[test]
+fn waiter_connection_closing_removes_its_waiters_silently() {
+    let mut fake = Fake::with_conns(4);
+    let token_a = fake.grant(1, "a", 10, 1);
+    let token_b = fake.grant(1, "b", 10, 2);
+    fake.enqueue(2, "a", 100, 30, 3);
+    fake.enqueue(3, "a", 100, 30, 4);
+    fake.enqueue(2, "a", 100, 30, 5);
+    fake.enqueue(2, "b", 100, 30, 6);
+    assert_eq!(fake.core.waiter_count(), 4);
+    fake.core.disconnect(2);
+    assert_eq!(fake.drain(), vec![]);
+    assert_eq!(fake.core.waiter_count(), 1);
+    assert_eq!(fake.query("a"), (token_a, 1, 10_000, 1));
+    assert_eq!(fake.query("b"), (token_b, 2, 10_000, 0));
+    assert_eq!(
+        fake.release(1, "a", token_a),
+        vec![(1, released(token_a)), (3, acquired(4, token_b + 1))]
+    );
+    // Nothing is ever sent to the closed connection.
+    let out = fake.run_until(300 * S);
+    assert!(out.iter().all(|(conn, _)| *conn != 2), "{out:?}");
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(fake.core.connections(), 3);
+}
+
+#[test]
+fn hand_over_is_fifo_across_connections_timeouts_and_closes() {
+    let mut fake = Fake::with_conns(5);
+    let mut token = fake.grant(0, "k", 100, 100);
+    // Owners 1..=8 from connections 1..=4 in turn; owner 3 times out and
+    // connection 4 (owners 4 and 8) closes.
+    for owner in 1..=8u64 {
+        let wait = if owner == 3 { 2 } else { 200 };
+        fake.enqueue((owner as u32 - 1) % 4 + 1, "k", wait, 100, owner);
+    }
+    assert_eq!(fake.run_until(2 * S), vec![(3, timeout(3))]);
+    fake.core.disconnect(4);
+    let mut order = Vec::new();
+    for _ in 0..5 {
+        let out = fake.release(0, "k", token);
+        let [(0, r), (_, Response::Acquired { owner, token: next })] = out.as_slice() else {
+            panic!("{out:?}");
+        };
+        assert_eq!(*r, released(token));
+        assert_eq!(*next, token + 1);
+        order.push(*owner);
+        token = *next;
+    }
+    assert_eq!(order, vec![1, 2, 5, 6, 7]);
+    assert_eq!(fake.release(0, "k", token), vec![(0, released(token))]);
+    assert_eq!(fake.core.keys(), 0);
+}
+
+#[test]
+fn release_answer_comes_before_the_hand_over_on_the_same_connection() {
+    let mut fake = Fake::with_conns(2);
+    let token = fake.grant(1, "a", 30, 1);
+    fake.enqueue(1, "a", 10, 30, 2);
+    assert_eq!(
+        fake.release(1, "a", token),
+        vec![(1, released(token)), (1, acquired(2, token + 1))]
+    );
+}
+
+// ---- limits -------------------------------------------------------------------
+
+#[test]
+fn each_waiter_limit_answers_busy_and_changes_nothing() {
+    // max_waiters: 2 in total across keys.
+    let mut fake = Fake::new(limits(10, 2, 10, 10), 4);
+    fake.grant(0, "a", 30, 1);
+    fake.grant(0, "b", 30, 2);
+    fake.enqueue(1, "a", 5, 30, 3);
+    fake.enqueue(2, "b", 5, 30, 4);
+    assert_eq!(fake.acquire(3, "a", 5, 30, 5), vec![(3, busy(5))]);
+    assert_eq!(fake.acquire(3, "b", 5, 30, 6), vec![(3, busy(6))]);
+    // Free keys are still granted, and wait=0 on a held key is T, not B.
+    assert_eq!(
+        fake.acquire(3, "c", 5, 30, 7),
+        vec![(3, acquired(7, FIRST_TOKEN + 2))]
+    );
+    assert_eq!(fake.acquire(3, "a", 0, 30, 8), vec![(3, timeout(8))]);
+    assert_eq!((fake.query("a").3, fake.query("b").3), (1, 1));
+    // When a waiter leaves, there is room again.
+    let mut out = fake.run_until(5 * S);
+    out.sort_by_key(|(conn, _)| *conn);
+    assert_eq!(out, vec![(1, timeout(3)), (2, timeout(4))]);
+    fake.enqueue(3, "a", 5, 30, 9);
+
+    // max_waiters_per_key: 2 on one key, others unaffected.
+    let mut fake = Fake::new(limits(10, 10, 2, 10), 4);
+    fake.grant(0, "a", 30, 1);
+    fake.grant(0, "b", 30, 2);
+    fake.enqueue(1, "a", 5, 30, 3);
+    fake.enqueue(2, "a", 5, 30, 4);
+    assert_eq!(fake.acquire(3, "a", 5, 30, 5), vec![(3, busy(5))]);
+    fake.enqueue(3, "b", 5, 30, 6);
+    assert_eq!(fake.query("a").3, 2);
+
+    // max_waits_per_conn: 2 from one connection, others unaffected.
+    let mut fake = Fake::new(limits(10, 10, 10, 2), 4);
+    fake.grant(0, "a", 30, 1);
+    fake.grant(0, "b", 30, 2);
+    fake.enqueue(1, "a", 5, 30, 3);
+    fake.enqueue(1, "b", 5, 30, 4);
+    assert_eq!(fake.acquire(1, "a", 5, 30, 5), vec![(1, busy(5))]);
+    fake.enqueue(2, "a", 5, 30, 6);
+    // Closing the connection gives its allowance back to a new one there.
+    fake.core.disconnect(1);
+    fake.core.connect(1);
+    fake.enqueue(1, "a", 5, 30, 7);
+    fake.enqueue(1, "a", 5, 30, 8);
+    assert_eq!(fake.acquire(1, "b", 5, 30, 9), vec![(1, busy(9))]);
+    assert_eq!(fake.core.stats().busy, 2);
+}
+
+#[test]
+fn with_every_waiter_limit_at_zero_wait_0_is_never_busy() {
+    let mut fake = Fake::new(limits(1, 0, 0, 0), 3);
+    assert_eq!(
+        fake.acquire(1, "a", 0, 30, 1),
+        vec![(1, acquired(1, FIRST_TOKEN))]
+    );
+    assert_eq!(fake.acquire(2, "a", 0, 30, 2), vec![(2, timeout(2))]);
+    assert_eq!(fake.acquire(2, "a", 1, 30, 3), vec![(2, busy(3))]);
+    // Only the key limit makes wait=0 busy.
+    assert_eq!(fake.acquire(2, "b", 0, 30, 4), vec![(2, busy(4))]);
+    assert_eq!(fake.core.waiter_count(), 0);
+}
+
+// ---- tokens, table, timers ------------------------------------------------------
+
+#[test]
+fn tokens_strictly_increase_across_keys_and_hand_overs_and_are_never_0() {
+    let mut fake = Fake {
+        core: Core::new(Limits::default(), 0),
+        now: 0,
+    };
+    for conn in 0..3 {
+        fake.core.connect(conn);
+    }
+    let first = fake.grant(1, "a", 1, 1);
+    assert_eq!(first, 1);
+    let mut seen = vec![first];
+    seen.push(fake.grant(1, "b", 1, 2));
+    fake.enqueue(2, "a", 100, 1, 3);
+    fake.enqueue(2, "b", 100, 1, 4);
+    // Both leases expire at once: two hand-overs in one call.
+    for (_, response) in fake.run_until(S) {
+        let Response::Acquired { token, .. } = response else {
+            panic!("{response:?}");
+        };
+        seen.push(token);
+    }
+    seen.push(fake.grant(1, "c", 1, 5));
+    let again = fake.release(1, "c", *seen.last().unwrap());
+    assert_eq!(again.len(), 1);
+    seen.push(fake.grant(1, "c", 1, 6));
+    let mut sorted = seen.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted, (1..=6).collect::<Vec<u64>>(), "{seen:?}");
+    assert_eq!(seen[..2], [1, 2]);
+    assert_eq!(seen[4..], [5, 6]);
+    assert_eq!(fake.core.next_token(), 7);
+}
+
+#[test]
+fn when_the_token_space_runs_out_acquires_are_busy_and_tokens_never_wrap() {
+    let mut fake = Fake {
+        core: Core::new(Limits::default(), u64::MAX - 2),
+        now: 0,
+    };
+    for conn in 0..3 {
+        fake.core.connect(conn);
+    }
+    assert_eq!(fake.grant(1, "a", 5, 1), u64::MAX - 2);
+    fake.enqueue(2, "a", 100, 5, 2);
+    fake.enqueue(2, "a", 100, 5, 3);
+    assert_eq!(
+        fake.release(1, "a", u64::MAX - 2),
+        vec![(1, released(u64::MAX - 2)), (2, acquired(2, u64::MAX - 1))]
+    );
+    assert_eq!(fake.core.next_token(), u64::MAX);
+    assert_eq!(fake.acquire(1, "b", 0, 5, 4), vec![(1, busy(4))]);
+    // The last waiter cannot be granted either: B, and the key goes.
+    assert_eq!(fake.run_until(5 * S), vec![(2, busy(3))]);
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(fake.core.waiter_count(), 0);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_key_with_no_holder_and_no_waiters_leaves_the_table() {
+    let mut fake = Fake::with_conns(3);
+    assert_eq!(fake.core.keys(), 0);
+    let a = fake.grant(1, "a", 10, 1);
+    let long_key = "long-".repeat(40);
+    let b = fake.grant(1, &long_key, 10, 2);
+    assert_eq!(fake.core.keys(), 2);
+    fake.enqueue(2, "a", 1, 10, 3);
+    assert_eq!(fake.run_until(S), vec![(2, timeout(3))]);
+    // A held key whose waiters left stays.
+    assert_eq!(fake.core.keys(), 2);
+    assert_eq!(fake.release(1, "a", a), vec![(1, released(a))]);
+    assert_eq!(fake.core.keys(), 1);
+    assert_eq!(fake.run_until(10 * S), vec![]);
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(fake.release(1, &long_key, b), vec![(1, not_held(b))]);
+    assert_eq!(fake.core.poll_timeout(), None);
+    // The table works as before after it emptied.
+    let c = fake.grant(1, &long_key, 10, 4);
+    assert_eq!(fake.query(&long_key), (c, 4, 10_000, 0));
+}
+
+#[test]
+fn thousands_of_keys_and_waiters_come_and_go_and_the_table_empties() {
+    let mut fake = Fake::with_conns(64);
+    let keys: Vec<String> = (0..6_000)
+        .map(|i| {
+            if i % 4 == 0 {
+                format!("a-long-key-beyond-the-inline-bytes/{i}")
+            } else {
+                format!("k{i}")
+            }
+        })
+        .collect();
+    for round in 0..2 {
+        let mut tokens = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            tokens.push(fake.grant((i % 64) as u32, key, 200, i as u64));
+        }
+        // 5000 waiters: more than the node storage keeps when it empties.
+        for i in 0..5_000u64 {
+            fake.enqueue((i % 63 + 1) as u32, &keys[i as usize], 100, 50, 10_000 + i);
+        }
+        assert_eq!((fake.core.keys(), fake.core.waiter_count()), (6_000, 5_000));
+        fake.core.check_invariants();
+        // Release every other key (handing it to its waiter), close one
+        // connection, then let the rest time out and run out.
+        for (i, key) in keys.iter().enumerate().step_by(2) {
+            let out = fake.release(0, key, tokens[i]);
+            assert_eq!(out[0], (0, released(tokens[i])));
+            assert_eq!(out.len(), if i < 5_000 { 2 } else { 1 });
+        }
+        fake.core.disconnect(5);
+        fake.core.check_invariants();
+        let start = fake.now;
+        let out = fake.run_until(start + 100 * S);
+        assert!(
+            out.iter()
+                .all(|(_, r)| matches!(r, Response::Timeout { .. }))
+        );
+        assert_eq!(fake.core.waiter_count(), 0);
+        fake.core.check_invariants();
+        assert_eq!(fake.run_until(start + 300 * S), vec![]);
+        assert_eq!(
+            (fake.core.keys(), fake.core.poll_timeout()),
+            (0, None),
+            "round {round}"
+        );
+        fake.core.check_invariants();
+        fake.core.connect(5);
+    }
+}
+
+/// Regression: after an idle spell of more than 2³¹ ms (≈ 24.9 days) with
+/// no timer armed, the shell has no reason to call `handle_timeout`, so the
+/// wheel still stood where it was; a lease armed then (relative to that
+/// stale position, modulo 2³² ticks) was misread and ran out at once.
+#[test]
+fn lease_armed_after_a_long_idle_spell_does_not_expire_early() {
+    for idle_days in [1, 24, 25, 30, 50, 200] {
+        let mut fake = Fake::with_conns(2);
+        fake.grant(1, "a", 1, 1);
+        assert_eq!(fake.run_until(S), vec![]);
+        assert_eq!(fake.core.poll_timeout(), None);
+        // The next request arrives after the idle spell; the shell handles
+        // it before it calls handle_timeout.
+        let back = S + idle_days * 86_400 * S;
+        fake.set_now(back);
+        let token = fake.grant(1, "b", 30, 2);
+        fake.enqueue(1, "b", 10, 30, 3);
+        assert!(fake.core.poll_timeout() <= Some(back + 10 * S));
+        assert_eq!(fake.run_until(back), vec![], "{idle_days} days");
+        assert_eq!(fake.query("b"), (token, 2, 30_000, 1), "{idle_days} days");
+        assert_eq!(fake.run_until(back + 10 * S - 1), vec![]);
+        assert_eq!(fake.run_until(back + 10 * S), vec![(1, timeout(3))]);
+        assert_eq!(fake.run_until(back + 30 * S - 1), vec![]);
+        assert_eq!(fake.query("b").0, token);
+        assert_eq!(fake.run_until(back + 30 * S), vec![]);
+        assert_eq!(fake.core.keys(), 0, "{idle_days} days");
+    }
+}
+
+#[test]
+fn poll_timeout_is_none_when_idle_and_never_later_than_the_earliest_deadline() {
+    let mut fake = Fake::with_conns(3);
+    assert_eq!(fake.core.poll_timeout(), None);
+    // Leases and waits with deadlines spread over every wheel level.
+    let mut deadlines = Vec::new();
+    let mut owner = 0;
+    for (i, lease_s) in [2u8, 3, 70, 255, 5].into_iter().enumerate() {
+        assert_eq!(fake.run_until(i as u64 * 100_003), vec![]);
+        owner += 1;
+        fake.grant(1, &format!("k{i}"), lease_s, owner);
+        deadlines.push((tick_of(fake.now + u64::from(lease_s) * S), None));
+        for wait_s in [1u8, 64, 200] {
+            owner += 1;
+            fake.enqueue(2, &format!("k{i}"), wait_s, lease_s, owner);
+            if wait_s == 1 {
+                deadlines.push((tick_of(fake.now + S), Some(owner)));
+            }
+        }
+    }
+    let mut wakeups = 0;
+    let mut timeouts = Vec::new();
+    while let Some(at) = fake.core.poll_timeout() {
+        wakeups += 1;
+        assert!(wakeups < 2_000, "livelock");
+        assert!(at >= fake.now, "wake-up {at} before now {}", fake.now);
+        if let Some(earliest) = deadlines.iter().map(|(tick, _)| tick * MS).min() {
+            assert!(at <= earliest, "wake-up {at} after the deadline {earliest}");
+        }
+        for (conn, response) in fake.run_until(at) {
+            if let Response::Timeout { owner } = response {
+                assert_eq!(conn, 2);
+                timeouts.push((owner, at));
+            }
+        }
+        deadlines.retain(|(tick, _)| tick * MS > at);
+        fake.core.check_invariants();
+    }
+    // Each one-second wait timed out exactly at its tick.
+    for (owner, at) in &timeouts {
+        if let Some(expected) = [2u64, 6, 10, 14, 18].iter().position(|o| o == owner) {
+            assert_eq!(
+                *at,
+                tick_of(expected as u64 * 100_003 + S) * MS,
+                "owner {owner}"
+            );
+        }
+    }
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(fake.core.waiter_count(), 0);
+    assert!(wakeups < 400, "{wakeups} wake-ups");
+}
+
+// ---- Q and I ----------------------------------------------------------------------
+
+#[test]
+fn query_lease_ms_is_the_time_left_rounded_up() {
+    let mut fake = Fake::with_conns(2);
+    let token = fake.grant(1, "a", 30, 9);
+    assert_eq!(fake.query("a"), (token, 9, 30_000, 0));
+    fake.set_now(1_000);
+    assert_eq!(fake.query("a").2, 29_999);
+    fake.set_now(29_000_000);
+    assert_eq!(fake.query("a").2, 1_000);
+    // 1.001 ms left: the deadline is only known to the tick, and Q never
+    // shows more than the lease could have left.
+    fake.set_now(29_998_999);
+    assert_eq!(fake.query("a").2, 1);
+    fake.set_now(29_999_001);
+    assert_eq!(fake.query("a").2, 0);
+    // An unaligned grant: 400 µs + 1 s, with exactly 1 s left at once.
+    let mut fake = Fake::with_conns(2);
+    fake.set_now(400);
+    fake.grant(1, "b", 1, 1);
+    assert_eq!(fake.query("b").2, 1_000);
+    fake.set_now(500_400);
+    assert_eq!(fake.query("b").2, 500);
+    // The core keeps only the deadline's tick, so it cannot always round
+    // the exact time left up; it never shows more, and at most 1 ms less.
+    for grant_at in [0, 1, 499, 999, 1_000, 123_456_789] {
+        for lease_s in [1u8, 30, 255] {
+            let mut fake = Fake::with_conns(2);
+            fake.set_now(grant_at);
+            fake.grant(1, "c", lease_s, 1);
+            let deadline = grant_at + u64::from(lease_s) * S;
+            for after in [0, 1, 999, 1_000, 1_001, 500_000, S - 1] {
+                fake.set_now(grant_at + after);
+                let exact = (deadline - fake.now).div_ceil(MS) as u32;
+                let shown = fake.query("c").2;
+                assert!(
+                    shown <= exact && shown + 1 >= exact,
+                    "grant at {grant_at} for {lease_s} s, Q at {}: {shown} ms, exactly {exact}",
+                    fake.now
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn info_names_every_counter_with_its_value() {
+    let mut fake = Fake::with_conns(4);
+    let a = fake.grant(1, "a", 10, 1);
+    fake.grant(1, "b", 10, 2);
+    fake.enqueue(2, "a", 100, 10, 3);
+    fake.enqueue(3, "a", 1, 10, 4);
+    assert_eq!(fake.acquire(2, "a", 0, 10, 5), vec![(2, timeout(5))]);
+    assert_eq!(fake.release(1, "b", 77), vec![(1, not_held(77))]);
+    assert_eq!(fake.extend(1, "a", 20, a), vec![(1, extended(a))]);
+    assert_eq!(fake.run_until(S), vec![(3, timeout(4))]);
+    assert_eq!(fake.run_until(10 * S), vec![]);
+    assert_eq!(
+        fake.release(1, "a", a),
+        vec![(1, released(a)), (2, acquired(3, a + 2))]
+    );
+    fake.core.handle_invalid(
+        3,
+        RequestError {
+            code: ErrorCode::EmptyKey,
+            id: 0,
+        },
+    );
+    fake.drain();
+    fake.core.disconnect(3);
+    let mut small = Fake::new(limits(0, 0, 0, 0), 1);
+    assert_eq!(small.acquire(0, "z", 0, 1, 1), vec![(0, busy(1))]);
+    assert_eq!(small.info()["busy"], "1");
+    fake.set_now(12_345_678);
+    let info = fake.info();
+    let expected = [
+        ("version", env!("CARGO_PKG_VERSION").to_owned()),
+        ("uptime_s", "12".to_owned()),
+        ("connections", "3".to_owned()),
+        ("keys", "1".to_owned()),
+        ("held", "1".to_owned()),
+        ("waiters", "0".to_owned()),
+        ("grants", "3".to_owned()),
+        ("timeouts", "2".to_owned()),
+        ("busy", "0".to_owned()),
+        ("expired", "1".to_owned()),
+        ("released", "1".to_owned()),
+        ("extended", "1".to_owned()),
+        ("not_held", "1".to_owned()),
+        ("errors", "1".to_owned()),
+        ("next_token", (a + 3).to_string()),
+    ];
+    for (name, value) in expected {
+        assert_eq!(info.get(name), Some(&value), "{name} in {info:?}");
+    }
+}
+
+#[test]
+fn invalid_requests_are_answered_with_x_and_their_id_and_ping_echoes() {
+    let mut fake = Fake::with_conns(2);
+    fake.core.handle_invalid(
+        1,
+        RequestError {
+            code: ErrorCode::ZeroLease,
+            id: 0x0a0a,
+        },
+    );
+    assert_eq!(
+        fake.drain(),
+        vec![(
+            1,
+            Response::Error {
+                code: 5,
+                id: 0x0a0a,
+                text: ErrorCode::ZeroLease.text().to_owned()
+            }
+        )]
+    );
+    assert_eq!(fake.core.stats().errors, 1);
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(
+        fake.request(1, &Request::Ping { nonce: u64::MAX }),
+        vec![(1, Response::Pong { nonce: u64::MAX })]
+    );
+}
+
+// ---- shutdown and the restart grace --------------------------------------------
+
+#[test]
+fn shutdown_answers_every_waiter_busy_then_every_connection_x_8() {
+    let mut fake = Fake::with_conns(4);
+    let a = fake.grant(1, "a", 30, 1);
+    fake.grant(1, "b", 30, 2);
+    fake.enqueue(2, "a", 100, 30, 3);
+    fake.enqueue(3, "a", 100, 30, 4);
+    fake.enqueue(2, "b", 100, 30, 5);
+    fake.core.disconnect(0);
+    fake.core.shut_down();
+    let out = fake.drain();
+    let (busy_part, errors) = out.split_at(3);
+    let mut waiters: Vec<Output> = busy_part.to_vec();
+    waiters.sort_by_key(|(conn, response)| (*conn, format!("{response:?}")));
+    assert_eq!(waiters, vec![(2, busy(3)), (2, busy(5)), (3, busy(4))]);
+    let x8 = Response::Error {
+        code: 8,
+        id: 0,
+        text: ErrorCode::ShuttingDown.text().to_owned(),
+    };
+    assert_eq!(errors, [(1, x8.clone()), (2, x8.clone()), (3, x8)]);
+    assert_eq!(fake.core.waiter_count(), 0);
+    assert_eq!(fake.core.stats().busy, 3);
+    // Grants are untouched by the shutdown itself.
+    assert_eq!(fake.core.keys(), 2);
+    assert_eq!(fake.release(1, "a", a), vec![(1, released(a))]);
+}
+
+#[test]
+fn shutdown_during_the_grace_answers_its_waiters_busy_and_empties_the_table() {
+    let mut fake = Fake::with_conns(3);
+    fake.core.set_grace_until(30 * S);
+    fake.enqueue(1, "a", 100, 30, 1);
+    fake.enqueue(2, "a", 100, 30, 2);
+    fake.enqueue(2, "b", 100, 30, 3);
+    fake.core.shut_down();
+    let mut out = fake.drain();
+    out.truncate(3);
+    out.sort_by_key(|(conn, response)| (*conn, format!("{response:?}")));
+    assert_eq!(out, vec![(1, busy(1)), (2, busy(2)), (2, busy(3))]);
+    assert_eq!((fake.core.keys(), fake.core.poll_timeout()), (0, None));
+    fake.core.check_invariants();
+}
+
+#[test]
+fn grace_wait_0_times_out_and_waits_are_granted_after_the_horizon() {
+    let mut fake = Fake::with_conns(4);
+    let horizon = 10 * S + 500;
+    fake.core.set_grace_until(horizon);
+    fake.set_now(S);
+    assert_eq!(fake.acquire(1, "a", 0, 30, 1), vec![(1, timeout(1))]);
+    assert_eq!(fake.core.keys(), 0);
+    // Deadline 6 s: before the horizon, so it times out.
+    fake.enqueue(1, "a", 5, 30, 2);
+    // Deadlines after the horizon: granted at the horizon, in FIFO order.
+    fake.enqueue(2, "a", 60, 30, 3);
+    fake.enqueue(3, "a", 60, 7, 4);
+    fake.enqueue(3, "b", 60, 30, 5);
+    assert_eq!(fake.core.keys(), 2);
+    assert_eq!(fake.core.waiter_count(), 4);
+    let info = fake.info();
+    assert_eq!((info["keys"].as_str(), info["held"].as_str()), ("2", "0"));
+    assert_eq!(fake.run_until(6 * S), vec![(1, timeout(2))]);
+    assert_eq!(fake.run_until(tick_of(horizon) * MS - 1), vec![]);
+    // The two keys' hand-overs share a tick: either may take the lower token.
+    let mut grants: Vec<(u32, u64, u64)> = fake
+        .run_until(tick_of(horizon) * MS)
+        .into_iter()
+        .map(|(conn, response)| match response {
+            Response::Acquired { owner, token } => (conn, owner, token),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    grants.sort();
+    assert_eq!(
+        (grants[0].0, grants[0].1, grants[1].0, grants[1].1),
+        (2, 3, 3, 5)
+    );
+    let mut tokens = [grants[0].2, grants[1].2];
+    tokens.sort();
+    assert_eq!(tokens, [FIRST_TOKEN, FIRST_TOKEN + 1]);
+    assert_eq!(fake.core.stats().expired, 0);
+    let a = fake.query("a").0;
+    assert_eq!(fake.query("a").3, 1);
+    assert_eq!(
+        fake.release(2, "a", a),
+        vec![(2, released(a)), (3, acquired(4, FIRST_TOKEN + 2))]
+    );
+    let info = fake.info();
+    assert_eq!((info["keys"].as_str(), info["held"].as_str()), ("2", "2"));
+    // After the horizon, new keys are granted at once.
+    assert_eq!(
+        fake.acquire(1, "c", 0, 30, 6),
+        vec![(1, acquired(6, FIRST_TOKEN + 3))]
+    );
+}
+
+#[test]
+fn grace_query_shows_token_0_and_the_time_left_to_the_horizon() {
+    let mut fake = Fake::with_conns(3);
+    fake.core.set_grace_until(10 * S);
+    fake.set_now(2 * S + 300);
+    assert_eq!(fake.query("a"), (0, 0, 8_000, 0));
+    fake.enqueue(1, "a", 100, 30, 1);
+    assert_eq!(fake.query("a").3, 1);
+    // Token 0 never matches the unknown holder.
+    assert_eq!(fake.release(2, "a", 0), vec![(2, not_held(0))]);
+    assert_eq!(fake.extend(2, "a", 5, 0), vec![(2, not_held(0))]);
+    assert_eq!(fake.release(2, "b", 0), vec![(2, not_held(0))]);
+    assert_eq!(fake.query("a").3, 1);
+    // When the last waiter leaves, the key counts as not in the table.
+    fake.core.disconnect(1);
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(fake.query("a"), (0, 0, 8_000, 0));
+    assert_eq!(fake.core.poll_timeout(), None);
+    fake.set_now(10 * S);
+    assert_eq!(fake.query("a"), (0, 0, 0, 0));
+    assert_eq!(
+        fake.acquire(2, "a", 0, 30, 2),
+        vec![(2, acquired(2, FIRST_TOKEN))]
+    );
+}
+
+/// Regression: `Q` during the grace showed 1 ms less time to the horizon
+/// once a wait queued on the key (the key's entry rounded the horizon like
+/// a lease deadline) than before.
+#[test]
+fn grace_query_time_left_does_not_drop_when_a_waiter_queues() {
+    for horizon in [10 * S, 10 * S + 1, 10 * S + 999] {
+        let mut fake = Fake::with_conns(2);
+        fake.core.set_grace_until(horizon);
+        fake.set_now(2 * S + 300);
+        let before = fake.query("a");
+        fake.enqueue(1, "a", 100, 30, 1);
+        let (token, owner, lease_ms, waiters) = fake.query("a");
+        assert_eq!(
+            (token, owner, lease_ms, waiters),
+            (0, 0, before.2, 1),
+            "horizon {horizon}"
+        );
+        assert_eq!(lease_ms as u64, (horizon - fake.now).div_ceil(MS));
+    }
+}
+
+#[test]
+fn grace_limits_still_apply() {
+    let mut fake = Fake::new(limits(1, 10, 10, 10), 3);
+    fake.core.set_grace_until(10 * S);
+    fake.enqueue(1, "a", 100, 30, 1);
+    // A new key during the grace needs a table entry: the key limit counts.
+    assert_eq!(fake.acquire(1, "b", 100, 30, 2), vec![(1, busy(2))]);
+    // wait=0 is never queued, so it is T even at the key limit.
+    assert_eq!(fake.acquire(1, "b", 0, 30, 3), vec![(1, timeout(3))]);
+    fake.enqueue(2, "a", 100, 30, 4);
+    assert_eq!(fake.query("a"), (0, 0, 10_000, 2));
+}
+
+// ---- random sequences against the reference model --------------------------------
+
+#[derive(Clone, Debug)]
+enum Op {
+    Acquire {
+        conn: u32,
+        key: u8,
+        wait_s: u8,
+        lease_s: u8,
+    },
+    /// `which` picks the holder's token, a stale one, 0 or a random one.
+    Release {
+        conn: u32,
+        key: u8,
+        which: u8,
+    },
+    Extend {
+        conn: u32,
+        key: u8,
+        lease_s: u8,
+        which: u8,
+    },
+    Query {
+        conn: u32,
+        key: u8,
+    },
+    Info {
+        conn: u32,
+    },
+    Reconnect {
+        conn: u32,
+    },
+    Invalid {
+        conn: u32,
+        code: u8,
+    },
+    /// Moves the clock: `how` picks the next wake-up, just before it, a few
+    /// ms, or seconds; `late` fires everything in one late call instead of
+    /// tick by tick.
+    Advance {
+        how: u8,
+        micros: u64,
+        late: bool,
+    },
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    let conn = 0..3u32;
+    let key = 0..3u8;
+    prop_oneof![
+        4 => (conn.clone(), key.clone(), prop_oneof![Just(0u8), 1..4u8, Just(255)], 1..4u8)
+            .prop_map(|(conn, key, wait_s, lease_s)| Op::Acquire { conn, key, wait_s, lease_s }),
+        2 => (conn.clone(), key.clone(), 0..4u8)
+            .prop_map(|(conn, key, which)| Op::Release { conn, key, which }),
+        1 => (conn.clone(), key.clone(), 1..4u8, 0..4u8)
+            .prop_map(|(conn, key, lease_s, which)| Op::Extend { conn, key, lease_s, which }),
+        1 => (conn.clone(), key.clone()).prop_map(|(conn, key)| Op::Query { conn, key }),
+        1 => conn.clone().prop_map(|conn| Op::Info { conn }),
+        1 => conn.clone().prop_map(|conn| Op::Reconnect { conn }),
+        1 => (conn, 3..7u8).prop_map(|(conn, code)| Op::Invalid { conn, code }),
+        4 => (0..4u8, 0..4_000_000u64, prop::bool::weighted(0.2))
+            .prop_map(|(how, micros, late)| Op::Advance { how, micros, late }),
+    ]
+}
+
+struct Pair {
+    fake: Fake,
+    model: Model,
+    next_owner: u64,
+    stale_token: u64,
+}
+
+impl Pair {
+    fn check(&mut self, what: &str) -> Result<(), TestCaseError> {
+        self.fake.core.check_invariants();
+        let core = &self.fake.core;
+        let model = &self.model;
+        prop_assert_eq!(core.keys(), model.keys.len(), "keys after {}", what);
+        prop_assert_eq!(
+            core.waiter_count(),
+            model.waiters(),
+            "waiters after {}",
+            what
+        );
+        prop_assert_eq!(
+            core.next_token(),
+            model.next_token,
+            "next token after {}",
+            what
+        );
+        prop_assert_eq!(core.connections(), model.conns.len());
+        match (core.poll_timeout(), model.earliest_tick()) {
+            (None, None) => {}
+            (Some(at), Some(tick)) => {
+                prop_assert!(at <= tick * MS, "wake-up {} after {}", at, tick)
+            }
+            (got, want) => prop_assert!(
+                false,
+                "poll_timeout {:?}, model's earliest tick {:?}",
+                got,
+                want
+            ),
+        }
+        Ok(())
+    }
+
+    fn request(&mut self, conn: u32, request: &Request<'_>) -> Result<(), TestCaseError> {
+        let now = self.fake.now;
+        let core = self.fake.request(conn, request);
+        let model = self.model.request(conn, request, now);
+        same_in_order(&core, &model).map_err(TestCaseError::fail)?;
+        self.check(&format!("{request:?} from {conn} at {now}"))
+    }
+
+    fn fire(&mut self, now: u64) -> Result<(), TestCaseError> {
+        let core = self.fake.run_until(now);
+        let model = self
+            .model
+            .timeout(now, &core)
+            .map_err(TestCaseError::fail)?;
+        same_as_multiset(&core, &model).map_err(TestCaseError::fail)?;
+        self.check(&format!("firing at {now}"))
+    }
+
+    fn token(&mut self, key: &str, which: u8, random: u64) -> u64 {
+        match (which, self.model.holder_token(key)) {
+            (0, Some(token)) => token,
+            (1, _) => self.stale_token,
+            (2, _) => 0,
+            _ => FIRST_TOKEN + random % 64,
+        }
+    }
+
+    fn run(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        let keys = ["a", "b", "a-key-longer-than-the-inline-nineteen-bytes"];
+        match *op {
+            Op::Acquire {
+                conn,
+                key,
+                wait_s,
+                lease_s,
+            } => {
+                self.next_owner += 1;
+                let owner = self.next_owner;
+                self.request(
+                    conn,
+                    &Request::Acquire {
+                        wait_s,
+                        lease_s,
+                        owner,
+                        key: keys[key as usize],
+                    },
+                )
+            }
+            Op::Release { conn, key, which } => {
+                let key = keys[key as usize];
+                let token = self.token(key, which, self.next_owner);
+                if let Some(held) = self.model.holder_token(key) {
+                    self.stale_token = held;
+                }
+                self.request(conn, &Request::Release { token, key })
+            }
+            Op::Extend {
+                conn,
+                key,
+                lease_s,
+                which,
+            } => {
+                let key = keys[key as usize];
+                let token = self.token(key, which, self.next_owner);
+                self.request(
+                    conn,
+                    &Request::Extend {
+                        lease_s,
+                        token,
+                        key,
+                    },
+                )
+            }
+            Op::Query { conn, key } => self.request(
+                conn,
+                &Request::Query {
+                    key: keys[key as usize],
+                },
+            ),
+            Op::Info { conn } => self.request(conn, &Request::Info),
+            Op::Reconnect { conn } => {
+                self.fake.core.disconnect(conn);
+                self.model.disconnect(conn);
+                prop_assert_eq!(self.fake.drain(), vec![]);
+                self.fake.core.connect(conn);
+                self.model.connect(conn);
+                self.check("reconnect")
+            }
+            Op::Invalid { conn, code } => {
+                let error = RequestError {
+                    code: ErrorCode::from_u8(code).unwrap(),
+                    id: self.next_owner,
+                };
+                self.fake.core.handle_invalid(conn, error);
+                let core = self.fake.drain();
+                same_in_order(&core, &self.model.invalid(conn, error))
+                    .map_err(TestCaseError::fail)?;
+                self.check("invalid request")
+            }
+            Op::Advance { how, micros, late } => {
+                let now = self.fake.now;
+                let next = self.fake.core.poll_timeout().unwrap_or(now + micros);
+                let target = match how {
+                    0 => next.max(now),
+                    1 => next.saturating_sub(1).max(now),
+                    2 => now + micros % 3_000,
+                    _ => now + micros * 40,
+                };
+                if late {
+                    return self.fire(target);
+                }
+                // Tick by tick, at each wake-up, as the shell would.
+                let mut wakeups = 0;
+                while let Some(at) = self.fake.core.poll_timeout().filter(|&at| at <= target) {
+                    wakeups += 1;
+                    prop_assert!(wakeups < 10_000, "livelock");
+                    self.fire(at.max(self.fake.now))?;
+                }
+                self.fire(target)
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_sequences_match_the_reference_model(
+        ops in prop::collection::vec(op_strategy(), 1..200),
+        small in prop::bool::ANY,
+        grace in prop_oneof![Just(0u64), 1..20 * S],
+    ) {
+        let limits = if small { limits(2, 3, 2, 2) } else { Limits::default() };
+        let mut pair = Pair {
+            fake: Fake::new(limits, 3),
+            model: Model::new(limits, FIRST_TOKEN),
+            next_owner: 0,
+            stale_token: 0,
+        };
+        pair.fake.core.set_grace_until(grace);
+        pair.model.grace_until = grace;
+        for conn in 0..3 {
+            pair.model.connect(conn);
+        }
+        for op in &ops {
+            pair.run(op)?;
+        }
+        // Let everything run out.
+        pair.run(&Op::Advance { how: 3, micros: 3_000_000, late: false })?;
+        pair.run(&Op::Advance { how: 3, micros: 3_000_000, late: true })?;
+        prop_assert_eq!(pair.fake.core.keys(), 0);
+        prop_assert_eq!(pair.fake.core.poll_timeout(), None);
+    }
+}

@@ -1,0 +1,857 @@
+//! Deterministic simulation: many simulated clients play against the core
+//! on a fake clock, driven by a seeded generator, and every step is checked
+//! against the reference model and against the spec's invariants as a
+//! client sees them.
+//!
+//! A failure names its seed and step. `KUNCI_SIM_SEED=S` re-runs exactly
+//! that seed (add `KUNCI_SIM_TRACE=1` to print every step),
+//! `KUNCI_SIM_SEEDS=N` runs seeds `0..N`, `KUNCI_SIM_STEPS=N` sets the
+//! steps per seed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::time::Instant;
+
+use kunci::core::timer_wheel::{TimerLinks, TimerStore, TimerWheel};
+use kunci::core::{ConnId, Limits, Micros, Output};
+use kunci::protocol::{ErrorCode, Request, RequestError, Response};
+
+use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
+use crate::util::model::{Model, same_as_multiset, same_in_order};
+
+/// splitmix64: tiny, fast, and the same on every machine.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x5eed_0fc0_ffee)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `0..n`.
+    fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next()) * u128::from(n)) >> 64) as u64
+    }
+
+    /// A number in `low..=high`.
+    fn range(&mut self, low: u64, high: u64) -> u64 {
+        low + self.below(high - low + 1)
+    }
+
+    /// True with probability `percent`/100.
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len() as u64) as usize]
+    }
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    let value = std::env::var(name).ok()?;
+    Some(
+        value
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={value:?} is not a number")),
+    )
+}
+
+/// What the clients know about one acquire they sent.
+struct Attempt {
+    conn: ConnId,
+    key: String,
+    lease_s: u8,
+    answers: u32,
+    /// Queued: no immediate answer. Its deadline tick, and its place in the
+    /// key's arrival order.
+    queued: Option<(u64, u64)>,
+    /// Its connection closed before an answer.
+    orphaned: bool,
+}
+
+/// A grant as its holder sees it.
+struct Live {
+    key: String,
+    lease_tick: u64,
+}
+
+struct Sim {
+    rng: Rng,
+    fake: Fake,
+    model: Model,
+    conns: ConnId,
+    open: Vec<bool>,
+    keys: Vec<String>,
+    /// Waits and leases mostly short, so that deadlines meet often.
+    short: bool,
+    step: usize,
+    trace: bool,
+    next_owner: u64,
+    attempts: HashMap<u64, Attempt>,
+    arrivals: u64,
+    live: HashMap<u64, Live>,
+    last_token: u64,
+    stale_tokens: Vec<u64>,
+    /// The tick of the last `handle_timeout`.
+    fired_tick: u64,
+    counts: Counts,
+}
+
+/// What the runs exercised, to show that the seeds reach the cases that
+/// matter.
+#[derive(Clone, Copy, Debug, Default)]
+struct Counts {
+    steps: u64,
+    wakeups: u64,
+    granted_at_once: u64,
+    handed_over_on_release: u64,
+    handed_over_on_expiry: u64,
+    timed_out_waiting: u64,
+    timed_out_at_once: u64,
+    busy: u64,
+    not_held: u64,
+    leases_run_out: u64,
+    waits_first_at_a_tie: u64,
+    idle_spells: u64,
+}
+
+impl Counts {
+    fn add(&mut self, other: &Counts) {
+        self.steps += other.steps;
+        self.wakeups += other.wakeups;
+        self.granted_at_once += other.granted_at_once;
+        self.handed_over_on_release += other.handed_over_on_release;
+        self.handed_over_on_expiry += other.handed_over_on_expiry;
+        self.timed_out_waiting += other.timed_out_waiting;
+        self.timed_out_at_once += other.timed_out_at_once;
+        self.busy += other.busy;
+        self.not_held += other.not_held;
+        self.leases_run_out += other.leases_run_out;
+        self.waits_first_at_a_tie += other.waits_first_at_a_tie;
+        self.idle_spells += other.idle_spells;
+    }
+}
+
+impl Sim {
+    fn new(seed: u64) -> Sim {
+        let mut rng = Rng::new(seed);
+        let limits = if rng.chance(35) {
+            Limits {
+                max_keys: rng.range(1, 4) as usize,
+                max_waiters: rng.range(0, 6) as usize,
+                max_waiters_per_key: rng.range(0, 4) as u32,
+                max_waits_per_conn: rng.range(0, 3) as u32,
+                ..Limits::default()
+            }
+        } else {
+            Limits::default()
+        };
+        // A few seeds spread over many keys and connections, so that the
+        // table's buckets grow and shrink.
+        let crowd = rng.chance(5);
+        let conns = if crowd {
+            rng.range(8, 40)
+        } else {
+            rng.range(1, 8)
+        } as ConnId;
+        let key_count = if crowd {
+            rng.range(60, 300)
+        } else {
+            rng.range(1, 6)
+        };
+        let keys = (0..key_count)
+            .map(|i| {
+                if rng.chance(20) {
+                    format!("a-long-key-beyond-the-inline-bytes/{i}")
+                } else {
+                    format!("k{i}")
+                }
+            })
+            .collect();
+        let mut model = Model::new(limits, FIRST_TOKEN);
+        for conn in 0..conns {
+            model.connect(conn);
+        }
+        let mut fake = Fake::new(limits, conns);
+        // Some seeds start as after an unclean restart.
+        if rng.chance(15) {
+            let horizon = rng.range(1, 40 * S);
+            fake.core.set_grace_until(horizon);
+            model.grace_until = horizon;
+        }
+        let short = rng.chance(60);
+        Sim {
+            rng,
+            fake,
+            model,
+            conns,
+            open: vec![true; conns as usize],
+            keys,
+            short,
+            step: 0,
+            trace: std::env::var_os("KUNCI_SIM_TRACE").is_some(),
+            next_owner: 0,
+            attempts: HashMap::new(),
+            arrivals: 0,
+            live: HashMap::new(),
+            last_token: 0,
+            stale_tokens: Vec::new(),
+            fired_tick: 0,
+            counts: Counts::default(),
+        }
+    }
+
+    fn wait_s(&mut self) -> u8 {
+        match self.rng.below(20) {
+            0..=4 => 0,
+            5..=14 if self.short => self.rng.range(1, 3) as u8,
+            5..=14 => self.rng.range(1, 10) as u8,
+            15..=18 => self.rng.range(1, 60) as u8,
+            _ => *self.rng.pick(&[64, 128, 200, 255]),
+        }
+    }
+
+    fn lease_s(&mut self) -> u8 {
+        match self.rng.below(20) {
+            0..=13 if self.short => self.rng.range(1, 3) as u8,
+            0..=13 => self.rng.range(1, 10) as u8,
+            14..=18 => self.rng.range(1, 60) as u8,
+            _ => *self.rng.pick(&[64, 255]),
+        }
+    }
+
+    fn open_conn(&mut self) -> Option<ConnId> {
+        let open: Vec<ConnId> = (0..self.conns).filter(|&c| self.open[c as usize]).collect();
+        (!open.is_empty()).then(|| *self.rng.pick(&open))
+    }
+
+    fn key(&mut self) -> String {
+        self.rng.pick(&self.keys).clone()
+    }
+
+    /// The holder's token of a random key, if it has one.
+    fn held_key(&mut self) -> Option<(String, u64)> {
+        let held: Vec<(String, u64)> = self
+            .model
+            .keys
+            .iter()
+            .map(|(key, held)| (key.clone(), held.token))
+            .collect();
+        (!held.is_empty()).then(|| self.rng.pick(&held).clone())
+    }
+
+    fn wrong_token(&mut self, key: &str) -> u64 {
+        let holder = self.model.holder_token(key);
+        let token = match self.rng.below(4) {
+            0 if !self.stale_tokens.is_empty() => *self.rng.pick(&self.stale_tokens),
+            1 => 0,
+            2 => self.model.next_token,
+            _ => self.rng.next(),
+        };
+        if Some(token) == holder {
+            token.wrapping_add(1)
+        } else {
+            token
+        }
+    }
+
+    fn log(&self, what: impl FnOnce() -> String) {
+        if self.trace {
+            eprintln!("[{} @{}] {}", self.step, self.fake.now, what());
+        }
+    }
+
+    /// One random step.
+    fn step(&mut self) -> Result<(), String> {
+        self.counts.steps += 1;
+        let roll = self.rng.below(100);
+        let Some(conn) = self.open_conn() else {
+            return self.reconnect();
+        };
+        match roll {
+            0..=29 => {
+                let (key, wait_s, lease_s) = (self.key(), self.wait_s(), self.lease_s());
+                self.next_owner += 1;
+                let owner = self.next_owner;
+                self.attempts.insert(
+                    owner,
+                    Attempt {
+                        conn,
+                        key: key.clone(),
+                        lease_s,
+                        answers: 0,
+                        queued: None,
+                        orphaned: false,
+                    },
+                );
+                let request = Request::Acquire {
+                    wait_s,
+                    lease_s,
+                    owner,
+                    key: &key,
+                };
+                let out = self.request(conn, &request)?;
+                if out.is_empty() {
+                    self.arrivals += 1;
+                    let deadline = tick_of(self.fake.now + u64::from(wait_s) * S);
+                    self.attempts.get_mut(&owner).unwrap().queued = Some((deadline, self.arrivals));
+                }
+                Ok(())
+            }
+            30..=41 => match self.held_key() {
+                Some((key, token)) => self
+                    .request(conn, &Request::Release { token, key: &key })
+                    .map(drop),
+                None => self.advance(),
+            },
+            42..=46 => {
+                let key = self.key();
+                let token = self.wrong_token(&key);
+                self.request(conn, &Request::Release { token, key: &key })
+                    .map(drop)
+            }
+            47..=52 => match self.held_key() {
+                Some((key, token)) => {
+                    let lease_s = self.lease_s();
+                    let request = Request::Extend {
+                        lease_s,
+                        token,
+                        key: &key,
+                    };
+                    self.request(conn, &request).map(drop)
+                }
+                None => self.advance(),
+            },
+            53..=55 => {
+                let key = self.key();
+                let token = self.wrong_token(&key);
+                let lease_s = self.lease_s();
+                let request = Request::Extend {
+                    lease_s,
+                    token,
+                    key: &key,
+                };
+                self.request(conn, &request).map(drop)
+            }
+            56..=60 => {
+                let key = self.key();
+                self.request(conn, &Request::Query { key: &key }).map(drop)
+            }
+            61 => {
+                let nonce = self.rng.next();
+                self.request(conn, &Request::Ping { nonce }).map(drop)
+            }
+            62 => self.request(conn, &Request::Info).map(drop),
+            63 => {
+                let error = RequestError {
+                    code: ErrorCode::from_u8(self.rng.range(3, 6) as u8).unwrap(),
+                    id: self.rng.next(),
+                };
+                self.log(|| format!("invalid {error:?} from {conn}"));
+                self.fake.core.handle_invalid(conn, error);
+                let out = self.fake.drain();
+                same_in_order(&out, &self.model.invalid(conn, error))?;
+                self.check()
+            }
+            64..=66 => {
+                self.log(|| format!("disconnect {conn}"));
+                self.fake.core.disconnect(conn);
+                self.model.disconnect(conn);
+                self.open[conn as usize] = false;
+                for attempt in self.attempts.values_mut() {
+                    if attempt.conn == conn && attempt.answers == 0 {
+                        attempt.orphaned = true;
+                    }
+                }
+                let out = self.fake.drain();
+                if !out.is_empty() {
+                    return Err(format!("closing a connection answered {out:?}"));
+                }
+                self.check()
+            }
+            67..=69 => self.reconnect(),
+            _ => self.advance(),
+        }
+    }
+
+    fn reconnect(&mut self) -> Result<(), String> {
+        let closed: Vec<ConnId> = (0..self.conns)
+            .filter(|&c| !self.open[c as usize])
+            .collect();
+        if closed.is_empty() {
+            return self.advance();
+        }
+        let conn = *self.rng.pick(&closed);
+        self.log(|| format!("connect {conn}"));
+        self.fake.core.connect(conn);
+        self.model.connect(conn);
+        self.open[conn as usize] = true;
+        self.check()
+    }
+
+    /// Moves the clock, landing exactly on deadlines often.
+    fn advance(&mut self) -> Result<(), String> {
+        let now = self.fake.now;
+        if self.model.earliest_tick().is_none() && self.rng.chance(20) {
+            // Idle for up to 60 days: with nothing armed, the shell sleeps
+            // and the next request comes before any handle_timeout.
+            let idle = self.rng.range(1, 60 * 86_400) * S + self.rng.below(S);
+            self.log(|| format!("idle for {idle} µs"));
+            self.fake.set_now(now + idle);
+            self.counts.idle_spells += 1;
+            return Ok(());
+        }
+        let earliest = self.model.earliest_tick().map(|tick| tick * MS);
+        let wakeup = self.fake.core.poll_timeout();
+        let target = match self.rng.below(100) {
+            0..=29 => wakeup.unwrap_or(now + 1),
+            30..=49 => earliest.unwrap_or(now + S),
+            50..=59 => earliest.map_or(now + 1, |at| at - 1),
+            60..=84 => now + self.rng.below(3 * MS),
+            85..=96 => now + self.rng.range(1, 10) * S + self.rng.below(S),
+            _ => now + self.rng.range(10, 300) * S + self.rng.below(S),
+        }
+        .max(now);
+        if self.rng.chance(25) {
+            // One late call that covers everything since the last one.
+            self.fire(target, false)
+        } else {
+            self.run_to(target)
+        }
+    }
+
+    /// Fires tick by tick, at each wake-up the core asks for, as the shell
+    /// does; then at `target`.
+    fn run_to(&mut self, target: Micros) -> Result<(), String> {
+        let mut wakeups = 0;
+        while let Some(at) = self.fake.core.poll_timeout().filter(|&at| at <= target) {
+            wakeups += 1;
+            if wakeups > 100_000 {
+                return Err("livelock: wake-ups without end".to_owned());
+            }
+            self.counts.wakeups += 1;
+            self.fire(at.max(self.fake.now), true)?;
+        }
+        self.fire(target, true)
+    }
+
+    fn request(&mut self, conn: ConnId, request: &Request<'_>) -> Result<Vec<Output>, String> {
+        let now = self.fake.now;
+        let out = self.fake.request(conn, request);
+        self.log(|| format!("{request:?} from {conn} → {out:?}"));
+        let want = self.model.request(conn, request, now);
+        same_in_order(&out, &want)?;
+        self.observe(&out, None)?;
+        self.check()?;
+        Ok(out)
+    }
+
+    /// `handle_timeout(now)`; `exact` when every wake-up before it was
+    /// served, so everything due must fire at its own tick.
+    fn fire(&mut self, now: Micros, exact: bool) -> Result<(), String> {
+        let before = self.fired_tick;
+        let out = self.fake.run_until(now);
+        if !out.is_empty() {
+            self.log(|| format!("fire → {out:?}"));
+        }
+        let want = self.model.timeout(now, &out)?;
+        same_as_multiset(&out, &want)?;
+        self.observe(&out, Some((before, exact)))?;
+        self.fired_tick = now / MS;
+        self.check()
+    }
+
+    /// The spec's invariants, checked on the answers as clients see them,
+    /// independently of the model. `fired` is set for `handle_timeout`
+    /// answers: the tick of the previous call, and whether wake-ups were
+    /// served exactly.
+    fn observe(&mut self, out: &[Output], fired: Option<(u64, bool)>) -> Result<(), String> {
+        let now = self.fake.now;
+        let now_tick = now / MS;
+        for (conn, _) in out {
+            if !self.open[*conn as usize] {
+                return Err(format!("an answer to closed connection {conn}: {out:?}"));
+            }
+        }
+        // A wait or a lease that fired: not before its tick, not after the
+        // call that first reached it, at its own tick when driven exactly.
+        let on_time = |deadline: u64, what: &str| -> Result<(), String> {
+            let Some((before, exact)) = fired else {
+                return Ok(());
+            };
+            if deadline > now_tick {
+                return Err(format!("{what}: due at tick {deadline}, fired at {now}"));
+            }
+            if deadline <= before || (exact && deadline != now_tick) {
+                return Err(format!(
+                    "{what}: due at tick {deadline}, fired late at {now} (last call at tick {before})"
+                ));
+            }
+            Ok(())
+        };
+        // Leases that ran out in this call.
+        if fired.is_some() {
+            let mut ended = Vec::new();
+            for (token, live) in &self.live {
+                if self.model.holder_token(&live.key) != Some(*token) {
+                    on_time(live.lease_tick, &format!("lease of token {token}"))?;
+                    ended.push(*token);
+                }
+            }
+            self.counts.leases_run_out += ended.len() as u64;
+            for token in ended {
+                self.live.remove(&token);
+                self.stale_tokens.push(token);
+            }
+        }
+        // Timeouts first: a waiter at the same tick may go before a grant.
+        for (conn, response) in out {
+            let owner = match *response {
+                Response::Timeout { owner } | Response::Busy { owner } => owner,
+                _ => continue,
+            };
+            let attempt = self.answer(owner, *conn)?;
+            match (response, attempt.queued) {
+                (Response::Timeout { .. }, Some((deadline, _))) => {
+                    on_time(deadline, &format!("wait of owner {owner}"))?;
+                    self.counts.timed_out_waiting += 1;
+                }
+                (Response::Timeout { .. }, None) => self.counts.timed_out_at_once += 1,
+                _ => self.counts.busy += 1,
+            }
+        }
+        for (conn, response) in out {
+            match *response {
+                Response::Acquired { owner, token } => {
+                    if token <= self.last_token || token == 0 {
+                        return Err(format!("token {token} after {}", self.last_token));
+                    }
+                    self.last_token = token;
+                    let (key, lease_s, arrival) = {
+                        let attempt = self.answer(owner, *conn)?;
+                        (
+                            attempt.key.clone(),
+                            attempt.lease_s,
+                            attempt.queued.map(|q| q.1),
+                        )
+                    };
+                    // At most one holder: every earlier grant of the key was
+                    // released or ran out (and was noticed above).
+                    if let Some((other, _)) = self.live.iter().find(|(_, live)| live.key == key) {
+                        return Err(format!("{key:?} granted as {token} while {other} holds it"));
+                    }
+                    // FIFO: nobody who queued on the key earlier still waits.
+                    if let Some(arrival) = arrival {
+                        let ahead = self.attempts.iter().find(|(_, a)| {
+                            a.key == key
+                                && a.answers == 0
+                                && !a.orphaned
+                                && a.queued.is_some_and(|q| q.1 < arrival)
+                        });
+                        if let Some((ahead, _)) = ahead {
+                            return Err(format!(
+                                "{key:?} handed to owner {owner} before owner {ahead}"
+                            ));
+                        }
+                    }
+                    let lease_tick = tick_of(now + u64::from(lease_s) * S);
+                    self.live.insert(token, Live { key, lease_tick });
+                    match (arrival, fired) {
+                        (None, _) => self.counts.granted_at_once += 1,
+                        (Some(_), None) => self.counts.handed_over_on_release += 1,
+                        (Some(_), Some(_)) => self.counts.handed_over_on_expiry += 1,
+                    }
+                }
+                Response::Released { token } => {
+                    if self.live.remove(&token).is_none() {
+                        return Err(format!("released token {token}, which is not held"));
+                    }
+                    self.stale_tokens.push(token);
+                }
+                Response::Extended { token } => {
+                    let Some(live) = self.live.get_mut(&token) else {
+                        return Err(format!("extended token {token}, which is not held"));
+                    };
+                    live.lease_tick = self.model.keys[&live.key].lease_tick;
+                }
+                Response::NotHeld { token } => {
+                    self.counts.not_held += 1;
+                    if self.live.contains_key(&token) {
+                        return Err(format!("token {token} is held but got N"));
+                    }
+                }
+                _ => {}
+            }
+        }
+        if self.stale_tokens.len() > 64 {
+            self.stale_tokens.drain(..32);
+        }
+        Ok(())
+    }
+
+    /// Counts an A, T or B for `owner`: exactly one, on its own connection.
+    fn answer(&mut self, owner: u64, conn: ConnId) -> Result<&Attempt, String> {
+        let Some(attempt) = self.attempts.get_mut(&owner) else {
+            return Err(format!("an answer for owner {owner}, who never asked"));
+        };
+        attempt.answers += 1;
+        if attempt.answers > 1 || attempt.orphaned || attempt.conn != conn {
+            return Err(format!(
+                "owner {owner} answered {} times, on connection {conn} (asked on {}, closed: {})",
+                attempt.answers, attempt.conn, attempt.orphaned
+            ));
+        }
+        Ok(attempt)
+    }
+
+    fn check(&mut self) -> Result<(), String> {
+        self.fake.core.check_invariants();
+        let core = &self.fake.core;
+        let model = &self.model;
+        let gauges = (
+            core.keys(),
+            core.waiter_count(),
+            core.next_token(),
+            core.connections(),
+        );
+        let expected = (
+            model.keys.len(),
+            model.waiters(),
+            model.next_token,
+            model.conns.len(),
+        );
+        if gauges != expected {
+            return Err(format!(
+                "(keys, waiters, next token, connections) = {gauges:?}, the model has {expected:?}"
+            ));
+        }
+        match (core.poll_timeout(), model.earliest_tick()) {
+            (None, None) => {}
+            (Some(at), Some(tick)) if at <= tick * MS => {}
+            (got, want) => {
+                return Err(format!(
+                    "poll_timeout {got:?}, earliest deadline tick {want:?}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, steps: usize) -> Result<(), String> {
+        for step in 0..steps {
+            self.step = step;
+            self.step()?;
+        }
+        // Let every wait and lease run out; then every acquire was answered
+        // exactly once or lost with its connection.
+        self.step = steps;
+        let end = self.fake.now + 600 * S;
+        self.run_to(end)?;
+        if self.fake.core.keys() != 0 || self.fake.core.poll_timeout().is_some() {
+            return Err("keys or timers left after every lease ran out".to_owned());
+        }
+        for (owner, attempt) in &self.attempts {
+            if attempt.answers != 1 && !attempt.orphaned {
+                return Err(format!("owner {owner} answered {} times", attempt.answers));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs one seed; a failure names the seed, the step and how to re-run it.
+fn run_seed(seed: u64, steps: usize) -> Counts {
+    let mut sim = Sim::new(seed);
+    let result = catch_unwind(AssertUnwindSafe(|| sim.run(steps)));
+    let rerun = format!(
+        "re-run with KUNCI_SIM_SEED={seed} KUNCI_SIM_TRACE=1 cargo test --release simulation"
+    );
+    match result {
+        Ok(Ok(())) => Counts {
+            waits_first_at_a_tie: sim.model.ties,
+            ..sim.counts
+        },
+        Ok(Err(message)) => panic!(
+            "simulation seed {seed} failed at step {} (time {} µs): {message}\n{rerun}",
+            sim.step, sim.fake.now
+        ),
+        Err(panic) => {
+            eprintln!(
+                "simulation seed {seed} panicked at step {} (time {} µs)\n{rerun}",
+                sim.step, sim.fake.now
+            );
+            resume_unwind(panic)
+        }
+    }
+}
+
+#[test]
+fn simulation_of_many_clients_on_a_fake_clock() {
+    let default_seeds = if cfg!(debug_assertions) { 300 } else { 10_000 };
+    let steps = env_u64("KUNCI_SIM_STEPS").unwrap_or(1_000) as usize;
+    let seeds: Vec<u64> = match env_u64("KUNCI_SIM_SEED") {
+        Some(seed) => vec![seed],
+        None => (0..env_u64("KUNCI_SIM_SEEDS").unwrap_or(default_seeds)).collect(),
+    };
+    let started = Instant::now();
+    let mut counts = Counts::default();
+    for &seed in &seeds {
+        counts.add(&run_seed(seed, steps));
+    }
+    eprintln!(
+        "simulation: {} seeds × {steps} steps in {:.2?}: {counts:?}",
+        seeds.len(),
+        started.elapsed()
+    );
+    if seeds.len() > 100 {
+        // The seeds must reach every kind of outcome, many times.
+        let reached = [
+            counts.granted_at_once,
+            counts.handed_over_on_release,
+            counts.handed_over_on_expiry,
+            counts.timed_out_waiting,
+            counts.timed_out_at_once,
+            counts.busy,
+            counts.not_held,
+            counts.leases_run_out,
+        ];
+        assert!(reached.iter().all(|&n| n > 1_000), "{counts:?}");
+    }
+}
+
+#[test]
+fn the_simulation_is_deterministic() {
+    let trace = |seed| {
+        let mut sim = Sim::new(seed);
+        sim.run(300).unwrap();
+        (
+            sim.fake.now,
+            sim.next_owner,
+            sim.last_token,
+            sim.fake.core.info_text(sim.fake.now),
+        )
+    };
+    assert_eq!(trace(7), trace(7));
+    assert_ne!(trace(7), trace(8));
+}
+
+// ---- the timer wheel on its own ---------------------------------------------------
+
+struct Timers(Vec<TimerLinks>);
+
+impl TimerStore for Timers {
+    fn links(&mut self, id: u32) -> &mut TimerLinks {
+        &mut self.0[id as usize]
+    }
+}
+
+/// Many timers at random deadlines up to 300 s, random cancels and
+/// re-arms, polls at random times: every timer fires exactly once, never
+/// before its deadline, at the first poll that reaches it, and exactly at
+/// its tick when polled at `next_tick()`.
+#[test]
+fn timer_wheel_stress() {
+    const TIMERS: usize = 4_000;
+    let seeds = if cfg!(debug_assertions) { 3 } else { 20 };
+    for seed in 0..seeds {
+        let mut rng = Rng::new(seed);
+        let mut timers = Timers(vec![TimerLinks::UNARMED; TIMERS]);
+        let mut wheel = TimerWheel::new();
+        // id → deadline tick of every armed timer.
+        let mut armed: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut now = rng.below(1 << 33);
+        // Start far from 0 so that tick numbers wrap the 32-bit deadlines.
+        while wheel.poll(&mut timers, now).is_some() {}
+        let mut fired = 0;
+        let mut polls = 0;
+        let mut last_poll = now;
+        for round in 0..3_000 {
+            // Arm, re-arm or cancel a few timers.
+            for _ in 0..rng.range(0, 6) {
+                let id = rng.below(TIMERS as u64) as u32;
+                if rng.chance(25) {
+                    wheel.cancel(&mut timers, id);
+                    armed.remove(&id);
+                } else {
+                    let deadline = now
+                        + match rng.below(4) {
+                            0 => rng.range(0, 70),
+                            1 => rng.range(0, 5_000),
+                            _ => rng.range(0, 300_000),
+                        };
+                    wheel.arm(&mut timers, id, deadline);
+                    armed.insert(id, deadline);
+                }
+            }
+            assert_eq!(wheel.len(), armed.len(), "seed {seed} round {round}");
+            let earliest = armed.values().min().copied();
+            let next = wheel.next_tick();
+            assert_eq!(
+                next.is_some(),
+                earliest.is_some(),
+                "seed {seed} round {round}"
+            );
+            if let (Some(next), Some(earliest)) = (next, earliest) {
+                assert!(
+                    next <= earliest.max(now),
+                    "seed {seed}: next tick {next} after the deadline {earliest}"
+                );
+            }
+            // Poll at the next tick (exact), or jump.
+            let exact = rng.chance(60);
+            let jump = if rng.chance(50) { 100 } else { 50_000 };
+            let at = match (exact, next) {
+                (true, Some(next)) => next.max(now),
+                _ => now + rng.below(jump),
+            };
+            polls += 1;
+            while let Some(id) = wheel.poll(&mut timers, at) {
+                let Some(deadline) = armed.remove(&id) else {
+                    panic!("seed {seed}: timer {id} fired twice or after its cancel");
+                };
+                assert!(
+                    deadline <= at,
+                    "seed {seed}: timer {id} due at {deadline} fired early at {at}"
+                );
+                // Everything due at the last poll fired then; only a timer
+                // armed since, for that very tick, may be due at or before it.
+                assert!(
+                    deadline >= last_poll,
+                    "seed {seed}: timer {id} due at {deadline} fired late at {at} (last poll {last_poll})"
+                );
+                if exact && next.is_some() {
+                    assert_eq!(deadline, at, "seed {seed}: timer {id} not at its tick");
+                }
+                fired += 1;
+            }
+            assert!(
+                armed.values().all(|&deadline| deadline > at),
+                "seed {seed}: a due timer did not fire at {at}"
+            );
+            last_poll = at;
+            now = at;
+        }
+        // Drain: everything left fires at its own tick.
+        while let Some(next) = wheel.next_tick() {
+            polls += 1;
+            while let Some(id) = wheel.poll(&mut timers, next) {
+                let deadline = armed.remove(&id).expect("fired once");
+                assert_eq!(deadline, next, "seed {seed}: timer {id} not at its tick");
+                fired += 1;
+            }
+            now = next;
+            assert!(polls < 1_000_000, "livelock");
+        }
+        assert!(armed.is_empty() && wheel.is_empty());
+        assert!(fired > 1_000, "seed {seed}: only {fired} fired");
+    }
+}

@@ -1,0 +1,165 @@
+//! The sans-IO core on a fake clock: every call says what time it is, and
+//! returns the responses the call produced.
+
+use std::collections::BTreeMap;
+
+use kunci::core::{ConnId, Core, Limits, Micros, Output};
+use kunci::protocol::{Request, Response};
+
+pub const MS: Micros = 1_000;
+pub const S: Micros = 1_000_000;
+
+/// The first token the tests' cores hand out.
+pub const FIRST_TOKEN: u64 = 1_000;
+
+/// The tick at or after `at` (deadlines round up to a 1 ms tick).
+pub fn tick_of(at: Micros) -> u64 {
+    at.div_ceil(MS)
+}
+
+pub struct Fake {
+    pub core: Core,
+    pub now: Micros,
+}
+
+impl Fake {
+    /// A core with `limits`, connections `0..conns` open, at time 0.
+    pub fn new(limits: Limits, conns: ConnId) -> Fake {
+        let mut core = Core::new(limits, FIRST_TOKEN);
+        for conn in 0..conns {
+            core.connect(conn);
+        }
+        Fake { core, now: 0 }
+    }
+
+    pub fn with_conns(conns: ConnId) -> Fake {
+        Fake::new(Limits::default(), conns)
+    }
+
+    /// Moves the clock to `now` without firing anything.
+    pub fn set_now(&mut self, now: Micros) {
+        assert!(
+            now >= self.now,
+            "the fake clock goes back from {} to {now}",
+            self.now
+        );
+        self.now = now;
+    }
+
+    /// Moves the clock to `now` and fires what is due.
+    pub fn run_until(&mut self, now: Micros) -> Vec<Output> {
+        self.set_now(now);
+        self.core.handle_timeout(now);
+        self.drain()
+    }
+
+    pub fn drain(&mut self) -> Vec<Output> {
+        self.core.drain_outbox().collect()
+    }
+
+    pub fn request(&mut self, conn: ConnId, request: &Request<'_>) -> Vec<Output> {
+        self.core.handle_request(conn, request, self.now);
+        self.drain()
+    }
+
+    pub fn acquire(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        wait_s: u8,
+        lease_s: u8,
+        owner: u64,
+    ) -> Vec<Output> {
+        self.request(
+            conn,
+            &Request::Acquire {
+                wait_s,
+                lease_s,
+                owner,
+                key,
+            },
+        )
+    }
+
+    /// An acquire that must be granted at once; returns its token.
+    pub fn grant(&mut self, conn: ConnId, key: &str, lease_s: u8, owner: u64) -> u64 {
+        match self.acquire(conn, key, 0, lease_s, owner).as_slice() {
+            [(to, Response::Acquired { owner: got, token })] if *to == conn && *got == owner => {
+                *token
+            }
+            other => panic!("acquire of {key:?} not granted at once: {other:?}"),
+        }
+    }
+
+    /// An acquire that must be queued (no answer yet).
+    pub fn enqueue(&mut self, conn: ConnId, key: &str, wait_s: u8, lease_s: u8, owner: u64) {
+        let out = self.acquire(conn, key, wait_s, lease_s, owner);
+        assert_eq!(
+            out,
+            vec![],
+            "acquire of {key:?} by owner {owner} was not queued"
+        );
+    }
+
+    pub fn release(&mut self, conn: ConnId, key: &str, token: u64) -> Vec<Output> {
+        self.request(conn, &Request::Release { token, key })
+    }
+
+    pub fn extend(&mut self, conn: ConnId, key: &str, lease_s: u8, token: u64) -> Vec<Output> {
+        self.request(
+            conn,
+            &Request::Extend {
+                lease_s,
+                token,
+                key,
+            },
+        )
+    }
+
+    /// The `Q` answer for `key`, as (token, owner, lease_ms, waiters).
+    pub fn query(&mut self, key: &str) -> (u64, u64, u32, u32) {
+        match self.request(0, &Request::Query { key }).as_slice() {
+            [
+                (
+                    0,
+                    Response::Query {
+                        token,
+                        owner,
+                        lease_ms,
+                        waiters,
+                    },
+                ),
+            ] => (*token, *owner, *lease_ms, *waiters),
+            other => panic!("query of {key:?}: {other:?}"),
+        }
+    }
+
+    /// The `I` answer parsed into its `name=value` pairs.
+    pub fn info(&mut self) -> BTreeMap<String, String> {
+        match self.request(0, &Request::Info).as_slice() {
+            [(0, Response::Info(text))] => parse_info(text),
+            other => panic!("info: {other:?}"),
+        }
+    }
+}
+
+/// Splits an `I` text into its pairs, checking the format on the way:
+/// ASCII `name=value` separated by single spaces, no name twice.
+pub fn parse_info(text: &str) -> BTreeMap<String, String> {
+    assert!(text.is_ascii() && !text.contains('\n'), "{text:?}");
+    let mut pairs = BTreeMap::new();
+    for pair in text.split(' ') {
+        let (name, value) = pair
+            .split_once('=')
+            .unwrap_or_else(|| panic!("{pair:?} in {text:?}"));
+        assert!(
+            !name.is_empty() && !value.is_empty(),
+            "{pair:?} in {text:?}"
+        );
+        assert!(
+            pairs.insert(name.to_owned(), value.to_owned()).is_none(),
+            "{name} twice in {text:?}"
+        );
+    }
+    pairs
+}

@@ -1,0 +1,474 @@
+//! A small, obviously correct reference model of the core: an ordered map
+//! from key to holder and FIFO queue, with the spec's rules written out as
+//! directly as possible. During a restart grace a key that is waited on is
+//! held by an unknown grant (token 0) whose lease ends at the horizon.
+//!
+//! One thing the spec leaves open is what happens first when a key's lease
+//! and a wait on that key run out at the same 1 ms tick, and in which order
+//! grants at one tick take their tokens. The model does not guess: it takes
+//! the core's choice from the core's answers and checks that the choice was
+//! one of the allowed ones.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use kunci::core::{ConnId, Limits, Micros, Output};
+use kunci::protocol::{Request, RequestError, Response};
+
+use super::fake::{MS, S, parse_info, tick_of};
+
+#[derive(Clone, Debug)]
+pub struct Waiter {
+    pub conn: ConnId,
+    pub owner: u64,
+    pub lease_s: u8,
+    pub deadline_tick: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Key {
+    pub token: u64,
+    pub owner: u64,
+    pub lease_tick: u64,
+    pub queue: VecDeque<Waiter>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Counters {
+    pub grants: u64,
+    pub timeouts: u64,
+    pub busy: u64,
+    pub expired: u64,
+    pub released: u64,
+    pub extended: u64,
+    pub not_held: u64,
+    pub errors: u64,
+}
+
+pub struct Model {
+    pub limits: Limits,
+    pub keys: BTreeMap<String, Key>,
+    pub next_token: u64,
+    /// Open connections, each with the number of waits it has queued.
+    pub conns: BTreeMap<ConnId, u32>,
+    pub counters: Counters,
+    /// The restart grace's horizon (0: none).
+    pub grace_until: Micros,
+    /// How often a wait ran out at the tick its key's lease did, and the
+    /// core let the wait go first.
+    pub ties: u64,
+}
+
+impl Model {
+    pub fn new(limits: Limits, first_token: u64) -> Model {
+        Model {
+            limits,
+            keys: BTreeMap::new(),
+            next_token: first_token.max(1),
+            conns: BTreeMap::new(),
+            counters: Counters::default(),
+            grace_until: 0,
+            ties: 0,
+        }
+    }
+
+    pub fn connect(&mut self, conn: ConnId) {
+        self.conns.entry(conn).or_insert(0);
+    }
+
+    pub fn disconnect(&mut self, conn: ConnId) {
+        if self.conns.remove(&conn).is_some() {
+            for key in self.keys.values_mut() {
+                key.queue.retain(|waiter| waiter.conn != conn);
+            }
+            self.drop_unknown_holders();
+        }
+    }
+
+    /// A key held by an unknown grant that nobody waits on any more means
+    /// the same as a key not in the table.
+    fn drop_unknown_holders(&mut self) {
+        self.keys
+            .retain(|_, key| key.token != 0 || !key.queue.is_empty());
+    }
+
+    pub fn waiters(&self) -> usize {
+        self.keys.values().map(|key| key.queue.len()).sum()
+    }
+
+    pub fn holder_token(&self, key: &str) -> Option<u64> {
+        self.keys.get(key).map(|key| key.token)
+    }
+
+    /// The earliest tick at which something is due.
+    pub fn earliest_tick(&self) -> Option<u64> {
+        self.keys
+            .values()
+            .flat_map(|key| {
+                std::iter::once(key.lease_tick)
+                    .chain(key.queue.iter().map(|waiter| waiter.deadline_tick))
+            })
+            .min()
+    }
+
+    pub fn invalid(&mut self, conn: ConnId, error: RequestError) -> Vec<Output> {
+        self.counters.errors += 1;
+        vec![(conn, error.response())]
+    }
+
+    /// The answers to `request` from `conn` at `now`, in order.
+    pub fn request(&mut self, conn: ConnId, request: &Request<'_>, now: Micros) -> Vec<Output> {
+        match *request {
+            Request::Acquire {
+                wait_s,
+                lease_s,
+                owner,
+                key,
+            } => {
+                let waiters = self.waiters();
+                let queued_by_conn = self.conns[&conn];
+                if let Some(held) = self.keys.get_mut(key) {
+                    if wait_s == 0 {
+                        self.counters.timeouts += 1;
+                        return vec![(conn, Response::Timeout { owner })];
+                    }
+                    let fits = waiters < self.limits.max_waiters
+                        && held.queue.len() < self.limits.max_waiters_per_key as usize
+                        && queued_by_conn < self.limits.max_waits_per_conn;
+                    if !fits {
+                        self.counters.busy += 1;
+                        return vec![(conn, Response::Busy { owner })];
+                    }
+                    held.queue.push_back(Waiter {
+                        conn,
+                        owner,
+                        lease_s,
+                        deadline_tick: tick_of(now + u64::from(wait_s) * S),
+                    });
+                    *self.conns.get_mut(&conn).unwrap() += 1;
+                    return vec![];
+                }
+                if now < self.grace_until {
+                    // Held by an unknown grant until the horizon.
+                    if wait_s == 0 {
+                        self.counters.timeouts += 1;
+                        return vec![(conn, Response::Timeout { owner })];
+                    }
+                    let fits = waiters < self.limits.max_waiters
+                        && self.limits.max_waiters_per_key > 0
+                        && queued_by_conn < self.limits.max_waits_per_conn
+                        && self.keys.len() < self.limits.max_keys;
+                    if !fits {
+                        self.counters.busy += 1;
+                        return vec![(conn, Response::Busy { owner })];
+                    }
+                    let queue = VecDeque::from([Waiter {
+                        conn,
+                        owner,
+                        lease_s,
+                        deadline_tick: tick_of(now + u64::from(wait_s) * S),
+                    }]);
+                    self.keys.insert(
+                        key.to_owned(),
+                        Key {
+                            token: 0,
+                            owner: 0,
+                            lease_tick: tick_of(self.grace_until),
+                            queue,
+                        },
+                    );
+                    *self.conns.get_mut(&conn).unwrap() += 1;
+                    return vec![];
+                }
+                if self.keys.len() >= self.limits.max_keys {
+                    self.counters.busy += 1;
+                    return vec![(conn, Response::Busy { owner })];
+                }
+                let token = self.take_token();
+                self.keys.insert(
+                    key.to_owned(),
+                    Key {
+                        token,
+                        owner,
+                        lease_tick: tick_of(now + u64::from(lease_s) * S),
+                        queue: VecDeque::new(),
+                    },
+                );
+                vec![(conn, Response::Acquired { owner, token })]
+            }
+            Request::Release { token, key } => {
+                if self.holder_token(key) != Some(token) || token == 0 {
+                    self.counters.not_held += 1;
+                    return vec![(conn, Response::NotHeld { token })];
+                }
+                self.counters.released += 1;
+                let mut out = vec![(conn, Response::Released { token })];
+                out.extend(self.hand_over(key, now));
+                out
+            }
+            Request::Extend {
+                lease_s,
+                token,
+                key,
+            } => {
+                if self.holder_token(key) != Some(token) || token == 0 {
+                    self.counters.not_held += 1;
+                    return vec![(conn, Response::NotHeld { token })];
+                }
+                self.counters.extended += 1;
+                self.keys.get_mut(key).unwrap().lease_tick = tick_of(now + u64::from(lease_s) * S);
+                vec![(conn, Response::Extended { token })]
+            }
+            Request::Query { key } => {
+                let to_horizon = self.grace_until.saturating_sub(now).div_ceil(MS) as u32;
+                let response = match self.keys.get(key) {
+                    Some(held) => Response::Query {
+                        token: held.token,
+                        owner: held.owner,
+                        lease_ms: if held.token == 0 {
+                            to_horizon
+                        } else {
+                            lease_ms_left(held.lease_tick, now)
+                        },
+                        waiters: held.queue.len() as u32,
+                    },
+                    None if now < self.grace_until => Response::Query {
+                        token: 0,
+                        owner: 0,
+                        lease_ms: to_horizon,
+                        waiters: 0,
+                    },
+                    None => Response::Query {
+                        token: 0,
+                        owner: 0,
+                        lease_ms: 0,
+                        waiters: 0,
+                    },
+                };
+                vec![(conn, response)]
+            }
+            Request::Ping { nonce } => vec![(conn, Response::Pong { nonce })],
+            Request::Info => vec![(conn, Response::Info(self.info_text(now)))],
+        }
+    }
+
+    fn take_token(&mut self) -> u64 {
+        let token = self.next_token;
+        self.next_token += 1;
+        self.counters.grants += 1;
+        token
+    }
+
+    /// The holder of `key` is gone at `now`: the head waiter gets it, or
+    /// the key goes.
+    fn hand_over(&mut self, key: &str, now: Micros) -> Option<Output> {
+        let Some(waiter) = self.keys.get_mut(key).unwrap().queue.pop_front() else {
+            self.keys.remove(key);
+            return None;
+        };
+        *self.conns.get_mut(&waiter.conn).unwrap() -= 1;
+        let token = self.take_token();
+        let held = self.keys.get_mut(key).unwrap();
+        held.token = token;
+        held.owner = waiter.owner;
+        held.lease_tick = tick_of(now + u64::from(waiter.lease_s) * S);
+        Some((
+            waiter.conn,
+            Response::Acquired {
+                owner: waiter.owner,
+                token,
+            },
+        ))
+    }
+
+    /// The spec's `I` names with the values the model expects.
+    pub fn info_text(&self, now: Micros) -> String {
+        let c = &self.counters;
+        format!(
+            "uptime_s={} connections={} keys={} held={} waiters={} grants={} timeouts={} \
+             busy={} expired={} released={} extended={} not_held={} errors={} next_token={}",
+            now / S,
+            self.conns.len(),
+            self.keys.len(),
+            self.keys.values().filter(|key| key.token != 0).count(),
+            self.waiters(),
+            c.grants,
+            c.timeouts,
+            c.busy,
+            c.expired,
+            c.released,
+            c.extended,
+            c.not_held,
+            c.errors,
+            self.next_token,
+        )
+    }
+
+    /// Fires what is due at `now` — everything whose tick is at or before
+    /// `now`'s, tick by tick — and returns the expected answers (in no
+    /// particular order). `core_out` is what the core answered to the same
+    /// call: the model takes from it only the choices the spec leaves open
+    /// (see the module docs), and checks them.
+    pub fn timeout(&mut self, now: Micros, core_out: &[Output]) -> Result<Vec<Output>, String> {
+        let now_tick = now / MS;
+        let granted: HashMap<u64, u64> = core_out
+            .iter()
+            .filter_map(|(_, response)| match *response {
+                Response::Acquired { owner, token } => Some((owner, token)),
+                _ => None,
+            })
+            .collect();
+        let mut expected = Vec::new();
+        // (tick, token) of every hand-over grant.
+        let mut grants = Vec::new();
+        while let Some(tick) = self.earliest_tick().filter(|&tick| tick <= now_tick) {
+            let expiring: Vec<String> = self
+                .keys
+                .iter()
+                .filter(|(_, key)| key.lease_tick == tick)
+                .map(|(name, _)| name.clone())
+                .collect();
+            let Model {
+                keys,
+                conns,
+                counters,
+                ties,
+                ..
+            } = self;
+            for name in expiring {
+                let held = keys.get_mut(&name).unwrap();
+                if held.token != 0 {
+                    counters.expired += 1;
+                }
+                // Waits that run out at this same tick may go first; any
+                // other waiter ahead of the one granted is a FIFO violation.
+                let first_granted = held
+                    .queue
+                    .iter()
+                    .position(|waiter| granted.contains_key(&waiter.owner))
+                    .unwrap_or(held.queue.len());
+                for _ in 0..first_granted {
+                    let waiter = held.queue.pop_front().unwrap();
+                    if waiter.deadline_tick != tick {
+                        return Err(format!(
+                            "lease of {name:?} ran out at tick {tick}, but its head waiter \
+                             {} (deadline tick {}) was not granted",
+                            waiter.owner, waiter.deadline_tick
+                        ));
+                    }
+                    *ties += 1;
+                    counters.timeouts += 1;
+                    *conns.get_mut(&waiter.conn).unwrap() -= 1;
+                    expected.push((
+                        waiter.conn,
+                        Response::Timeout {
+                            owner: waiter.owner,
+                        },
+                    ));
+                }
+                match held.queue.pop_front() {
+                    Some(waiter) => {
+                        let token = granted[&waiter.owner];
+                        counters.grants += 1;
+                        *conns.get_mut(&waiter.conn).unwrap() -= 1;
+                        held.token = token;
+                        held.owner = waiter.owner;
+                        held.lease_tick = tick_of(now + u64::from(waiter.lease_s) * S);
+                        grants.push((tick, token));
+                        expected.push((
+                            waiter.conn,
+                            Response::Acquired {
+                                owner: waiter.owner,
+                                token,
+                            },
+                        ));
+                    }
+                    None => {
+                        keys.remove(&name);
+                    }
+                }
+            }
+            for held in keys.values_mut() {
+                held.queue.retain(|waiter| {
+                    if waiter.deadline_tick != tick {
+                        return true;
+                    }
+                    counters.timeouts += 1;
+                    *conns.get_mut(&waiter.conn).unwrap() -= 1;
+                    expected.push((
+                        waiter.conn,
+                        Response::Timeout {
+                            owner: waiter.owner,
+                        },
+                    ));
+                    false
+                });
+            }
+            keys.retain(|_, key| key.token != 0 || !key.queue.is_empty());
+        }
+        // Hand-over tokens continue the sequence, earlier ticks first.
+        grants.sort_by_key(|&(_, token)| token);
+        for (i, &(tick, token)) in grants.iter().enumerate() {
+            if token != self.next_token + i as u64 {
+                return Err(format!(
+                    "hand-over tokens {grants:?} do not continue from {}",
+                    self.next_token
+                ));
+            }
+            if i > 0 && grants[i - 1].0 > tick {
+                return Err(format!("hand-over tokens {grants:?} not in tick order"));
+            }
+        }
+        self.next_token += grants.len() as u64;
+        Ok(expected)
+    }
+}
+
+/// What `Q` shows for a lease that runs out at `lease_tick`: the time from
+/// `now` to the earliest deadline that rounds up to that tick, rounded up.
+/// It is never more than the exact time left, and at most 1 ms less.
+pub fn lease_ms_left(lease_tick: u64, now: Micros) -> u32 {
+    let earliest = (lease_tick * MS).saturating_sub(MS - 1);
+    earliest.saturating_sub(now).div_ceil(MS) as u32
+}
+
+/// Compares answers that must come in this order. An `I` text matches when
+/// every pair the model names has the same value in the core's text.
+pub fn same_in_order(core: &[Output], model: &[Output]) -> Result<(), String> {
+    let mismatch = || Err(format!("core answered {core:?}, the model {model:?}"));
+    if core.len() != model.len() {
+        return mismatch();
+    }
+    for (got, want) in core.iter().zip(model) {
+        match (got, want) {
+            ((to, Response::Info(text)), (want_to, Response::Info(want_text))) => {
+                let pairs = parse_info(text);
+                if to != want_to || !pairs.contains_key("version") {
+                    return mismatch();
+                }
+                for (name, value) in parse_info(want_text) {
+                    if pairs.get(&name) != Some(&value) {
+                        return Err(format!("I: {name}={value} expected in {text:?}"));
+                    }
+                }
+            }
+            _ if got == want => {}
+            _ => return mismatch(),
+        }
+    }
+    Ok(())
+}
+
+/// Compares answers whose order is free (all fired in one `handle_timeout`).
+pub fn same_as_multiset(core: &[Output], model: &[Output]) -> Result<(), String> {
+    let sorted = |outputs: &[Output]| {
+        let mut lines: Vec<String> = outputs.iter().map(|output| format!("{output:?}")).collect();
+        lines.sort();
+        lines
+    };
+    let (got, want) = (sorted(core), sorted(model));
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("core fired {got:?}, the model {want:?}"))
+    }
+}
