@@ -25,7 +25,7 @@ impl fmt::Display for AddressError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "invalid address {:?}: expected HOST:PORT or unix:PATH",
+            "invalid address {:?}: expected HOST:PORT, unix:PATH, or a network such as 10.0.0.0/8",
             self.0
         )
     }
@@ -68,11 +68,110 @@ mod tests {
 
     #[test]
     fn parses_tcp_and_unix() {
-        assert_eq!("127.0.0.1:5862".parse(), Ok(Address::Tcp("127.0.0.1:5862".into())));
+        assert_eq!(
+            "127.0.0.1:5862".parse(),
+            Ok(Address::Tcp("127.0.0.1:5862".into()))
+        );
         assert_eq!("[::1]:0".parse(), Ok(Address::Tcp("[::1]:0".into())));
-        assert_eq!("unix:/tmp/k.sock".parse(), Ok(Address::Unix("/tmp/k.sock".into())));
+        assert_eq!(
+            "unix:/tmp/k.sock".parse(),
+            Ok(Address::Unix("/tmp/k.sock".into()))
+        );
         for bad in ["", "unix:", "localhost", ":5862", "host:port", "host:70000"] {
             assert!(bad.parse::<Address>().is_err(), "{bad}");
+        }
+    }
+}
+
+/// A network in CIDR notation (`10.0.0.0/8`, `::1/128`, or a bare address
+/// meaning just that host), for the server's `--allow` list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Network {
+    base: std::net::IpAddr,
+    prefix_len: u8,
+}
+
+impl Network {
+    /// Whether `ip` is inside this network. IPv4-mapped IPv6 peers
+    /// (`::ffff:a.b.c.d`) match IPv4 networks.
+    pub fn contains(&self, ip: std::net::IpAddr) -> bool {
+        use std::net::IpAddr;
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        match (self.base, ip) {
+            (IpAddr::V4(base), IpAddr::V4(ip)) => prefix_matches(
+                u32::from(base).into(),
+                u32::from(ip).into(),
+                self.prefix_len,
+                32,
+            ),
+            (IpAddr::V6(base), IpAddr::V6(ip)) => {
+                prefix_matches(u128::from(base), u128::from(ip), self.prefix_len, 128)
+            }
+            _ => false,
+        }
+    }
+}
+
+fn prefix_matches(base: u128, ip: u128, prefix_len: u8, bits: u32) -> bool {
+    if prefix_len == 0 {
+        return true;
+    }
+    let shift = bits - u32::from(prefix_len);
+    base >> shift == ip >> shift
+}
+
+impl FromStr for Network {
+    type Err = AddressError;
+
+    fn from_str(text: &str) -> Result<Network, AddressError> {
+        let bad = || AddressError(text.to_owned());
+        let (ip, prefix) = match text.split_once('/') {
+            Some((ip, prefix)) => (ip, Some(prefix)),
+            None => (text, None),
+        };
+        let base: std::net::IpAddr = ip.parse().map_err(|_| bad())?;
+        let bits = if base.is_ipv4() { 32 } else { 128 };
+        let prefix_len = match prefix {
+            Some(prefix) => prefix
+                .parse::<u8>()
+                .ok()
+                .filter(|len| u32::from(*len) <= bits)
+                .ok_or_else(bad)?,
+            None => bits as u8,
+        };
+        Ok(Network { base, prefix_len })
+    }
+}
+
+impl fmt::Display for Network {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.base, self.prefix_len)
+    }
+}
+
+#[cfg(test)]
+mod network_tests {
+    use super::*;
+
+    #[test]
+    fn networks_match_their_prefix() {
+        let private: Network = "10.0.0.0/8".parse().unwrap();
+        assert!(private.contains("10.1.2.3".parse().unwrap()));
+        assert!(!private.contains("11.0.0.1".parse().unwrap()));
+        assert!(private.contains("::ffff:10.9.9.9".parse().unwrap()));
+        let host: Network = "127.0.0.1".parse().unwrap();
+        assert!(host.contains("127.0.0.1".parse().unwrap()));
+        assert!(!host.contains("127.0.0.2".parse().unwrap()));
+        let everyone: Network = "0.0.0.0/0".parse().unwrap();
+        assert!(everyone.contains("8.8.8.8".parse().unwrap()));
+        let v6: Network = "fd00::/8".parse().unwrap();
+        assert!(v6.contains("fd12::1".parse().unwrap()));
+        assert!(!v6.contains("10.0.0.1".parse().unwrap()));
+        for bad in ["10.0.0.0/33", "::/129", "nope", "10.0.0.0/"] {
+            assert!(bad.parse::<Network>().is_err(), "{bad}");
         }
     }
 }

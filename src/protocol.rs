@@ -274,7 +274,11 @@ fn header_id(op: u8, header: &[u8]) -> u64 {
     }
 }
 
-fn validate_request<'a>(op: u8, header: &[u8], payload: &'a [u8]) -> Result<Request<'a>, ErrorCode> {
+fn validate_request<'a>(
+    op: u8,
+    header: &[u8],
+    payload: &'a [u8],
+) -> Result<Request<'a>, ErrorCode> {
     let header_byte = |at: usize| header.get(at).copied().unwrap_or(0);
     match op {
         b'A' => {
@@ -465,7 +469,11 @@ impl fmt::Display for ResponseError {
                 write!(f, "response '{}' not terminated by a newline", op as char)
             }
             ResponseError::TextTooLong(op) => {
-                write!(f, "response '{}' text longer than {RESPONSE_TEXT_MAX} bytes", op as char)
+                write!(
+                    f,
+                    "response '{}' text longer than {RESPONSE_TEXT_MAX} bytes",
+                    op as char
+                )
             }
         }
     }

@@ -14,7 +14,10 @@ pub fn text(value: Result<OsString, lexopt::Error>) -> Result<String, String> {
 }
 
 /// Parses a number of the type the option takes, naming the option on error.
-pub fn number<T: std::str::FromStr>(option: &str, value: Result<OsString, lexopt::Error>) -> Result<T, String> {
+pub fn number<T: std::str::FromStr>(
+    option: &str,
+    value: Result<OsString, lexopt::Error>,
+) -> Result<T, String> {
     let text = text(value)?;
     text.parse()
         .map_err(|_| format!("{option}: invalid value {text:?}"))
@@ -22,7 +25,9 @@ pub fn number<T: std::str::FromStr>(option: &str, value: Result<OsString, lexopt
 
 /// Parses an address option.
 pub fn address(value: Result<OsString, lexopt::Error>) -> Result<Address, String> {
-    text(value)?.parse().map_err(|e: crate::addr::AddressError| e.to_string())
+    text(value)?
+        .parse()
+        .map_err(|e: crate::addr::AddressError| e.to_string())
 }
 
 /// Parses seconds with an optional decimal fraction (`--wait 2.5`),
@@ -37,7 +42,11 @@ pub fn seconds(option: &str, text: &str) -> Result<Duration, String> {
     {
         return Err(bad());
     }
-    let whole: u64 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| bad())? };
+    let whole: u64 = if whole.is_empty() {
+        0
+    } else {
+        whole.parse().map_err(|_| bad())?
+    };
     let nanos: u32 = if fraction.is_empty() {
         0
     } else {

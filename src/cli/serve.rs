@@ -1,8 +1,150 @@
-//! `kunci serve`.
+//! `kunci serve`: parse the flags, bind, log one start-up line, run.
 
 use std::ffi::OsString;
 
-pub fn main(_args: Vec<OsString>) -> u8 {
-    eprintln!("kunci serve: not built yet");
-    super::exit::USAGE
+use log::{error, info};
+
+use super::args;
+use super::exit;
+use crate::core::Limits;
+use crate::server::{Config, Server};
+
+fn help() -> String {
+    let defaults = Config::default();
+    let limits = defaults.limits;
+    format!(
+        "\
+kunci serve — run the lock server
+
+Usage: kunci serve [--listen ADDR]... [options]
+
+Options:
+  --listen ADDR               where to listen: HOST:PORT or unix:PATH; repeat
+                              for several (default {listen}: loopback only).
+                              Port 0 picks a free port; the start-up log line
+                              names it.
+  --max-keys N                keys in the table, held or waited on
+                              (default {max_keys}; ~60 B each)
+  --max-waiters N             queued waiters in total (default {max_waiters};
+                              ~56 B each)
+  --max-waiters-per-key N     queued waiters on one key (default {per_key})
+  --max-waits-per-conn N      queued waits one connection may have
+                              (default {per_conn})
+  --max-connections N         open connections; one more gets `X 7` and is
+                              closed (default {max_connections})
+  --allow CIDR                accept TCP peers only from this network
+                              (e.g. 10.0.0.0/8, ::1/128); repeat for several.
+                              Others are closed at once and counted as
+                              `refused`. Default: anyone who can connect.
+  --unix-mode MODE            permissions of unix: socket files, octal
+                              (default {unix_mode:o})
+  -h, --help                  show this help
+
+Logging: RUST_LOG (default info) — one start-up line, then only problems.
+SIGTERM / SIGINT: waiters get `B`, connections `X 8`, then exit 0.
+",
+        listen = defaults.listen[0],
+        max_keys = limits.max_keys,
+        max_waiters = limits.max_waiters,
+        per_key = limits.max_waiters_per_key,
+        per_conn = limits.max_waits_per_conn,
+        max_connections = limits.max_connections,
+        unix_mode = defaults.unix_mode,
+    )
+}
+
+fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
+    use lexopt::prelude::*;
+    let mut config = Config::default();
+    let mut listen = Vec::new();
+    let mut parser = lexopt::Parser::from_args(arguments);
+    while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
+        let limits: &mut Limits = &mut config.limits;
+        match argument {
+            Long("listen") => listen.push(args::address(parser.value())?),
+            Long("max-keys") => limits.max_keys = positive("--max-keys", parser.value())?,
+            Long("max-waiters") => {
+                limits.max_waiters = args::number("--max-waiters", parser.value())?
+            }
+            Long("max-waiters-per-key") => {
+                limits.max_waiters_per_key = args::number("--max-waiters-per-key", parser.value())?
+            }
+            Long("max-waits-per-conn") => {
+                limits.max_waits_per_conn = args::number("--max-waits-per-conn", parser.value())?
+            }
+            Long("max-connections") => {
+                limits.max_connections = positive("--max-connections", parser.value())?
+            }
+            Long("unix-mode") => {
+                let text = args::text(parser.value())?;
+                config.unix_mode = u32::from_str_radix(&text, 8)
+                    .ok()
+                    .filter(|mode| *mode <= 0o777)
+                    .ok_or_else(|| format!("--unix-mode: invalid octal mode {text:?}"))?;
+            }
+            Long("allow") => {
+                let text = args::text(parser.value())?;
+                let network = text
+                    .parse()
+                    .map_err(|e: crate::addr::AddressError| format!("--allow: {e}"))?;
+                config.allow.push(network);
+            }
+            Short('h') | Long("help") => return Ok(None),
+            other => return Err(other.unexpected().to_string()),
+        }
+    }
+    if !listen.is_empty() {
+        config.listen = listen;
+    }
+    Ok(Some(config))
+}
+
+fn positive(option: &str, value: Result<OsString, lexopt::Error>) -> Result<usize, String> {
+    let number: usize = args::number(option, value)?;
+    if number == 0 {
+        return Err(format!("{option}: must be at least 1"));
+    }
+    Ok(number)
+}
+
+pub fn main(arguments: Vec<OsString>) -> u8 {
+    let config = match parse(arguments) {
+        Ok(Some(config)) => config,
+        Ok(None) => {
+            print!("{}", help());
+            return exit::DONE;
+        }
+        Err(message) => {
+            eprintln!("kunci serve: {message}\n(see kunci serve --help)");
+            return exit::USAGE;
+        }
+    };
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let server = match Server::bind(config) {
+        Ok(server) => server,
+        Err(e) => {
+            error!("cannot listen: {e}");
+            return 1;
+        }
+    };
+    let limits = server.limits();
+    let addresses: Vec<String> = server.addresses().iter().map(ToString::to_string).collect();
+    info!(
+        "kunci {} listening on {}; limits: max_keys={} max_waiters={} \
+         max_waiters_per_key={} max_waits_per_conn={} max_connections={}",
+        env!("CARGO_PKG_VERSION"),
+        addresses.join(" "),
+        limits.max_keys,
+        limits.max_waiters,
+        limits.max_waiters_per_key,
+        limits.max_waits_per_conn,
+        limits.max_connections,
+    );
+    match server.run() {
+        Ok(()) => exit::DONE,
+        Err(e) => {
+            error!("event loop failed: {e}");
+            1
+        }
+    }
 }

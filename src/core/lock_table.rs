@@ -288,7 +288,13 @@ mod tests {
     fn insert_find_remove_many_with_short_and_long_keys() {
         let mut table = LockTable::new();
         let keys: Vec<String> = (0..5000)
-            .map(|i| if i % 3 == 0 { format!("long-key-{i:0>40}") } else { format!("k{i}") })
+            .map(|i| {
+                if i % 3 == 0 {
+                    format!("long-key-{i:0>40}")
+                } else {
+                    format!("k{i}")
+                }
+            })
             .collect();
         let mut indices = Vec::new();
         for (i, key) in keys.iter().enumerate() {

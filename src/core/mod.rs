@@ -317,7 +317,15 @@ impl Core {
         }
     }
 
-    fn acquire(&mut self, conn: ConnId, key: &str, wait_s: u8, lease_s: u8, owner: u64, now: Micros) {
+    fn acquire(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        wait_s: u8,
+        lease_s: u8,
+        owner: u64,
+        now: Micros,
+    ) {
         let hash = self.table.hash(key);
         let entry = match self.table.find(key, hash) {
             Some(_) if wait_s == 0 => return self.timeout(conn, owner),
@@ -354,14 +362,19 @@ impl Core {
         let waiter = {
             let queue = &mut self.table.get_mut(entry).waiters;
             let conn_list = &mut self.conns[conn as usize].waiters;
-            self.waiters.push_back(queue, conn_list, conn, entry, owner, lease_s)
+            self.waiters
+                .push_back(queue, conn_list, conn, entry, owner, lease_s)
         };
         let deadline = now + u64::from(wait_s) * MICROS_PER_S;
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
         };
-        self.wheel.arm(&mut nodes, waiter | WAITER_TIMER, tick_at_or_after(deadline));
+        self.wheel.arm(
+            &mut nodes,
+            waiter | WAITER_TIMER,
+            tick_at_or_after(deadline),
+        );
     }
 
     /// Whether one more waiter fits: in total, on the queue with head
@@ -409,7 +422,11 @@ impl Core {
         let response = match self.table.find(key, self.table.hash(key)) {
             Some(entry) => {
                 let entry = self.table.get(entry);
-                let deadline = self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK;
+                // The tick rounded the true deadline up by less than one
+                // tick: report the earliest deadline that rounds to it, so
+                // a fresh grant never shows more than its lease.
+                let deadline = (self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK)
+                    .saturating_sub(MICROS_PER_TICK - 1);
                 Response::Query {
                     token: entry.token,
                     owner: entry.owner,
@@ -469,7 +486,8 @@ impl Core {
         held.owner = owner;
         self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
         self.stats.grants += 1;
-        self.outbox.push((conn, Response::Acquired { owner, token }));
+        self.outbox
+            .push((conn, Response::Acquired { owner, token }));
     }
 
     fn arm_lease_at(&mut self, entry: u32, deadline: Micros) {
@@ -477,7 +495,8 @@ impl Core {
             table: &mut self.table,
             waiters: &mut self.waiters,
         };
-        self.wheel.arm(&mut nodes, entry, tick_at_or_after(deadline));
+        self.wheel
+            .arm(&mut nodes, entry, tick_at_or_after(deadline));
     }
 
     fn cancel_lease(&mut self, entry: u32) {

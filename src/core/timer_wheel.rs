@@ -288,7 +288,9 @@ mod tests {
 
     #[test]
     fn fires_exactly_at_deadline_never_before() {
-        for deadline in [1u64, 63, 64, 65, 4095, 4096, 4097, 100_000, 262_143, 262_144, 300_000] {
+        for deadline in [
+            1u64, 63, 64, 65, 4095, 4096, 4097, 100_000, 262_143, 262_144, 300_000,
+        ] {
             let mut nodes = Nodes(vec![TimerLinks::UNARMED; 1]);
             let mut wheel = TimerWheel::new();
             wheel.arm(&mut nodes, 0, deadline);
@@ -296,9 +298,16 @@ mod tests {
             let mut now = 0;
             while now < deadline - 1 {
                 now = (now + 997).min(deadline - 1);
-                assert!(fire_all(&mut wheel, &mut nodes, now).is_empty(), "early at {now} for {deadline}");
+                assert!(
+                    fire_all(&mut wheel, &mut nodes, now).is_empty(),
+                    "early at {now} for {deadline}"
+                );
             }
-            assert_eq!(fire_all(&mut wheel, &mut nodes, deadline), vec![0], "deadline {deadline}");
+            assert_eq!(
+                fire_all(&mut wheel, &mut nodes, deadline),
+                vec![0],
+                "deadline {deadline}"
+            );
             assert!(wheel.is_empty());
             assert_eq!(wheel.next_tick(), None);
         }

@@ -217,13 +217,19 @@ mod tests {
         assert_eq!(waiters.queue_len(queue), 5);
         waiters.remove(w[2], &mut queue, &mut conn_a);
         waiters.remove(w[0], &mut queue, &mut conn_a);
-        assert_eq!(waiters.queue(queue).collect::<Vec<_>>(), vec![w[1], w[3], w[4]]);
+        assert_eq!(
+            waiters.queue(queue).collect::<Vec<_>>(),
+            vec![w[1], w[3], w[4]]
+        );
         assert_eq!(waiters.queue_len(queue), 3);
         assert_eq!(conn_a.len, 1);
         assert_eq!(conn_a.head, w[4]);
         let reused = waiters.push_back(&mut queue, &mut conn_a, 0, 0, 9, 1);
         assert!(reused == w[0] || reused == w[2]);
-        assert_eq!(waiters.queue(queue).collect::<Vec<_>>(), vec![w[1], w[3], w[4], reused]);
+        assert_eq!(
+            waiters.queue(queue).collect::<Vec<_>>(),
+            vec![w[1], w[3], w[4], reused]
+        );
         for index in [w[1], w[3]] {
             waiters.remove(index, &mut queue, &mut conn_b);
         }
@@ -232,6 +238,9 @@ mod tests {
         }
         assert_eq!(queue, NIL);
         assert!(waiters.is_empty());
-        assert_eq!((conn_a.head, conn_a.len, conn_b.head, conn_b.len), (NIL, 0, NIL, 0));
+        assert_eq!(
+            (conn_a.head, conn_a.len, conn_b.head, conn_b.len),
+            (NIL, 0, NIL, 0)
+        );
     }
 }

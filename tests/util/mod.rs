@@ -1,1 +1,380 @@
-//! Test helpers shared by the modules.
+//! Test helpers shared by the modules: a real `kunci serve` on port 0, and
+//! a raw-socket peer that speaks bytes.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kunci::protocol::{self, Request, Response};
+
+/// The `kunci` binary under test.
+pub fn kunci_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_kunci")
+}
+
+/// A `kunci serve` child process, killed when dropped.
+pub struct TestServer {
+    child: Option<Child>,
+    /// The TCP address it listens on (`127.0.0.1:PORT`), if any.
+    pub addr: String,
+    /// Every address it listens on, as the start-up line names them.
+    pub addresses: Vec<String>,
+    /// Everything it has logged so far.
+    pub log: Arc<Mutex<Vec<String>>>,
+}
+
+impl TestServer {
+    /// Starts `kunci serve ARGS`, listening on `127.0.0.1:0` unless ARGS
+    /// has a `--listen`, and waits for its start-up line.
+    pub fn start(args: &[&str]) -> TestServer {
+        Self::start_with(args, |_| {})
+    }
+
+    /// As [`start`](Self::start), letting the caller adjust the command
+    /// (environment, resource limits) before it runs.
+    pub fn start_with(args: &[&str], adjust: impl FnOnce(&mut Command)) -> TestServer {
+        let mut command = Command::new(kunci_bin());
+        command.arg("serve");
+        if !args.contains(&"--listen") {
+            command.args(["--listen", "127.0.0.1:0"]);
+        }
+        command
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        adjust(&mut command);
+        let mut child = command.spawn().expect("spawn kunci serve");
+        let stderr = child.stderr.take().expect("stderr");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (started, listening) = mpsc::channel();
+        let lines = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.split("listening on ").nth(1) {
+                    let addresses = rest.split(';').next().unwrap_or("").to_owned();
+                    let _ = started.send(addresses);
+                }
+                lines.lock().unwrap().push(line);
+            }
+        });
+        let addresses = match listening.recv_timeout(Duration::from_secs(20)) {
+            Ok(addresses) => addresses,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("server did not start; log: {:?}", log.lock().unwrap());
+            }
+        };
+        let addresses: Vec<String> = addresses.split(' ').map(str::to_owned).collect();
+        let addr = addresses
+            .iter()
+            .find(|a| !a.starts_with("unix:"))
+            .cloned()
+            .unwrap_or_default();
+        TestServer {
+            child: Some(child),
+            addr,
+            addresses,
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// A raw peer connected to the server's TCP address.
+    pub fn peer(&self) -> Peer {
+        Peer::connect(&self.addr)
+    }
+
+    /// Sends `signal` to the server.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) with our own child's pid.
+        unsafe {
+            libc::kill(self.pid() as i32, signal);
+        }
+    }
+
+    /// Waits for the server to exit, up to `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// SIGTERM, then waits up to 10 s for the exit status.
+    pub fn stop(mut self) -> ExitStatus {
+        self.signal(libc::SIGTERM);
+        self.wait_exit(Duration::from_secs(10))
+            .expect("server did not exit within 10 s of SIGTERM")
+    }
+
+    /// SIGKILL: an unclean stop.
+    pub fn kill(mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The server's resident set size in KiB, from /proc.
+    pub fn rss_kib(&self) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// The server's `I` line as name → value.
+    pub fn info(&self) -> std::collections::HashMap<String, String> {
+        let mut peer = self.peer();
+        peer.send(b"I\n");
+        match peer.recv() {
+            Response::Info(text) => parse_info(&text),
+            other => panic!("expected info, got {other:?}"),
+        }
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Parses an `I` line into name → value.
+pub fn parse_info(text: &str) -> std::collections::HashMap<String, String> {
+    text.split(' ')
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(name, value)| (name.to_owned(), value.to_owned()))
+        .collect()
+}
+
+/// A temporary directory removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> TempDir {
+        let path = std::env::temp_dir().join(format!(
+            "kunci-test-{name}-{}-{:?}",
+            std::process::id(),
+            Instant::now()
+        ));
+        let path = PathBuf::from(
+            path.to_string_lossy()
+                .replace([' ', '{', '}', ':', ','], "_"),
+        );
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        TempDir(path)
+    }
+
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// How long a test waits for an answer that should come before it fails.
+pub const PATIENCE: Duration = Duration::from_secs(10);
+
+/// A raw protocol peer over TCP or a Unix socket.
+pub struct Peer {
+    stream: Box<dyn ReadWrite>,
+    buffer: Vec<u8>,
+}
+
+pub trait ReadWrite: Read + Write + Send {
+    fn set_timeout(&self, timeout: Option<Duration>);
+}
+
+impl ReadWrite for TcpStream {
+    fn set_timeout(&self, timeout: Option<Duration>) {
+        self.set_read_timeout(timeout).unwrap();
+    }
+}
+
+impl ReadWrite for std::os::unix::net::UnixStream {
+    fn set_timeout(&self, timeout: Option<Duration>) {
+        self.set_read_timeout(timeout).unwrap();
+    }
+}
+
+impl Peer {
+    pub fn connect(addr: &str) -> Peer {
+        if let Some(path) = addr.strip_prefix("unix:") {
+            let stream = std::os::unix::net::UnixStream::connect(path).expect("connect unix");
+            return Peer::from_stream(Box::new(stream));
+        }
+        let stream = TcpStream::connect(addr).expect("connect");
+        stream.set_nodelay(true).unwrap();
+        Peer::from_stream(Box::new(stream))
+    }
+
+    pub fn from_tcp(stream: TcpStream) -> Peer {
+        Peer::from_stream(Box::new(stream))
+    }
+
+    fn from_stream(stream: Box<dyn ReadWrite>) -> Peer {
+        stream.set_timeout(Some(PATIENCE));
+        Peer {
+            stream,
+            buffer: Vec::new(),
+        }
+    }
+
+    pub fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).expect("send");
+    }
+
+    pub fn request(&mut self, request: &Request<'_>) {
+        let mut bytes = Vec::new();
+        protocol::encode_request(request, &mut bytes);
+        self.send(&bytes);
+    }
+
+    /// Receives exactly the next `n` bytes.
+    pub fn recv_bytes(&mut self, n: usize) -> Vec<u8> {
+        while self.buffer.len() < n {
+            self.fill()
+                .unwrap_or_else(|| panic!("connection closed; had {:?}", self.buffer));
+        }
+        self.buffer.drain(..n).collect()
+    }
+
+    /// Receives the next response frame.
+    pub fn recv(&mut self) -> Response {
+        self.try_recv()
+            .expect("connection closed before a response")
+    }
+
+    /// Receives the next response frame, or `None` at end of stream.
+    pub fn try_recv(&mut self) -> Option<Response> {
+        loop {
+            match protocol::decode_response(&self.buffer) {
+                Ok(Some((response, len))) => {
+                    self.buffer.drain(..len);
+                    return Some(response);
+                }
+                Ok(None) => {}
+                Err(e) => panic!("undecodable response {:?}: {e}", self.buffer),
+            }
+            self.fill()?;
+        }
+    }
+
+    /// Waits for the server to close the connection (end of stream or
+    /// reset) with nothing more sent; panics on more bytes.
+    pub fn expect_closed(&mut self) {
+        if let Some(bytes) = self.fill() {
+            panic!(
+                "expected the connection to close, got {bytes} more bytes: {:?}",
+                self.buffer
+            );
+        }
+    }
+
+    /// Whether nothing arrives within `quiet`.
+    pub fn is_silent_for(&mut self, quiet: Duration) -> bool {
+        if !self.buffer.is_empty() {
+            return false;
+        }
+        self.stream.set_timeout(Some(quiet));
+        let mut byte = [0u8; 1];
+        let silent = match self.stream.read(&mut byte) {
+            Ok(0) => false,
+            Ok(_) => {
+                self.buffer.push(byte[0]);
+                false
+            }
+            Err(_) => true,
+        };
+        self.stream.set_timeout(Some(PATIENCE));
+        silent
+    }
+
+    fn fill(&mut self) -> Option<usize> {
+        let mut chunk = [0u8; 4096];
+        match self.stream.read(&mut chunk) {
+            Ok(0) => None,
+            Ok(n) => {
+                self.buffer.extend_from_slice(&chunk[..n]);
+                Some(n)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
+            Err(e) => panic!("read failed (timeout is {PATIENCE:?}): {e}"),
+        }
+    }
+}
+
+/// Request builders.
+pub fn acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Vec<u8> {
+    encode(&Request::Acquire {
+        wait_s,
+        lease_s,
+        owner,
+        key,
+    })
+}
+
+pub fn release(token: u64, key: &str) -> Vec<u8> {
+    encode(&Request::Release { token, key })
+}
+
+pub fn extend(lease_s: u8, token: u64, key: &str) -> Vec<u8> {
+    encode(&Request::Extend {
+        lease_s,
+        token,
+        key,
+    })
+}
+
+pub fn query(key: &str) -> Vec<u8> {
+    encode(&Request::Query { key })
+}
+
+pub fn ping(nonce: u64) -> Vec<u8> {
+    encode(&Request::Ping { nonce })
+}
+
+fn encode(request: &Request<'_>) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    protocol::encode_request(request, &mut bytes);
+    bytes
+}
+
+/// The token of an `A`, panicking on anything else.
+pub fn granted(response: Response, owner: u64) -> u64 {
+    match response {
+        Response::Acquired { owner: o, token } if o == owner => token,
+        other => panic!("expected A for owner {owner}, got {other:?}"),
+    }
+}

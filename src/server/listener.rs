@@ -1,0 +1,232 @@
+//! Listening sockets (TCP and Unix) and the streams they accept.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use mio::event::Source;
+use mio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use mio::{Interest, Registry, Token};
+
+use crate::addr::Address;
+
+/// Idle time before the kernel probes a silent peer, and the probe
+/// cadence: a peer that vanished without a FIN or RST is gone after about
+/// `KEEPALIVE_IDLE + KEEPALIVE_RETRIES × KEEPALIVE_INTERVAL` (~90 s).
+const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// A bound listening socket.
+pub enum Listener {
+    Tcp(TcpListener),
+    Unix {
+        listener: UnixListener,
+        path: PathBuf,
+    },
+}
+
+/// What an accepted peer is.
+#[derive(Clone, Copy, Debug)]
+pub enum Peer {
+    Tcp(SocketAddr),
+    Unix,
+}
+
+impl Listener {
+    /// Binds `address`. A TCP host name is resolved and the first address
+    /// that binds is used. A `unix:` path left behind by a dead server is
+    /// replaced; one a live server answers on is an error. The socket file
+    /// gets `unix_mode` permissions.
+    pub fn bind(address: &Address, unix_mode: u32) -> io::Result<Listener> {
+        match address {
+            Address::Tcp(host_port) => {
+                let mut last_error = None;
+                for socket_address in host_port.to_socket_addrs()? {
+                    match TcpListener::bind(socket_address) {
+                        Ok(listener) => return Ok(Listener::Tcp(listener)),
+                        Err(error) => last_error = Some(error),
+                    }
+                }
+                Err(last_error.unwrap_or_else(|| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{host_port}: no address"),
+                    )
+                }))
+            }
+            Address::Unix(path) => {
+                remove_stale_socket(path)?;
+                let listener = UnixListener::bind(path)?;
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(unix_mode))?;
+                Ok(Listener::Unix {
+                    listener,
+                    path: path.clone(),
+                })
+            }
+        }
+    }
+
+    /// The address actually bound (with the real port when 0 was asked).
+    pub fn local_address(&self) -> io::Result<Address> {
+        match self {
+            Listener::Tcp(listener) => Ok(Address::Tcp(listener.local_addr()?.to_string())),
+            Listener::Unix { path, .. } => Ok(Address::Unix(path.clone())),
+        }
+    }
+
+    /// Accepts one connection, configured for low latency and dead-peer
+    /// detection.
+    pub fn accept(&self) -> io::Result<(Stream, Peer)> {
+        match self {
+            Listener::Tcp(listener) => {
+                let (stream, peer) = listener.accept()?;
+                // Best effort: a socket that refuses an option still works.
+                let _ = stream.set_nodelay(true);
+                let keepalive = socket2::TcpKeepalive::new()
+                    .with_time(KEEPALIVE_IDLE)
+                    .with_interval(KEEPALIVE_INTERVAL)
+                    .with_retries(KEEPALIVE_RETRIES);
+                let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+                Ok((Stream::Tcp(stream), Peer::Tcp(peer)))
+            }
+            Listener::Unix { listener, .. } => {
+                let (stream, _) = listener.accept()?;
+                Ok((Stream::Unix(stream), Peer::Unix))
+            }
+        }
+    }
+
+    /// Removes the socket file of a Unix listener.
+    pub fn remove_file(&self) {
+        if let Listener::Unix { path, .. } = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Removes `path` if it is a socket nobody listens on.
+fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    let Ok(metadata) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !metadata.file_type().is_socket() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("{} exists and is not a socket", path.display()),
+        ));
+    }
+    match std::os::unix::net::UnixStream::connect(path) {
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!("{}: a server is already listening", path.display()),
+        )),
+        Err(_) => std::fs::remove_file(path),
+    }
+}
+
+impl Source for Listener {
+    fn register(
+        &mut self,
+        registry: &Registry,
+        token: Token,
+        interests: Interest,
+    ) -> io::Result<()> {
+        match self {
+            Listener::Tcp(listener) => listener.register(registry, token, interests),
+            Listener::Unix { listener, .. } => listener.register(registry, token, interests),
+        }
+    }
+
+    fn reregister(
+        &mut self,
+        registry: &Registry,
+        token: Token,
+        interests: Interest,
+    ) -> io::Result<()> {
+        match self {
+            Listener::Tcp(listener) => listener.reregister(registry, token, interests),
+            Listener::Unix { listener, .. } => listener.reregister(registry, token, interests),
+        }
+    }
+
+    fn deregister(&mut self, registry: &Registry) -> io::Result<()> {
+        match self {
+            Listener::Tcp(listener) => listener.deregister(registry),
+            Listener::Unix { listener, .. } => listener.deregister(registry),
+        }
+    }
+}
+
+/// An accepted connection's socket.
+pub enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    /// Half-closes the write side, so the peer reads the end of our output
+    /// and then end-of-file.
+    pub fn shutdown_write(&self) {
+        let _ = match self {
+            Stream::Tcp(stream) => stream.shutdown(Shutdown::Write),
+            Stream::Unix(stream) => stream.shutdown(Shutdown::Write),
+        };
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.read(buf),
+            Stream::Unix(stream) => stream.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.write(buf),
+            Stream::Unix(stream) => stream.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Source for Stream {
+    fn register(
+        &mut self,
+        registry: &Registry,
+        token: Token,
+        interests: Interest,
+    ) -> io::Result<()> {
+        match self {
+            Stream::Tcp(stream) => stream.register(registry, token, interests),
+            Stream::Unix(stream) => stream.register(registry, token, interests),
+        }
+    }
+
+    fn reregister(
+        &mut self,
+        registry: &Registry,
+        token: Token,
+        interests: Interest,
+    ) -> io::Result<()> {
+        match self {
+            Stream::Tcp(stream) => stream.reregister(registry, token, interests),
+            Stream::Unix(stream) => stream.reregister(registry, token, interests),
+        }
+    }
+
+    fn deregister(&mut self, registry: &Registry) -> io::Result<()> {
+        match self {
+            Stream::Tcp(stream) => stream.deregister(registry),
+            Stream::Unix(stream) => stream.deregister(registry),
+        }
+    }
+}
