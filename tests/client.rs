@@ -98,7 +98,7 @@ fn invalid_input_is_rejected_before_anything_is_sent() {
     }
     assert!(matches!(client.query(""), Err(Error::InvalidArgument(_))));
     assert!(matches!(
-        client.renew("k", 1, 0 * S),
+        client.renew("k", 1, Duration::ZERO),
         Err(Error::InvalidArgument(_))
     ));
     assert_eq!(proxy.accepted(), 0, "nothing was even connected");
