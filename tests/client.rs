@@ -510,3 +510,17 @@ fn many_threads_share_one_client_and_never_overlap() {
         (THREADS * ROUNDS) as f64 / elapsed.as_secs_f64()
     );
 }
+
+#[test]
+fn unix_socket_addresses_work_alongside_tcp() {
+    let dir = crate::util::TempDir::new("client-unix");
+    let path = dir.join("kunci.sock");
+    let unix = format!("unix:{}", path.display());
+    let server = TestServer::start(&["--listen", "127.0.0.1:0", "--listen", &unix]);
+    let over_unix = connect(&[&unix]);
+    let ticket = over_unix.acquire("unix", Duration::ZERO, 5 * S).unwrap();
+    let over_tcp = connect(&[&server.addr]);
+    assert_eq!(over_tcp.query("unix").unwrap().token, ticket.token());
+    ticket.release().unwrap();
+    assert!(over_unix.ping().unwrap() < S);
+}

@@ -821,14 +821,24 @@ impl<R> Engine<R> {
                 self.actions.push_back(Action::Connect(s));
             }
         }
+        // Requests that arrive together join the batch being filled; the
+        // next batch goes to the next connected session.
         let count = self.sessions.len();
-        let Some(s) = (0..count)
-            .map(|offset| (self.rotation + offset) % count)
-            .find(|&s| self.sessions[s].link == Link::Up && !self.sessions[s].expiring)
-        else {
-            return;
+        let usable = |session: &Session| session.link == Link::Up && !session.expiring;
+        let current = self.rotation % count;
+        let filling = &self.sessions[current];
+        let s = if usable(filling) && !filling.queue.is_empty() {
+            current
+        } else {
+            let Some(s) = (1..=count)
+                .map(|offset| (current + offset) % count)
+                .find(|&s| usable(&self.sessions[s]))
+            else {
+                return;
+            };
+            s
         };
-        self.rotation = (s + 1) % count;
+        self.rotation = s;
         let session = &mut self.sessions[s];
         while let Some(id) = self.unassigned.pop_front() {
             if let Some(req) = self.requests.slab.get_mut(id) {
