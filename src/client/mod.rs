@@ -21,25 +21,7 @@
 //! one it has already seen. `docs/CLIENT.md` explains every outcome and how
 //! to use the token.
 //!
-//! # Example
-//!
-//! ```no_run
-//! use std::time::Duration;
-//! use kunci::client::{Client, Config, Error};
-//!
-//! let client = Client::new(["127.0.0.1:5862".parse()?], Config::default())?;
-//! match client.acquire("invoices", Duration::from_secs(2), Duration::from_secs(30)) {
-//!     Ok(ticket) => {
-//!         // Pass ticket.token() to the resource so it can fence out
-//!         // older holders, then do the work.
-//!         println!("holding {} with token {}", ticket.key(), ticket.token());
-//!         ticket.release()?;
-//!     }
-//!     Err(Error::Timeout) => println!("someone else holds it"),
-//!     Err(error) => return Err(error.into()),
-//! }
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+//! [`Client`] has an example.
 
 mod engine;
 mod io;
@@ -177,6 +159,38 @@ impl KeyStatus {
 }
 
 /// A handle to the lock service (see the [module docs](self)).
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use kunci::client::{Client, Config, Error};
+/// # // A server on a free loopback port, so that the example runs.
+/// # let listen = vec!["127.0.0.1:0".parse()?];
+/// # let server = kunci::server::Server::bind(kunci::server::Config { listen, ..Default::default() })?;
+/// # let address = server.addresses()[0].to_string();
+/// # let stop = server.shutdown_handle();
+/// # let running = std::thread::spawn(move || server.run());
+///
+/// let client = Client::new([address.parse()?], Config::default())?;
+/// let wait = Duration::from_secs(2);
+/// let lease = Duration::from_secs(30);
+/// match client.acquire("invoices", wait, lease) {
+///     Ok(ticket) => {
+///         // Pass ticket.token() to the resource so that it can fence out
+///         // older holders, then do the work.
+///         println!("holding {} with token {}", ticket.key(), ticket.token());
+///         ticket.release()?;
+///     }
+///     Err(Error::Timeout) => println!("someone else holds it"),
+///     // Indeterminate included: never work without a ticket.
+///     Err(error) => return Err(error.into()),
+/// }
+/// assert!(client.query("invoices")?.is_free());
+/// # stop.shut_down();
+/// # running.join().unwrap()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,
