@@ -1,6 +1,8 @@
 //! kunci's integration tests: one binary, one module per area.
 
+mod abuse;
 mod client;
+mod restart;
 mod run_command;
 mod server;
 mod util;

@@ -36,6 +36,11 @@ Options:
                               (e.g. 10.0.0.0/8, ::1/128); repeat for several.
                               Others are closed at once and counted as
                               `refused`. Default: anyone who can connect.
+  --state-dir DIR             keep a token high-water mark and a lease horizon
+                              in DIR, so that tokens stay monotonic even if
+                              the clock steps back, and after a crash no key
+                              is granted while a lease of the previous run may
+                              still run (default: keep nothing on disk)
   --unix-mode MODE            permissions of unix: socket files, octal
                               (default {unix_mode:o})
   -h, --help                  show this help
@@ -88,6 +93,9 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
                     .parse()
                     .map_err(|e: crate::addr::AddressError| format!("--allow: {e}"))?;
                 config.allow.push(network);
+            }
+            Long("state-dir") => {
+                config.state_dir = Some(parser.value().map_err(|e| e.to_string())?.into())
             }
             Short('h') | Long("help") => return Ok(None),
             other => return Err(other.unexpected().to_string()),

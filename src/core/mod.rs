@@ -98,6 +98,8 @@ pub struct Core {
     /// Until this instant every key counts as held by an unknown grant
     /// (after an unclean restart with a state directory); 0 = no grace.
     grace_until: Micros,
+    /// The latest lease deadline armed for a grant of this run.
+    lease_deadline_max: Micros,
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
@@ -136,6 +138,7 @@ impl Core {
             connections: 0,
             unknown_holders: 0,
             grace_until: 0,
+            lease_deadline_max: 0,
             next_token: first_token.max(1),
             stats: Stats::default(),
             outbox: Vec::new(),
@@ -145,6 +148,22 @@ impl Core {
     /// Treat every key as held by an unknown grant until `until` (spec §7).
     pub fn set_grace_until(&mut self, until: Micros) {
         self.grace_until = until;
+    }
+
+    /// Until when keys count as held by unknown grants (0 = never).
+    pub fn grace_until(&self) -> Micros {
+        self.grace_until
+    }
+
+    /// The latest lease deadline ever armed for a grant of this run: no
+    /// lease this core granted runs past it.
+    pub fn lease_deadline_max(&self) -> Micros {
+        self.lease_deadline_max
+    }
+
+    /// Keys held by a grant of this run.
+    pub fn held(&self) -> usize {
+        self.table.len() - self.unknown_holders
     }
 
     pub fn limits(&self) -> &Limits {
@@ -491,6 +510,9 @@ impl Core {
     }
 
     fn arm_lease_at(&mut self, entry: u32, deadline: Micros) {
+        if self.table.get(entry).token != 0 {
+            self.lease_deadline_max = self.lease_deadline_max.max(deadline);
+        }
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
@@ -566,7 +588,7 @@ impl Core {
             now / MICROS_PER_S,
             self.connections,
             self.table.len(),
-            self.table.len() - self.unknown_holders,
+            self.held(),
             self.waiters.len(),
             s.grants,
             s.timeouts,

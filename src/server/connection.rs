@@ -44,6 +44,8 @@ pub struct Connection {
     pub write_shut: bool,
     /// Refused at the connection limit: never known to the core.
     pub refused: bool,
+    /// The peer has closed its side (closing only).
+    pub peer_closed: bool,
 }
 
 /// The result of writing as much of a buffer as the socket takes.
@@ -69,6 +71,7 @@ impl Connection {
             ready: false,
             write_shut: false,
             refused: false,
+            peer_closed: false,
         }
     }
 

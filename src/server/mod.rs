@@ -9,6 +9,7 @@
 
 mod connection;
 mod listener;
+pub mod state;
 
 use std::fs::File;
 use std::io::{self, Read};
@@ -16,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use log::{debug, info, warn};
+use log::{debug, error, info, warn};
 use mio::{Events, Interest, Poll, Token, Waker};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook_mio::v1_0::Signals;
@@ -28,6 +29,7 @@ use crate::core::{ConnId, Core, Limits, Micros};
 use crate::protocol::{self, Decoded, ErrorCode};
 use connection::{Connection, Flushed, Phase};
 use listener::{Listener, Peer, Stream};
+use state::StateDir;
 
 /// Bytes read from a socket at a time; also the most input one
 /// connection can have waiting behind backpressure.
@@ -48,8 +50,11 @@ const LINGER: Duration = Duration::from_secs(2);
 const LINGERING_REFUSED_MAX: usize = 256;
 /// How long a graceful shutdown waits for peers to take their last bytes.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
-/// After `accept` fails for lack of file descriptors, retry this much later.
+/// After `accept` keeps failing (no file descriptors), retry this much later.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// Connections refused with the spare descriptor per wake-up before the
+/// loop backs off and serves the connections it has.
+const ACCEPT_REFUSALS_PER_WAKEUP: usize = 64;
 
 const SIGNAL_TOKEN: Token = Token(usize::MAX);
 const WAKE_TOKEN: Token = Token(usize::MAX - 1);
@@ -69,6 +74,9 @@ pub struct Config {
     /// When not empty, TCP peers outside these networks are closed at
     /// accept (and counted as `refused`).
     pub allow: Vec<Network>,
+    /// Where to keep the token high-water mark and lease horizon that make
+    /// restarts safe (see [`state`]); `None` keeps nothing on disk.
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -78,6 +86,7 @@ impl Default for Config {
             limits: Limits::default(),
             unix_mode: 0o600,
             allow: Vec::new(),
+            state_dir: None,
         }
     }
 }
@@ -119,6 +128,9 @@ pub struct Server {
 struct EventLoop {
     registry: mio::Registry,
     allow: Vec<Network>,
+    state: Option<StateDir>,
+    /// The wall clock at the core's epoch, for the state file.
+    wall_start_ms: u64,
     core: Core,
     conns: Slab<Connection>,
     conn_timers: TimerWheel,
@@ -138,13 +150,15 @@ struct EventLoop {
 }
 
 impl Server {
-    /// Binds every listen address and prepares the loop.
+    /// Binds every listen address, opens the state directory if one is
+    /// configured, and prepares the loop.
     pub fn bind(config: Config) -> io::Result<Server> {
-        Self::bind_with_first_token(config, first_token_from_clock())
-    }
-
-    /// As [`bind`](Self::bind), with the first token given.
-    pub fn bind_with_first_token(config: Config, first_token: u64) -> io::Result<Server> {
+        let state = match &config.state_dir {
+            Some(dir) => Some(StateDir::open(dir)?),
+            None => None,
+        };
+        let recorded = state.as_ref().map(StateDir::recorded).unwrap_or_default();
+        let first_token = first_token_from_clock().max(recorded.token_high_water);
         let poll = Poll::new()?;
         let mut listeners = Vec::new();
         let mut addresses = Vec::new();
@@ -164,13 +178,26 @@ impl Server {
             waker: Arc::new(Waker::new(poll.registry(), WAKE_TOKEN)?),
         };
         raise_fd_limit(config.limits.max_connections);
+        let clock_start = Instant::now();
+        let wall_start_ms = state::wall_clock_ms();
+        let mut core = Core::new(config.limits, first_token);
+        if recorded.lease_horizon_ms > wall_start_ms {
+            let grace = Duration::from_millis(recorded.lease_horizon_ms - wall_start_ms);
+            info!(
+                "state: the previous run's leases may last {:.1} s more; until then every key counts as held",
+                grace.as_secs_f64()
+            );
+            core.set_grace_until(micros(grace));
+        }
         let loop_state = EventLoop {
             registry: poll.registry().try_clone()?,
             allow: config.allow.clone(),
-            core: Core::new(config.limits, first_token),
+            state,
+            wall_start_ms,
+            core,
             conns: Slab::new(),
             conn_timers: TimerWheel::new(),
-            clock_start: Instant::now(),
+            clock_start,
             read_buffer: vec![0; READ_CHUNK].into_boxed_slice(),
             write_buffer: Vec::new(),
             dirty: Vec::new(),
@@ -258,7 +285,8 @@ impl Server {
             state.flush_dirty();
             if let Some(deadline) = state.shutdown_deadline {
                 if state.conns.is_empty() || now >= deadline {
-                    info!("shut down: {} connection(s) closed", state.conns.len());
+                    state.record_clean_stop(now);
+                    info!("shut down");
                     return Ok(());
                 }
             }
@@ -330,40 +358,96 @@ impl EventLoop {
         Some(Duration::from_micros(next.saturating_sub(self.now())))
     }
 
+    fn wall_ms(&self, at: Micros) -> u64 {
+        self.wall_start_ms + at.div_ceil(1_000)
+    }
+
+    /// With a state directory: before any answer leaves the process, make
+    /// sure the state file covers every token issued and every lease
+    /// granted, so a crash can never show a token or lease twice. Without
+    /// one this is nothing.
+    fn make_durable(&mut self) {
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
+        let deadline = self.core.lease_deadline_max();
+        let deadline_ms = if deadline == 0 {
+            0
+        } else {
+            self.wall_start_ms + deadline.div_ceil(1_000)
+        };
+        if let Err(e) = state.cover(self.core.next_token(), deadline_ms) {
+            // Answering without the promise on disk could, after a crash,
+            // hand a key to two holders: stop instead.
+            error!("state directory: cannot persist: {e}; exiting");
+            std::process::exit(1);
+        }
+    }
+
+    fn record_clean_stop(&mut self, now: Micros) {
+        let grace = self.core.grace_until();
+        let mut horizon = if grace > now { self.wall_ms(grace) } else { 0 };
+        if self.core.held() > 0 {
+            horizon = horizon.max(self.wall_ms(self.core.lease_deadline_max()));
+        }
+        let next_token = self.core.next_token();
+        if let Some(state) = self.state.as_mut() {
+            if let Err(e) = state.record_clean_stop(next_token, horizon) {
+                error!("state directory: cannot record the clean stop: {e}");
+            }
+        }
+    }
+
     fn accept_all(&mut self, listener: &Listener) {
         if self.accept_paused_until.is_some() || self.shutdown_deadline.is_some() {
             return;
         }
+        let mut refused = 0;
         loop {
             match listener.accept() {
                 Ok((stream, peer)) => self.admit(stream, peer),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => {}
                 Err(e) if is_out_of_descriptors(&e) => {
-                    self.refuse_with_spare_fd(listener);
-                    return;
+                    if refused == 0 {
+                        warn!("accept: out of file descriptors; refusing new connections");
+                    }
+                    refused += 1;
+                    if refused > ACCEPT_REFUSALS_PER_WAKEUP || !self.refuse_with_spare_fd(listener)
+                    {
+                        return self.pause_accepting();
+                    }
                 }
                 Err(e) => {
-                    // ECONNABORTED and friends: that peer is gone, go on.
-                    debug!("accept: {e}");
+                    warn!("accept: {e}");
+                    return self.pause_accepting();
                 }
             }
         }
     }
 
     /// Out of descriptors: give up the spare one to accept the waiting
-    /// peer and tell it so, instead of leaving it hanging in the backlog;
-    /// then back off briefly rather than spin on an accept that cannot
-    /// succeed.
-    fn refuse_with_spare_fd(&mut self, listener: &Listener) {
-        warn!("accept: out of file descriptors; refusing connections for now");
-        if self.spare_fd.take().is_some() {
-            if let Ok((stream, _)) = listener.accept() {
-                let mut conn = Connection::new(stream);
-                self.send_connection_limit(&mut conn);
-            }
+    /// peer and tell it so with `X 7`, rather than leave it hanging in the
+    /// backlog. Returns whether a spare descriptor was there to use.
+    fn refuse_with_spare_fd(&mut self, listener: &Listener) -> bool {
+        if self.spare_fd.take().is_none() {
             self.spare_fd = File::open("/dev/null").ok();
+            return false;
         }
+        let accepted = listener.accept();
+        if let Ok((stream, _)) = accepted {
+            let mut conn = Connection::new(stream);
+            self.send_connection_limit(&mut conn);
+            conn.stream.shutdown_write();
+        }
+        self.spare_fd = File::open("/dev/null").ok();
+        self.spare_fd.is_some()
+    }
+
+    /// Stops accepting briefly instead of spinning on an accept that keeps
+    /// failing; the poll timeout brings us back.
+    fn pause_accepting(&mut self) {
         self.accept_paused_until = Some(self.now() + micros(ACCEPT_BACKOFF));
     }
 
@@ -555,6 +639,9 @@ impl EventLoop {
             }
         };
         let now = self.now();
+        if !out.is_empty() {
+            self.make_durable();
+        }
         let conn = &mut self.conns[id];
         let broken = match conn.write_some(&out) {
             Flushed::All => false,
@@ -665,6 +752,7 @@ impl EventLoop {
     }
 
     fn on_writable(&mut self, id: usize) {
+        self.make_durable();
         let Some(conn) = self.conns.get_mut(id) else {
             return;
         };
@@ -681,9 +769,14 @@ impl EventLoop {
             return;
         };
         if conn.phase == Phase::Closing {
-            if conn.output.is_empty() && !conn.write_shut {
-                conn.stream.shutdown_write();
-                conn.write_shut = true;
+            if conn.output.is_empty() {
+                if conn.peer_closed {
+                    return self.close(id);
+                }
+                if !conn.write_shut {
+                    conn.stream.shutdown_write();
+                    conn.write_shut = true;
+                }
             }
             return;
         }
@@ -702,6 +795,10 @@ impl EventLoop {
     }
 
     fn flush_dirty(&mut self) {
+        if self.dirty.is_empty() {
+            return;
+        }
+        self.make_durable();
         let dirty = std::mem::take(&mut self.dirty);
         for &id in &dirty {
             let Some(conn) = self.conns.get_mut(id) else {
@@ -774,6 +871,7 @@ impl EventLoop {
             };
             match conn.stream.read(&mut self.read_buffer) {
                 Ok(0) => {
+                    conn.peer_closed = true;
                     if conn.output.is_empty() {
                         return self.close(id);
                     }

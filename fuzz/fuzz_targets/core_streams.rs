@@ -1,0 +1,90 @@
+//! The whole server core fed arbitrary byte streams on four connections,
+//! interleaved with arbitrary time steps and disconnects, exactly as the
+//! event loop would feed it. Nothing a peer sends may panic it, break its
+//! invariants, or make tokens go backwards.
+#![no_main]
+
+use kunci::core::{Core, Limits};
+use kunci::protocol::{Decoded, Response, decode_request};
+use libfuzzer_sys::fuzz_target;
+
+const CONNECTIONS: usize = 4;
+
+fuzz_target!(|data: &[u8]| {
+    let limits = Limits {
+        max_keys: 8,
+        max_waiters: 8,
+        max_waiters_per_key: 4,
+        max_waits_per_conn: 3,
+        max_connections: CONNECTIONS,
+    };
+    let mut core = Core::new(limits, 1);
+    let mut buffers: [Vec<u8>; CONNECTIONS] = Default::default();
+    let mut open = [false; CONNECTIONS];
+    let mut now: u64 = 0;
+    let mut last_token = 0;
+    let mut bytes = data.iter().copied();
+    while let Some(command) = bytes.next() {
+        let conn = usize::from(command & 3);
+        match command >> 6 {
+            0 => {
+                if !open[conn] {
+                    core.connect(conn as u32);
+                    open[conn] = true;
+                }
+                let len = bytes.next().unwrap_or(0);
+                buffers[conn].extend(bytes.by_ref().take(usize::from(len)));
+                let mut consumed = 0;
+                loop {
+                    match decode_request(&buffers[conn][consumed..]) {
+                        Decoded::Incomplete => break,
+                        Decoded::Request { request, len } => {
+                            core.handle_request(conn as u32, &request, now);
+                            consumed += len;
+                        }
+                        Decoded::Invalid { error, len } => {
+                            core.handle_invalid(conn as u32, error);
+                            consumed += len;
+                        }
+                        Decoded::Fatal(error) => {
+                            core.handle_invalid(conn as u32, error);
+                            core.disconnect(conn as u32);
+                            open[conn] = false;
+                            consumed = buffers[conn].len();
+                            break;
+                        }
+                    }
+                }
+                buffers[conn].drain(..consumed);
+            }
+            1 => {
+                let step = u64::from(bytes.next().unwrap_or(0));
+                now += step * step * 100;
+                core.handle_timeout(now);
+            }
+            2 => {
+                core.disconnect(conn as u32);
+                open[conn] = false;
+                buffers[conn].clear();
+            }
+            _ => {
+                if let Some(at) = core.poll_timeout() {
+                    assert!(at + 1_000 >= now, "timer {at} left behind at {now}");
+                    now = now.max(at);
+                }
+                core.handle_timeout(now);
+            }
+        }
+        for (to, response) in core.drain_outbox() {
+            assert!((to as usize) < CONNECTIONS);
+            if let Response::Acquired { token, .. } = response {
+                assert!(token > last_token, "token {token} after {last_token}");
+                last_token = token;
+            }
+        }
+    }
+    core.shut_down();
+    let answered: Vec<_> = core.drain_outbox().collect();
+    assert!(answered.iter().all(|(to, _)| open[*to as usize]));
+    assert_eq!(core.waiter_count(), 0);
+});
