@@ -12,9 +12,9 @@ use crate::util::proxy::{Faults, Proxy};
 
 const MS: Duration = Duration::from_millis(1);
 const S: Duration = Duration::from_secs(1);
-/// How late an outcome may come after the instant it is due (a shared,
-/// noisy machine); it may never come early.
-const LATE: Duration = Duration::from_millis(300);
+/// How late an outcome may come after the instant it is due; it may never
+/// come early.
+const LATE: Duration = Duration::from_millis(100);
 
 fn connect(addresses: &[&str]) -> Client {
     let addresses = addresses.iter().map(|a| a.parse().unwrap());
@@ -229,6 +229,7 @@ fn unavailable_only_when_nothing_was_sent() {
     let outcome = client.acquire("unavailable", 500 * MS, S);
     let elapsed = started.elapsed();
     assert_eq!(outcome.unwrap_err(), Error::Unavailable);
+    eprintln!("unavailable after {elapsed:?}");
     let deadline = 500 * MS + TRANSPORT_DEADLINE;
     assert!(elapsed >= deadline, "{elapsed:?}: early");
     assert!(elapsed < deadline + LATE, "{elapsed:?}: late");
@@ -278,6 +279,7 @@ fn no_answer_by_the_deadline_is_indeterminate_and_the_orphan_is_reclaimed() {
     let outcome = faulty.acquire("orphan", Duration::ZERO, 7 * S);
     let elapsed = started.elapsed();
     assert_eq!(outcome.unwrap_err(), Error::Indeterminate);
+    eprintln!("indeterminate after {elapsed:?}");
     assert!(elapsed >= TRANSPORT_DEADLINE, "{elapsed:?}: early");
     assert!(elapsed < TRANSPORT_DEADLINE + LATE, "{elapsed:?}: late");
     // Exactly that session was closed.
@@ -294,7 +296,7 @@ fn no_answer_by_the_deadline_is_indeterminate_and_the_orphan_is_reclaimed() {
     assert!(ticket.token() > status.token);
     let since_grant = Instant::now() - frames[0].at;
     assert!(since_grant >= 7 * S, "{since_grant:?}: reclaimed early");
-    assert!(since_grant < 7 * S + LATE + 100 * MS, "{since_grant:?}");
+    assert!(since_grant < 7 * S + 500 * MS, "{since_grant:?}");
 }
 
 /// Stops the calling thread in a signal handler for a while: the call it
@@ -523,4 +525,39 @@ fn unix_socket_addresses_work_alongside_tcp() {
     assert_eq!(over_tcp.query("unix").unwrap().token, ticket.token());
     ticket.release().unwrap();
     assert!(over_unix.ping().unwrap() < S);
+}
+
+#[test]
+fn a_renewal_without_an_answer_keeps_the_earlier_bound() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let client = connect(&[&proxy.addr]);
+    let mut ticket = client
+        .acquire("renew-lost", Duration::ZERO, 30 * S)
+        .unwrap();
+    let before = ticket.valid_until();
+    proxy.set_faults(Faults {
+        swallow_answers: true,
+        ..Faults::default()
+    });
+    let started = Instant::now();
+    // A shorter lease may or may not have been applied: assume it was.
+    assert_eq!(ticket.renew(2 * S), Err(Error::Indeterminate));
+    assert!(started.elapsed() >= TRANSPORT_DEADLINE);
+    assert!(ticket.valid_until() < before);
+    assert!(ticket.valid_until() <= started + 2 * S);
+    assert!(!ticket.is_valid());
+    // The server did apply it, and the lock is still the ticket's to release.
+    proxy.set_faults(Faults::default());
+    let frames = proxy.forwarded();
+    assert!(
+        frames
+            .iter()
+            .any(|f| f.op == b'E' && f.id == ticket.token() && f.lease_s == 2)
+    );
+    let token = ticket.into_token();
+    assert!(matches!(
+        client.release("renew-lost", token),
+        Ok(()) | Err(Error::NotHeld)
+    ));
 }
