@@ -384,3 +384,26 @@ fn run_kills_a_command_that_ignores_sigterm_after_kill_after() {
     assert!(elapsed >= 500 * MS, "{elapsed:?}: SIGKILL came early");
     assert!(elapsed < S + 500 * MS + LATE, "{elapsed:?}");
 }
+
+#[test]
+fn run_stops_the_command_if_kunci_itself_dies() {
+    let server = TestServer::start(&[]);
+    let dir = TempDir::new("run-parent-dies");
+    let started_file = dir.join("started");
+    let script = format!(
+        "trap 'echo term > {got}; exit 0' TERM; echo started > {started}; \
+         while :; do sleep 0.05; done",
+        got = dir.join("got").display(),
+        started = started_file.display()
+    );
+    let mut child = command(
+        &server.addr,
+        &["run", "orphaned", "--", "sh", "-c", &script],
+    )
+    .spawn()
+    .unwrap();
+    wait_for_file(&started_file);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(wait_for_file(&dir.join("got")), "term\n");
+}

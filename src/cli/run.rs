@@ -7,7 +7,8 @@
 //! with the command's status. If the lock is lost — a renewal answered `N`,
 //! or the ticket's `valid_until` passed without a successful renewal — the
 //! group gets SIGTERM, then SIGKILL after `--kill-after`, and `kunci` exits
-//! 6: the command must not go on believing it holds the lock.
+//! 6: the command must not go on believing it holds the lock. If `kunci`
+//! itself dies, the command gets SIGTERM (the lease is no longer renewed).
 
 use std::ffi::OsString;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -101,6 +102,19 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         .env("KUNCI_KEY", key)
         .env("KUNCI_TOKEN", ticket.token().to_string())
         .process_group(0);
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: between fork and exec the closure only makes
+    // async-signal-safe calls (prctl, getppid, kill).
+    unsafe {
+        command.pre_exec(move || {
+            // If kunci dies, nobody renews the lease: stop the command too.
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            if libc::getppid() != parent {
+                libc::kill(libc::getpid(), libc::SIGTERM);
+            }
+            Ok(())
+        });
+    }
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(error) => {

@@ -410,10 +410,14 @@ impl<R> Engine<R> {
     pub(crate) fn expire(&mut self, now: Instant) {
         let expired = std::mem::take(&mut self.expired);
         for &id in &expired {
+            // Check the deadline too: a drained answer may have freed the
+            // slot, and a new request may have taken it since.
             if let Some(&Req {
                 place: Place::Sent(s) | Place::Batch(s),
+                deadline,
                 ..
             }) = self.requests.slab.get(id)
+                && deadline <= now
             {
                 log::debug!("session {s}: no answer by the deadline; closing it");
                 self.close(s, now);
