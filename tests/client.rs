@@ -561,3 +561,22 @@ fn a_renewal_without_an_answer_keeps_the_earlier_bound() {
         Ok(()) | Err(Error::NotHeld)
     ));
 }
+
+#[test]
+fn a_server_shutting_down_answers_waiters_busy() {
+    let server = TestServer::start(&[]);
+    let client = connect(&[&server.addr]);
+    let holder = client.acquire("shutdown", Duration::ZERO, 30 * S).unwrap();
+    let waiter = {
+        let client = client.clone();
+        std::thread::spawn(move || client.acquire("shutdown", 30 * S, S))
+    };
+    eventually("the waiter is queued", || {
+        client
+            .query("shutdown")
+            .is_ok_and(|status| status.waiters == 1)
+    });
+    assert!(server.stop().success());
+    assert_eq!(waiter.join().unwrap().unwrap_err(), Error::Busy);
+    let _ = holder.into_token();
+}
