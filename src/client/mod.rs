@@ -104,20 +104,6 @@ pub enum Error {
     NotHeld,
 }
 
-impl Error {
-    /// The outcome's name in words, as the command line prints it.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Error::Timeout => "timeout",
-            Error::Busy => "busy",
-            Error::Unavailable => "unavailable",
-            Error::Indeterminate => "indeterminate",
-            Error::InvalidArgument(_) => "invalid argument",
-            Error::NotHeld => "not held",
-        }
-    }
-}
-
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -315,7 +301,7 @@ impl Client {
 
     /// The server's counters: one line of `name=value` pairs.
     pub fn info(&self) -> Result<String, Error> {
-        match self.call_now(Op::Info, placeholder_key()) {
+        match self.call_now(Op::Info, Key::EMPTY) {
             Outcome::Info(text) => Ok(text),
             outcome => Err(outcome_error(outcome)),
         }
@@ -325,7 +311,7 @@ impl Client {
     /// when its answer was read.
     pub fn ping(&self) -> Result<Duration, Error> {
         let nonce = self.inner.next_nonce.fetch_add(1, Ordering::Relaxed);
-        match self.call_now(Op::Ping { nonce }, placeholder_key()) {
+        match self.call_now(Op::Ping { nonce }, Key::EMPTY) {
             Outcome::Pong { round_trip } => Ok(round_trip),
             outcome => Err(outcome_error(outcome)),
         }
@@ -392,12 +378,6 @@ pub fn drift_margin(lease: Duration) -> Duration {
 /// socket just after `sent_at` (spec §8.9).
 fn valid_until(sent_at: Instant, lease: Duration) -> Instant {
     sent_at + lease.saturating_sub(drift_margin(lease))
-}
-
-/// `P` and `I` carry no key; the engine's request type always has one,
-/// which is never sent for them.
-fn placeholder_key() -> Key {
-    Key::EMPTY
 }
 
 fn outcome_error(outcome: Outcome) -> Error {

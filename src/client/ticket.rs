@@ -3,8 +3,8 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use super::engine::{Key, Op, Outcome};
-use super::{Client, Error, lease_seconds, outcome_error, valid_until};
+use super::engine::Key;
+use super::{Client, Error, valid_until};
 
 /// A lock this client holds: the key, the grant's fencing token, its lease,
 /// and a conservative bound on when the server may take it back.
@@ -87,20 +87,14 @@ impl Ticket {
     /// keeps the earlier of the two bounds. On any other error nothing
     /// changed.
     pub fn renew(&mut self, lease: Duration) -> Result<(), Error> {
-        let lease_s = lease_seconds(lease)?;
         let started = Instant::now();
-        let op = Op::Extend {
-            token: self.token,
-            lease_s,
-        };
-        match self.client.call_now(op, self.key) {
-            Outcome::Extended { sent_at } => {
+        match self.client.renew(self.key.as_str(), self.token, lease) {
+            Ok(valid_until) => {
                 self.lease = lease;
-                self.valid_until = valid_until(sent_at, lease);
+                self.valid_until = valid_until;
                 Ok(())
             }
-            outcome => {
-                let error = outcome_error(outcome);
+            Err(error) => {
                 match error {
                     Error::NotHeld => self.valid_until = self.valid_until.min(Instant::now()),
                     Error::Indeterminate => {
