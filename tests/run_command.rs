@@ -63,6 +63,17 @@ fn wait_for_file(path: &Path) -> String {
     }
 }
 
+/// A shell script that writes `started` once it runs, then waits; on
+/// SIGTERM it writes `got` and runs `on_term`.
+fn waiting_script(dir: &TempDir, on_term: &str) -> String {
+    format!(
+        "trap 'echo term > {got}; {on_term}' TERM; echo started > {started}; \
+         while :; do sleep 0.05; done",
+        got = dir.join("got").display(),
+        started = dir.join("started").display()
+    )
+}
+
 fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
     let deadline = Instant::now() + limit;
     loop {
@@ -293,12 +304,7 @@ fn run_forwards_sigterm_to_the_command() {
     let server = TestServer::start(&[]);
     let dir = TempDir::new("run-sigterm");
     let started_file = dir.join("started");
-    let script = format!(
-        "trap 'echo term > {got}; exit 9' TERM; echo started > {started}; \
-         while :; do sleep 0.05; done",
-        got = dir.join("got").display(),
-        started = started_file.display()
-    );
+    let script = waiting_script(&dir, "exit 9");
     let mut child = command(&server.addr, &["run", "sigterm", "--", "sh", "-c", &script])
         .spawn()
         .unwrap();
@@ -319,12 +325,7 @@ fn run_stops_the_command_when_the_server_restarts_under_it() {
     let proxy = Proxy::start(&first.addr);
     let dir = TempDir::new("run-restart");
     let started_file = dir.join("started");
-    let script = format!(
-        "trap 'echo term > {got}; exit 0' TERM; echo started > {started}; \
-         while :; do sleep 0.05; done",
-        got = dir.join("got").display(),
-        started = started_file.display()
-    );
+    let script = waiting_script(&dir, "exit 0");
     let mut child = command(
         &proxy.addr,
         &["run", "restart", "--lease", "2", "--", "sh", "-c", &script],
@@ -390,12 +391,7 @@ fn run_stops_the_command_if_kunci_itself_dies() {
     let server = TestServer::start(&[]);
     let dir = TempDir::new("run-parent-dies");
     let started_file = dir.join("started");
-    let script = format!(
-        "trap 'echo term > {got}; exit 0' TERM; echo started > {started}; \
-         while :; do sleep 0.05; done",
-        got = dir.join("got").display(),
-        started = started_file.display()
-    );
+    let script = waiting_script(&dir, "exit 0");
     let mut child = command(
         &server.addr,
         &["run", "orphaned", "--", "sh", "-c", &script],
