@@ -11,11 +11,14 @@
 //! - [`core`] — the sans-IO server: lock table, waiter queues, timer wheel;
 //!   every call takes `now` and queues the responses to send.
 //! - [`server`] — the mio shell: listeners, connections, buffers, signals.
+//! - [`client`] — the official client: sessions, deadlines, correlation,
+//!   [`client::Ticket`]; the rules live in a sans-IO engine.
 //! - [`addr`] — server addresses (`HOST:PORT`, `unix:PATH`).
 //! - [`cli`] — the `kunci` subcommands; `main.rs` only calls [`cli::main`].
 
 pub mod addr;
 pub mod cli;
+pub mod client;
 pub mod core;
 pub mod protocol;
 pub mod server;

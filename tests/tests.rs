@@ -1,9 +1,11 @@
 //! kunci's integration tests: one binary, one module per area.
 
 mod abuse;
+mod client;
 mod core;
 mod protocol;
 mod restart;
+mod run_command;
 mod server;
 mod simulation;
 mod util;

@@ -2,6 +2,8 @@
 //! parses, runs, and maps outcomes to the documented exit codes (spec §9).
 
 pub mod args;
+mod client;
+mod run;
 mod serve;
 
 use std::ffi::OsString;
@@ -45,6 +47,8 @@ pub fn main() -> ExitCode {
     let command = args.remove(0);
     let code = match command.to_str().unwrap_or("") {
         "serve" => serve::main(args),
+        "run" => run::main(args),
+        name if client::is_command(name) => client::main(name, args),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             exit::DONE

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use kunci::protocol::{self, Request, Response};
 
+pub mod proxy;
+
 /// The `kunci` binary under test.
 pub fn kunci_bin() -> &'static str {
     env!("CARGO_BIN_EXE_kunci")

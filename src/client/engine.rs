@@ -1,0 +1,924 @@
+//! The client's rules with no IO and no clock: every §8 decision lives here.
+//!
+//! [`Engine`] owns the requests, the per-session queues, write buffers and
+//! correlation state. The I/O thread (`io.rs`) only moves bytes: it feeds
+//! what it reads to [`Engine::handle_input`], asks [`Engine::poll_transmit`]
+//! for bytes to write just before it writes them and reports how many the
+//! socket accepted with [`Engine::transmitted`], performs the [`Action`]s the
+//! engine asks for (connect, close, read what has arrived), and calls
+//! [`Engine::handle_timeout`] when [`Engine::poll_timeout`] says so. Every
+//! call takes `now`, so tests drive the engine on a fake clock.
+//!
+//! A request is in exactly one of these places:
+//!
+//! - the *unassigned* queue: certainly not sent, waiting for a session;
+//! - a session's `queue`: certainly not sent, waiting for the socket to be
+//!   writable (its frame is encoded only when the writer is about to write,
+//!   so the wire wait is computed then);
+//! - a session's current write *batch*: encoded, handed to the socket, and
+//!   not yet known whether the socket took any of its bytes;
+//! - *sent* on a session: the socket accepted at least one byte, so it is
+//!   possibly sent and is never sent again; it waits for its correlated
+//!   answer (acquires by `owner`, the others in request order, checked
+//!   against their token or nonce).
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use slab::Slab;
+
+use crate::core::timer_wheel::{TimerId, TimerLinks, TimerStore, TimerWheel};
+use crate::protocol::{self, ErrorCode, KEY_LEN_MAX, Request, Response};
+
+use super::{KeyStatus, TRANSPORT_DEADLINE};
+
+/// A session: one connection slot, numbered from 0.
+pub(crate) type SessionId = usize;
+
+type ReqId = usize;
+
+/// A batch of frames stops growing past this many bytes, so that one write
+/// stays a reasonable size and the socket buffer is not overrun.
+const BATCH_BYTES_MAX: usize = 64 * 1024;
+
+/// After its first failure a session slot is retried at once; after `n`
+/// consecutive failures, after `RETRY_DELAY_BASE × 2^(n − 2)`, at most
+/// [`RETRY_DELAY_MAX`].
+const RETRY_DELAY_BASE: Duration = Duration::from_millis(10);
+const RETRY_DELAY_MAX: Duration = Duration::from_millis(500);
+
+/// A key, validated and stored inline so that a request allocates nothing.
+#[derive(Clone, Copy)]
+pub(crate) struct Key {
+    len: u8,
+    bytes: [u8; KEY_LEN_MAX],
+}
+
+impl Key {
+    /// No key, for the requests that carry none (`P`, `I`).
+    pub(crate) const EMPTY: Key = Key {
+        len: 0,
+        bytes: [0; KEY_LEN_MAX],
+    };
+
+    /// A key of 1..=255 bytes without `\n`, or the reason it is invalid.
+    pub(crate) fn new(key: &str) -> Result<Key, &'static str> {
+        let bytes = key.as_bytes();
+        if bytes.is_empty() {
+            return Err("key is empty");
+        }
+        if bytes.len() > KEY_LEN_MAX {
+            return Err("key is longer than 255 bytes");
+        }
+        if bytes.contains(&b'\n') {
+            return Err("key contains a newline");
+        }
+        let mut inline = [0u8; KEY_LEN_MAX];
+        inline[..bytes.len()].copy_from_slice(bytes);
+        Ok(Key {
+            len: bytes.len() as u8,
+            bytes: inline,
+        })
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        // Built from a `&str` cut at its own length, so this always succeeds.
+        std::str::from_utf8(&self.bytes[..self.len as usize]).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+/// What a request asks the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    /// `A`. `wait_until` is `Dw`, or `None` for an original `wait = 0`,
+    /// which stays 0 on the wire.
+    Acquire {
+        owner: u64,
+        lease_s: u8,
+        wait_until: Option<Instant>,
+    },
+    Release {
+        token: u64,
+    },
+    Extend {
+        token: u64,
+        lease_s: u8,
+    },
+    Query,
+    Ping {
+        nonce: u64,
+    },
+    Info,
+}
+
+/// One request as the caller hands it over: what to ask, about which key,
+/// by when (`D`), and where the outcome goes (`None`: nobody waits, as for
+/// a compensating or best-effort release).
+pub(crate) struct Submission<R> {
+    pub op: Op,
+    pub key: Key,
+    pub deadline: Instant,
+    pub reply: Option<R>,
+}
+
+/// How a request ended, as the engine saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// A correlated `A`, noticed before `D`. `sent_at` is the instant just
+    /// before the first byte of the request was handed to the socket.
+    Acquired {
+        token: u64,
+        sent_at: Instant,
+    },
+    Timeout,
+    Busy,
+    Unavailable,
+    Indeterminate,
+    Released,
+    Extended {
+        sent_at: Instant,
+    },
+    NotHeld,
+    Query(KeyStatus),
+    Pong {
+        round_trip: Duration,
+    },
+    Info(String),
+    /// A non-fatal `X`: the server found the request invalid.
+    Invalid(&'static str),
+}
+
+/// What the engine asks the I/O layer to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Open a connection for this session; report with
+    /// [`Engine::connected`] or [`Engine::connect_failed`].
+    Connect(SessionId),
+    /// Drop this session's connection (the engine already forgot it).
+    Close(SessionId),
+    /// Read what has already arrived on this session and hand it to
+    /// [`Engine::handle_input`] before calling [`Engine::expire`].
+    Drain(SessionId),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    Unassigned,
+    Queued(SessionId),
+    Batch(SessionId),
+    Sent(SessionId),
+}
+
+struct Req<R> {
+    op: Op,
+    key: Key,
+    deadline: Instant,
+    reply: Option<R>,
+    place: Place,
+    sent_at: Option<Instant>,
+    timer: TimerLinks,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Link {
+    /// No connection; a new one may be opened from `retry_at` on.
+    Down {
+        retry_at: Instant,
+    },
+    Connecting {
+        deadline: Instant,
+    },
+    Up,
+}
+
+struct Session {
+    link: Link,
+    /// Consecutive failures (refused connects, sessions that closed before
+    /// any answer); sets the retry delay.
+    failures: u32,
+    queue: VecDeque<ReqId>,
+    /// Encoded frames. `out[..out_sent]` has been accepted by the socket.
+    out: Vec<u8>,
+    out_sent: usize,
+    /// The frames of the batch being written and where each ends in `out`.
+    batch: Vec<(ReqId, usize)>,
+    /// When the batch was encoded: just before its first write.
+    batch_at: Option<Instant>,
+    /// Possibly-sent requests other than acquires, in request order.
+    others: VecDeque<ReqId>,
+    /// Possibly-sent acquires (they are found by owner in `Engine::owners`).
+    acquires: usize,
+    /// Bytes of a response frame that has not fully arrived.
+    input: Vec<u8>,
+    /// Set when a request on this session reached `D` unanswered.
+    expiring: bool,
+}
+
+impl Session {
+    fn new(now: Instant) -> Session {
+        Session {
+            link: Link::Down { retry_at: now },
+            failures: 0,
+            queue: VecDeque::new(),
+            out: Vec::new(),
+            out_sent: 0,
+            batch: Vec::new(),
+            batch_at: None,
+            others: VecDeque::new(),
+            acquires: 0,
+            input: Vec::new(),
+            expiring: false,
+        }
+    }
+}
+
+/// The requests with their timer links, as the timer wheel sees them.
+struct Requests<R> {
+    slab: Slab<Req<R>>,
+    /// Stands in for a stale id, which the wheel never passes in practice.
+    spare: TimerLinks,
+}
+
+impl<R> TimerStore for Requests<R> {
+    fn links(&mut self, id: TimerId) -> &mut TimerLinks {
+        match self.slab.get_mut(id as usize) {
+            Some(req) => &mut req.timer,
+            None => &mut self.spare,
+        }
+    }
+}
+
+/// The client's request and session state (see the module docs).
+pub(crate) struct Engine<R> {
+    epoch: Instant,
+    connect_timeout: Duration,
+    requests: Requests<R>,
+    wheel: TimerWheel,
+    sessions: Vec<Session>,
+    unassigned: VecDeque<ReqId>,
+    owners: HashMap<u64, ReqId, foldhash::fast::RandomState>,
+    /// Requests that reached `D` possibly sent, waiting for [`Engine::expire`].
+    expired: Vec<ReqId>,
+    actions: VecDeque<Action>,
+    completions: VecDeque<(R, Outcome)>,
+    /// The session the next batch of unassigned requests goes to.
+    rotation: usize,
+}
+
+impl<R> Engine<R> {
+    pub(crate) fn new(sessions: usize, connect_timeout: Duration, now: Instant) -> Engine<R> {
+        Engine {
+            epoch: now,
+            connect_timeout,
+            requests: Requests {
+                slab: Slab::new(),
+                spare: TimerLinks::UNARMED,
+            },
+            wheel: TimerWheel::new(),
+            sessions: (0..sessions.max(1)).map(|_| Session::new(now)).collect(),
+            unassigned: VecDeque::new(),
+            owners: HashMap::default(),
+            expired: Vec::new(),
+            actions: VecDeque::new(),
+            completions: VecDeque::new(),
+            rotation: 0,
+        }
+    }
+
+    /// No request is pending: nothing would be lost by stopping.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.requests.slab.is_empty()
+    }
+
+    /// Takes a request. Its outcome comes out of [`Engine::poll_completion`]
+    /// no later than its deadline (as seen by [`Engine::handle_timeout`]).
+    pub(crate) fn submit(&mut self, submission: Submission<R>, now: Instant) {
+        let id = self.requests.slab.insert(Req {
+            op: submission.op,
+            key: submission.key,
+            deadline: submission.deadline,
+            reply: submission.reply,
+            place: Place::Unassigned,
+            sent_at: None,
+            timer: TimerLinks::UNARMED,
+        });
+        if let Op::Acquire { owner, .. } = submission.op {
+            self.owners.insert(owner, id);
+        }
+        let tick = self.tick_at_or_after(submission.deadline);
+        self.wheel.arm(&mut self.requests, id as TimerId, tick);
+        self.unassigned.push_back(id);
+        self.assign(now);
+    }
+
+    /// Schedules a release of `token` that nobody waits for.
+    pub(crate) fn release_in_background(&mut self, key: Key, token: u64, now: Instant) {
+        self.submit(
+            Submission {
+                op: Op::Release { token },
+                key,
+                deadline: now + TRANSPORT_DEADLINE,
+                reply: None,
+            },
+            now,
+        );
+    }
+
+    pub(crate) fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    pub(crate) fn poll_completion(&mut self) -> Option<(R, Outcome)> {
+        self.completions.pop_front()
+    }
+
+    /// The next instant [`Engine::handle_timeout`] has work to do.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        let timer = self
+            .wheel
+            .next_tick()
+            .map(|tick| self.epoch + Duration::from_millis(tick));
+        let demand = !self.unassigned.is_empty();
+        let links = self
+            .sessions
+            .iter()
+            .filter_map(|session| match session.link {
+                Link::Connecting { deadline } => Some(deadline),
+                Link::Down { retry_at } if demand => Some(retry_at),
+                _ => None,
+            });
+        timer.into_iter().chain(links).min()
+    }
+
+    /// Ends what is due at `now`: certainly-not-sent requests past `D` are
+    /// `Unavailable`; possibly-sent ones are set aside for
+    /// [`Engine::expire`], after their sessions were drained
+    /// ([`Action::Drain`]). Connects past their timeout fail.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) {
+        let tick = self.tick_at_or_before(now);
+        while let Some(id) = self.wheel.poll(&mut self.requests, tick) {
+            let id = id as ReqId;
+            let Some(req) = self.requests.slab.get(id) else {
+                continue;
+            };
+            if req.deadline > now {
+                // Cannot happen (ticks round the deadline up); never early.
+                let tick = self.tick_at_or_after(req.deadline);
+                self.wheel.arm(&mut self.requests, id as TimerId, tick);
+                continue;
+            }
+            match req.place {
+                Place::Unassigned => {
+                    self.unassigned.retain(|&queued| queued != id);
+                    self.complete(id, Outcome::Unavailable);
+                }
+                Place::Queued(s) => {
+                    self.sessions[s].queue.retain(|&queued| queued != id);
+                    self.complete(id, Outcome::Unavailable);
+                }
+                // A batch only exists between `poll_transmit` and
+                // `transmitted`; treat it as sent to stay on the safe side.
+                Place::Batch(s) | Place::Sent(s) => {
+                    self.expired.push(id);
+                    if !self.sessions[s].expiring {
+                        self.sessions[s].expiring = true;
+                        self.actions.push_back(Action::Drain(s));
+                    }
+                }
+            }
+        }
+        for s in 0..self.sessions.len() {
+            if let Link::Connecting { deadline } = self.sessions[s].link
+                && deadline <= now
+            {
+                log::debug!("session {s}: connect timed out");
+                self.actions.push_back(Action::Close(s));
+                self.connect_failed(s, now);
+            }
+        }
+        self.assign(now);
+    }
+
+    /// Closes every session on which a request set aside by
+    /// [`Engine::handle_timeout`] is still unanswered (rule 5).
+    pub(crate) fn expire(&mut self, now: Instant) {
+        let expired = std::mem::take(&mut self.expired);
+        for &id in &expired {
+            // Check the deadline too: a drained answer may have freed the
+            // slot, and a new request may have taken it since.
+            if let Some(&Req {
+                place: Place::Sent(s) | Place::Batch(s),
+                deadline,
+                ..
+            }) = self.requests.slab.get(id)
+                && deadline <= now
+            {
+                log::debug!("session {s}: no answer by the deadline; closing it");
+                self.close(s, now);
+            }
+        }
+        for session in &mut self.sessions {
+            session.expiring = false;
+        }
+        self.expired = expired;
+        self.expired.clear();
+        self.assign(now);
+    }
+
+    pub(crate) fn connected(&mut self, s: SessionId, now: Instant) {
+        if let Some(session) = self.sessions.get_mut(s)
+            && matches!(session.link, Link::Connecting { .. })
+        {
+            session.link = Link::Up;
+            self.assign(now);
+        }
+    }
+
+    pub(crate) fn connect_failed(&mut self, s: SessionId, now: Instant) {
+        if let Some(session) = self.sessions.get_mut(s)
+            && matches!(session.link, Link::Connecting { .. })
+        {
+            session.failures = session.failures.saturating_add(1);
+            session.link = Link::Down {
+                retry_at: now + retry_delay(session.failures),
+            };
+            self.assign(now);
+        }
+    }
+
+    /// The connection of session `s` ended (end of stream, a read or write
+    /// error). Its possibly-sent requests are `Indeterminate`; the others
+    /// may move to another session.
+    pub(crate) fn session_closed(&mut self, s: SessionId, now: Instant) {
+        if matches!(self.sessions.get(s).map(|x| x.link), Some(Link::Up)) {
+            self.close(s, now);
+            self.assign(now);
+        }
+    }
+
+    /// The bytes to write on session `s` now, if any: what is left of a
+    /// partly written frame, else a new batch encoded at `now` (the wire
+    /// wait of each acquire is computed here, rule 3). The caller writes
+    /// them at once and reports with [`Engine::transmitted`].
+    pub(crate) fn poll_transmit(&mut self, s: SessionId, now: Instant) -> Option<&[u8]> {
+        let session = self.sessions.get_mut(s)?;
+        if session.link != Link::Up {
+            return None;
+        }
+        if session.out_sent < session.out.len() {
+            return Some(&session.out[session.out_sent..]);
+        }
+        session.out.clear();
+        session.out_sent = 0;
+        session.batch.clear();
+        while session.out.len() < BATCH_BYTES_MAX {
+            let Some(id) = session.queue.pop_front() else {
+                break;
+            };
+            let Some(req) = self.requests.slab.get_mut(id) else {
+                continue;
+            };
+            encode(req, now, &mut session.out);
+            req.place = Place::Batch(s);
+            session.batch.push((id, session.out.len()));
+        }
+        if session.out.is_empty() {
+            return None;
+        }
+        session.batch_at = Some(now);
+        Some(&session.out)
+    }
+
+    /// The socket of session `s` accepted `written` bytes of what
+    /// [`Engine::poll_transmit`] returned (0 if it would block). Requests
+    /// with at least one byte accepted are now possibly sent; the rest go
+    /// back to the queue unencoded, to be encoded afresh at the next write.
+    pub(crate) fn transmitted(&mut self, s: SessionId, written: usize) {
+        let Some(session) = self.sessions.get_mut(s) else {
+            return;
+        };
+        let start = session.out_sent;
+        session.out_sent = (start + written).min(session.out.len());
+        if session.batch.is_empty() {
+            return;
+        }
+        let sent_at = session.batch_at.take();
+        let mut frame_start = 0;
+        let mut kept = 0;
+        let mut unsent_from = session.batch.len();
+        for (index, &(id, frame_end)) in session.batch.iter().enumerate() {
+            if frame_start >= session.out_sent {
+                unsent_from = index;
+                break;
+            }
+            kept = frame_end;
+            frame_start = frame_end;
+            let Some(req) = self.requests.slab.get_mut(id) else {
+                continue;
+            };
+            req.place = Place::Sent(s);
+            req.sent_at = sent_at;
+            if matches!(req.op, Op::Acquire { .. }) {
+                session.acquires += 1;
+            } else {
+                session.others.push_back(id);
+            }
+        }
+        for &(id, _) in session.batch[unsent_from..].iter().rev() {
+            if let Some(req) = self.requests.slab.get_mut(id) {
+                req.place = Place::Queued(s);
+                session.queue.push_front(id);
+            }
+        }
+        session.batch.clear();
+        session.out.truncate(kept);
+        if session.out_sent == session.out.len() {
+            session.out.clear();
+            session.out_sent = 0;
+        }
+    }
+
+    /// Whether session `s` has bytes to write.
+    pub(crate) fn wants_write(&self, s: SessionId) -> bool {
+        self.sessions.get(s).is_some_and(|session| {
+            session.link == Link::Up
+                && (session.out_sent < session.out.len() || !session.queue.is_empty())
+        })
+    }
+
+    /// Bytes that arrived on session `s`. Frames are decoded as they
+    /// complete; an undecodable stream or an answer that correlates with
+    /// nothing closes the session.
+    pub(crate) fn handle_input(&mut self, s: SessionId, data: &[u8], now: Instant) {
+        if self.sessions.get(s).map(|x| x.link) != Some(Link::Up) {
+            return;
+        }
+        let mut input = std::mem::take(&mut self.sessions[s].input);
+        let used = if input.is_empty() {
+            let used = self.decode_frames(s, data, now);
+            if let Some(rest) = used.and_then(|used| data.get(used..)) {
+                input.extend_from_slice(rest);
+            }
+            used
+        } else {
+            input.extend_from_slice(data);
+            let used = self.decode_frames(s, &input, now);
+            input.drain(..used.unwrap_or(input.len()));
+            used
+        };
+        match used {
+            Some(_) if self.sessions[s].link == Link::Up => self.sessions[s].input = input,
+            Some(_) => {}
+            None => {
+                self.close(s, now);
+                self.assign(now);
+            }
+        }
+    }
+
+    /// Decodes and handles every whole frame of `data`. Returns how many
+    /// bytes were used, or `None` when the session must be closed.
+    fn decode_frames(&mut self, s: SessionId, data: &[u8], now: Instant) -> Option<usize> {
+        let mut used = 0;
+        loop {
+            let rest = data.get(used..).unwrap_or_default();
+            match protocol::decode_response(rest) {
+                Ok(None) => return Some(used),
+                Ok(Some((response, len))) => {
+                    used += len;
+                    if !self.handle_response(s, response, now) {
+                        return None;
+                    }
+                }
+                Err(error) => {
+                    log::warn!("session {s}: {error}; closing it");
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Correlates one answer and completes its request. `false`: the
+    /// session must be closed (a fatal `X`, or an answer to nothing).
+    fn handle_response(&mut self, s: SessionId, response: Response, now: Instant) -> bool {
+        let (id, outcome) = match response {
+            Response::Acquired { owner, token } => {
+                let Some(id) = self.sent_acquire(s, owner) else {
+                    return self.uncorrelated(s, &response);
+                };
+                let Some(req) = self.requests.slab.get(id) else {
+                    return false;
+                };
+                if now < req.deadline {
+                    let sent_at = req.sent_at.unwrap_or(now);
+                    (id, Outcome::Acquired { token, sent_at })
+                } else {
+                    // Rule 7: too late to hand over; give the grant back.
+                    let key = req.key;
+                    self.release_in_background(key, token, now);
+                    (id, Outcome::Indeterminate)
+                }
+            }
+            Response::Timeout { owner } | Response::Busy { owner } => {
+                let Some(id) = self.sent_acquire(s, owner) else {
+                    return self.uncorrelated(s, &response);
+                };
+                let outcome = if matches!(response, Response::Timeout { .. }) {
+                    Outcome::Timeout
+                } else {
+                    Outcome::Busy
+                };
+                (id, outcome)
+            }
+            Response::Error { code, id, ref text } => {
+                let Some(code) = ErrorCode::from_u8(code).filter(|code| !code.is_fatal()) else {
+                    log::warn!("session {s}: server error {code}: {text}; closing it");
+                    return false;
+                };
+                let found = self
+                    .sent_acquire(s, id)
+                    .or_else(|| self.sent_other(s, |op| error_id(op) == id));
+                let Some(request) = found else {
+                    return self.uncorrelated(s, &response);
+                };
+                (request, Outcome::Invalid(code.text()))
+            }
+            ref other => {
+                let matches = |op: &Op| match (other, op) {
+                    (Response::Released { token }, Op::Release { token: t }) => token == t,
+                    (Response::Extended { token }, Op::Extend { token: t, .. }) => token == t,
+                    (
+                        Response::NotHeld { token },
+                        Op::Release { token: t } | Op::Extend { token: t, .. },
+                    ) => token == t,
+                    (Response::Query { .. }, Op::Query) => true,
+                    (Response::Pong { nonce }, Op::Ping { nonce: n }) => nonce == n,
+                    (Response::Info(_), Op::Info) => true,
+                    _ => false,
+                };
+                let Some(id) = self.sent_other(s, matches) else {
+                    return self.uncorrelated(s, other);
+                };
+                let sent_at = self
+                    .requests
+                    .slab
+                    .get(id)
+                    .and_then(|req| req.sent_at)
+                    .unwrap_or(now);
+                let outcome = match response {
+                    Response::Released { .. } => Outcome::Released,
+                    Response::Extended { .. } => Outcome::Extended { sent_at },
+                    Response::NotHeld { .. } => Outcome::NotHeld,
+                    Response::Query {
+                        token,
+                        owner,
+                        lease_ms,
+                        waiters,
+                    } => Outcome::Query(KeyStatus {
+                        token,
+                        owner,
+                        lease_ms,
+                        waiters,
+                    }),
+                    Response::Pong { .. } => Outcome::Pong {
+                        round_trip: now.saturating_duration_since(sent_at),
+                    },
+                    Response::Info(text) => Outcome::Info(text),
+                    _ => return false,
+                };
+                (id, outcome)
+            }
+        };
+        if let Some(session) = self.sessions.get_mut(s) {
+            session.failures = 0;
+        }
+        self.complete(id, outcome);
+        true
+    }
+
+    fn uncorrelated(&self, s: SessionId, response: &Response) -> bool {
+        log::warn!("session {s}: answer {response:?} matches no request; closing it");
+        false
+    }
+
+    /// The possibly-sent acquire of session `s` with this owner.
+    fn sent_acquire(&self, s: SessionId, owner: u64) -> Option<ReqId> {
+        let &id = self.owners.get(&owner)?;
+        let req = self.requests.slab.get(id)?;
+        (req.place == Place::Sent(s)).then_some(id)
+    }
+
+    /// The first possibly-sent non-acquire of session `s` that `matches`
+    /// (answers come in request order, so it is normally the front one).
+    fn sent_other(&self, s: SessionId, matches: impl Fn(&Op) -> bool) -> Option<ReqId> {
+        let session = self.sessions.get(s)?;
+        session.others.iter().copied().find(|&id| {
+            self.requests
+                .slab
+                .get(id)
+                .is_some_and(|req| matches(&req.op))
+        })
+    }
+
+    /// Ends a request: takes it out of every structure and hands its
+    /// outcome to whoever waits for it.
+    fn complete(&mut self, id: ReqId, outcome: Outcome) {
+        self.wheel.cancel(&mut self.requests, id as TimerId);
+        let Some(req) = self.requests.slab.try_remove(id) else {
+            return;
+        };
+        match req.op {
+            Op::Acquire { owner, .. } => {
+                self.owners.remove(&owner);
+                if let Place::Sent(s) = req.place
+                    && let Some(session) = self.sessions.get_mut(s)
+                {
+                    session.acquires = session.acquires.saturating_sub(1);
+                }
+            }
+            _ => {
+                if let Place::Sent(s) = req.place
+                    && let Some(session) = self.sessions.get_mut(s)
+                {
+                    if session.others.front() == Some(&id) {
+                        session.others.pop_front();
+                    } else {
+                        session.others.retain(|&other| other != id);
+                    }
+                }
+            }
+        }
+        match req.reply {
+            Some(reply) => self.completions.push_back((reply, outcome)),
+            None => log::debug!("background {:?} on {:?}: {outcome:?}", req.op, req.key),
+        }
+    }
+
+    /// Forgets session `s`'s connection: possibly-sent requests are
+    /// `Indeterminate`, the others go back to the unassigned queue, in
+    /// order, ahead of newer requests.
+    fn close(&mut self, s: SessionId, now: Instant) {
+        let Some(session) = self.sessions.get_mut(s) else {
+            return;
+        };
+        if session.link != Link::Up {
+            return;
+        }
+        // A healthy session (one that had answers: `failures` is 0) is
+        // reopened at once; one that keeps closing backs off.
+        session.failures = session.failures.saturating_add(1);
+        session.link = Link::Down {
+            retry_at: now + retry_delay(session.failures),
+        };
+        self.actions.push_back(Action::Close(s));
+        let session = &mut self.sessions[s];
+        let unsent: Vec<ReqId> = session
+            .batch
+            .drain(..)
+            .map(|(id, _)| id)
+            .chain(session.queue.drain(..))
+            .collect();
+        session.out.clear();
+        session.out_sent = 0;
+        session.batch_at = None;
+        session.input.clear();
+        for &id in unsent.iter().rev() {
+            if let Some(req) = self.requests.slab.get_mut(id) {
+                req.place = Place::Unassigned;
+                self.unassigned.push_front(id);
+            }
+        }
+        let sent: Vec<ReqId> = self
+            .requests
+            .slab
+            .iter()
+            .filter(|(_, req)| req.place == Place::Sent(s))
+            .map(|(id, _)| id)
+            .collect();
+        for id in sent {
+            self.complete(id, Outcome::Indeterminate);
+        }
+        let session = &mut self.sessions[s];
+        session.others.clear();
+        session.acquires = 0;
+    }
+
+    /// Hands unassigned requests to a connected session, and opens
+    /// connections while requests wait for one.
+    fn assign(&mut self, now: Instant) {
+        if self.unassigned.is_empty() {
+            return;
+        }
+        for (s, session) in self.sessions.iter_mut().enumerate() {
+            if let Link::Down { retry_at } = session.link
+                && retry_at <= now
+            {
+                session.link = Link::Connecting {
+                    deadline: now + self.connect_timeout,
+                };
+                self.actions.push_back(Action::Connect(s));
+            }
+        }
+        // Requests that arrive together join the batch being filled; the
+        // next batch goes to the next connected session.
+        let count = self.sessions.len();
+        let usable = |session: &Session| session.link == Link::Up && !session.expiring;
+        let current = self.rotation % count;
+        let filling = &self.sessions[current];
+        let s = if usable(filling) && !filling.queue.is_empty() {
+            current
+        } else {
+            let Some(s) = (1..=count)
+                .map(|offset| (current + offset) % count)
+                .find(|&s| usable(&self.sessions[s]))
+            else {
+                return;
+            };
+            s
+        };
+        self.rotation = s;
+        let session = &mut self.sessions[s];
+        while let Some(id) = self.unassigned.pop_front() {
+            if let Some(req) = self.requests.slab.get_mut(id) {
+                req.place = Place::Queued(s);
+                session.queue.push_back(id);
+            }
+        }
+    }
+
+    /// The first tick at or after `at` (deadlines round up: never early).
+    fn tick_at_or_after(&self, at: Instant) -> u64 {
+        let since = at.saturating_duration_since(self.epoch);
+        let ms = since.as_millis() as u64;
+        if since > Duration::from_millis(ms) {
+            ms + 1
+        } else {
+            ms
+        }
+    }
+
+    fn tick_at_or_before(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.epoch).as_millis() as u64
+    }
+}
+
+fn retry_delay(failures: u32) -> Duration {
+    if failures <= 1 {
+        return Duration::ZERO;
+    }
+    RETRY_DELAY_BASE
+        .saturating_mul(1 << (failures - 2).min(16))
+        .min(RETRY_DELAY_MAX)
+}
+
+/// The id an `X` answer to this request carries (spec §6).
+fn error_id(op: &Op) -> u64 {
+    match *op {
+        Op::Acquire { owner, .. } => owner,
+        Op::Release { token } | Op::Extend { token, .. } => token,
+        Op::Ping { nonce } => nonce,
+        Op::Query | Op::Info => 0,
+    }
+}
+
+/// The wire wait of an acquire written at `now` (rule 3).
+pub(crate) fn wire_wait_s(wait_until: Option<Instant>, now: Instant) -> u8 {
+    let Some(wait_until) = wait_until else {
+        return 0;
+    };
+    let left = wait_until.saturating_duration_since(now);
+    let whole = left.as_secs() + u64::from(left.subsec_nanos() > 0);
+    whole.min(u64::from(protocol::WAIT_S_MAX)) as u8
+}
+
+fn encode<R>(req: &Req<R>, now: Instant, out: &mut Vec<u8>) {
+    let key = req.key.as_str();
+    let request = match req.op {
+        Op::Acquire {
+            owner,
+            lease_s,
+            wait_until,
+        } => Request::Acquire {
+            wait_s: wire_wait_s(wait_until, now),
+            lease_s,
+            owner,
+            key,
+        },
+        Op::Release { token } => Request::Release { token, key },
+        Op::Extend { token, lease_s } => Request::Extend {
+            lease_s,
+            token,
+            key,
+        },
+        Op::Query => Request::Query { key },
+        Op::Ping { nonce } => Request::Ping { nonce },
+        Op::Info => Request::Info,
+    };
+    protocol::encode_request(&request, out);
+}

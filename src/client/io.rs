@@ -1,0 +1,481 @@
+//! The client's I/O thread: one mio loop per [`Client`](super::Client)
+//! that moves bytes between its sessions' sockets and the [`Engine`].
+//!
+//! Callers hand requests over through [`Shared::submit`] (a mutex-guarded
+//! vector the loop swaps out whole, and a waker rung only when the vector
+//! was empty, so a burst of requests costs one wake-up) and block on a
+//! per-thread [`Slot`] until the loop delivers the outcome. Everything that
+//! piles up while the loop is busy is written in one batch per session:
+//! write coalescing comes from the loop's own latency.
+
+use std::cell::RefCell;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use mio::net::{TcpStream, UnixStream};
+use mio::{Events, Interest, Poll, Registry, Token, Waker};
+
+use super::engine::{Action, Engine, Outcome, SessionId, Submission};
+use crate::addr::Address;
+
+const WAKER: Token = Token(usize::MAX);
+
+/// Bytes read from a socket per `read` call.
+const READ_CHUNK: usize = 64 * 1024;
+
+/// How long past its deadline a caller waits for the I/O thread before it
+/// assumes the thread is stuck. The engine always answers by the deadline
+/// (plus a timer tick), so this only guards against a bug.
+const CALL_GRACE: Duration = Duration::from_secs(1);
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Where one blocking call waits for its outcome. Each thread reuses its
+/// own slot; `seq` tells a late delivery for an earlier call apart.
+pub(crate) struct Slot {
+    state: Mutex<(u64, Option<Outcome>)>,
+    ready: Condvar,
+}
+
+/// The address of one waiting call: its thread's slot and its number.
+pub(crate) struct Reply {
+    slot: Arc<Slot>,
+    seq: u64,
+}
+
+impl Reply {
+    fn deliver(self, outcome: Outcome) {
+        let mut state = lock(&self.slot.state);
+        if state.0 == self.seq {
+            state.1 = Some(outcome);
+            drop(state);
+            self.slot.ready.notify_one();
+        } else if let Outcome::Acquired { token, .. } = outcome {
+            log::warn!("grant {token} arrived for a call that gave up; its lease will reclaim it");
+        }
+    }
+}
+
+thread_local! {
+    static SLOT: RefCell<Option<Arc<Slot>>> = const { RefCell::new(None) };
+}
+
+fn thread_slot() -> Arc<Slot> {
+    let fresh = || {
+        Arc::new(Slot {
+            state: Mutex::new((0, None)),
+            ready: Condvar::new(),
+        })
+    };
+    SLOT.try_with(|slot| slot.borrow_mut().get_or_insert_with(fresh).clone())
+        .unwrap_or_else(|_| fresh())
+}
+
+/// What callers and the I/O thread share.
+pub(crate) struct Shared {
+    queue: Mutex<Vec<Submission<Reply>>>,
+    waker: Waker,
+    /// Set when the last handle is dropped: finish background work, exit.
+    closed: AtomicBool,
+    /// Cleared when the I/O thread exits.
+    running: AtomicBool,
+}
+
+impl Shared {
+    /// Hands a request to the I/O thread; `false` if it has stopped.
+    pub(crate) fn submit(&self, submission: Submission<Reply>) -> bool {
+        if !self.running.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut queue = lock(&self.queue);
+        let was_empty = queue.is_empty();
+        queue.push(submission);
+        drop(queue);
+        if was_empty && let Err(error) = self.waker.wake() {
+            log::warn!("cannot wake the client's I/O thread: {error}");
+        }
+        true
+    }
+
+    /// Submits a request and blocks until its outcome is known.
+    pub(crate) fn call(&self, mut submission: Submission<Reply>) -> Outcome {
+        let slot = thread_slot();
+        let seq = {
+            let mut state = lock(&slot.state);
+            state.0 = state.0.wrapping_add(1);
+            state.1 = None;
+            state.0
+        };
+        let give_up = submission.deadline + CALL_GRACE;
+        submission.reply = Some(Reply {
+            slot: slot.clone(),
+            seq,
+        });
+        if !self.submit(submission) {
+            return Outcome::Unavailable;
+        }
+        let mut state = lock(&slot.state);
+        loop {
+            if let Some(outcome) = state.1.take() {
+                return outcome;
+            }
+            let now = Instant::now();
+            if now >= give_up {
+                // Make a late delivery miss this call.
+                state.0 = state.0.wrapping_add(1);
+                log::error!("the client's I/O thread did not answer by the deadline");
+                return Outcome::Indeterminate;
+            }
+            state = slot
+                .ready
+                .wait_timeout(state, give_up - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Tells the I/O thread that no handle is left.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        let _ = self.waker.wake();
+    }
+}
+
+/// Starts the I/O thread for these addresses, `per_server` sessions each.
+pub(crate) fn start(
+    addresses: Vec<Address>,
+    per_server: usize,
+    connect_timeout: Duration,
+) -> io::Result<Arc<Shared>> {
+    let poll = Poll::new()?;
+    let waker = Waker::new(poll.registry(), WAKER)?;
+    let shared = Arc::new(Shared {
+        queue: Mutex::new(Vec::new()),
+        waker,
+        closed: AtomicBool::new(false),
+        running: AtomicBool::new(true),
+    });
+    let per_server = per_server.max(1);
+    let sessions = addresses.len() * per_server;
+    let engine = Engine::new(sessions, connect_timeout, Instant::now());
+    let mut shell = Shell {
+        poll,
+        shared: shared.clone(),
+        engine,
+        addresses,
+        per_server,
+        conns: (0..sessions).map(|_| None).collect(),
+        generations: vec![0; sessions],
+        attempts: vec![0; sessions],
+        buf: vec![0; READ_CHUNK],
+    };
+    std::thread::Builder::new()
+        .name("kunci-client".into())
+        .spawn(move || shell.run())?;
+    Ok(shared)
+}
+
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn source(&mut self) -> &mut dyn mio::event::Source {
+        match self {
+            Stream::Tcp(stream) => stream,
+            Stream::Unix(stream) => stream,
+        }
+    }
+
+    /// `Ok(true)` once a non-blocking connect has completed, `Ok(false)`
+    /// while it is still in progress.
+    fn connect_done(&self) -> io::Result<bool> {
+        let (error, peer) = match self {
+            Stream::Tcp(stream) => (stream.take_error()?, stream.peer_addr().map(|_| ())),
+            Stream::Unix(stream) => (stream.take_error()?, stream.peer_addr().map(|_| ())),
+        };
+        if let Some(error) = error {
+            return Err(error);
+        }
+        match peer {
+            Ok(()) => Ok(true),
+            Err(error) if error.kind() == io::ErrorKind::NotConnected => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.read(buf),
+            Stream::Unix(stream) => stream.read(buf),
+        }
+    }
+
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.write(buf),
+            Stream::Unix(stream) => stream.write(buf),
+        }
+    }
+}
+
+struct Conn {
+    stream: Stream,
+    connecting: bool,
+    writable: bool,
+}
+
+struct Shell {
+    poll: Poll,
+    shared: Arc<Shared>,
+    engine: Engine<Reply>,
+    addresses: Vec<Address>,
+    per_server: usize,
+    conns: Vec<Option<Conn>>,
+    /// Bumped per connection of a slot, and part of its token, so that an
+    /// event for a connection already dropped is recognised and ignored.
+    generations: Vec<u32>,
+    /// Connection attempts per slot: picks among a name's addresses.
+    attempts: Vec<usize>,
+    buf: Vec<u8>,
+}
+
+fn would_block(error: &io::Error) -> bool {
+    error.kind() == io::ErrorKind::WouldBlock
+}
+
+fn interrupted(error: &io::Error) -> bool {
+    error.kind() == io::ErrorKind::Interrupted
+}
+
+impl Shell {
+    fn run(&mut self) {
+        let mut events = Events::with_capacity(256);
+        let mut submissions = Vec::new();
+        loop {
+            let timeout = self
+                .engine
+                .poll_timeout()
+                .map(|at| at.saturating_duration_since(Instant::now()));
+            if let Err(error) = self.poll.poll(&mut events, timeout)
+                && !interrupted(&error)
+            {
+                log::error!("client I/O thread: poll failed: {error}");
+                break;
+            }
+            let now = Instant::now();
+            for event in events.iter() {
+                if event.token() == WAKER {
+                    continue;
+                }
+                let s = event.token().0 & 0xffff_ffff;
+                let generation = (event.token().0 >> 32) as u32;
+                if self.generations.get(s) != Some(&generation) {
+                    continue;
+                }
+                let Some(conn) = self.conns.get_mut(s).and_then(Option::as_mut) else {
+                    continue;
+                };
+                if conn.connecting {
+                    match conn.stream.connect_done() {
+                        Ok(false) => continue,
+                        Ok(true) => {
+                            conn.connecting = false;
+                            self.engine.connected(s, now);
+                        }
+                        Err(error) => {
+                            log::debug!("session {s}: connect failed: {error}");
+                            self.drop_conn(s);
+                            self.engine.connect_failed(s, now);
+                            continue;
+                        }
+                    }
+                }
+                if event.is_writable() {
+                    if let Some(conn) = self.conns[s].as_mut() {
+                        conn.writable = true;
+                    }
+                }
+                if event.is_readable() || event.is_read_closed() || event.is_error() {
+                    self.read(s, now);
+                }
+            }
+            std::mem::swap(&mut submissions, &mut *lock(&self.shared.queue));
+            let now = Instant::now();
+            for submission in submissions.drain(..) {
+                self.engine.submit(submission, now);
+            }
+            self.engine.handle_timeout(now);
+            self.perform_actions();
+            self.engine.expire(Instant::now());
+            self.perform_actions();
+            self.deliver();
+            self.write_all();
+            self.perform_actions();
+            self.deliver();
+            if self.shared.closed.load(Ordering::Acquire)
+                && self.engine.is_idle()
+                && lock(&self.shared.queue).is_empty()
+            {
+                break;
+            }
+        }
+        self.shared.running.store(false, Ordering::Release);
+        // Whatever is left (only after a poll failure) can no longer be
+        // answered by this thread.
+        while let Some((reply, _)) = self.engine.poll_completion() {
+            reply.deliver(Outcome::Indeterminate);
+        }
+    }
+
+    fn deliver(&mut self) {
+        while let Some((reply, outcome)) = self.engine.poll_completion() {
+            reply.deliver(outcome);
+        }
+    }
+
+    fn perform_actions(&mut self) {
+        while let Some(action) = self.engine.poll_action() {
+            match action {
+                Action::Connect(s) => self.connect(s),
+                Action::Close(s) => self.drop_conn(s),
+                Action::Drain(s) => self.read(s, Instant::now()),
+            }
+        }
+    }
+
+    /// Reads what has arrived on session `s` and feeds it to the engine.
+    fn read(&mut self, s: SessionId, now: Instant) {
+        loop {
+            let Some(conn) = self.conns.get_mut(s).and_then(Option::as_mut) else {
+                return;
+            };
+            if conn.connecting {
+                return;
+            }
+            match conn.stream.read(&mut self.buf) {
+                Ok(0) => {
+                    log::debug!("session {s}: closed by the server");
+                    self.drop_conn(s);
+                    self.engine.session_closed(s, now);
+                    return;
+                }
+                Ok(n) => {
+                    self.engine.handle_input(s, &self.buf[..n], now);
+                }
+                Err(error) if would_block(&error) => return,
+                Err(error) if interrupted(&error) => {}
+                Err(error) => {
+                    log::debug!("session {s}: read failed: {error}");
+                    self.drop_conn(s);
+                    self.engine.session_closed(s, now);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Writes every session's pending requests, encoding each batch just
+    /// before its write.
+    fn write_all(&mut self) {
+        for s in 0..self.conns.len() {
+            loop {
+                if !self.engine.wants_write(s) {
+                    break;
+                }
+                let Some(conn) = self.conns[s].as_mut().filter(|conn| conn.writable) else {
+                    break;
+                };
+                let now = Instant::now();
+                let Some(bytes) = self.engine.poll_transmit(s, now) else {
+                    break;
+                };
+                match conn.stream.write(bytes) {
+                    Ok(n) => self.engine.transmitted(s, n),
+                    Err(error) if would_block(&error) => {
+                        conn.writable = false;
+                        self.engine.transmitted(s, 0);
+                    }
+                    Err(error) if interrupted(&error) => self.engine.transmitted(s, 0),
+                    Err(error) => {
+                        log::debug!("session {s}: write failed: {error}");
+                        self.drop_conn(s);
+                        self.engine.session_closed(s, now);
+                    }
+                }
+            }
+        }
+    }
+
+    fn connect(&mut self, s: SessionId) {
+        self.drop_conn(s);
+        let now = Instant::now();
+        let Some(address) = self.addresses.get(s / self.per_server) else {
+            self.engine.connect_failed(s, now);
+            return;
+        };
+        let attempt = self.attempts[s];
+        self.attempts[s] = attempt.wrapping_add(1);
+        let stream = match address {
+            Address::Tcp(host_port) => resolve(host_port, attempt)
+                .and_then(TcpStream::connect)
+                .and_then(|stream| {
+                    stream.set_nodelay(true)?;
+                    Ok(Stream::Tcp(stream))
+                }),
+            Address::Unix(path) => UnixStream::connect(path).map(Stream::Unix),
+        };
+        let mut stream = match stream {
+            Ok(stream) => stream,
+            Err(error) => {
+                log::debug!("session {s}: cannot connect to {address}: {error}");
+                self.engine.connect_failed(s, now);
+                return;
+            }
+        };
+        self.generations[s] = self.generations[s].wrapping_add(1);
+        let token = Token(((self.generations[s] as usize) << 32) | s);
+        if let Err(error) = register(self.poll.registry(), &mut stream, token) {
+            log::warn!("session {s}: cannot register its socket: {error}");
+            self.engine.connect_failed(s, now);
+            return;
+        }
+        self.conns[s] = Some(Conn {
+            stream,
+            connecting: true,
+            writable: false,
+        });
+    }
+
+    fn drop_conn(&mut self, s: SessionId) {
+        if let Some(mut conn) = self.conns.get_mut(s).and_then(Option::take) {
+            let _ = self.poll.registry().deregister(conn.stream.source());
+        }
+    }
+}
+
+fn register(registry: &Registry, stream: &mut Stream, token: Token) -> io::Result<()> {
+    registry.register(
+        stream.source(),
+        token,
+        Interest::READABLE | Interest::WRITABLE,
+    )
+}
+
+/// One of the addresses `host_port` names, a different one per attempt.
+fn resolve(host_port: &str, attempt: usize) -> io::Result<SocketAddr> {
+    let addresses: Vec<SocketAddr> = host_port.to_socket_addrs()?.collect();
+    if addresses.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("{host_port} resolves to no address"),
+        ));
+    }
+    Ok(addresses[attempt % addresses.len()])
+}

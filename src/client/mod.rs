@@ -1,0 +1,409 @@
+//! The official kunci client.
+//!
+//! A [`Client`] talks to one lock service, reachable at one or more
+//! [`Address`]es. It is cheap to clone and `Send + Sync`: many threads
+//! share one client, and their requests are pipelined over a few
+//! connections ("sessions") by one background I/O thread. Each call blocks
+//! its own thread until its outcome is known, and never longer than its
+//! deadline.
+//!
+//! Every call follows the same rules (spec §8): its input is checked before
+//! anything is sent; it has one deadline `D`, fixed when it starts; a
+//! request the socket has not taken a byte of may move to another session
+//! until `D`, and then the call fails with [`Error::Unavailable`]; a request
+//! that may have been sent is never sent again, and if no answer comes by
+//! `D` (or its session dies first) the call fails with
+//! [`Error::Indeterminate`]. For [`Client::acquire`],
+//! `D = start + wait + 5 s`; for every other call, `D = start + 5 s`.
+//!
+//! The fencing token of a [`Ticket`] is what makes a lock safe: a resource
+//! the lock protects should refuse work that carries a smaller token than
+//! one it has already seen. `docs/CLIENT.md` explains every outcome and how
+//! to use the token.
+//!
+//! [`Client`] has an example.
+
+mod engine;
+mod io;
+mod ticket;
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::addr::Address;
+use engine::{Key, Op, Outcome, Submission};
+
+pub use ticket::Ticket;
+
+/// The transport deadline: how long past its wait a call may take (spec
+/// §8.2). It is part of the contract, not a setting.
+pub const TRANSPORT_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The longest wait an acquire may ask for.
+pub const WAIT_MAX: Duration = Duration::from_secs(255);
+
+/// The longest lease (a whole number of seconds, at least one).
+pub const LEASE_MAX: Duration = Duration::from_secs(255);
+
+/// How a [`Client`] runs. `Config::default()` is right for most uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Connections kept open to each address (default 2). Requests are
+    /// spread over them, and a request that could not be sent on one
+    /// moves to another.
+    pub sessions_per_server: usize,
+    /// How long a connection attempt may take before it counts as failed
+    /// (default 1 s). A failed attempt is retried, after a short backoff,
+    /// while requests wait for a session.
+    pub connect_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            sessions_per_server: 2,
+            connect_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Why a call did not succeed. Each variant says what the caller may
+/// conclude from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Error {
+    /// The server answered `T`: the key stayed held for the whole wait (or,
+    /// with a zero wait, was held at the one attempt). Definitive: nothing
+    /// was acquired and nothing is queued. Trying again is safe.
+    Timeout,
+    /// The server answered `B`: it had no capacity for the request, or is
+    /// shutting down. Definitive: nothing was acquired or queued. Trying
+    /// again later is safe.
+    Busy,
+    /// No byte of the request reached any connection before the deadline
+    /// (the servers refused or could not be reached). Definitive: the
+    /// server never saw the request, so nothing changed.
+    Unavailable,
+    /// The request may have reached the server, but its answer was not
+    /// seen in time (no answer by the deadline, the connection died, or a
+    /// grant arrived too late to hand over). The key may be held by this
+    /// call's grant until its lease runs out. For an acquire: do **not**
+    /// enter the critical section; a grant nobody saw is reclaimed by the
+    /// server at the end of its lease (and a grant that arrived late is
+    /// released by the client). For a release or renew: the lease may or
+    /// may not have changed.
+    Indeterminate,
+    /// The input was rejected before anything was sent (or, if the server
+    /// disagreed with the client's checks, by the server). Nothing changed.
+    /// The text names the problem.
+    InvalidArgument(&'static str),
+    /// The server answered `N`: the token is not the key's active grant
+    /// (its lease ran out, it was released, or it never existed). Nothing
+    /// changed. A holder that gets this has lost the lock.
+    NotHeld,
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Timeout => f.write_str("timeout: the key stayed held for the whole wait"),
+            Error::Busy => f.write_str("busy: the server has no capacity for the request"),
+            Error::Unavailable => {
+                f.write_str("unavailable: no server could be reached; nothing was sent")
+            }
+            Error::Indeterminate => f.write_str(
+                "indeterminate: the request may have reached the server but no answer \
+                 came in time; do not assume the lock is held",
+            ),
+            Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
+            Error::NotHeld => f.write_str("not held: that token is not the key's active grant"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// What `Q` tells about a key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeyStatus {
+    /// The active grant's token; 0 when no grant is known.
+    pub token: u64,
+    /// The owner id of the request that was granted.
+    pub owner: u64,
+    /// Time left on the lease, rounded up, in milliseconds.
+    pub lease_ms: u32,
+    /// Requests queued on the key.
+    pub waiters: u32,
+}
+
+impl KeyStatus {
+    /// Whether the key is free: no grant, no lease horizon, no waiters.
+    pub fn is_free(&self) -> bool {
+        *self == KeyStatus::default()
+    }
+}
+
+/// A handle to the lock service (see the [module docs](self)).
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use kunci::client::{Client, Config, Error};
+/// # // A server on a free loopback port, so that the example runs.
+/// # let listen = vec!["127.0.0.1:0".parse()?];
+/// # let server = kunci::server::Server::bind(kunci::server::Config { listen, ..Default::default() })?;
+/// # let address = server.addresses()[0].to_string();
+/// # let stop = server.shutdown_handle();
+/// # let running = std::thread::spawn(move || server.run());
+///
+/// let client = Client::new([address.parse()?], Config::default())?;
+/// let wait = Duration::from_secs(2);
+/// let lease = Duration::from_secs(30);
+/// match client.acquire("invoices", wait, lease) {
+///     Ok(ticket) => {
+///         // Pass ticket.token() to the resource so that it can fence out
+///         // older holders, then do the work.
+///         println!("holding {} with token {}", ticket.key(), ticket.token());
+///         ticket.release()?;
+///     }
+///     Err(Error::Timeout) => println!("someone else holds it"),
+///     // Indeterminate included: never work without a ticket.
+///     Err(error) => return Err(error.into()),
+/// }
+/// assert!(client.query("invoices")?.is_free());
+/// # stop.shut_down();
+/// # running.join().unwrap()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shared: Arc<io::Shared>,
+    owner_base: u64,
+    next_owner: AtomicU64,
+    next_nonce: AtomicU64,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The I/O thread finishes the background releases it has (each
+        // bounded by its own deadline), then exits.
+        self.shared.close();
+    }
+}
+
+impl fmt::Debug for Client {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Client").finish_non_exhaustive()
+    }
+}
+
+impl Client {
+    /// A client for the service at `servers` (several addresses of the same
+    /// service). Nothing is connected until the first call needs it.
+    ///
+    /// Fails if `servers` is empty or the I/O thread cannot be started.
+    pub fn new(
+        servers: impl IntoIterator<Item = Address>,
+        config: Config,
+    ) -> std::io::Result<Client> {
+        let servers: Vec<Address> = servers.into_iter().collect();
+        if servers.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "a client needs at least one server address",
+            ));
+        }
+        let shared = io::start(servers, config.sessions_per_server, config.connect_timeout)?;
+        Ok(Client {
+            inner: Arc::new(Inner {
+                shared,
+                owner_base: random_u64(),
+                next_owner: AtomicU64::new(0),
+                next_nonce: AtomicU64::new(random_u64()),
+            }),
+        })
+    }
+
+    /// Takes the lock on `key`, waiting up to `wait` for it, with a lease
+    /// of `lease` (whole seconds, 1..=255).
+    ///
+    /// `wait` may have a fraction and is at most 255 s; a zero wait makes
+    /// one immediate attempt. The call returns by `start + wait + 5 s`.
+    /// On success the [`Ticket`] holds the fencing token; dropping it
+    /// releases the lock in the background.
+    pub fn acquire(&self, key: &str, wait: Duration, lease: Duration) -> Result<Ticket, Error> {
+        let key = Key::new(key).map_err(Error::InvalidArgument)?;
+        if wait > WAIT_MAX {
+            return Err(Error::InvalidArgument("wait is longer than 255 s"));
+        }
+        let lease_s = lease_seconds(lease)?;
+        let owner = self.fresh_owner();
+        let start = Instant::now();
+        let wait_until = start + wait;
+        let deadline = wait_until + TRANSPORT_DEADLINE;
+        let op = Op::Acquire {
+            owner,
+            lease_s,
+            wait_until: (!wait.is_zero()).then_some(wait_until),
+        };
+        match self.call(op, key, deadline) {
+            Outcome::Acquired { token, sent_at } => {
+                // The hand-over gate (rule 7): only a grant handed over
+                // before `D` reaches the caller.
+                if Instant::now() >= deadline {
+                    self.release_in_background(key, token);
+                    return Err(Error::Indeterminate);
+                }
+                Ok(Ticket::new(self.clone(), key, token, lease, sent_at))
+            }
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    /// Releases the grant `token` of `key`.
+    ///
+    /// `Ok` when the server released it; [`Error::NotHeld`] when that token
+    /// was not the active grant.
+    pub fn release(&self, key: &str, token: u64) -> Result<(), Error> {
+        let key = Key::new(key).map_err(Error::InvalidArgument)?;
+        match self.call_now(Op::Release { token }, key) {
+            Outcome::Released => Ok(()),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    /// Resets the lease of grant `token` of `key` to `lease` from now.
+    ///
+    /// Returns the new conservative expiry (see [`Ticket::valid_until`]).
+    pub fn renew(&self, key: &str, token: u64, lease: Duration) -> Result<Instant, Error> {
+        let key = Key::new(key).map_err(Error::InvalidArgument)?;
+        let lease_s = lease_seconds(lease)?;
+        match self.call_now(Op::Extend { token, lease_s }, key) {
+            Outcome::Extended { sent_at } => Ok(valid_until(sent_at, lease)),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    /// Who holds `key`, for how long, and how many wait for it.
+    pub fn query(&self, key: &str) -> Result<KeyStatus, Error> {
+        let key = Key::new(key).map_err(Error::InvalidArgument)?;
+        match self.call_now(Op::Query, key) {
+            Outcome::Query(status) => Ok(status),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    /// The server's counters: one line of `name=value` pairs.
+    pub fn info(&self) -> Result<String, Error> {
+        match self.call_now(Op::Info, Key::EMPTY) {
+            Outcome::Info(text) => Ok(text),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    /// The round-trip time of one `P`, from just before it was written to
+    /// when its answer was read.
+    pub fn ping(&self) -> Result<Duration, Error> {
+        let nonce = self.inner.next_nonce.fetch_add(1, Ordering::Relaxed);
+        match self.call_now(Op::Ping { nonce }, Key::EMPTY) {
+            Outcome::Pong { round_trip } => Ok(round_trip),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    fn call_now(&self, op: Op, key: Key) -> Outcome {
+        self.call(op, key, Instant::now() + TRANSPORT_DEADLINE)
+    }
+
+    fn call(&self, op: Op, key: Key, deadline: Instant) -> Outcome {
+        self.inner.shared.call(Submission {
+            op,
+            key,
+            deadline,
+            reply: None,
+        })
+    }
+
+    /// Sends a release nobody waits for (a compensating release, or a
+    /// dropped ticket's). Never blocks.
+    fn release_in_background(&self, key: Key, token: u64) {
+        self.inner.shared.submit(Submission {
+            op: Op::Release { token },
+            key,
+            deadline: Instant::now() + TRANSPORT_DEADLINE,
+            reply: None,
+        });
+    }
+
+    /// An owner id no other call of this client uses: a random base plus a
+    /// counter, skipping 0.
+    fn fresh_owner(&self) -> u64 {
+        loop {
+            let n = self.inner.next_owner.fetch_add(1, Ordering::Relaxed);
+            let owner = self.inner.owner_base.wrapping_add(n);
+            if owner != 0 {
+                return owner;
+            }
+        }
+    }
+}
+
+/// The lease as whole seconds in 1..=255, or why not.
+fn lease_seconds(lease: Duration) -> Result<u8, Error> {
+    if lease.subsec_nanos() != 0 {
+        return Err(Error::InvalidArgument(
+            "lease must be a whole number of seconds",
+        ));
+    }
+    match lease.as_secs() {
+        1..=255 => Ok(lease.as_secs() as u8),
+        _ => Err(Error::InvalidArgument("lease must be 1..=255 seconds")),
+    }
+}
+
+/// The margin taken off a lease to allow for the server's clock running
+/// faster than ours: 10 ms plus 0.2 % of the lease (2000 ppm, twice the
+/// worst slew NTP applies to two clocks that drift apart).
+pub fn drift_margin(lease: Duration) -> Duration {
+    Duration::from_millis(10) + lease / 500
+}
+
+/// The conservative expiry of a lease whose request was handed to the
+/// socket just after `sent_at` (spec §8.9).
+fn valid_until(sent_at: Instant, lease: Duration) -> Instant {
+    sent_at + lease.saturating_sub(drift_margin(lease))
+}
+
+fn outcome_error(outcome: Outcome) -> Error {
+    match outcome {
+        Outcome::Timeout => Error::Timeout,
+        Outcome::Busy => Error::Busy,
+        Outcome::Unavailable => Error::Unavailable,
+        Outcome::NotHeld => Error::NotHeld,
+        Outcome::Invalid(why) => Error::InvalidArgument(why),
+        // Every other outcome answers a different request: the engine
+        // correlates by op, so it cannot come here; treat it as unknown.
+        _ => Error::Indeterminate,
+    }
+}
+
+/// A random u64 from the standard library's per-process hash keys, mixed
+/// with the time and the process id.
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        hasher.write_u128(since.as_nanos());
+    }
+    hasher.finish()
+}
+
+#[cfg(test)]
+mod tests;

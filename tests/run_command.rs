@@ -1,0 +1,405 @@
+//! The client side of the `kunci` binary: exit codes, output, `kunci run`.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use kunci::client::{Client, Config};
+
+use crate::util::proxy::{Faults, Proxy};
+use crate::util::{TempDir, TestServer, kunci_bin};
+
+const MS: Duration = Duration::from_millis(1);
+const S: Duration = Duration::from_secs(1);
+const LATE: Duration = Duration::from_millis(500);
+
+fn command(server: &str, args: &[&str]) -> Command {
+    let mut command = Command::new(kunci_bin());
+    command
+        .args(args)
+        .env("KUNCI_SERVER", server)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null());
+    command
+}
+
+fn kunci(server: &str, args: &[&str]) -> Output {
+    command(server, args).output().expect("run kunci")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout)
+        .trim_end()
+        .to_owned()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn code(output: &Output) -> i32 {
+    output.status.code().expect("exited, not killed")
+}
+
+fn direct(server: &TestServer) -> Client {
+    Client::new([server.addr.parse().unwrap()], Config::default()).unwrap()
+}
+
+/// Waits (bounded) for a file the child writes.
+fn wait_for_file(path: &Path) -> String {
+    let deadline = Instant::now() + 10 * S;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path)
+            && text.ends_with('\n')
+        {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(5 * MS);
+    }
+}
+
+/// A shell script that writes `started` once it runs, then waits; on
+/// SIGTERM it writes `got` and runs `on_term`.
+fn waiting_script(dir: &TempDir, on_term: &str) -> String {
+    format!(
+        "trap 'echo term > {got}; {on_term}' TERM; echo started > {started}; \
+         while :; do sleep 0.05; done",
+        got = dir.join("got").display(),
+        started = dir.join("started").display()
+    )
+}
+
+fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("kunci did not exit within {limit:?}");
+        }
+        std::thread::sleep(5 * MS);
+    }
+}
+
+#[test]
+fn client_commands_print_one_line_and_exit_with_their_outcome() {
+    let server = TestServer::start(&["--max-keys", "2"]);
+    let addr = server.addr.as_str();
+    let acquired = kunci(addr, &["acquire", "cli", "--lease", "30"]);
+    assert_eq!(code(&acquired), 0, "{}", stderr(&acquired));
+    let token: u64 = stdout(&acquired).parse().expect("the token alone");
+    // The lock outlives the command.
+    let query = kunci(addr, &["query", "cli"]);
+    let line = stdout(&query);
+    assert!(
+        line.starts_with(&format!("held token={token} owner=")),
+        "{line}"
+    );
+    assert!(
+        line.contains(" lease_ms=") && line.ends_with(" waiters=0"),
+        "{line}"
+    );
+
+    let timeout = kunci(addr, &["acquire", "cli", "--wait", "0.2"]);
+    assert_eq!(code(&timeout), 1);
+    assert_eq!(stdout(&timeout), "");
+    assert!(stderr(&timeout).contains("timeout"), "{}", stderr(&timeout));
+
+    let renewed = kunci(addr, &["renew", "cli", &token.to_string(), "--lease", "60"]);
+    assert_eq!(code(&renewed), 0, "{}", stderr(&renewed));
+    assert_eq!(code(&kunci(addr, &["renew", "cli", "1"])), 6);
+    assert_eq!(code(&kunci(addr, &["release", "cli", "1"])), 6);
+    assert_eq!(
+        code(&kunci(addr, &["release", "cli", &token.to_string()])),
+        0
+    );
+    let released_again = kunci(addr, &["release", "cli", &token.to_string()]);
+    assert_eq!(code(&released_again), 6);
+    assert!(stderr(&released_again).contains("not held"));
+    assert_eq!(stdout(&kunci(addr, &["query", "cli"])), "free");
+
+    // Busy: two keys are the server's limit.
+    let a = kunci(addr, &["acquire", "busy-a"]);
+    let b = kunci(addr, &["acquire", "busy-b"]);
+    assert_eq!((code(&a), code(&b)), (0, 0));
+    let busy = kunci(addr, &["acquire", "busy-c"]);
+    assert_eq!(code(&busy), 3);
+    assert!(stderr(&busy).contains("busy"));
+
+    let info = stdout(&kunci(addr, &["info"]));
+    assert!(
+        info.starts_with("version=") && info.contains(" grants=3 "),
+        "{info}"
+    );
+    assert!(!info.contains('\n'));
+    let ping = kunci(addr, &["ping"]);
+    assert_eq!(code(&ping), 0);
+    assert!(stdout(&ping).ends_with(" ms"), "{}", stdout(&ping));
+
+    // --server overrides KUNCI_SERVER; several are accepted.
+    let ping = kunci(
+        "127.0.0.1:1",
+        &["ping", "--server", addr, "--server", "unix:/nonexistent"],
+    );
+    assert_eq!(code(&ping), 0, "{}", stderr(&ping));
+}
+
+#[test]
+fn usage_errors_and_invalid_arguments_exit_2_before_anything_is_sent() {
+    let proxy = Proxy::start("127.0.0.1:1");
+    let addr = proxy.addr.as_str();
+    for args in [
+        &["acquire"][..],
+        &["acquire", "k", "--wait"],
+        &["acquire", "k", "--wait", "x"],
+        &["acquire", "k", "--wait", "255.5"],
+        &["acquire", "k", "--lease", "0"],
+        &["acquire", "k", "--lease", "256"],
+        &["acquire", "k", "--lease", "1.5"],
+        &["acquire", "k", "--bogus"],
+        &["acquire", "k", "extra"],
+        &["acquire", ""],
+        &["release", "k"],
+        &["release", "k", "notanumber"],
+        &["renew", "k", "1", "--lease", "0"],
+        &["query"],
+        &["info", "extra"],
+        &["ping", "--server", "nowhere"],
+        &["run", "k"],
+        &["run", "k", "--kill-after", "x", "--", "true"],
+    ] {
+        let output = kunci(addr, args);
+        assert_eq!(code(&output), 2, "{args:?}: {}", stderr(&output));
+        assert!(!stderr(&output).is_empty());
+    }
+    assert_eq!(proxy.accepted(), 0);
+    for command in [
+        "acquire", "release", "renew", "query", "info", "ping", "run",
+    ] {
+        let help = kunci(addr, &[command, "--help"]);
+        assert_eq!(code(&help), 0);
+        assert!(
+            stdout(&help).contains(&format!("kunci {command}")),
+            "{command}"
+        );
+        assert!(stdout(&help).contains("--server"), "{command}");
+    }
+}
+
+#[test]
+fn unavailable_exits_4_and_indeterminate_exits_5() {
+    let server = TestServer::start(&[]);
+    let refusing = Proxy::start_refusing(&server.addr, None);
+    let swallowing = Proxy::start(&server.addr);
+    swallowing.set_faults(Faults {
+        swallow_answers: true,
+        ..Faults::default()
+    });
+    let started = Instant::now();
+    let unavailable = command(&refusing.addr, &["acquire", "k"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let indeterminate = command(&swallowing.addr, &["acquire", "k"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let unavailable = unavailable.wait_with_output().unwrap();
+    let indeterminate = indeterminate.wait_with_output().unwrap();
+    assert!(started.elapsed() >= 5 * S);
+    assert_eq!(code(&unavailable), 4);
+    assert!(stderr(&unavailable).contains("unavailable"));
+    assert_eq!(code(&indeterminate), 5);
+    assert_eq!(stdout(&indeterminate), "");
+    assert!(stderr(&indeterminate).contains("indeterminate"));
+    assert_eq!(refusing.accepted(), 0);
+}
+
+#[test]
+fn run_passes_the_lock_to_the_command_and_its_status_back() {
+    let server = TestServer::start(&[]);
+    let output = kunci(
+        &server.addr,
+        &[
+            "run",
+            "run-env",
+            "--",
+            "sh",
+            "-c",
+            "echo \"$KUNCI_KEY $KUNCI_TOKEN\"; exit 7",
+        ],
+    );
+    assert_eq!(code(&output), 7, "{}", stderr(&output));
+    let line = stdout(&output);
+    let (key, token) = line.split_once(' ').unwrap();
+    assert_eq!(key, "run-env");
+    assert!(token.parse::<u64>().unwrap() > 0);
+    assert_eq!(stderr(&output), "");
+    // Released when the command ended.
+    assert!(direct(&server).query("run-env").unwrap().is_free());
+
+    let killed = kunci(
+        &server.addr,
+        &["run", "run-env", "--", "sh", "-c", "kill -9 $$"],
+    );
+    assert_eq!(code(&killed), 128 + 9);
+
+    let missing = kunci(
+        &server.addr,
+        &["run", "run-env", "--", "/nonexistent/command"],
+    );
+    assert_eq!(code(&missing), 127);
+    assert!(stderr(&missing).contains("cannot start"));
+    assert!(direct(&server).query("run-env").unwrap().is_free());
+
+    // A held key: the acquire's outcome is the exit code.
+    let holder = direct(&server)
+        .acquire("run-env", Duration::ZERO, 30 * S)
+        .unwrap();
+    let busy = kunci(&server.addr, &["run", "run-env", "--", "true"]);
+    assert_eq!(code(&busy), 1);
+    drop(holder);
+}
+
+#[test]
+fn run_renews_the_lease_while_the_command_runs() {
+    let server = TestServer::start(&[]);
+    // The command itself checks, after 1.5 leases, that its lock is held.
+    let script = format!(
+        "sleep 1.5; {} query \"$KUNCI_KEY\"; echo \"token=$KUNCI_TOKEN\"; sleep 1",
+        kunci_bin()
+    );
+    let started = Instant::now();
+    let output = kunci(
+        &server.addr,
+        &["run", "renewed", "--lease", "1", "--", "sh", "-c", &script],
+    );
+    assert!(started.elapsed() >= 2500 * MS);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert_eq!(stderr(&output), "", "the final release found the lock");
+    let lines = stdout(&output);
+    let (held, token) = lines.split_once('\n').unwrap();
+    let token = token.strip_prefix("token=").unwrap();
+    assert!(held.starts_with(&format!("held token={token} ")), "{lines}");
+    let info = server.info();
+    assert_eq!(info["expired"], "0");
+    assert_eq!(info["released"], "1");
+    let extended: u32 = info["extended"].parse().unwrap();
+    assert!(
+        (6..=9).contains(&extended),
+        "renewed every lease/3: {extended}"
+    );
+}
+
+#[test]
+fn run_forwards_sigterm_to_the_command() {
+    let server = TestServer::start(&[]);
+    let dir = TempDir::new("run-sigterm");
+    let started_file = dir.join("started");
+    let script = waiting_script(&dir, "exit 9");
+    let mut child = command(&server.addr, &["run", "sigterm", "--", "sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    wait_for_file(&started_file);
+    // SAFETY: kill(2) on our own child.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let status = wait_exit(&mut child, 10 * S);
+    assert_eq!(status.code(), Some(9));
+    assert_eq!(wait_for_file(&dir.join("got")), "term\n");
+    assert!(direct(&server).query("sigterm").unwrap().is_free());
+}
+
+#[test]
+fn run_stops_the_command_when_the_server_restarts_under_it() {
+    let first = TestServer::start(&[]);
+    let proxy = Proxy::start(&first.addr);
+    let dir = TempDir::new("run-restart");
+    let started_file = dir.join("started");
+    let script = waiting_script(&dir, "exit 0");
+    let mut child = command(
+        &proxy.addr,
+        &["run", "restart", "--lease", "2", "--", "sh", "-c", &script],
+    )
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_for_file(&started_file);
+    first.kill();
+    let second = TestServer::start(&[]);
+    proxy.set_upstream(&second.addr);
+    let restarted = Instant::now();
+    let status = wait_exit(&mut child, 10 * S);
+    let elapsed = restarted.elapsed();
+    assert_eq!(status.code(), Some(6));
+    assert!(elapsed < 2 * S + LATE, "{elapsed:?}");
+    assert_eq!(wait_for_file(&dir.join("got")), "term\n");
+    let mut message = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut message).unwrap();
+    assert!(message.contains("lock lost"), "{message}");
+}
+
+#[test]
+fn run_kills_a_command_that_ignores_sigterm_after_kill_after() {
+    let server = TestServer::start(&[]);
+    let dir = TempDir::new("run-kill");
+    let started_file = dir.join("started");
+    let script = format!(
+        "trap '' TERM; echo $KUNCI_TOKEN > {started}; while :; do sleep 0.05; done",
+        started = started_file.display()
+    );
+    let mut child = command(
+        &server.addr,
+        &[
+            "run",
+            "kill",
+            "--lease",
+            "3",
+            "--kill-after",
+            "0.5",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let token: u64 = wait_for_file(&started_file).trim().parse().unwrap();
+    // Someone takes the lock away: the next renewal finds it gone.
+    direct(&server).release("kill", token).unwrap();
+    let released = Instant::now();
+    let status = wait_exit(&mut child, 10 * S);
+    let elapsed = released.elapsed();
+    assert_eq!(status.code(), Some(6));
+    assert!(elapsed >= 500 * MS, "{elapsed:?}: SIGKILL came early");
+    assert!(elapsed < S + 500 * MS + LATE, "{elapsed:?}");
+}
+
+#[test]
+fn run_stops_the_command_if_kunci_itself_dies() {
+    let server = TestServer::start(&[]);
+    let dir = TempDir::new("run-parent-dies");
+    let started_file = dir.join("started");
+    let script = waiting_script(&dir, "exit 0");
+    let mut child = command(
+        &server.addr,
+        &["run", "orphaned", "--", "sh", "-c", &script],
+    )
+    .spawn()
+    .unwrap();
+    wait_for_file(&started_file);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(wait_for_file(&dir.join("got")), "term\n");
+}
