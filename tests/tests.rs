@@ -3,6 +3,7 @@
 mod abuse;
 mod client;
 mod core;
+mod fencing;
 mod protocol;
 mod restart;
 mod run_command;
