@@ -1,7 +1,8 @@
 //! The whole server core fed arbitrary byte streams on four connections,
 //! interleaved with arbitrary time steps and disconnects, exactly as the
 //! event loop would feed it. Nothing a peer sends may panic it, break its
-//! invariants, or make tokens go backwards.
+//! invariants (`Core::check_invariants` after every command), or make
+//! tokens go backwards.
 #![no_main]
 
 use kunci::core::{Core, Limits};
@@ -75,6 +76,7 @@ fuzz_target!(|data: &[u8]| {
                 core.handle_timeout(now);
             }
         }
+        core.check_invariants();
         for (to, response) in core.drain_outbox() {
             assert!((to as usize) < CONNECTIONS);
             if let Response::Acquired { token, .. } = response {
