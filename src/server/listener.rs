@@ -18,6 +18,32 @@ const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
 const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 const KEEPALIVE_RETRIES: u32 = 3;
 
+/// Implements mio's `Source` for an enum of sockets by handing each call
+/// to the socket inside.
+macro_rules! delegate_source {
+    ($type:ty, $($variant:pat => $inner:ident),+) => {
+        impl Source for $type {
+            fn register(&mut self, registry: &Registry, token: Token, interests: Interest) -> io::Result<()> {
+                match self {
+                    $($variant => $inner.register(registry, token, interests),)+
+                }
+            }
+
+            fn reregister(&mut self, registry: &Registry, token: Token, interests: Interest) -> io::Result<()> {
+                match self {
+                    $($variant => $inner.reregister(registry, token, interests),)+
+                }
+            }
+
+            fn deregister(&mut self, registry: &Registry) -> io::Result<()> {
+                match self {
+                    $($variant => $inner.deregister(registry),)+
+                }
+            }
+        }
+    };
+}
+
 /// A bound listening socket.
 pub enum Listener {
     Tcp(TcpListener),
@@ -126,38 +152,7 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
     }
 }
 
-impl Source for Listener {
-    fn register(
-        &mut self,
-        registry: &Registry,
-        token: Token,
-        interests: Interest,
-    ) -> io::Result<()> {
-        match self {
-            Listener::Tcp(listener) => listener.register(registry, token, interests),
-            Listener::Unix { listener, .. } => listener.register(registry, token, interests),
-        }
-    }
-
-    fn reregister(
-        &mut self,
-        registry: &Registry,
-        token: Token,
-        interests: Interest,
-    ) -> io::Result<()> {
-        match self {
-            Listener::Tcp(listener) => listener.reregister(registry, token, interests),
-            Listener::Unix { listener, .. } => listener.reregister(registry, token, interests),
-        }
-    }
-
-    fn deregister(&mut self, registry: &Registry) -> io::Result<()> {
-        match self {
-            Listener::Tcp(listener) => listener.deregister(registry),
-            Listener::Unix { listener, .. } => listener.deregister(registry),
-        }
-    }
-}
+delegate_source!(Listener, Listener::Tcp(listener) => listener, Listener::Unix { listener, .. } => listener);
 
 /// An accepted connection's socket.
 pub enum Stream {
@@ -198,35 +193,4 @@ impl Write for Stream {
     }
 }
 
-impl Source for Stream {
-    fn register(
-        &mut self,
-        registry: &Registry,
-        token: Token,
-        interests: Interest,
-    ) -> io::Result<()> {
-        match self {
-            Stream::Tcp(stream) => stream.register(registry, token, interests),
-            Stream::Unix(stream) => stream.register(registry, token, interests),
-        }
-    }
-
-    fn reregister(
-        &mut self,
-        registry: &Registry,
-        token: Token,
-        interests: Interest,
-    ) -> io::Result<()> {
-        match self {
-            Stream::Tcp(stream) => stream.reregister(registry, token, interests),
-            Stream::Unix(stream) => stream.reregister(registry, token, interests),
-        }
-    }
-
-    fn deregister(&mut self, registry: &Registry) -> io::Result<()> {
-        match self {
-            Stream::Tcp(stream) => stream.deregister(registry),
-            Stream::Unix(stream) => stream.deregister(registry),
-        }
-    }
-}
+delegate_source!(Stream, Stream::Tcp(stream) => stream, Stream::Unix(stream) => stream);
