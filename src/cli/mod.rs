@@ -2,6 +2,7 @@
 //! parses, runs, and maps outcomes to the documented exit codes (spec §9).
 
 pub mod args;
+mod bench;
 mod client;
 mod run;
 mod serve;
@@ -48,6 +49,7 @@ pub fn main() -> ExitCode {
     let code = match command.to_str().unwrap_or("") {
         "serve" => serve::main(args),
         "run" => run::main(args),
+        "bench" => bench::main(args),
         name if client::is_command(name) => client::main(name, args),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");

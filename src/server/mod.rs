@@ -177,7 +177,15 @@ impl Server {
             requested: Arc::new(AtomicBool::new(false)),
             waker: Arc::new(Waker::new(poll.registry(), WAKE_TOKEN)?),
         };
-        raise_fd_limit(config.limits.max_connections);
+        // Listeners, the poller, the state directory: a few dozen more.
+        let wanted = config.limits.max_connections + 64;
+        if let Some(limit) = raise_fd_limit(wanted).filter(|&l| l < wanted as u64) {
+            warn!(
+                "file descriptor limit {limit} is below --max-connections {} + 64: \
+                 connections beyond it are refused",
+                config.limits.max_connections
+            );
+        }
         let clock_start = Instant::now();
         let wall_start_ms = state::wall_clock_ms();
         let mut core = Core::new(config.limits, first_token);
@@ -518,11 +526,10 @@ fn is_out_of_descriptors(error: &io::Error) -> bool {
     )
 }
 
-/// Raises the soft descriptor limit towards what `max_connections` needs
-/// (never above the hard limit), so the configured limit, not the
-/// environment's default, decides.
-fn raise_fd_limit(max_connections: usize) {
-    let wanted = (max_connections + 64) as libc::rlim_t;
+/// Raises the soft descriptor limit towards `wanted` (never above the
+/// hard limit) and returns the soft limit now in force.
+pub(crate) fn raise_fd_limit(wanted: usize) -> Option<u64> {
+    let wanted = wanted as libc::rlim_t;
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -530,20 +537,17 @@ fn raise_fd_limit(max_connections: usize) {
     // SAFETY: getrlimit/setrlimit only read and write the struct we pass.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
-            return;
+            return None;
         }
         if limit.rlim_cur < wanted {
             limit.rlim_cur = wanted.min(limit.rlim_max);
             let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < wanted {
-            warn!(
-                "file descriptor limit {} is below --max-connections {} + 64: \
-                 connections beyond it are refused",
-                limit.rlim_cur, max_connections
-            );
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return None;
         }
     }
+    Some(limit.rlim_cur)
 }
 
 /// How one pass over a connection's input ended.

@@ -1,0 +1,479 @@
+//! The load generator's connections: one single-threaded mio loop over many
+//! sockets, every request queued through [`Wire`] and correlated back to
+//! the request that caused it.
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::net::ToSocketAddrs;
+use std::time::{Duration, Instant};
+
+use mio::{Events, Interest, Poll, Token};
+
+use super::stats::{Kind, Stats};
+use crate::addr::Address;
+use crate::protocol::{Request, Response, decode_response, encode_request};
+
+/// A request that has been queued and not yet answered.
+#[derive(Clone, Copy, Debug)]
+pub struct Pending {
+    pub kind: Kind,
+    /// What the answer carries: the owner of an acquire, the token of a
+    /// release or extend, the nonce of a ping.
+    pub id: u64,
+    /// The key's index in the workload's key space.
+    pub key: u64,
+    /// The workload's own bookkeeping (a slot, a role).
+    pub tag: u32,
+    pub sent: Instant,
+}
+
+/// Key names: a fixed prefix and a 12-digit index, so that with a 5-byte
+/// prefix every key is 17 bytes.
+struct KeyNames {
+    buf: String,
+    prefix_len: usize,
+}
+
+impl KeyNames {
+    fn name(&mut self, index: u64) -> &str {
+        self.buf.truncate(self.prefix_len);
+        let mut digits = [b'0'; 12];
+        let mut rest = index;
+        for d in digits.iter_mut().rev() {
+            *d = b'0' + (rest % 10) as u8;
+            rest /= 10;
+        }
+        // Only ASCII digits were written.
+        self.buf.extend(digits.iter().map(|&d| d as char));
+        &self.buf
+    }
+}
+
+/// Where workloads queue requests. Bytes go out at the end of the turn,
+/// so every request one wake-up produces leaves in one write per socket.
+pub struct Wire {
+    /// The instant the current batch of work is stamped with.
+    pub now: Instant,
+    out: Vec<Vec<u8>>,
+    dirty: Vec<usize>,
+    is_dirty: Vec<bool>,
+    in_flight: Vec<VecDeque<Pending>>,
+    in_flight_total: usize,
+    next_id: u64,
+    keys: KeyNames,
+}
+
+impl Wire {
+    /// Records a request just encoded into `out[conn]`.
+    fn queued(&mut self, conn: usize, kind: Kind, id: u64, key: u64, tag: u32) {
+        if !self.is_dirty[conn] {
+            self.is_dirty[conn] = true;
+            self.dirty.push(conn);
+        }
+        self.in_flight[conn].push_back(Pending {
+            kind,
+            id,
+            key,
+            tag,
+            sent: self.now,
+        });
+        self.in_flight_total += 1;
+    }
+
+    /// Queues `A wait lease owner key` with a fresh owner.
+    pub fn acquire(&mut self, conn: usize, key: u64, wait_s: u8, lease_s: u8, tag: u32) {
+        self.next_id += 1;
+        let owner = self.next_id;
+        let request = Request::Acquire {
+            wait_s,
+            lease_s,
+            owner,
+            key: self.keys.name(key),
+        };
+        encode_request(&request, &mut self.out[conn]);
+        self.queued(conn, Kind::Acquire, owner, key, tag);
+    }
+
+    /// Queues `R token key`.
+    pub fn release(&mut self, conn: usize, token: u64, key: u64, tag: u32) {
+        let request = Request::Release {
+            token,
+            key: self.keys.name(key),
+        };
+        encode_request(&request, &mut self.out[conn]);
+        self.queued(conn, Kind::Release, token, key, tag);
+    }
+
+    /// Queues `E lease token key`.
+    pub fn extend(&mut self, conn: usize, token: u64, key: u64, lease_s: u8, tag: u32) {
+        let request = Request::Extend {
+            lease_s,
+            token,
+            key: self.keys.name(key),
+        };
+        encode_request(&request, &mut self.out[conn]);
+        self.queued(conn, Kind::Extend, token, key, tag);
+    }
+
+    /// Queues `P nonce` with a fresh nonce.
+    pub fn ping(&mut self, conn: usize, tag: u32) {
+        self.next_id += 1;
+        let nonce = self.next_id;
+        encode_request(&Request::Ping { nonce }, &mut self.out[conn]);
+        self.queued(conn, Kind::Ping, nonce, 0, tag);
+    }
+
+    pub fn in_flight(&self, conn: usize) -> usize {
+        self.in_flight[conn].len()
+    }
+
+    pub fn in_flight_total(&self) -> usize {
+        self.in_flight_total
+    }
+
+    /// The pending request a reply answers: the oldest one of the right
+    /// kind and id. Immediate answers come in request order, so the front
+    /// matches almost always; deferred ones (grants after a wait) are found
+    /// by a scan of the connection's requests in flight.
+    fn take(&mut self, conn: usize, reply: &Response) -> Option<Pending> {
+        let queue = &mut self.in_flight[conn];
+        let matches = |p: &Pending| match *reply {
+            Response::Acquired { owner, .. }
+            | Response::Timeout { owner }
+            | Response::Busy { owner } => p.kind == Kind::Acquire && p.id == owner,
+            Response::Released { token } => p.kind == Kind::Release && p.id == token,
+            Response::Extended { token } => p.kind == Kind::Extend && p.id == token,
+            Response::NotHeld { token } => {
+                matches!(p.kind, Kind::Release | Kind::Extend) && p.id == token
+            }
+            Response::Pong { nonce } => p.kind == Kind::Ping && p.id == nonce,
+            Response::Error { id, .. } => p.id == id,
+            Response::Query { .. } | Response::Info(_) => false,
+        };
+        let position = queue.iter().position(matches)?;
+        let pending = queue.remove(position)?;
+        self.in_flight_total -= 1;
+        Some(pending)
+    }
+}
+
+/// What a workload does with the traffic.
+pub trait Workload {
+    /// Queues the first requests.
+    fn start(&mut self, wire: &mut Wire, stats: &mut Stats);
+    /// Handles the answer to `sent`. `X` answers come here too, after they
+    /// have been counted as errors.
+    fn reply(
+        &mut self,
+        conn: usize,
+        sent: Pending,
+        reply: &Response,
+        wire: &mut Wire,
+        stats: &mut Stats,
+    );
+    /// Runs what is due at `wire.now`; returns when it next wants a call.
+    fn tick(&mut self, _wire: &mut Wire, _stats: &mut Stats) -> Option<Instant> {
+        None
+    }
+    /// Stops issuing new work and queues the clean-up (releases).
+    fn stop(&mut self, wire: &mut Wire, stats: &mut Stats);
+    /// Extra text for the progress line.
+    fn progress(&self) -> String {
+        String::new()
+    }
+    /// Final figures, added to the stats before the report.
+    fn finish(&mut self, _stats: &mut Stats) {}
+}
+
+enum Stream {
+    Tcp(mio::net::TcpStream),
+    Unix(mio::net::UnixStream),
+}
+
+impl Stream {
+    fn connect(address: &Address) -> io::Result<Stream> {
+        match address {
+            Address::Tcp(host_port) => {
+                let target = host_port.to_socket_addrs()?.next().ok_or_else(|| {
+                    io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address")
+                })?;
+                let stream = std::net::TcpStream::connect(target)?;
+                stream.set_nodelay(true)?;
+                stream.set_nonblocking(true)?;
+                Ok(Stream::Tcp(mio::net::TcpStream::from_std(stream)))
+            }
+            Address::Unix(path) => {
+                let stream = std::os::unix::net::UnixStream::connect(path)?;
+                stream.set_nonblocking(true)?;
+                Ok(Stream::Unix(mio::net::UnixStream::from_std(stream)))
+            }
+        }
+    }
+
+    fn source(&mut self) -> &mut dyn mio::event::Source {
+        match self {
+            Stream::Tcp(s) => s,
+            Stream::Unix(s) => s,
+        }
+    }
+
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+}
+
+struct Conn {
+    stream: Stream,
+    /// The start of a reply that has not fully arrived.
+    partial: Vec<u8>,
+    open: bool,
+}
+
+pub struct Fleet {
+    poll: Poll,
+    events: Events,
+    conns: Vec<Conn>,
+    pub wire: Wire,
+    scratch: Vec<u8>,
+    open: usize,
+}
+
+impl Fleet {
+    /// Opens `count` connections to `address`, one after another.
+    pub fn connect(address: &Address, count: usize, key_prefix: &str) -> io::Result<Fleet> {
+        let poll = Poll::new()?;
+        let mut conns = Vec::with_capacity(count);
+        for index in 0..count {
+            let mut stream = Stream::connect(address).map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("connection {} of {count} to {address}: {e}", index + 1),
+                )
+            })?;
+            poll.registry().register(
+                stream.source(),
+                Token(index),
+                Interest::READABLE | Interest::WRITABLE,
+            )?;
+            conns.push(Conn {
+                stream,
+                partial: Vec::new(),
+                open: true,
+            });
+        }
+        let now = Instant::now();
+        Ok(Fleet {
+            poll,
+            events: Events::with_capacity(1024),
+            wire: Wire {
+                now,
+                out: vec![Vec::new(); count],
+                dirty: Vec::new(),
+                is_dirty: vec![false; count],
+                in_flight: vec![VecDeque::new(); count],
+                in_flight_total: 0,
+                next_id: 0,
+                keys: KeyNames {
+                    buf: key_prefix.to_owned(),
+                    prefix_len: key_prefix.len(),
+                },
+            },
+            conns,
+            scratch: vec![0; 1 << 16],
+            open: count,
+        })
+    }
+
+    pub fn open(&self) -> usize {
+        self.open
+    }
+
+    /// One turn of the loop: send what is queued, wait up to `timeout` for
+    /// the sockets, hand every reply to the workload, send what that queued.
+    pub fn turn(
+        &mut self,
+        timeout: Duration,
+        workload: &mut dyn Workload,
+        stats: &mut Stats,
+    ) -> io::Result<()> {
+        self.flush(stats);
+        match self.poll.poll(&mut self.events, Some(timeout)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let ready: Vec<(usize, bool, bool)> = self
+            .events
+            .iter()
+            .map(|e| {
+                (
+                    e.token().0,
+                    e.is_readable() || e.is_read_closed() || e.is_error(),
+                    e.is_writable(),
+                )
+            })
+            .collect();
+        for (conn, readable, writable) in ready {
+            if conn >= self.conns.len() || !self.conns[conn].open {
+                continue;
+            }
+            if writable && !self.wire.out[conn].is_empty() && !self.wire.is_dirty[conn] {
+                self.wire.is_dirty[conn] = true;
+                self.wire.dirty.push(conn);
+            }
+            if readable {
+                self.wire.now = Instant::now();
+                self.read(conn, workload, stats);
+            }
+        }
+        self.flush(stats);
+        Ok(())
+    }
+
+    fn read(&mut self, conn: usize, workload: &mut dyn Workload, stats: &mut Stats) {
+        loop {
+            let n = match self.conns[conn].stream.read(&mut self.scratch) {
+                Ok(0) => {
+                    self.close(conn, stats, "closed by the server".into());
+                    return;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    self.close(conn, stats, format!("read failed: {e}"));
+                    return;
+                }
+            };
+            let mut partial = std::mem::take(&mut self.conns[conn].partial);
+            let outcome = if partial.is_empty() {
+                let (consumed, outcome) = self.replies(conn, n, None, workload, stats);
+                partial.extend_from_slice(&self.scratch[consumed..n]);
+                outcome
+            } else {
+                partial.extend_from_slice(&self.scratch[..n]);
+                let (consumed, outcome) = self.replies(conn, 0, Some(&partial), workload, stats);
+                partial.drain(..consumed);
+                outcome
+            };
+            self.conns[conn].partial = partial;
+            if let Err(description) = outcome {
+                self.close(conn, stats, description);
+                return;
+            }
+        }
+    }
+
+    /// Decodes the replies in `buffer` (or in the first `n` scratch bytes)
+    /// and hands them on; returns how many bytes were consumed.
+    fn replies(
+        &mut self,
+        conn: usize,
+        n: usize,
+        buffer: Option<&[u8]>,
+        workload: &mut dyn Workload,
+        stats: &mut Stats,
+    ) -> (usize, Result<(), String>) {
+        let bytes = buffer.unwrap_or(&self.scratch[..n]);
+        let mut at = 0;
+        while at < bytes.len() {
+            let (reply, len) = match decode_response(&bytes[at..]) {
+                Ok(Some(frame)) => frame,
+                Ok(None) => break,
+                Err(e) => return (at, Err(format!("undecodable reply: {e}"))),
+            };
+            at += len;
+            let op = bytes[at - len];
+            let pending = self.wire.take(conn, &reply);
+            let latency = pending.map_or(Duration::ZERO, |p| {
+                self.wire.now.saturating_duration_since(p.sent)
+            });
+            stats.reply(op, pending.map(|p| p.kind), latency);
+            if let Response::Error { code, id, text } = &reply {
+                stats.error(format!("connection {conn}: X {code} id={id} {text}"));
+            }
+            match pending {
+                Some(sent) => workload.reply(conn, sent, &reply, &mut self.wire, stats),
+                None => stats.error(format!("connection {conn}: unexpected reply {reply:?}")),
+            }
+        }
+        (at, Ok(()))
+    }
+
+    fn close(&mut self, conn: usize, stats: &mut Stats, why: String) {
+        let c = &mut self.conns[conn];
+        if !c.open {
+            return;
+        }
+        c.open = false;
+        let _ = self.poll.registry().deregister(c.stream.source());
+        self.open -= 1;
+        let lost = self.wire.in_flight[conn].len();
+        self.wire.in_flight_total -= lost;
+        self.wire.in_flight[conn].clear();
+        self.wire.out[conn] = Vec::new();
+        stats.error(format!(
+            "connection {conn} {why}, {lost} requests unanswered"
+        ));
+    }
+
+    /// Writes every connection's queued bytes until done or the socket is
+    /// full (then the writable event brings it back here).
+    fn flush(&mut self, stats: &mut Stats) {
+        let dirty = std::mem::take(&mut self.wire.dirty);
+        for &conn in &dirty {
+            self.wire.is_dirty[conn] = false;
+            if !self.conns[conn].open {
+                continue;
+            }
+            let mut written = 0;
+            let out = &self.wire.out[conn];
+            let result = loop {
+                if written == out.len() {
+                    break Ok(());
+                }
+                match self.conns[conn].stream.write(&out[written..]) {
+                    Ok(n) => written += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break Ok(()),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => break Err(e),
+                }
+            };
+            self.wire.out[conn].drain(..written);
+            if let Err(e) = result {
+                self.close(conn, stats, format!("write failed: {e}"));
+            }
+        }
+        let mut dirty = dirty;
+        dirty.clear();
+        if self.wire.dirty.is_empty() {
+            self.wire.dirty = dirty;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_names_are_prefix_and_twelve_digits() {
+        let mut keys = KeyNames {
+            buf: "pair-".into(),
+            prefix_len: 5,
+        };
+        assert_eq!(keys.name(42), "pair-000000000042");
+        assert_eq!(keys.name(999_999_999_999), "pair-999999999999");
+        assert_eq!(keys.name(7).len(), 17);
+    }
+}

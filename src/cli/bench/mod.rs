@@ -1,0 +1,474 @@
+//! `kunci bench`: a single-threaded load generator for a kunci server.
+//!
+//! - [`fleet`] — the connections, the mio loop, request/reply correlation;
+//! - [`workloads`] — what each workload sends next;
+//! - [`stats`] — counts, latency histograms, the report.
+
+mod fleet;
+mod stats;
+mod workloads;
+
+use std::ffi::OsString;
+use std::io::IsTerminal as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use super::{args, exit};
+use crate::addr::{Address, DEFAULT_ADDRESS};
+use crate::protocol::KEY_LEN_MAX;
+use fleet::{Fleet, Workload};
+use stats::{Stats, json_string};
+
+const HELP: &str = "\
+Usage: kunci bench [WORKLOAD] [options]
+
+Drives load against a kunci server from one thread and reports requests/s,
+latency percentiles per request type and a count of every reply kind.
+Any X, unexpected reply or lost connection is counted as an error, printed,
+and makes the exit status 1.
+
+Workloads:
+  pairs          acquire (wait=0) a random key, release it with the token as
+                 soon as the grant arrives; a T is a miss (default workload)
+  contended      acquire with --wait on few keys, hold for --hold, release:
+                 hand-over rate, wait distribution, per-connection fairness
+  hold N         acquire N distinct keys, renew them every lease/3, keep them
+                 until the run ends, release them; shows only progress
+  waiters N      one connection holds --keys keys, the others queue N waits
+                 on them (--wait, default 255 s)
+  idle N         N connections, one ping each, then silence
+  timers         lateness of wait timeouts and lease expiries (1 s timers):
+                 --connections probes of each kind
+
+Options (defaults: pairs / contended / hold / waiters / idle / timers):
+  --server ADDR        HOST:PORT or unix:PATH (default 127.0.0.1:5862)
+  --connections C      connections (50 / 50 / 4 / 1+N/4000 / N / 8 probes)
+  --pipeline P         requests in flight per connection (32 / 1 / 128)
+  --keys K             key space (1000000 / 8 / N / 1000)
+  --duration S         measured seconds; 0 = until SIGINT/SIGTERM
+                       (10 / 10 / 0 / 0 / 0 / 30)
+  --warmup S           seconds run before measuring (2 / 2 / 0 / 0 / 0 / 2)
+  --lease L            lease in whole seconds (10 / 10 / 255 / 255 / - / 1)
+  --wait W             wait in whole seconds (0 / 10 / - / 255 / - / 1)
+  --hold MS            contended: milliseconds to hold each grant (0)
+  --key-prefix TEXT    key names are TEXT + 12 digits (pair- / cont- / hold-
+                       / wait- / - / timr-: 17-byte keys)
+  --seed N             seed of the random key choice (1)
+  --json               print the report as one JSON object
+";
+
+/// The concrete parameters of a run.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub connections: usize,
+    pub pipeline: usize,
+    pub keys: u64,
+    pub lease_s: u8,
+    pub wait_s: u8,
+    pub hold: Duration,
+    pub seed: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Which {
+    Pairs,
+    Contended,
+    Hold(u64),
+    Waiters(u64),
+    Idle(u64),
+    Timers,
+}
+
+/// What was asked on the command line; unset options take the workload's
+/// default.
+#[derive(Default)]
+struct Options {
+    server: Option<Address>,
+    workload: Option<Which>,
+    connections: Option<usize>,
+    pipeline: Option<usize>,
+    keys: Option<u64>,
+    duration: Option<Duration>,
+    warmup: Option<Duration>,
+    lease_s: Option<u8>,
+    wait_s: Option<u8>,
+    hold: Option<Duration>,
+    key_prefix: Option<String>,
+    seed: Option<u64>,
+    json: bool,
+}
+
+/// The largest key space: 12 digits.
+const KEYS_MAX: u64 = 1_000_000_000_000;
+/// How long the end of a run waits for answers still owed.
+const DRAIN: Duration = Duration::from_secs(10);
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+/// Waits the server queues per connection by default (`--max-waits-per-conn`),
+/// with a margin.
+const WAITS_PER_CONN: u64 = 4000;
+
+pub fn main(arguments: Vec<OsString>) -> u8 {
+    let options = match parse(arguments) {
+        Ok(Some(options)) => options,
+        Ok(None) => {
+            print!("{HELP}");
+            return exit::DONE;
+        }
+        Err(message) => {
+            eprintln!("kunci bench: {message}\n\n{HELP}");
+            return exit::USAGE;
+        }
+    };
+    let run = match Run::plan(options) {
+        Ok(run) => run,
+        Err(message) => {
+            eprintln!("kunci bench: {message}");
+            return exit::USAGE;
+        }
+    };
+    match run.execute() {
+        Ok(stats) if stats.errors() == 0 => exit::DONE,
+        Ok(_) => 1,
+        Err(message) => {
+            eprintln!("kunci bench: {message}");
+            exit::UNAVAILABLE
+        }
+    }
+}
+
+fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
+    use lexopt::prelude::*;
+    let mut o = Options::default();
+    let mut parser = lexopt::Parser::from_args(arguments);
+    while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
+        match argument {
+            Long("server") => o.server = Some(args::address(parser.value())?),
+            Long("connections") => o.connections = Some(positive("--connections", parser.value())?),
+            Long("pipeline") => o.pipeline = Some(positive("--pipeline", parser.value())?),
+            Long("keys") => o.keys = Some(count("--keys", parser.value())?),
+            Long("duration") => {
+                o.duration = Some(args::seconds("--duration", &args::text(parser.value())?)?)
+            }
+            Long("warmup") => {
+                o.warmup = Some(args::seconds("--warmup", &args::text(parser.value())?)?)
+            }
+            Long("lease") => {
+                let lease: u8 = args::number("--lease", parser.value())?;
+                if lease == 0 {
+                    return Err("--lease: must be 1..=255 seconds".into());
+                }
+                o.lease_s = Some(lease);
+            }
+            Long("wait") => o.wait_s = Some(args::number("--wait", parser.value())?),
+            Long("hold") => {
+                let ms: u64 = args::number("--hold", parser.value())?;
+                o.hold = Some(Duration::from_millis(ms));
+            }
+            Long("key-prefix") => {
+                let prefix = args::text(parser.value())?;
+                if prefix.len() + 12 > KEY_LEN_MAX || prefix.contains('\n') {
+                    return Err(format!(
+                        "--key-prefix: at most {} bytes, no newline",
+                        KEY_LEN_MAX - 12
+                    ));
+                }
+                o.key_prefix = Some(prefix);
+            }
+            Long("seed") => o.seed = Some(args::number("--seed", parser.value())?),
+            Long("json") => o.json = true,
+            Short('h') | Long("help") => return Ok(None),
+            Value(value) if o.workload.is_none() => {
+                let name = value.string().map_err(|e| e.to_string())?;
+                let mut n = || count(&name, parser.value());
+                o.workload = Some(match name.as_str() {
+                    "pairs" => Which::Pairs,
+                    "contended" => Which::Contended,
+                    "timers" => Which::Timers,
+                    "hold" => Which::Hold(n()?),
+                    "waiters" => Which::Waiters(n()?),
+                    "idle" => Which::Idle(n()?),
+                    other => return Err(format!("unknown workload {other:?}")),
+                });
+            }
+            other => return Err(other.unexpected().to_string()),
+        }
+    }
+    Ok(Some(o))
+}
+
+fn count(option: &str, value: Result<OsString, lexopt::Error>) -> Result<u64, String> {
+    let n: u64 = args::number(option, value)
+        .map_err(|_| format!("{option}: expected a count of 1..={KEYS_MAX}"))?;
+    if n == 0 || n > KEYS_MAX {
+        return Err(format!("{option}: expected a count of 1..={KEYS_MAX}"));
+    }
+    Ok(n)
+}
+
+fn positive(option: &str, value: Result<OsString, lexopt::Error>) -> Result<usize, String> {
+    let n: usize = args::number(option, value)?;
+    if n == 0 {
+        return Err(format!("{option}: must be at least 1"));
+    }
+    Ok(n)
+}
+
+/// A planned run: the workload, its parameters, and how long it lasts.
+struct Run {
+    which: Which,
+    server: Address,
+    plan: Plan,
+    key_prefix: String,
+    warmup: Duration,
+    /// `None`: until SIGINT/SIGTERM.
+    duration: Option<Duration>,
+    json: bool,
+}
+
+impl Run {
+    fn plan(o: Options) -> Result<Run, String> {
+        let which = o.workload.unwrap_or(Which::Pairs);
+        // (connections, pipeline, keys, lease, wait, duration s, warm-up s, prefix)
+        let (connections, pipeline, keys, lease_s, wait_s, duration, warmup, prefix) = match which {
+            Which::Pairs => (50, 32, 1_000_000, 10, 0, 10, 2, "pair-"),
+            Which::Contended => (50, 1, 8, 10, 10, 10, 2, "cont-"),
+            Which::Hold(n) => (4, 128, n, 255, 0, 0, 0, "hold-"),
+            Which::Waiters(n) => {
+                let conns = 1 + n.div_ceil(WAITS_PER_CONN) as usize;
+                (conns, 128, 1000, 255, 255, 0, 0, "wait-")
+            }
+            Which::Idle(n) => (n as usize, 1, 1, 1, 0, 0, 0, "idle-"),
+            Which::Timers => (8, 1, 1, 1, 1, 30, 2, "timr-"),
+        };
+        let mut plan = Plan {
+            connections: o.connections.unwrap_or(connections),
+            pipeline: o.pipeline.unwrap_or(pipeline),
+            keys: o.keys.unwrap_or(keys),
+            lease_s: o.lease_s.unwrap_or(lease_s),
+            wait_s: o.wait_s.unwrap_or(wait_s),
+            hold: o.hold.unwrap_or(Duration::ZERO),
+            seed: o.seed.unwrap_or(1),
+        };
+        match which {
+            Which::Hold(n) | Which::Idle(n) if o.keys.is_some_and(|k| k != n) => {
+                return Err("--keys: this workload's N is its key count".into());
+            }
+            Which::Waiters(_) if plan.connections < 2 => {
+                return Err("waiters: needs --connections of at least 2".into());
+            }
+            Which::Idle(n) if o.connections.is_some_and(|c| c as u64 != n) => {
+                return Err("idle: N is the number of connections".into());
+            }
+            Which::Timers => plan.connections = workloads::Timers::connections(plan.connections),
+            _ => {}
+        }
+        let duration = o.duration.unwrap_or(Duration::from_secs(duration));
+        Ok(Run {
+            which,
+            server: o
+                .server
+                .unwrap_or_else(|| Address::Tcp(DEFAULT_ADDRESS.to_owned())),
+            plan,
+            key_prefix: o.key_prefix.unwrap_or_else(|| prefix.to_owned()),
+            warmup: o.warmup.unwrap_or(Duration::from_secs(warmup)),
+            duration: (!duration.is_zero()).then_some(duration),
+            json: o.json,
+        })
+    }
+
+    fn name(&self) -> String {
+        match self.which {
+            Which::Pairs => "pairs".into(),
+            Which::Contended => "contended".into(),
+            Which::Hold(n) => format!("hold {n}"),
+            Which::Waiters(n) => format!("waiters {n}"),
+            Which::Idle(n) => format!("idle {n}"),
+            Which::Timers => "timers".into(),
+        }
+    }
+
+    fn workload(&self) -> Box<dyn Workload> {
+        let plan = self.plan.clone();
+        match self.which {
+            Which::Pairs => Box::new(workloads::Pairs::new(plan)),
+            Which::Contended => Box::new(workloads::Contended::new(plan)),
+            Which::Hold(_) => Box::new(workloads::Hold::new(plan)),
+            Which::Waiters(n) => Box::new(workloads::Waiters::new(plan, n)),
+            Which::Idle(_) => Box::new(workloads::Idle::new(&plan)),
+            Which::Timers => Box::new(workloads::Timers::new((plan.connections - 1) / 3)),
+        }
+    }
+
+    fn execute(&self) -> Result<Stats, String> {
+        let wanted = self.plan.connections + 64;
+        if let Some(limit) = crate::server::raise_fd_limit(wanted).filter(|&l| l < wanted as u64) {
+            return Err(format!(
+                "{} connections need a file descriptor limit of {wanted}; it is {limit} (ulimit -n)",
+                self.plan.connections
+            ));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+            signal_hook::flag::register(signal, Arc::clone(&stop))
+                .map_err(|e| format!("cannot handle signal {signal}: {e}"))?;
+        }
+        let mut fleet = Fleet::connect(&self.server, self.plan.connections, &self.key_prefix)
+            .map_err(|e| e.to_string())?;
+        let mut workload = self.workload();
+        let mut progress = Progress::new(std::io::stderr().is_terminal());
+
+        let start = Instant::now();
+        fleet.wire.now = start;
+        let mut stats = Stats::new(start);
+        if self.warmup.is_zero() {
+            stats.begin(start);
+        }
+        workload.start(&mut fleet.wire, &mut stats);
+        let measure_from = start + self.warmup;
+        let until = self.duration.map(|d| measure_from + d);
+        loop {
+            let now = Instant::now();
+            fleet.wire.now = now;
+            if !stats.measuring() && now >= measure_from {
+                stats.begin(now);
+            }
+            if stop.load(Ordering::Relaxed) || until.is_some_and(|u| now >= u) || fleet.open() == 0
+            {
+                break;
+            }
+            let next = workload.tick(&mut fleet.wire, &mut stats);
+            progress.show(now, &stats, &*workload);
+            let wake = [
+                next,
+                (!stats.measuring()).then_some(measure_from),
+                until,
+                Some(progress.next),
+            ]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(now + PROGRESS_EVERY);
+            fleet
+                .turn(
+                    wake.saturating_duration_since(now),
+                    &mut *workload,
+                    &mut stats,
+                )
+                .map_err(|e| format!("poll failed: {e}"))?;
+        }
+        let stopped = Instant::now();
+        stats.end(stopped);
+        fleet.wire.now = stopped;
+        workload.stop(&mut fleet.wire, &mut stats);
+        let drain_until = stopped + DRAIN;
+        while fleet.wire.in_flight_total() > 0 && fleet.open() > 0 {
+            let now = Instant::now();
+            if now >= drain_until {
+                stats.error(format!(
+                    "{} requests still unanswered {} s after the run ended",
+                    fleet.wire.in_flight_total(),
+                    DRAIN.as_secs()
+                ));
+                break;
+            }
+            fleet.wire.now = now;
+            workload.tick(&mut fleet.wire, &mut stats);
+            fleet
+                .turn(
+                    (drain_until - now).min(PROGRESS_EVERY),
+                    &mut *workload,
+                    &mut stats,
+                )
+                .map_err(|e| format!("poll failed: {e}"))?;
+        }
+        workload.finish(&mut stats);
+        progress.clear();
+        if self.json {
+            println!("{}", stats.json(&self.header()));
+        } else {
+            print!("{}", stats.human(&self.title()));
+        }
+        Ok(stats)
+    }
+
+    fn title(&self) -> String {
+        let p = &self.plan;
+        format!(
+            "kunci bench {} against {}: {} connections × {} in flight, {} keys, \
+             lease {} s, wait {} s, {} s warm-up",
+            self.name(),
+            self.server,
+            p.connections,
+            p.pipeline,
+            p.keys,
+            p.lease_s,
+            p.wait_s,
+            self.warmup.as_secs_f64()
+        )
+    }
+
+    fn header(&self) -> Vec<(&'static str, String)> {
+        let p = &self.plan;
+        vec![
+            ("workload", json_string(&self.name())),
+            ("server", json_string(&self.server.to_string())),
+            ("connections", p.connections.to_string()),
+            ("pipeline", p.pipeline.to_string()),
+            ("keys", p.keys.to_string()),
+            ("lease_s", p.lease_s.to_string()),
+            ("wait_s", p.wait_s.to_string()),
+            ("hold_ms", p.hold.as_millis().to_string()),
+            ("seed", p.seed.to_string()),
+            ("warmup_s", format!("{:.3}", self.warmup.as_secs_f64())),
+        ]
+    }
+}
+
+/// The one-line progress display, on stderr when it is a terminal.
+struct Progress {
+    enabled: bool,
+    next: Instant,
+    last: Instant,
+    last_replies: u64,
+    started: Instant,
+}
+
+impl Progress {
+    fn new(enabled: bool) -> Progress {
+        let now = Instant::now();
+        Progress {
+            enabled,
+            next: now + PROGRESS_EVERY,
+            last: now,
+            last_replies: 0,
+            started: now,
+        }
+    }
+
+    fn show(&mut self, now: Instant, stats: &Stats, workload: &dyn Workload) {
+        if now < self.next {
+            return;
+        }
+        self.next = now + PROGRESS_EVERY;
+        let seconds = now.saturating_duration_since(self.last).as_secs_f64();
+        let replies = stats.replies_seen - self.last_replies;
+        self.last = now;
+        self.last_replies = stats.replies_seen;
+        if self.enabled && seconds > 0.0 {
+            eprint!(
+                "\r{:>6.0} s {:>12.0} replies/s  {}{}\x1b[K",
+                now.saturating_duration_since(self.started).as_secs_f64(),
+                replies as f64 / seconds,
+                workload.progress(),
+                if stats.measuring() { "" } else { "  (warm-up)" }
+            );
+        }
+    }
+
+    fn clear(&self) {
+        if self.enabled {
+            eprint!("\r\x1b[K");
+        }
+    }
+}
