@@ -371,6 +371,11 @@ impl Fleet {
                 self.close(conn, stats, description);
                 return;
             }
+            // A short read drained the socket: whatever arrives later is a
+            // new edge, so the read that would only say WouldBlock is saved.
+            if n < self.scratch.len() {
+                return;
+            }
         }
     }
 
