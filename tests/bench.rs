@@ -114,6 +114,7 @@ fn contended_hands_over_in_turn_and_reports_fairness() {
     assert!(output.status.success(), "{json}");
     assert_eq!(field(&json, "errors"), 0, "{json}");
     assert_eq!(field(&json, "T"), 0, "{json}");
+    assert_eq!(field(&json, "misses"), 0, "{json}");
     let grants = field(&json, "grants");
     // Two keys held 5 ms each: at most ~2 × 600 / 5 grants in 0.6 s.
     assert!((20..=260).contains(&grants), "{json}");

@@ -409,6 +409,8 @@ impl Fleet {
             }
             match pending {
                 Some(sent) => workload.reply(conn, sent, &reply, &mut self.wire, stats),
+                // An `X` for no request of ours (`X 7`, `X 8`) is already counted.
+                None if matches!(reply, Response::Error { .. }) => {}
                 None => stats.error(format!("connection {conn}: unexpected reply {reply:?}")),
             }
         }

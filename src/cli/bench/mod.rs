@@ -31,7 +31,7 @@ and makes the exit status 1.
 Workloads:
   pairs          acquire (wait=0) a random key, release it with the token as
                  soon as the grant arrives; a T is a miss (default workload)
-  contended      acquire with --wait on few keys, hold for --hold, release:
+  contended      the same with --wait on few keys, each grant held for --hold:
                  hand-over rate, wait distribution, per-connection fairness
   hold N         acquire N distinct keys, renew them every lease/3, keep them
                  until the run ends, release them; shows only progress
@@ -291,8 +291,7 @@ impl Run {
     fn workload(&self) -> Box<dyn Workload> {
         let plan = self.plan.clone();
         match self.which {
-            Which::Pairs => Box::new(workloads::Pairs::new(plan)),
-            Which::Contended => Box::new(workloads::Contended::new(plan)),
+            Which::Pairs | Which::Contended => Box::new(workloads::Cycles::new(plan)),
             Which::Hold(_) => Box::new(workloads::Hold::new(plan)),
             Which::Waiters(n) => Box::new(workloads::Waiters::new(plan, n)),
             Which::Idle(_) => Box::new(workloads::Idle::new(&plan)),

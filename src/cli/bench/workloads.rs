@@ -29,74 +29,12 @@ impl Rng {
     }
 }
 
-/// `pairs`: acquire a random key with `wait=0`, release it with the token
-/// as soon as the grant arrives. A `T` (the key happened to be held by
-/// another slot) is a miss and the slot tries another key.
-pub struct Pairs {
-    plan: Plan,
-    rng: Rng,
-    stopping: bool,
-}
-
-impl Pairs {
-    pub fn new(plan: Plan) -> Pairs {
-        Pairs {
-            rng: Rng::new(plan.seed),
-            plan,
-            stopping: false,
-        }
-    }
-
-    fn acquire(&mut self, conn: usize, wire: &mut Wire) {
-        let key = self.rng.below(self.plan.keys);
-        wire.acquire(conn, key, 0, self.plan.lease_s, 0);
-    }
-}
-
-impl Workload for Pairs {
-    fn start(&mut self, wire: &mut Wire, _stats: &mut Stats) {
-        for conn in 0..self.plan.connections {
-            for _ in 0..self.plan.pipeline {
-                self.acquire(conn, wire);
-            }
-        }
-    }
-
-    fn reply(
-        &mut self,
-        conn: usize,
-        sent: Pending,
-        reply: &Response,
-        wire: &mut Wire,
-        stats: &mut Stats,
-    ) {
-        match (sent.kind, reply) {
-            (Kind::Acquire, &Response::Acquired { token, .. }) => {
-                wire.release(conn, token, sent.key, 0);
-                return;
-            }
-            (Kind::Acquire, Response::Timeout { .. }) => stats.count("misses", 1),
-            (Kind::Release, Response::Released { .. }) => stats.count("pairs", 1),
-            (Kind::Release, Response::NotHeld { .. }) => stats.error(format!(
-                "key {} lost its lease before the release",
-                sent.key
-            )),
-            _ => {}
-        }
-        if !self.stopping {
-            self.acquire(conn, wire);
-        }
-    }
-
-    fn stop(&mut self, _wire: &mut Wire, _stats: &mut Stats) {
-        self.stopping = true;
-    }
-}
-
-/// `contended`: acquire with `wait=W` among few keys, hold each grant for
-/// `--hold`, release, repeat. Measures the hand-over rate, the wait
-/// distribution and how evenly the connections are served.
-pub struct Contended {
+/// `pairs` and `contended`: each slot acquires a random key (`--wait`:
+/// 0 for `pairs`), holds the grant for `--hold` (0 for `pairs`: released
+/// as soon as the `A` arrives), releases it with its token, and starts
+/// over. A `T` is a miss and the slot tries another key. Counts grants,
+/// completed pairs and misses, and how evenly the connections were served.
+pub struct Cycles {
     plan: Plan,
     rng: Rng,
     /// Grants to hand back, due in order (every hold is the same length).
@@ -105,9 +43,9 @@ pub struct Contended {
     stopping: bool,
 }
 
-impl Contended {
-    pub fn new(plan: Plan) -> Contended {
-        Contended {
+impl Cycles {
+    pub fn new(plan: Plan) -> Cycles {
+        Cycles {
             rng: Rng::new(plan.seed),
             grants_per_conn: vec![0; plan.connections],
             plan,
@@ -122,8 +60,12 @@ impl Contended {
     }
 }
 
-impl Workload for Contended {
-    fn start(&mut self, wire: &mut Wire, _stats: &mut Stats) {
+impl Workload for Cycles {
+    fn start(&mut self, wire: &mut Wire, stats: &mut Stats) {
+        // Reported even when they stay 0.
+        for counter in ["grants", "pairs", "misses"] {
+            stats.set(counter, 0);
+        }
         for conn in 0..self.plan.connections {
             for _ in 0..self.plan.pipeline {
                 self.acquire(conn, wire);
@@ -153,7 +95,8 @@ impl Workload for Contended {
                 }
                 return;
             }
-            (Kind::Acquire, Response::Timeout { .. }) => stats.count("timeouts", 1),
+            (Kind::Acquire, Response::Timeout { .. }) => stats.count("misses", 1),
+            (Kind::Release, Response::Released { .. }) => stats.count("pairs", 1),
             (Kind::Release, Response::NotHeld { .. }) => stats.error(format!(
                 "key {} lost its lease before the release",
                 sent.key
