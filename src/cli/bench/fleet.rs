@@ -239,9 +239,20 @@ struct Conn {
     open: bool,
 }
 
+/// What one event says about a connection, copied out of `Events` so the
+/// connections can be borrowed mutably while handling it.
+struct Readiness {
+    conn: usize,
+    readable: bool,
+    closing: bool,
+    writable: bool,
+}
+
 pub struct Fleet {
     poll: Poll,
     events: Events,
+    /// Reused every turn.
+    ready: Vec<Readiness>,
     conns: Vec<Conn>,
     pub wire: Wire,
     scratch: Vec<u8>,
@@ -275,6 +286,7 @@ impl Fleet {
         Ok(Fleet {
             poll,
             events: Events::with_capacity(1024),
+            ready: Vec::new(),
             wire: Wire {
                 now,
                 out: vec![Vec::new(); count],
@@ -312,35 +324,34 @@ impl Fleet {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
             Err(e) => return Err(e),
         }
-        let ready: Vec<(usize, bool, bool)> = self
-            .events
-            .iter()
-            .map(|e| {
-                (
-                    e.token().0,
-                    e.is_readable() || e.is_read_closed() || e.is_error(),
-                    e.is_writable(),
-                )
-            })
-            .collect();
-        for (conn, readable, writable) in ready {
-            if conn >= self.conns.len() || !self.conns[conn].open {
+        let mut ready = std::mem::take(&mut self.ready);
+        ready.extend(self.events.iter().map(|e| Readiness {
+            conn: e.token().0,
+            readable: e.is_readable() || e.is_read_closed() || e.is_error(),
+            closing: e.is_read_closed() || e.is_error(),
+            writable: e.is_writable(),
+        }));
+        for r in ready.drain(..) {
+            if r.conn >= self.conns.len() || !self.conns[r.conn].open {
                 continue;
             }
-            if writable && !self.wire.out[conn].is_empty() && !self.wire.is_dirty[conn] {
-                self.wire.is_dirty[conn] = true;
-                self.wire.dirty.push(conn);
+            if r.writable && !self.wire.out[r.conn].is_empty() && !self.wire.is_dirty[r.conn] {
+                self.wire.is_dirty[r.conn] = true;
+                self.wire.dirty.push(r.conn);
             }
-            if readable {
+            if r.readable {
                 self.wire.now = Instant::now();
-                self.read(conn, workload, stats);
+                self.read(r.conn, r.closing, workload, stats);
             }
         }
+        self.ready = ready;
         self.flush(stats);
         Ok(())
     }
 
-    fn read(&mut self, conn: usize, workload: &mut dyn Workload, stats: &mut Stats) {
+    /// Reads and hands on everything `conn` has; `closing` (the peer shut
+    /// its side) reads on to the end-of-file.
+    fn read(&mut self, conn: usize, closing: bool, workload: &mut dyn Workload, stats: &mut Stats) {
         loop {
             let n = match self.conns[conn].stream.read(&mut self.scratch) {
                 Ok(0) => {
@@ -373,7 +384,8 @@ impl Fleet {
             }
             // A short read drained the socket: whatever arrives later is a
             // new edge, so the read that would only say WouldBlock is saved.
-            if n < self.scratch.len() {
+            // An end-of-file already signalled brings no new edge: read it.
+            if n < self.scratch.len() && !closing {
                 return;
             }
         }
