@@ -1,19 +1,21 @@
 //! The lock table: key → entry, sized for millions of keys.
 //!
-//! Entries live in one dense `Vec` and are found through a chained hash
-//! index whose links are inside the entries, so a held lock with a key of
-//! up to [`INLINE_KEY_MAX`] bytes costs one 56-byte entry plus 4 bytes of
-//! bucket array and no allocation of its own. Indices of live entries are
-//! stable until [`LockTable::remove`]; the timer wheel and the waiter queues
-//! refer to entries by index.
+//! Entries live in one dense `Vec`; an open-addressing index
+//! ([`hashbrown::HashTable`] of entry indices, one tag byte per slot)
+//! finds them. A lookup costs one probe-group load plus the entry, and a
+//! held lock with a key of up to [`INLINE_KEY_MAX`] bytes costs one
+//! 52-byte entry plus ~5–10 bytes of index and no allocation of its own.
+//! Indices of live entries are stable until [`LockTable::remove`]; the
+//! timer wheel and the waiter queues refer to entries by index.
 
 use std::hash::BuildHasher;
 
+use hashbrown::HashTable;
 use slab::Slab;
 
 use super::timer_wheel::TimerLinks;
 
-/// Marks the end of a chain, an empty bucket, or "no waiters".
+/// Marks the end of the free list or "no waiters".
 pub const NIL: u32 = u32::MAX;
 
 /// Keys up to this many bytes are stored inside the entry.
@@ -23,12 +25,26 @@ pub const INLINE_KEY_MAX: usize = 19;
 /// below the timer wheel's reserved ids and the waiter tag bit).
 pub const ENTRIES_MAX: usize = 1 << 30;
 
-const BUCKETS_MIN: usize = 64;
+/// The key hash. Peers choose keys, so it is keyed with a per-process
+/// random seed; docs/DESIGN.md ("The key hash") gives the threat model
+/// and the measurements behind the choice.
+#[cfg(not(feature = "sip-hash"))]
+type KeyHasher = foldhash::fast::RandomState;
+/// std's SipHash-1-3, keyed per table: built only to measure its cost
+/// (`--features sip-hash`, see docs/bench/hash.sh).
+#[cfg(feature = "sip-hash")]
+type KeyHasher = std::collections::hash_map::RandomState;
 
 /// One key of the table: always held, by a grant of this run (`token` ≠ 0)
 /// or — after an unclean restart — by an unknown grant of an earlier run
 /// (`token` = 0) until the lease horizon.
-#[derive(Clone, Debug)]
+///
+/// Packed to 4-byte alignment so the entry is 52 bytes rather than 56: at
+/// a million held locks that is what keeps a lock, index included, under
+/// 64 bytes. Every field is read and written by value except the
+/// 4-aligned `lease` and `waiters`, which the core borrows.
+#[derive(Clone, Copy, Debug)]
+#[repr(C, packed(4))]
 pub struct LockEntry {
     /// The active grant's fencing token; 0 while held by an unknown grant.
     pub token: u64,
@@ -36,10 +52,9 @@ pub struct LockEntry {
     pub owner: u64,
     /// The lease-expiry timer.
     pub lease: TimerLinks,
-    /// The head of the FIFO waiter queue, or [`NIL`].
+    /// The head of the FIFO waiter queue, or [`NIL`]. On a free entry, the
+    /// next free entry.
     pub waiters: u32,
-    /// The next entry in this entry's bucket chain, or on the free list.
-    chain_next: u32,
     key: StoredKey,
 }
 
@@ -64,14 +79,28 @@ impl StoredKey {
     }
 }
 
+/// The bytes of a stored key (a free function so that the index can be
+/// borrowed mutably while keys are read to rehash it).
+fn key_bytes<'a>(long_keys: &'a Slab<Box<[u8]>>, stored: &'a StoredKey) -> &'a [u8] {
+    let len = stored.len as usize;
+    if len <= INLINE_KEY_MAX {
+        &stored.bytes[..len]
+    } else {
+        long_keys
+            .get(stored.long_index())
+            .map(|key| &key[..])
+            .unwrap_or_default()
+    }
+}
+
 /// The table of keys.
 pub struct LockTable {
     entries: Vec<LockEntry>,
     free_head: u32,
-    buckets: Vec<u32>,
-    len: usize,
+    /// Entry indices, found by key hash; holds exactly the live entries.
+    index: HashTable<u32>,
     long_keys: Slab<Box<[u8]>>,
-    hasher: foldhash::fast::RandomState,
+    hasher: KeyHasher,
 }
 
 impl Default for LockTable {
@@ -85,20 +114,19 @@ impl LockTable {
         LockTable {
             entries: Vec::new(),
             free_head: NIL,
-            buckets: vec![NIL; BUCKETS_MIN],
-            len: 0,
+            index: HashTable::new(),
             long_keys: Slab::new(),
-            hasher: foldhash::fast::RandomState::default(),
+            hasher: KeyHasher::default(),
         }
     }
 
     /// How many keys the table holds.
     pub fn len(&self) -> usize {
-        self.len
+        self.index.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.index.is_empty()
     }
 
     /// The hash [`find`](Self::find) and [`insert`](Self::insert) take;
@@ -109,15 +137,30 @@ impl LockTable {
 
     /// The index of `key`'s entry, if the key is in the table.
     pub fn find(&self, key: &str, hash: u64) -> Option<u32> {
-        let mut index = *self.buckets.get(self.bucket_of(hash))?;
-        while index != NIL {
-            let entry = self.entries.get(index as usize)?;
-            if self.key_bytes(&entry.key) == key.as_bytes() {
-                return Some(index);
+        let entries = &self.entries;
+        let long_keys = &self.long_keys;
+        self.index
+            .find(hash, |&index| {
+                entries
+                    .get(index as usize)
+                    .is_some_and(|entry| key_bytes(long_keys, &entry.key) == key.as_bytes())
+            })
+            .copied()
+    }
+
+    /// Starts loading what a [`find`](Self::find) with this hash will
+    /// read: the index's probe group (a load, which the CPU overlaps with
+    /// those of the other keys in a batch) and the entries whose tag
+    /// matches (prefetched). Changes nothing.
+    pub fn prefetch(&self, hash: u64) {
+        for &index in self.index.iter_hash(hash) {
+            if let Some(entry) = self.entries.get(index as usize) {
+                // An entry may straddle two cache lines; the key is at its end.
+                let first = std::ptr::from_ref(entry).cast::<u8>();
+                prefetch_read(first);
+                prefetch_read(first.wrapping_add(size_of::<LockEntry>() - 1));
             }
-            index = entry.chain_next;
         }
-        None
     }
 
     /// Adds `key` (which must not be in the table) with the given holder
@@ -126,33 +169,33 @@ impl LockTable {
     pub fn insert(&mut self, key: &str, hash: u64, token: u64, owner: u64) -> Option<u32> {
         debug_assert!(self.find(key, hash).is_none());
         debug_assert!(!key.is_empty() && key.len() <= u8::MAX as usize);
-        if self.len >= ENTRIES_MAX {
+        if self.len() >= ENTRIES_MAX {
             return None;
         }
-        if self.len >= self.buckets.len() {
-            self.grow_buckets();
-        }
         let stored = self.store_key(key);
-        let bucket = self.bucket_of(hash);
         let entry = LockEntry {
             token,
             owner,
             lease: TimerLinks::UNARMED,
             waiters: NIL,
-            chain_next: self.buckets[bucket],
             key: stored,
         };
-        let index = if self.free_head != NIL {
-            let index = self.free_head;
-            self.free_head = self.entries[index as usize].chain_next;
-            self.entries[index as usize] = entry;
-            index
-        } else {
-            self.entries.push(entry);
-            (self.entries.len() - 1) as u32
+        let index = match self.entries.get_mut(self.free_head as usize) {
+            Some(free) => {
+                let index = self.free_head;
+                self.free_head = free.waiters;
+                *free = entry;
+                index
+            }
+            None => {
+                self.entries.push(entry);
+                (self.entries.len() - 1) as u32
+            }
         };
-        self.buckets[bucket] = index;
-        self.len += 1;
+        let (entries, long_keys, hasher) = (&self.entries, &self.long_keys, &self.hasher);
+        self.index.insert_unique(hash, index, |&index| {
+            hasher.hash_one(key_bytes(long_keys, &entries[index as usize].key))
+        });
         Some(index)
     }
 
@@ -162,36 +205,23 @@ impl LockTable {
         let Some(entry) = self.entries.get(index as usize) else {
             return;
         };
-        debug_assert!(!entry.lease.is_armed() && entry.waiters == NIL);
+        debug_assert!(!{ entry.lease }.is_armed() && { entry.waiters } == NIL);
         let stored = entry.key;
         if stored.len == 0 {
             return;
         }
-        let hash = self.hasher.hash_one(self.key_bytes(&stored));
-        let bucket = self.bucket_of(hash);
-        let next = entry.chain_next;
-        if self.buckets[bucket] == index {
-            self.buckets[bucket] = next;
-        } else {
-            let mut at = self.buckets[bucket];
-            while at != NIL {
-                let entry = &mut self.entries[at as usize];
-                if entry.chain_next == index {
-                    entry.chain_next = next;
-                    break;
-                }
-                at = entry.chain_next;
-            }
+        let hash = self.hasher.hash_one(key_bytes(&self.long_keys, &stored));
+        if let Ok(slot) = self.index.find_entry(hash, |&other| other == index) {
+            slot.remove();
         }
         if stored.len as usize > INLINE_KEY_MAX {
             self.long_keys.try_remove(stored.long_index());
         }
         let entry = &mut self.entries[index as usize];
         entry.key = StoredKey::FREE;
-        entry.chain_next = self.free_head;
+        entry.waiters = self.free_head;
         self.free_head = index;
-        self.len -= 1;
-        if self.len == 0 {
+        if self.index.is_empty() {
             self.release_memory();
         }
     }
@@ -212,25 +242,9 @@ impl LockTable {
 
     /// The key of a live entry.
     pub fn key(&self, index: u32) -> &str {
-        let bytes = self.key_bytes(&self.entries[index as usize].key);
+        let bytes = key_bytes(&self.long_keys, &self.entries[index as usize].key);
         // Keys are copied from validated `&str`s, so this cannot fail.
         std::str::from_utf8(bytes).unwrap_or_default()
-    }
-
-    fn bucket_of(&self, hash: u64) -> usize {
-        (hash as usize) & (self.buckets.len() - 1)
-    }
-
-    fn key_bytes<'a>(&'a self, stored: &'a StoredKey) -> &'a [u8] {
-        let len = stored.len as usize;
-        if len <= INLINE_KEY_MAX {
-            &stored.bytes[..len]
-        } else {
-            self.long_keys
-                .get(stored.long_index())
-                .map(|key| &key[..])
-                .unwrap_or_default()
-        }
     }
 
     fn store_key(&mut self, key: &str) -> StoredKey {
@@ -247,23 +261,6 @@ impl LockTable {
         stored
     }
 
-    /// Doubles the bucket array and rebuilds the chains, keeping the load
-    /// factor at most 1.
-    fn grow_buckets(&mut self) {
-        let mut buckets = vec![NIL; self.buckets.len() * 2];
-        let mask = buckets.len() - 1;
-        for index in 0..self.entries.len() {
-            let stored = self.entries[index].key;
-            if stored.len == 0 {
-                continue;
-            }
-            let bucket = (self.hasher.hash_one(self.key_bytes(&stored)) as usize) & mask;
-            self.entries[index].chain_next = buckets[bucket];
-            buckets[bucket] = index as u32;
-        }
-        self.buckets = buckets;
-    }
-
     /// Called when the table becomes empty: drop the storage a burst of
     /// keys left behind, so an idle server returns to its idle footprint.
     fn release_memory(&mut self) {
@@ -272,13 +269,27 @@ impl LockTable {
         if self.entries.capacity() > 4096 {
             self.entries = Vec::new();
         }
-        if self.buckets.len() > BUCKETS_MIN {
-            self.buckets = vec![NIL; BUCKETS_MIN];
+        if self.index.capacity() > 4096 {
+            self.index = HashTable::new();
         }
         if self.long_keys.capacity() > 64 {
             self.long_keys = Slab::new();
         }
     }
+}
+
+/// A hint to start loading the cache line at `address`; no effect on
+/// targets without a prefetch instruction.
+#[inline(always)]
+fn prefetch_read(address: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults and has no effect on program state;
+    // the address is that of a live entry anyway.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(address.cast(), std::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = address;
 }
 
 #[cfg(test)]
@@ -287,7 +298,7 @@ mod tests {
 
     #[test]
     fn entry_stays_small() {
-        assert_eq!(std::mem::size_of::<LockEntry>(), 56);
+        assert_eq!(std::mem::size_of::<LockEntry>(), 52);
     }
 
     #[test]
@@ -311,7 +322,7 @@ mod tests {
         for (i, key) in keys.iter().enumerate() {
             let index = table.find(key, table.hash(key)).unwrap();
             assert_eq!(index, indices[i]);
-            assert_eq!(table.get(index).token, i as u64 + 1);
+            assert_eq!({ table.get(index).token }, i as u64 + 1);
             assert_eq!(table.key(index), key);
         }
         for (i, key) in keys.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
@@ -326,6 +337,6 @@ mod tests {
             table.remove(indices[i]);
         }
         assert!(table.is_empty());
-        assert_eq!(table.buckets.len(), BUCKETS_MIN);
+        assert_eq!(table.index.capacity(), 0);
     }
 }

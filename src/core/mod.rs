@@ -622,7 +622,7 @@ impl Core {
                 assert!(
                     held.token < self.next_token,
                     "key {key:?} has token {} ≥ next {}",
-                    held.token,
+                    { held.token },
                     self.next_token
                 );
             }
