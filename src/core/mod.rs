@@ -11,6 +11,7 @@
 //! Timers run on a 1 ms tick: a deadline rounds *up* to the next tick and
 //! fires once the clock has reached that tick, so nothing happens early.
 
+pub mod key_index;
 pub mod lock_table;
 pub mod timer_wheel;
 pub mod waiters;
