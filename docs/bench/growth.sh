@@ -15,8 +15,9 @@
 # sent with `redis-cli --pipe` (17-byte keys). Runs alternate kunci, Redis,
 # kunci, Redis... and the ratio is taken within each run.
 #
-# Loopback only; servers and loads are stopped by pid. Raises the fd limit
-# of this shell (and so of both servers and load generators) to NOFILE.
+# Loopback only; servers and loads are stopped by pid. Raises the soft fd
+# limit of this shell (so of both servers and load generators) to NOFILE
+# or the hard limit, whichever is lower (C=10,000 needs ~10,050).
 # Writes the raw medians to OUT (docs/bench/growth.tsv) and draws
 # docs/bench/growth.svg from it with plot_growth.py.
 #
@@ -49,7 +50,13 @@ done
 if [ ! -x "$KUNCI" ]; then
     (cd "$ROOT" && cargo build --release)
 fi
-ulimit -n "$NOFILE"
+# Raise the soft fd limit towards NOFILE, as far as the hard limit allows.
+hard=$(ulimit -Hn)
+if [ "$hard" = unlimited ] || [ "$hard" -ge "$NOFILE" ]; then
+    ulimit -n "$NOFILE"
+else
+    ulimit -n "$hard"
+fi
 
 LOGS=$(mktemp -d)
 KUNCI_PID=
@@ -152,6 +159,12 @@ if ! skip held; then
     echo "|---|---|---|---|---|---|---|"
     filled=0 part=0 rss_lines=
     for held in $HELD; do
+        # The previous level's Redis runs left up to ~1,000,000 `key:*`
+        # locks (SET runs ahead of the EVAL runs); remove them so that
+        # each level starts with only the held keys.
+        redis-cli -p "$REDIS_PORT" --scan --pattern 'key:*' |
+            awk '{printf "*2\r\n$6\r\nUNLINK\r\n$%d\r\n%s\r\n", length($0), $0}' |
+            redis-cli -p "$REDIS_PORT" --pipe >/dev/null
         if [ "$held" -gt "$filled" ]; then
             part=$((part + 1))
             # kunci: another process holds the keys (its own 4 connections).
@@ -170,16 +183,18 @@ if ! skip held; then
             filled=$held
         fi
         k_rss=$(rss_kib "$KUNCI_PID") r_rss=$(rss_kib "$REDIS_PID")
-        rss_lines+="| $held | $k_rss | $r_rss |"$'\n'
-        printf 'rss\t%s\t-\t%s\t-\t%s\t-\t-\n' "$held" "$k_rss" "$r_rss" >>"$OUT"
+        r_used=$(redis-cli -p "$REDIS_PORT" info memory | tr -d '\r' |
+            awk -F: '$1 == "used_memory" {printf "%d", $2 / 1024}')
+        rss_lines+="| $held | $k_rss | $r_rss | $r_used |"$'\n'
+        printf 'rss\t%s\t-\t%s\t-\t%s\t%s\t-\n' "$held" "$k_rss" "$r_rss" "$r_used" >>"$OUT"
         compare_row "$held" 50 32 1500000 --warmup 1
         compare_row "$held" 50 1 300000 --warmup 1
     done
     echo
     echo "Server RSS after the locks were taken (before the runs):"
     echo
-    echo "| held | kunci RSS KiB | Redis RSS KiB |"
-    echo "|---|---|---|"
+    echo "| held | kunci RSS KiB | Redis RSS KiB | Redis used_memory KiB |"
+    echo "|---|---|---|---|"
     printf '%s' "$rss_lines"
     for pid in "${HOLD_PIDS[@]}"; do kill -INT "$pid" 2>/dev/null || true; done
     for pid in "${HOLD_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
@@ -215,8 +230,8 @@ if ! skip contended; then
                     exit 1
                 fi
                 rate=$(json_sub "$out" counters grants_per_s)
-                p99=$(json_sub "$out" wait p99 | awk '{printf "%.3f", $1/1000}')
-                p50=$(json_sub "$out" wait p50 | awk '{printf "%.3f", $1/1000}')
+                p99=$(json_sub "$out" acquire p99 | awk '{printf "%.3f", $1/1000}')
+                p50=$(json_sub "$out" acquire p50 | awk '{printf "%.3f", $1/1000}')
                 min=$(json_sub "$out" counters grants_per_conn_min)
                 max=$(json_sub "$out" counters grants_per_conn_max)
                 rates+=" $rate" p99s+=" $p99" p50s+=" $p50" fair+=" $min/$max"

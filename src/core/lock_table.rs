@@ -35,6 +35,10 @@ type KeyHasher = foldhash::fast::RandomState;
 #[cfg(feature = "sip-hash")]
 type KeyHasher = std::collections::hash_map::RandomState;
 
+/// Below this many keys (~2 MB of table, a core's L2) lookups mostly hit
+/// the cache and [`LockTable::prefetch`] does nothing.
+const PREFETCH_MIN_KEYS: usize = 1 << 15;
+
 /// One key of the table: always held, by a grant of this run (`token` ≠ 0)
 /// or — after an unclean restart — by an unknown grant of an earlier run
 /// (`token` = 0) until the lease horizon.
@@ -147,9 +151,19 @@ impl LockTable {
     }
 
     /// Starts loading the index line a [`find`](Self::find) or
-    /// [`insert`](Self::insert) with this hash reads first. Changes nothing.
-    pub fn prefetch(&self, hash: u64) {
-        self.index.prefetch(hash);
+    /// [`insert`](Self::insert) of `key` reads first; changes nothing.
+    /// Skipped while the table is small enough to stay in cache, where it
+    /// would only cost a second hash of the key.
+    pub fn prefetch(&self, key: &str) {
+        if self.prefetch_pays() {
+            self.index.prefetch(self.hash(key));
+        }
+    }
+
+    /// Whether the table is large enough for [`prefetch`](Self::prefetch)
+    /// to do anything.
+    pub fn prefetch_pays(&self) -> bool {
+        self.len() >= PREFETCH_MIN_KEYS
     }
 
     /// Adds `key` (which must not be in the table) with the given holder

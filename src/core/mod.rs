@@ -256,6 +256,29 @@ impl Core {
         self.outbox.push((conn, code.response(id)));
     }
 
+    /// Whether [`prefetch`](Self::prefetch) does anything: only once the
+    /// table is too large to stay in cache.
+    pub fn prefetch_pays(&self) -> bool {
+        self.table.prefetch_pays()
+    }
+
+    /// Starts loading the lock-table line that handling `request` will
+    /// read first, and changes nothing. A shell that calls it for every
+    /// whole frame of one read before handling them overlaps their cache
+    /// misses instead of taking them one after another (a large table).
+    pub fn prefetch(&self, request: &Request<'_>) {
+        if !self.prefetch_pays() {
+            return;
+        }
+        if let Request::Acquire { key, .. }
+        | Request::Release { key, .. }
+        | Request::Extend { key, .. }
+        | Request::Query { key } = *request
+        {
+            self.table.prefetch(key);
+        }
+    }
+
     /// Evaluates one valid request that arrived (its last byte was read) at
     /// `now`.
     pub fn handle_request(&mut self, conn: ConnId, request: &Request<'_>, now: Micros) {
