@@ -209,7 +209,7 @@ if ! skip conns; then
     echo "| case | C/P | kunci req/s | Redis req/s | kunci ÷ Redis (per run) | kunci p99 ms | Redis p99 ms |"
     echo "|---|---|---|---|---|---|---|"
     for c in $CONNS; do
-        compare_row "conns" "$c" 1 400000 --warmup 2
+        compare_row "conns" "$c" 1 150000 --warmup 2
     done
 fi
 

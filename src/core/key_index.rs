@@ -17,6 +17,8 @@
 //! count that reaches 255 stays there: lookups past it are then merely
 //! longer, never wrong.
 
+use std::cell::Cell;
+
 /// Values per bucket.
 const SLOTS: usize = 12;
 /// `tags[i] == EMPTY` marks a free slot; used tags have their top bit set.
@@ -86,10 +88,19 @@ fn tag_of(hash: u64) -> u8 {
     (hash >> 57) as u8 | 0x80
 }
 
+/// A walk through this many buckets (a lookup past full buckets with
+/// overflow, or an insert past full buckets) marks the index as probed
+/// suspiciously long. With random hashes at the 4/5 load limit the
+/// longest walk among ~600,000 keys is about 20 buckets, and each bucket
+/// more is ~1.5× rarer: 64 comes from keys chosen to collide.
+pub const LONG_WALK: usize = 64;
+
 /// A set of `u32` values found by a caller-supplied hash and equality.
 pub struct KeyIndex {
     buckets: Vec<Bucket>,
     len: usize,
+    /// Set by any walk of [`LONG_WALK`] buckets or more.
+    long_walk_seen: Cell<bool>,
 }
 
 impl Default for KeyIndex {
@@ -103,6 +114,7 @@ impl KeyIndex {
         KeyIndex {
             buckets: Vec::new(),
             len: 0,
+            long_walk_seen: Cell::new(false),
         }
     }
 
@@ -138,14 +150,25 @@ impl KeyIndex {
         }
     }
 
-    /// Adds `value` under `hash` (the caller knows it is not there).
-    /// `rehash` gives the hash of any value already stored, for growing.
-    pub fn insert(&mut self, hash: u64, value: u32, rehash: impl Fn(u32) -> u64) {
+    /// Adds `value` under `hash` (the caller knows it is not there) and
+    /// returns how many full buckets its probe passed. `rehash` gives the
+    /// hash of any value already stored, for growing.
+    pub fn insert(&mut self, hash: u64, value: u32, rehash: impl Fn(u32) -> u64) -> usize {
         if (self.len + 1) * LOAD_DENOMINATOR > self.buckets.len() * SLOTS * LOAD_NUMERATOR {
             self.grow(rehash);
         }
-        Self::place(&mut self.buckets, hash, value);
         self.len += 1;
+        let probes = Self::place(&mut self.buckets, hash, value);
+        if probes >= LONG_WALK {
+            self.long_walk_seen.set(true);
+        }
+        probes
+    }
+
+    /// Whether some lookup or insert walked [`LONG_WALK`] buckets or more
+    /// since the index was built.
+    pub fn long_walk_seen(&self) -> bool {
+        self.long_walk_seen.get()
     }
 
     /// Removes `value`, stored under `hash`; false if it is not there.
@@ -171,6 +194,7 @@ impl KeyIndex {
     pub fn clear_and_release(&mut self) {
         self.buckets = Vec::new();
         self.len = 0;
+        self.long_walk_seen.set(false);
     }
 
     /// The bucket and slot of the first value `eq` accepts, and how many
@@ -194,28 +218,33 @@ impl KeyIndex {
             if bucket.overflow == 0 {
                 return None;
             }
+            if probes + 1 == LONG_WALK {
+                self.long_walk_seen.set(true);
+            }
             at = (at + 1) & mask;
         }
         None
     }
 
     /// Puts `value` in the first free slot on its probe path, counting it
-    /// as overflow on each full bucket it passes.
-    fn place(buckets: &mut [Bucket], hash: u64, value: u32) {
+    /// as overflow on each full bucket it passes; returns how many it
+    /// passed.
+    fn place(buckets: &mut [Bucket], hash: u64, value: u32) -> usize {
         let mask = buckets.len() - 1;
         let tag = tag_of(hash);
         let mut at = hash as usize & mask;
         // The load limit keeps free slots, so this ends within one lap.
-        for _ in 0..buckets.len() {
+        for probes in 0..buckets.len() {
             let bucket = &mut buckets[at];
             if let Some(slot) = slots_of(bucket.matches(EMPTY)).next() {
                 bucket.tags[slot] = tag;
                 bucket.values[slot] = value;
-                return;
+                return probes;
             }
             bucket.overflow = bucket.overflow.saturating_add(1);
             at = (at + 1) & mask;
         }
+        buckets.len()
     }
 
     fn grow(&mut self, rehash: impl Fn(u32) -> u64) {
@@ -255,9 +284,13 @@ mod tests {
     /// odd ones, checking every lookup on the way.
     fn churn(count: u32) -> KeyIndex {
         let mut index = KeyIndex::new();
+        let mut longest = 0;
         for value in 0..count {
-            index.insert(clumped(value), value, clumped);
+            longest = longest.max(index.insert(clumped(value), value, clumped));
         }
+        // Seven home buckets for all values: later ones probe far.
+        assert!(longest >= count as usize / SLOTS / 2);
+        assert_eq!(index.long_walk_seen(), longest >= LONG_WALK);
         assert_eq!(index.len(), count as usize);
         for value in 0..count {
             assert_eq!(index.find(clumped(value), |v| v == value), Some(value));

@@ -8,7 +8,7 @@
 //! Indices of live entries are stable until [`LockTable::remove`]; the
 //! timer wheel and the waiter queues refer to entries by index.
 
-use std::hash::BuildHasher;
+use std::hash::BuildHasher as _;
 
 use slab::Slab;
 
@@ -25,15 +25,37 @@ pub const INLINE_KEY_MAX: usize = 19;
 /// below the timer wheel's reserved ids and the waiter tag bit).
 pub const ENTRIES_MAX: usize = 1 << 30;
 
-/// The key hash. Peers choose keys, so it is keyed with a per-process
-/// random seed; docs/DESIGN.md ("The key hash") gives the threat model
-/// and the measurements behind the choice.
-#[cfg(not(feature = "sip-hash"))]
-type KeyHasher = foldhash::fast::RandomState;
-/// std's SipHash-1-3, keyed per table: built only to measure its cost
-/// (`--features sip-hash`, see docs/bench/hash.sh).
-#[cfg(feature = "sip-hash")]
-type KeyHasher = std::collections::hash_map::RandomState;
+/// The key hash (docs/DESIGN.md, "The key hash", has the threat model and
+/// the measurements). Peers choose keys and never see a hash value, so the
+/// index starts with foldhash under a per-process random seed — fast, but
+/// only "minimally DoS-resistant" — and switches for good to SipHash-1-3
+/// under a fresh random 128-bit key (std's `RandomState`, a keyed PRF) at
+/// the first insert after any lookup or insert walked
+/// [`LONG_WALK`](super::key_index::LONG_WALK) buckets, which random keys
+/// practically never do and keys chosen to collide must.
+enum KeyHasher {
+    Fast(foldhash::fast::RandomState),
+    Keyed(std::collections::hash_map::RandomState),
+}
+
+impl KeyHasher {
+    fn new() -> KeyHasher {
+        // `--features sip-hash` starts keyed: only to measure the cost.
+        if cfg!(feature = "sip-hash") {
+            KeyHasher::Keyed(Default::default())
+        } else {
+            KeyHasher::Fast(Default::default())
+        }
+    }
+
+    #[inline]
+    fn hash(&self, bytes: &[u8]) -> u64 {
+        match self {
+            KeyHasher::Fast(state) => state.hash_one(bytes),
+            KeyHasher::Keyed(state) => state.hash_one(bytes),
+        }
+    }
+}
 
 /// Below this many keys (~2 MB of table, a core's L2) lookups mostly hit
 /// the cache and [`LockTable::prefetch`] does nothing.
@@ -120,7 +142,7 @@ impl LockTable {
             free_head: NIL,
             index: KeyIndex::new(),
             long_keys: Slab::new(),
-            hasher: KeyHasher::default(),
+            hasher: KeyHasher::new(),
         }
     }
 
@@ -136,7 +158,7 @@ impl LockTable {
     /// The hash [`find`](Self::find) and [`insert`](Self::insert) take;
     /// computed once per request.
     pub fn hash(&self, key: &str) -> u64 {
-        self.hasher.hash_one(key.as_bytes())
+        self.hasher.hash(key.as_bytes())
     }
 
     /// The index of `key`'s entry, if the key is in the table.
@@ -201,9 +223,32 @@ impl LockTable {
         };
         let (entries, long_keys, hasher) = (&self.entries, &self.long_keys, &self.hasher);
         self.index.insert(hash, index, |index| {
-            hasher.hash_one(key_bytes(long_keys, &entries[index as usize].key))
+            hasher.hash(key_bytes(long_keys, &entries[index as usize].key))
         });
+        if self.index.long_walk_seen() && matches!(self.hasher, KeyHasher::Fast(_)) {
+            self.rekey();
+        }
         Some(index)
+    }
+
+    /// Switches to the keyed hash and rebuilds the index with it. Entry
+    /// indices do not change; hashes computed before the call are stale.
+    fn rekey(&mut self) {
+        log::warn!(
+            "lock table: a lookup walked {}+ index buckets; \
+             switching the key hash to keyed SipHash-1-3",
+            super::key_index::LONG_WALK
+        );
+        self.hasher = KeyHasher::Keyed(Default::default());
+        let mut index = KeyIndex::new();
+        let (entries, long_keys, hasher) = (&self.entries, &self.long_keys, &self.hasher);
+        let hash_of = |index: u32| hasher.hash(key_bytes(long_keys, &entries[index as usize].key));
+        for (position, entry) in entries.iter().enumerate() {
+            if entry.key.len != 0 {
+                index.insert(hash_of(position as u32), position as u32, hash_of);
+            }
+        }
+        self.index = index;
     }
 
     /// Removes the entry at `index`. The caller has already disarmed its
@@ -217,7 +262,7 @@ impl LockTable {
         if stored.len == 0 {
             return;
         }
-        let hash = self.hasher.hash_one(key_bytes(&self.long_keys, &stored));
+        let hash = self.hasher.hash(key_bytes(&self.long_keys, &stored));
         self.index.remove(hash, index);
         if stored.len as usize > INLINE_KEY_MAX {
             self.long_keys.try_remove(stored.long_index());
@@ -373,5 +418,27 @@ mod tests {
         }
         assert!(table.is_empty());
         assert_eq!(table.index.allocated_bytes(), 0);
+    }
+
+    #[test]
+    fn rekeying_keeps_every_key_and_index() {
+        let mut table = LockTable::new();
+        let keys: Vec<String> = (0..3000).map(|i| format!("key-{i}")).collect();
+        let indices: Vec<u32> = keys
+            .iter()
+            .map(|key| table.insert(key, table.hash(key), 1, 2).unwrap())
+            .collect();
+        table.rekey();
+        assert!(matches!(table.hasher, KeyHasher::Keyed(_)));
+        for (key, &index) in keys.iter().zip(&indices) {
+            assert_eq!(table.find(key, table.hash(key)), Some(index));
+        }
+        for &index in &indices[..1500] {
+            table.remove(index);
+        }
+        for (key, &index) in keys.iter().zip(&indices).skip(1500) {
+            assert_eq!(table.find(key, table.hash(key)), Some(index));
+        }
+        assert_eq!(table.len(), 1500);
     }
 }
