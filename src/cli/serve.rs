@@ -24,7 +24,7 @@ Options:
                               Port 0 picks a free port; the start-up log line
                               names it.
   --max-keys N                keys in the table, held or waited on
-                              (default {max_keys}; ~60 B each)
+                              (default {max_keys}; ~62 B each)
   --max-waiters N             queued waiters in total (default {max_waiters};
                               ~56 B each)
   --max-waiters-per-key N     queued waiters on one key (default {per_key})
