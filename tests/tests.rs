@@ -5,6 +5,7 @@ mod bench;
 mod client;
 mod core;
 mod fencing;
+mod metrics;
 mod protocol;
 mod restart;
 mod run_command;

@@ -13,6 +13,7 @@
 
 pub mod lock_table;
 pub mod timer_wheel;
+pub mod wait_histogram;
 pub mod waiters;
 
 use std::fmt::Write as _;
@@ -20,6 +21,7 @@ use std::fmt::Write as _;
 use crate::protocol::{ErrorCode, Request, RequestError, Response};
 use lock_table::{LockTable, NIL};
 use timer_wheel::{TimerId, TimerLinks, TimerStore, TimerWheel};
+use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
 
 /// A connection as the core knows it: the shell's slab index.
@@ -61,7 +63,8 @@ impl Default for Limits {
     }
 }
 
-/// The counters reported by `I` (spec §2.2).
+/// The counters reported by `I` (spec §2.2), and the finer ones the
+/// metrics endpoint shows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     pub grants: u64,
@@ -74,6 +77,31 @@ pub struct Stats {
     pub errors: u64,
     /// Connections closed at accept by the `--allow` list.
     pub refused: u64,
+    /// The part of `not_held` that answered an `R`...
+    pub release_not_held: u64,
+    /// ...and the part that answered an `E`.
+    pub extend_not_held: u64,
+    /// Connections accepted and served (refused ones are not counted).
+    pub connections_accepted: u64,
+    /// Connections refused at accept with `X 7` because
+    /// `--max-connections` were open...
+    pub refused_max_connections: u64,
+    /// ...or because the process had no file descriptor left.
+    pub refused_fd_limit: u64,
+    /// `X` frames sent, by code (index = code; 0 unused).
+    pub errors_by_code: [u64; 10],
+    /// How long queued acquires waited before their grant or timeout.
+    pub acquire_wait: WaitHistogram,
+}
+
+impl Stats {
+    /// Counts one `X` frame with `code`, in the total and by code.
+    pub fn count_error(&mut self, code: ErrorCode) {
+        self.errors += 1;
+        if let Some(count) = self.errors_by_code.get_mut(code as usize) {
+            *count += 1;
+        }
+    }
 }
 
 /// A response and the connection it goes to.
@@ -222,6 +250,7 @@ impl Core {
                 waiters: ConnWaiters::default(),
             };
             self.connections += 1;
+            self.stats.connections_accepted += 1;
         }
     }
 
@@ -251,7 +280,7 @@ impl Core {
 
     /// Queues an `X` to `conn` and counts it.
     pub fn send_error(&mut self, conn: ConnId, code: ErrorCode, id: u64) {
-        self.stats.errors += 1;
+        self.stats.count_error(code);
         self.outbox.push((conn, code.response(id)));
     }
 
@@ -310,6 +339,7 @@ impl Core {
                     let node = self.waiters.get(waiter);
                     (node.conn, node.owner)
                 };
+                self.observe_wait(waiter, now);
                 self.remove_waiter(waiter);
                 self.stats.timeouts += 1;
                 self.outbox.push((conn, Response::Timeout { owner }));
@@ -396,6 +426,7 @@ impl Core {
             self.waiters
                 .push_back(queue, conn_list, conn, entry, owner, lease_s)
         };
+        self.waiters.get_mut(waiter).enqueued_at = enqueued_at(now);
         let deadline = now + u64::from(wait_s) * MICROS_PER_S;
         let mut nodes = TimerNodes {
             table: &mut self.table,
@@ -434,7 +465,10 @@ impl Core {
                 self.outbox.push((conn, Response::Released { token }));
                 self.hand_over(entry, now);
             }
-            None => self.not_held(conn, token),
+            None => {
+                self.stats.release_not_held += 1;
+                self.not_held(conn, token)
+            }
         }
     }
 
@@ -445,7 +479,10 @@ impl Core {
                 self.stats.extended += 1;
                 self.outbox.push((conn, Response::Extended { token }));
             }
-            None => self.not_held(conn, token),
+            None => {
+                self.stats.extend_not_held += 1;
+                self.not_held(conn, token)
+            }
         }
     }
 
@@ -505,6 +542,7 @@ impl Core {
                 let waiter = self.waiters.get(head);
                 (waiter.conn, waiter.owner, waiter.lease_s)
             };
+            self.observe_wait(head, now);
             self.unlink_waiter(head);
             if self.next_token == u64::MAX {
                 self.busy(conn, owner);
@@ -575,6 +613,13 @@ impl Core {
         let conn_list = &mut self.conns[conn as usize].waiters;
         self.waiters.remove(waiter, queue, conn_list);
         entry
+    }
+
+    /// Records how long `waiter` has queued, as it leaves with a grant or
+    /// a timeout.
+    fn observe_wait(&mut self, waiter: u32, now: Micros) {
+        let waited = enqueued_at(now).wrapping_sub(self.waiters.get(waiter).enqueued_at);
+        self.stats.acquire_wait.observe(u64::from(waited));
     }
 
     fn timeout(&mut self, conn: ConnId, owner: u64) {
@@ -719,6 +764,13 @@ impl Core {
         );
         text
     }
+}
+
+/// A waiter's enqueue instant as it is kept: microseconds modulo 2³²
+/// (71 minutes), which measures any wait exactly, since none lasts longer
+/// than 255 s, and fits in the waiter node's padding.
+fn enqueued_at(now: Micros) -> u32 {
+    now as u32
 }
 
 /// Milliseconds from `now` to `deadline`, rounded up, saturating.
