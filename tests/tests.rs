@@ -6,6 +6,7 @@ mod client;
 mod core;
 mod fencing;
 mod metrics;
+mod operations;
 mod protocol;
 mod restart;
 mod run_command;

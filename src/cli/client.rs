@@ -14,10 +14,12 @@ use crate::client::{Client, Config, Error};
 /// given: addresses separated by commas.
 pub const SERVER_ENV: &str = "KUNCI_SERVER";
 
-const SERVER_HELP: &str = "\
-  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
-                  several addresses of the same service (default: $KUNCI_SERVER,
-                  comma-separated, else 127.0.0.1:5862)";
+// Not a `\`-continued literal: that would strip the first line's indent.
+const SERVER_HELP: &str = "  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
+                  several addresses of the same service (default:
+                  $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862)
+  -h, --help      show this help
+";
 
 /// Options of the client commands. Each command accepts only some of them.
 pub(super) struct Options {
@@ -101,7 +103,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
 }
 
 /// `$KUNCI_SERVER` (comma-separated), else the default address.
-fn default_servers() -> Result<Vec<Address>, String> {
+pub(super) fn default_servers() -> Result<Vec<Address>, String> {
     let text = match std::env::var(SERVER_ENV) {
         Ok(text) if !text.trim().is_empty() => text,
         _ => DEFAULT_ADDRESS.to_owned(),
@@ -137,19 +139,103 @@ pub(super) fn exit_code(error: &Error) -> u8 {
     }
 }
 
+/// What a failed command was doing, so its message can say it exactly.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Attempt<'a> {
+    pub key: Option<&'a str>,
+    /// The acquire's wait (`None` for other requests).
+    pub wait: Option<Duration>,
+    pub token: Option<u64>,
+}
+
 /// Reports a failed outcome on stderr and returns its exit code.
 pub(super) fn fail(command: &str, error: Error, servers: &[Address]) -> u8 {
-    match error {
-        Error::Unavailable => {
-            let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
-            eprintln!(
-                "kunci {command}: {error} (tried {}; RUST_LOG=debug shows why)",
-                servers.join(", ")
-            );
-        }
-        _ => eprintln!("kunci {command}: {error}"),
-    }
+    report(command, error, servers, &Attempt::default())
+}
+
+/// Reports a failed outcome of `attempt` on stderr, in words that say
+/// what happened and what to do, and returns its exit code.
+pub(super) fn report(command: &str, error: Error, servers: &[Address], attempt: &Attempt) -> u8 {
+    eprintln!(
+        "kunci {command}: {}",
+        message(command, &error, servers, attempt)
+    );
     exit_code(&error)
+}
+
+/// The message for a failed outcome (without the `kunci COMMAND: ` prefix).
+pub(super) fn message(
+    command: &str,
+    error: &Error,
+    servers: &[Address],
+    attempt: &Attempt,
+) -> String {
+    let key = attempt
+        .key
+        .map_or_else(|| "the key".to_owned(), |key| format!("key {key:?}"));
+    let token = attempt
+        .token
+        .map_or_else(|| "the token".to_owned(), |token| format!("token {token}"));
+    let is_lock_request = matches!(command, "acquire" | "run");
+    match error {
+        Error::Timeout => match attempt.wait {
+            Some(wait) if wait.is_zero() => format!(
+                "{key} is held by someone else; nothing was acquired \
+                 (--wait 0 tries once; --wait S waits up to S seconds)"
+            ),
+            Some(wait) => format!(
+                "{key} stayed held by someone else for the whole wait ({}); \
+                 nothing was acquired",
+                seconds_text(wait)
+            ),
+            None => format!("{key} is held by someone else; nothing was acquired"),
+        },
+        Error::Busy => "the server turned the request away: it is at a capacity limit \
+             (--max-keys, --max-waiters, --max-waiters-per-key, --max-waits-per-conn) \
+             or shutting down; nothing was acquired or queued. Try again later"
+            .to_owned(),
+        Error::Unavailable { .. } => {
+            let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
+            format!(
+                "no server took the request (tried {}); nothing was sent, so nothing \
+                 changed. Check that kunci serve runs there and lets this host in \
+                 (--allow, --max-connections); RUST_LOG=debug shows each attempt",
+                servers.join(", ")
+            )
+        }
+        Error::Indeterminate if is_lock_request => format!(
+            "no answer came in time, so whether {key} was granted is unknown: do not \
+             assume the lock is held. A grant nobody saw ends with its lease"
+        ),
+        Error::Indeterminate if matches!(command, "release" | "renew") => format!(
+            "no answer came in time, so whether {token} was {} is unknown; \
+             `kunci query` shows the key's holder",
+            if command == "release" {
+                "released"
+            } else {
+                "renewed"
+            }
+        ),
+        Error::Indeterminate => {
+            "the server did not answer in time (the request may have reached it)".to_owned()
+        }
+        Error::InvalidArgument(why) => format!("{why} (see kunci {command} --help)"),
+        Error::NotHeld if command == "renew" => format!(
+            "{token} does not hold {key} (its lease ran out, it was released, or it \
+             never held it): the lock is lost; nothing changed"
+        ),
+        Error::NotHeld => format!(
+            "{token} does not hold {key} (its lease ran out, it was released, or it \
+             never held it); nothing changed"
+        ),
+    }
+}
+
+/// A duration as the user typed it: `2.5 s`, `1 s`.
+fn seconds_text(duration: Duration) -> String {
+    let text = format!("{:.3}", duration.as_secs_f64());
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    format!("{text} s")
 }
 
 fn usage_error(command: &str, message: &str) -> u8 {
@@ -327,7 +413,7 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
     let options = match parse(arguments, command.accepts) {
         Ok(Parsed::Run(options)) => options,
         Ok(Parsed::Help) => {
-            println!("{}{SERVER_HELP}", command.help);
+            print!("{}{SERVER_HELP}", command.help);
             return exit::DONE;
         }
         Err(message) => return usage_error(name, &message),
@@ -346,11 +432,28 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
             let _ = writeln!(std::io::stdout(), "{line}");
             exit::DONE
         }
-        Err(error) => fail(name, error, &options.servers),
+        Err(error) => {
+            let attempt = Attempt {
+                key: command
+                    .accepts
+                    .positionals
+                    .first()
+                    .filter(|name| **name == "KEY")
+                    .and_then(|_| options.positionals.first())
+                    .map(String::as_str),
+                wait: command.accepts.wait.then_some(options.wait),
+                token: options
+                    .positionals
+                    .get(1)
+                    .and_then(|text| text.parse().ok()),
+            };
+            report(name, error, &options.servers, &attempt)
+        }
     }
 }
 
-/// The help of `kunci run`, with the shared `--server` lines.
+/// The help of `kunci run`, with the shared `--server` lines (no final
+/// newline: the caller prints a line).
 pub(super) fn with_server_help(help: &str) -> String {
-    format!("{help}{SERVER_HELP}")
+    format!("{help}{}", SERVER_HELP.trim_end())
 }

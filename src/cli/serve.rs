@@ -2,7 +2,7 @@
 
 use std::ffi::OsString;
 
-use log::{error, info};
+use log::{error, info, warn};
 
 use super::args;
 use super::exit;
@@ -127,7 +127,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             return exit::USAGE;
         }
     };
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    super::logging::init_server();
     let server = match Server::bind(config) {
         Ok(server) => server,
         Err(e) => {
@@ -148,6 +148,11 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         limits.max_waits_per_conn,
         limits.max_connections,
     );
+    // Under systemd (`Type=notify`) this says "listening"; elsewhere,
+    // without NOTIFY_SOCKET, it does nothing.
+    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+        warn!("cannot tell systemd the server is ready: {e}");
+    }
     match server.run() {
         Ok(()) => exit::DONE,
         Err(e) => {

@@ -42,7 +42,8 @@ Workloads:
                  --connections probes of each kind
 
 Options (defaults: pairs / contended / hold / waiters / idle / timers):
-  --server ADDR        HOST:PORT or unix:PATH (default 127.0.0.1:5862)
+  --server ADDR        HOST:PORT or unix:PATH (default: the first address
+                       in $KUNCI_SERVER, else 127.0.0.1:5862)
   --connections C      connections (50 / 50 / 4 / 1+N/4000 / N / 8 probes)
   --pipeline P         requests in flight per connection (32 / 1 / 128)
   --keys K             key space (1000000 / 8 / N / 1000)
@@ -266,9 +267,14 @@ impl Run {
         let duration = o.duration.unwrap_or(Duration::from_secs(duration));
         Ok(Run {
             which,
-            server: o
-                .server
-                .unwrap_or_else(|| Address::Tcp(DEFAULT_ADDRESS.to_owned())),
+            server: match o.server {
+                Some(server) => server,
+                // One server is driven: the first of $KUNCI_SERVER's.
+                None => super::client::default_servers()?
+                    .into_iter()
+                    .next()
+                    .unwrap_or_else(|| Address::Tcp(DEFAULT_ADDRESS.to_owned())),
+            },
             plan,
             key_prefix: o.key_prefix.unwrap_or_else(|| prefix.to_owned()),
             warmup: o.warmup.unwrap_or(Duration::from_secs(warmup)),
