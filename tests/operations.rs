@@ -104,7 +104,7 @@ fn a_held_key_with_wait_0_says_someone_else_holds_it() {
     assert_eq!(output.status.code(), Some(1));
     assert_eq!(
         stderr(&output),
-        "kunci acquire: key \"job\" is held by someone else; nothing was acquired \
+        "kunci acquire: timeout: key \"job\" is held by someone else; nothing was acquired \
          (--wait 0 tries once; --wait S waits up to S seconds)\n"
     );
     assert_eq!(stdout(&output), "");
@@ -113,7 +113,7 @@ fn a_held_key_with_wait_0_says_someone_else_holds_it() {
     assert_eq!(output.status.code(), Some(1));
     assert_eq!(
         stderr(&output),
-        "kunci acquire: key \"job\" stayed held by someone else for the whole wait \
+        "kunci acquire: timeout: key \"job\" stayed held by someone else for the whole wait \
          (0.2 s); nothing was acquired\n"
     );
 }
@@ -132,7 +132,7 @@ fn busy_not_held_and_unavailable_say_what_happened_and_what_to_do() {
     assert_eq!(busy.status.code(), Some(3));
     assert_eq!(
         stderr(&busy),
-        "kunci acquire: the server turned the request away: it is at a capacity limit \
+        "kunci acquire: busy: the server turned the request away: it is at a capacity limit \
          (--max-keys, --max-waiters, --max-waiters-per-key, --max-waits-per-conn) or \
          shutting down; nothing was acquired or queued. Try again later\n"
     );
@@ -140,7 +140,7 @@ fn busy_not_held_and_unavailable_say_what_happened_and_what_to_do() {
     assert_eq!(not_held.status.code(), Some(6));
     assert_eq!(
         stderr(&not_held),
-        "kunci release: token 12 does not hold key \"a\" (its lease ran out, it was \
+        "kunci release: not held: token 12 does not hold key \"a\" (its lease ran out, it was \
          released, or it never held it); nothing changed\n"
     );
     let lost = kunci(&["renew", "a", "12", "--server", addr], &[]);
@@ -161,7 +161,7 @@ fn busy_not_held_and_unavailable_say_what_happened_and_what_to_do() {
     assert_eq!(
         stderr(&ping),
         format!(
-            "kunci ping: no server took the request (tried {gone}); nothing was sent, so \
+            "kunci ping: unavailable: no server took the request (tried {gone}); nothing was sent, so \
              nothing changed. Check that kunci serve runs there and lets this host in \
              (--allow, --max-connections); RUST_LOG=debug shows each attempt\n"
         )
@@ -254,6 +254,19 @@ fn pipe() -> (std::fs::File, std::fs::File) {
     }
 }
 
+/// The server's start-up line (the harness may record it just after it
+/// reports the start).
+fn first_log_line(server: &TestServer) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(line) = server.log.lock().expect("log").first() {
+            return line.clone();
+        }
+        assert!(Instant::now() < deadline, "no log line");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Whether `line` starts with an RFC 3339 UTC timestamp with milliseconds.
 fn has_timestamp(line: &str) -> bool {
     let bytes = line.as_bytes();
@@ -272,7 +285,7 @@ fn has_timestamp(line: &str) -> bool {
 #[test]
 fn server_logs_carry_utc_timestamps_unless_stderr_is_the_journal() {
     let server = TestServer::start(&[]);
-    let line = server.log.lock().expect("log")[0].clone();
+    let line = first_log_line(&server);
     assert!(has_timestamp(&line), "{line}");
     assert!(
         line[24..].starts_with(&format!(
@@ -288,7 +301,7 @@ fn server_logs_carry_utc_timestamps_unless_stderr_is_the_journal() {
     let server = TestServer::start_with(&[], |command| {
         command.env("JOURNAL_STREAM", "1:1");
     });
-    let line = server.log.lock().expect("log")[0].clone();
+    let line = first_log_line(&server);
     assert!(has_timestamp(&line), "{line}");
     server.stop();
 
@@ -350,4 +363,114 @@ fn serve_tells_systemd_it_is_ready_once_listening() {
     );
     server.stop();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The shipped unit file.
+fn unit_text() -> String {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/contrib/systemd/kunci.service");
+    std::fs::read_to_string(path).expect("contrib/systemd/kunci.service")
+}
+
+/// The unit's `ExecStart=` command line, continuation lines joined.
+fn exec_start(unit: &str) -> Vec<String> {
+    let joined = unit.replace("\\\n", " ");
+    let line = joined
+        .lines()
+        .find_map(|line| line.strip_prefix("ExecStart="))
+        .expect("an ExecStart= line");
+    line.split_ascii_whitespace().map(str::to_owned).collect()
+}
+
+#[test]
+fn the_unit_file_has_what_the_documentation_promises() {
+    let unit = unit_text();
+    for line in [
+        "Wants=network-online.target",
+        "After=network-online.target",
+        "Type=notify",
+        "StateDirectory=kunci",
+        "RuntimeDirectory=kunci",
+        "DynamicUser=yes",
+        "ProtectSystem=strict",
+        "NoNewPrivileges=yes",
+        "KillSignal=SIGTERM",
+    ] {
+        assert!(unit.lines().any(|l| l == line), "{line:?} missing");
+    }
+    assert!(!unit.lines().any(|l| l.starts_with("ExecReload=")));
+    let command = exec_start(&unit);
+    assert_eq!(command[..2], ["/usr/local/bin/kunci", "serve"]);
+    for flag in [
+        "unix:/run/kunci/kunci.sock",
+        "--state-dir",
+        "/var/lib/kunci",
+    ] {
+        assert!(command.iter().any(|a| a == flag), "{flag} in {command:?}");
+    }
+}
+
+#[test]
+fn the_units_command_line_starts_a_server() {
+    // The same flags, with the directories systemd would create made here.
+    let dir = std::env::temp_dir().join(format!("kunci-unit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("run")).expect("runtime dir");
+    std::fs::create_dir_all(dir.join("state")).expect("state dir");
+    let run = dir.join("run");
+    let state = dir.join("state");
+    let arguments: Vec<String> = exec_start(&unit_text())[2..]
+        .iter()
+        .map(|argument| {
+            argument
+                .replace("/run/kunci", &run.to_string_lossy())
+                .replace("/var/lib/kunci", &state.to_string_lossy())
+                .replace("127.0.0.1:5862", "127.0.0.1:0")
+        })
+        .collect();
+    let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
+    let server = TestServer::start(&arguments);
+    let socket = format!("unix:{}/kunci.sock", run.display());
+    assert_eq!(server.addresses[1], socket);
+    let ping = kunci(&["ping", "--server", &socket], &[]);
+    assert_eq!(ping.status.code(), Some(0), "{}", stderr(&ping));
+    assert!(state.join("kunci.state").exists());
+    server.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_unit_file_passes_systemd_analyze_verify() {
+    if Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: systemd-analyze is not installed");
+        return;
+    }
+    // verify checks that ExecStart's binary exists: point it at this build.
+    let dir = std::env::temp_dir().join(format!("kunci-verify-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let unit = dir.join("kunci.service");
+    std::fs::write(
+        &unit,
+        unit_text().replace("/usr/local/bin/kunci", kunci_bin()),
+    )
+    .expect("write unit");
+    let output = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&unit)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run systemd-analyze");
+    let complaints = String::from_utf8_lossy(&output.stderr).into_owned()
+        + &String::from_utf8_lossy(&output.stdout);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(output.status.success(), "{complaints}");
+    // Unknown keys and bad values are only warnings: there must be none.
+    assert!(
+        !complaints.contains("kunci.service"),
+        "systemd-analyze verify complains:\n{complaints}"
+    );
 }

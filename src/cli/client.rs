@@ -153,11 +153,20 @@ pub(super) fn fail(command: &str, error: Error, servers: &[Address]) -> u8 {
     report(command, error, servers, &Attempt::default())
 }
 
-/// Reports a failed outcome of `attempt` on stderr, in words that say
-/// what happened and what to do, and returns its exit code.
+/// Reports a failed outcome of `attempt` on stderr — its name (which the
+/// exit code also tells), what happened and what to do — and returns its
+/// exit code.
 pub(super) fn report(command: &str, error: Error, servers: &[Address], attempt: &Attempt) -> u8 {
+    let outcome = match error {
+        Error::Timeout => "timeout",
+        Error::Busy => "busy",
+        Error::Unavailable { .. } => "unavailable",
+        Error::Indeterminate => "indeterminate",
+        Error::InvalidArgument(_) => "invalid argument",
+        Error::NotHeld => "not held",
+    };
     eprintln!(
-        "kunci {command}: {}",
+        "kunci {command}: {outcome}: {}",
         message(command, &error, servers, attempt)
     );
     exit_code(&error)
