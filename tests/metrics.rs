@@ -81,3 +81,57 @@ fn not_held_is_split_by_request_and_errors_by_code() {
         assert!(text.lines().any(|l| l == line), "{line:?} missing:\n{text}");
     }
 }
+
+/// `promtool check metrics` on `exposition`: `None` when promtool is not
+/// installed, else its verdict (success, and what it printed).
+pub fn promtool_check(exposition: &str) -> Option<(bool, String)> {
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+    let mut child = match Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Ok(child) => child,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => panic!("cannot run promtool: {e}"),
+    };
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(exposition.as_bytes())
+        .expect("write to promtool");
+    let output = child.wait_with_output().expect("promtool");
+    let said = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    Some((output.status.success(), said))
+}
+
+#[test]
+fn promtool_accepts_the_exposition_of_a_busy_core() {
+    let mut fake = Fake::with_conns(3);
+    let token = fake.grant(1, "a", 100, 1);
+    fake.enqueue(2, "a", 1, 30, 2);
+    fake.run_until(2 * S);
+    fake.release(1, "a", token);
+    fake.release(1, "a", token);
+    fake.core.send_error(1, ErrorCode::ZeroLease, 0);
+    fake.drain();
+    let mut text = String::new();
+    render(
+        &Snapshot::of(&fake.core),
+        kunci::metrics::ProcessStats::read().as_ref(),
+        &mut text,
+    );
+    match promtool_check(&text) {
+        None => eprintln!("skipped: promtool is not installed (Debian package prometheus)"),
+        Some((ok, said)) => {
+            assert!(ok, "promtool check metrics failed:\n{said}\n{text}");
+            // Lint warnings are printed even when it exits 0.
+            assert_eq!(said.trim(), "", "promtool complains:\n{said}");
+        }
+    }
+}

@@ -17,7 +17,7 @@ pub mod process;
 use std::fmt::Write as _;
 
 use crate::core::wait_histogram::BUCKET_BOUNDS_TEXT;
-use crate::core::{Core, Stats};
+use crate::core::{Core, Limits, Stats};
 pub use process::ProcessStats;
 
 /// The `Content-Type` of the text exposition format 0.0.4.
@@ -25,13 +25,14 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// What one scrape shows of the server: gauges read now, counters since
 /// start.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Snapshot {
     pub held: usize,
     pub keys: usize,
     pub waiters: usize,
     pub connections: usize,
     pub stats: Stats,
+    pub limits: Limits,
 }
 
 impl Snapshot {
@@ -43,6 +44,7 @@ impl Snapshot {
             waiters: core.waiter_count(),
             connections: core.connections(),
             stats: *core.stats(),
+            limits: *core.limits(),
         }
     }
 }
@@ -79,6 +81,21 @@ pub fn render(snapshot: &Snapshot, process: Option<&ProcessStats>, out: &mut Str
         "gauge",
         "Client connections open now.",
         snapshot.connections as u64,
+    );
+    let limits = &snapshot.limits;
+    w.labelled(
+        "kunci_limit",
+        "gauge",
+        "The configured capacity limits: keys (--max-keys), waiters (--max-waiters), \
+         waiters_per_key, waits_per_conn, connections (--max-connections).",
+        "limit",
+        &[
+            ("keys", limits.max_keys as u64),
+            ("waiters", limits.max_waiters as u64),
+            ("waiters_per_key", u64::from(limits.max_waiters_per_key)),
+            ("waits_per_conn", u64::from(limits.max_waits_per_conn)),
+            ("connections", limits.max_connections as u64),
+        ],
     );
     w.labelled(
         "kunci_acquires_total",
@@ -277,6 +294,17 @@ impl std::fmt::Display for Decimal {
 mod tests {
     use super::*;
 
+    fn idle() -> Snapshot {
+        Snapshot {
+            held: 0,
+            keys: 0,
+            waiters: 0,
+            connections: 0,
+            stats: Stats::default(),
+            limits: Limits::default(),
+        }
+    }
+
     #[test]
     fn decimals_are_exact_and_short() {
         assert_eq!(Decimal(0, 1_000_000).to_string(), "0");
@@ -289,7 +317,7 @@ mod tests {
     #[test]
     fn an_idle_server_renders_every_family_with_zeros() {
         let mut text = String::new();
-        render(&Snapshot::default(), None, &mut text);
+        render(&idle(), None, &mut text);
         for line in [
             "# HELP kunci_locks_held Keys held by a grant now.",
             "# TYPE kunci_locks_held gauge",
@@ -298,6 +326,8 @@ mod tests {
             "kunci_releases_total{result=\"not_held\"} 0",
             "kunci_connections_refused_total{reason=\"fd_limit\"} 0",
             "kunci_errors_total{code=\"9\"} 0",
+            "kunci_limit{limit=\"keys\"} 1048576",
+            "kunci_limit{limit=\"connections\"} 16384",
             "kunci_acquire_wait_seconds_bucket{le=\"0.001\"} 0",
             "kunci_acquire_wait_seconds_bucket{le=\"+Inf\"} 0",
             "kunci_acquire_wait_seconds_sum 0",
@@ -321,7 +351,7 @@ mod tests {
             keys: 4,
             waiters: 5,
             connections: 6,
-            ..Snapshot::default()
+            ..idle()
         };
         let s = &mut snapshot.stats;
         s.grants = 10;
