@@ -8,6 +8,7 @@ mod fencing;
 mod metrics;
 mod operations;
 mod protocol;
+mod regression;
 mod restart;
 mod run_command;
 mod server;

@@ -32,6 +32,9 @@ Options:
                               (default {per_conn})
   --max-connections N         open connections; one more gets `X 7` and is
                               closed (default {max_connections})
+  --metrics ADDR              serve Prometheus metrics at http://ADDR/metrics
+                              (HOST:PORT; default: none). No --allow applies:
+                              bind it to loopback or a management network.
   --allow CIDR                accept TCP peers only from this network
                               (e.g. 10.0.0.0/8, ::1/128); repeat for several.
                               Others are closed at once and counted as
@@ -46,7 +49,7 @@ Options:
   -h, --help                  show this help
 
 Logging: RUST_LOG (default info) — one start-up line, then only problems.
-SIGTERM / SIGINT: waiters get `B`, connections `X 8`, then exit 0.
+SIGTERM / SIGINT / SIGHUP: waiters get `B`, connections `X 8`, then exit 0.
 ",
         listen = defaults.listen[0],
         max_keys = limits.max_keys,
@@ -67,6 +70,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
         let limits: &mut Limits = &mut config.limits;
         match argument {
             Long("listen") => listen.push(args::address(parser.value())?),
+            Long("metrics") => config.metrics = Some(args::address(parser.value())?),
             Long("max-keys") => limits.max_keys = positive("--max-keys", parser.value())?,
             Long("max-waiters") => {
                 limits.max_waiters = args::number("--max-waiters", parser.value())?
@@ -105,6 +109,24 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
         config.listen = listen;
     }
     Ok(Some(config))
+}
+
+/// SIGTERM, SIGINT and SIGHUP shut the server down gracefully (spec §4):
+/// a thread waits for them and uses the server's shutdown handle.
+fn shut_down_on_signals(server: &Server) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])?;
+    let handle = server.shutdown_handle();
+    std::thread::Builder::new()
+        .name("signals".to_owned())
+        .spawn(move || {
+            for _ in signals.forever() {
+                // Tell systemd (when it started us) that the stop is ours.
+                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+                handle.shut_down();
+            }
+        })?;
+    Ok(())
 }
 
 fn positive(option: &str, value: Result<OsString, lexopt::Error>) -> Result<usize, String> {
@@ -148,6 +170,13 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         limits.max_waits_per_conn,
         limits.max_connections,
     );
+    if let Some(address) = server.metrics_address() {
+        info!("metrics at http://{address}/metrics");
+    }
+    if let Err(e) = shut_down_on_signals(&server) {
+        error!("cannot install signal handlers: {e}");
+        return 1;
+    }
     // Under systemd (`Type=notify`) this says "listening"; elsewhere,
     // without NOTIFY_SOCKET, it does nothing.
     if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
@@ -156,7 +185,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     match server.run() {
         Ok(()) => exit::DONE,
         Err(e) => {
-            error!("event loop failed: {e}");
+            error!("{e}; exiting");
             1
         }
     }

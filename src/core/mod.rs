@@ -11,6 +11,8 @@
 //! Timers run on a 1 ms tick: a deadline rounds *up* to the next tick and
 //! fires once the clock has reached that tick, so nothing happens early.
 
+pub mod connection;
+pub mod endpoint;
 pub mod lock_table;
 pub mod timer_wheel;
 pub mod wait_histogram;
@@ -20,7 +22,10 @@ use std::fmt::Write as _;
 
 use crate::protocol::{ErrorCode, Request, RequestError, Response};
 use lock_table::{LockTable, NIL};
-use timer_wheel::{TimerId, TimerLinks, TimerStore, TimerWheel};
+use timer_wheel::{
+    MICROS_PER_TICK, TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached,
+    tick_start,
+};
 use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
 
@@ -30,7 +35,6 @@ pub type ConnId = u32;
 /// Microseconds since the core's epoch.
 pub type Micros = u64;
 
-const MICROS_PER_TICK: u64 = 1_000;
 const MICROS_PER_S: u64 = 1_000_000;
 
 /// Timer ids with this bit are waiters; without it, lock-table entries.
@@ -60,6 +64,34 @@ impl Default for Limits {
             max_waits_per_conn: 1 << 12,
             max_connections: 1 << 14,
         }
+    }
+}
+
+impl Limits {
+    /// Checks the limits against what the internal structures can index:
+    /// lock-table entries and waiters share one timer wheel (waiters'
+    /// timer ids carry [`WAITER_TIMER`]), and connection ids are the
+    /// connection wheel's timer ids. The error names the flag.
+    pub fn validate(&self) -> Result<(), String> {
+        let ids = WAITER_TIMER as usize;
+        if self.max_keys >= ids {
+            return Err(format!("--max-keys {} is above {}", self.max_keys, ids - 1));
+        }
+        if self.max_waiters >= ids {
+            return Err(format!(
+                "--max-waiters {} is above {}",
+                self.max_waiters,
+                ids - 1
+            ));
+        }
+        if self.max_connections as u64 > endpoint::CONN_ID_MAX / 2 {
+            return Err(format!(
+                "--max-connections {} is above {}",
+                self.max_connections,
+                endpoint::CONN_ID_MAX / 2
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -149,10 +181,6 @@ impl TimerStore for TimerNodes<'_> {
     }
 }
 
-fn tick_at_or_after(at: Micros) -> u64 {
-    at.div_ceil(MICROS_PER_TICK)
-}
-
 impl Core {
     /// A core whose first grant gets `first_token` (spec §7: at least
     /// `unix_time_ms × 2^20`, or above a persisted high-water mark).
@@ -226,6 +254,13 @@ impl Core {
         self.connections
     }
 
+    /// Whether `conn` is open as far as the core knows.
+    pub fn is_open(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(conn as usize)
+            .is_some_and(|state| state.open)
+    }
+
     /// The responses produced since the last drain, in the order they must
     /// be written.
     pub fn drain_outbox(&mut self) -> std::vec::Drain<'_, Output> {
@@ -235,7 +270,7 @@ impl Core {
     /// When [`handle_timeout`](Self::handle_timeout) next has work, or
     /// `None` when no timer is armed.
     pub fn poll_timeout(&self) -> Option<Micros> {
-        self.wheel.next_tick().map(|tick| tick * MICROS_PER_TICK)
+        self.wheel.next_tick().map(tick_start)
     }
 
     /// A connection opened.
@@ -296,7 +331,7 @@ impl Core {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
             };
-            let fired = self.wheel.poll(&mut nodes, now / MICROS_PER_TICK);
+            let fired = self.wheel.poll(&mut nodes, tick_reached(now));
             debug_assert!(fired.is_none());
         }
         match *request {
@@ -324,7 +359,7 @@ impl Core {
     /// Fires every timer due at `now`: lease expiries hand keys on, wait
     /// deadlines answer `T`.
     pub fn handle_timeout(&mut self, now: Micros) {
-        let now_tick = now / MICROS_PER_TICK;
+        let now_tick = tick_reached(now);
         loop {
             let mut nodes = TimerNodes {
                 table: &mut self.table,
@@ -497,7 +532,7 @@ impl Core {
                 let deadline = if entry.token == 0 {
                     self.grace_until
                 } else {
-                    (self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK)
+                    tick_start(self.wheel.deadline_of(&entry.lease))
                         .saturating_sub(MICROS_PER_TICK - 1)
                 };
                 Response::Query {
