@@ -160,7 +160,7 @@ pub(super) fn report(command: &str, error: Error, servers: &[Address], attempt: 
     let outcome = match error {
         Error::Timeout => "timeout",
         Error::Busy => "busy",
-        Error::Unavailable { .. } => "unavailable",
+        Error::Unavailable => "unavailable",
         Error::Indeterminate => "indeterminate",
         Error::InvalidArgument(_) => "invalid argument",
         Error::NotHeld => "not held",
@@ -203,7 +203,7 @@ pub(super) fn message(
              (--max-keys, --max-waiters, --max-waiters-per-key, --max-waits-per-conn) \
              or shutting down; nothing was acquired or queued. Try again later"
             .to_owned(),
-        Error::Unavailable { .. } => {
+        Error::Unavailable => {
             let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
             format!(
                 "no server took the request (tried {}); nothing was sent, so nothing \

@@ -92,7 +92,7 @@ fn max_fds() -> u64 {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
         return 0;
     }
-    limit.rlim_cur as u64
+    limit.rlim_cur
 }
 
 #[cfg(test)]
