@@ -474,3 +474,16 @@ fn the_unit_file_passes_systemd_analyze_verify() {
         "systemd-analyze verify complains:\n{complaints}"
     );
 }
+
+#[test]
+fn a_refused_client_speaks_in_kunci_lines_not_logger_lines() {
+    let server = TestServer::start(&["--allow", "10.0.0.0/8"]);
+    let output = kunci(&["acquire", "k", "--server", &server.addr], &[]);
+    // Refused at accept (`X 9`): nothing was executed, so never exit 0.
+    assert_ne!(output.status.code(), Some(0));
+    let text = stderr(&output);
+    assert!(!text.is_empty());
+    for line in text.lines() {
+        assert!(line.starts_with("kunci"), "{line:?} in:\n{text}");
+    }
+}

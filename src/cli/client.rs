@@ -252,9 +252,21 @@ fn usage_error(command: &str, message: &str) -> u8 {
     exit::USAGE
 }
 
-/// Starts logging for the client commands: warnings by default.
+/// Starts logging for the client commands: warnings by default, each a
+/// line `kunci: warning: …` like the commands' own messages.
 pub(super) fn init_logging() {
     let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format(|out, record| {
+            use std::io::Write as _;
+            let level = match record.level() {
+                log::Level::Error => "error",
+                log::Level::Warn => "warning",
+                log::Level::Info => "info",
+                log::Level::Debug => "debug",
+                log::Level::Trace => "trace",
+            };
+            writeln!(out, "kunci: {level}: {}", record.args())
+        })
         .try_init();
 }
 
