@@ -37,7 +37,7 @@ class Call(object):
     __slots__ = (
         "op", "key", "owner", "token", "nonce", "lease", "wait_until",
         "deadline", "result", "sent_at", "writing", "background", "abandoned",
-        "reason", "refusals", "waiter", "signalled", "future", "timer",
+        "reason", "refusals", "tried", "waiter", "signalled", "future", "timer",
         "session", "answered_at",
     )
 
@@ -62,6 +62,8 @@ class Call(object):
         self.abandoned = False
         self.reason = None
         self.refusals = set()
+        # Addresses this call already failed on: others are tried first.
+        self.tried = set()
         self.waiter = None
         self.signalled = False
         self.future = None

@@ -288,6 +288,7 @@ class Client(object):
                 return result
             # X 7 / X 9 as the session's first frame: nothing executed.
             call.reason = result[1]
+            call.tried.add(session.index)
             if result[2] == P.ERROR_NOT_ALLOWED:
                 call.refusals.add(session.index)
             call.result = None
@@ -313,6 +314,7 @@ class Client(object):
                 if not allowed:
                     return None
                 ready = [i for i in allowed if self._retry_at[i] <= now]
+                ready.sort(key=lambda i: i in call.tried)
                 next_try = min(self._retry_at[i] for i in allowed)
                 if call.reason is None:
                     failures = [self._last_failure[i] for i in allowed if self._last_failure[i]]
@@ -348,6 +350,7 @@ class Client(object):
                 with self._mu:
                     self._note_failure(index, reason)
                 call.reason = reason
+                call.tried.add(index)
                 return None
             session = _Session(index, sock)
             with self._mu:

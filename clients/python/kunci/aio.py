@@ -206,6 +206,7 @@ class Client(object):
             if result[0] != MOVED:
                 return result
             call.reason = result[1]
+            call.tried.add(session.index)
             if result[2] == P.ERROR_NOT_ALLOWED:
                 call.refusals.add(session.index)
             call.result = None
@@ -234,6 +235,7 @@ class Client(object):
                     call.reason = failures[0]
             connecting = [self._connecting[i] for i in allowed if self._connecting[i] is not None]
             ready = [i for i in allowed if self._retry_at[i] <= now and self._connecting[i] is None]
+            ready.sort(key=lambda i: i in call.tried)
             if ready:
                 await self._open(ready[0], call, loop)
                 continue
@@ -266,6 +268,7 @@ class Client(object):
                     P.format_address(address), error or "timed out")
                 self._note_failure(index, reason)
                 call.reason = reason
+                call.tried.add(index)
                 return
             if self._closed:
                 session.transport.abort()
