@@ -276,6 +276,14 @@ class Client(object):
             if session.alive:
                 self._sessions[index] = session
                 self._preferred = index
+            else:
+                # Refused (X 7 / X 9) or closed before this call wrote a
+                # byte on it: try the other addresses first.
+                call.tried.add(index)
+                if session.refused is not None:
+                    call.reason = session.refused[0]
+                    if session.refused[1] == P.ERROR_NOT_ALLOWED:
+                        call.refusals.add(index)
         finally:
             self._connecting[index] = None
             if not done.done():

@@ -189,6 +189,8 @@ def test_unavailable_at_the_deadline_when_nothing_listens(make_client):
 def test_not_sent_request_moves_to_the_next_address(server, make_proxy, make_client):
     refusing = make_proxy(server.port)
     refusing.accept = "x7"
+    # The X 7 comes after the client wrote its request on that session.
+    refusing.accept_delay = 0.1
     client = make_client(["127.0.0.1:%d" % free_port(), refusing.address, server.address])
     kind, elapsed, ticket = outcome(client.acquire, "k", wait=0)
     assert kind == "ok" and elapsed < 1
