@@ -669,7 +669,11 @@ class Client(object):
         with self._maint_lock:
             self._timer_seq += 1
             heapq.heappush(self._timers, (when, self._timer_seq, action))
-        self._wake_maintenance(start=True)
+            # The thread sleeps until the earliest timer: wake it only when
+            # this one comes first.
+            earliest = self._timers[0][1] == self._timer_seq
+        if earliest or self._maint_thread is None:
+            self._wake_maintenance(start=True)
 
     def _maintain(self):
         wake_r = self._maint_wake[0]
