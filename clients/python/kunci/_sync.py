@@ -896,6 +896,10 @@ class Ticket(object):
                 log.exception("on_lost callback failed")
 
     def _stop_keepalive(self):
+        if self._foreign():
+            # In a forked child: the parent's keep-alive is not ours (and
+            # the lock may have been held by a thread that is gone).
+            return
         with self._state_lock:
             keepalive, self._keepalive = self._keepalive, None
         if keepalive is not None:

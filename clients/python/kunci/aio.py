@@ -425,15 +425,14 @@ class Client(object):
             return
 
 
+# Transports inherited from the parent by a forked child. They are kept
+# referenced and never used: closing or collecting one would go through the
+# parent's event loop, and the parent's connections must stay intact.
+_INHERITED = []
+
+
 def _forget_transport(transport):
-    # In a forked child: close the inherited descriptor without a shutdown
-    # and without touching the parent's event loop.
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            os.close(sock.fileno())
-        except OSError:
-            pass
+    _INHERITED.append(transport)
 
 
 class Ticket(object):
@@ -552,6 +551,8 @@ class Ticket(object):
                 log.exception("on_lost callback failed")
 
     def _stop_keepalive(self):
+        if self._foreign():
+            return
         keepalive, self._keepalive = self._keepalive, None
         if keepalive is not None:
             keepalive.stop()
