@@ -165,8 +165,11 @@ class Client(object):
         for session in self._sessions:
             if session is not None:
                 self._close_session(session, "the client was closed")
-        for task in list(self._tasks):
+        tasks = [task for task in self._tasks if task is not _current_task()]
+        for task in tasks:
             task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def __aenter__(self):
         return self

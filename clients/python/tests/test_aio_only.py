@@ -104,6 +104,21 @@ def test_grant_noticed_after_the_deadline_is_released(server):
     run(main())
 
 
+def test_timeout_noticed_after_the_deadline_is_still_timeout(server):
+    async def main():
+        async with kunci.aio.Client(server.address) as client:
+            holder = await client.acquire("k")
+            task = asyncio.ensure_future(client.acquire("k", wait=0))
+            await asyncio.sleep(0)
+            time.sleep(kunci.TRANSPORT_DEADLINE + 0.2)
+            with pytest.raises(kunci.Timeout):
+                await task
+            assert (await client.query("k")).token == holder.token
+            await holder.release()
+
+    run(main())
+
+
 def test_many_tasks_one_key_one_connection(server):
     async def main():
         async with kunci.aio.Client(server.address) as client:

@@ -121,6 +121,23 @@ def test_renew_moves_valid_until_from_its_send_instant(server, make_client):
     ticket.release()
 
 
+def test_indeterminate_renewal_keeps_the_earlier_bound(server, make_proxy, make_client):
+    proxy = make_proxy(server.port)
+    client = make_client(proxy.address)
+    ticket = client.acquire("k", lease=30)
+    before = ticket.valid_until
+    proxy.down = "drop"
+    started = time.monotonic()
+    with pytest.raises(kunci.Indeterminate):
+        ticket.renew(lease=2)
+    # The server may have applied the 2 s lease: the bound is now that
+    # renewal's start (just after `started`) + 2 s − margin.
+    bound = started + 2 - kunci.drift_margin(2)
+    assert bound <= ticket.valid_until < bound + 0.5
+    assert ticket.valid_until < before
+    assert not ticket.lost
+
+
 def test_invalid_input_sends_nothing(server, make_proxy, make_client):
     proxy = make_proxy(server.port)
     client = make_client(proxy.address)

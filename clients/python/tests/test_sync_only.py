@@ -155,10 +155,12 @@ PAUSED_CHILD = textwrap.dedent("""
 """)
 
 
-def test_grant_noticed_after_the_deadline_is_released(server, make_proxy):
+@pytest.mark.parametrize("held", [False, True], ids=["grant", "timeout"])
+def test_answer_noticed_after_the_deadline(server, make_proxy, held):
     # The client process is paused (as by a GC pause or a stopped VM) while
-    # the grant is on its way; it notices the A only after D: it must not
-    # hand it over, and must release that exact token (rule 7).
+    # the answer is on its way, and notices it only after D. A grant must
+    # not be handed over but released, exactly that token (rule 7); a T
+    # stays a definitive Timeout whenever it is noticed (rule 6).
     proxy = make_proxy(server.port)
     proxy.down_delay = 0.5
     script = PAUSED_CHILD % {"root": PACKAGE_ROOT, "address": proxy.address}
@@ -167,16 +169,26 @@ def test_grant_noticed_after_the_deadline_is_released(server, make_proxy):
     try:
         assert child.stdout.readline() == b"ready\n"
         with kunci.Client(server.address) as observer:
+            holder = observer.acquire("k") if held else None
             child.stdin.write(b"go\n")
             child.stdin.flush()
-            wait_for(lambda: observer.query("k") is not None, 2, interval=0.001)
+            if held:
+                answered = lambda: observer.info()["timeouts"] == 1
+            else:
+                answered = lambda: observer.query("k") is not None
+            wait_for(answered, 2, interval=0.001)
             child.send_signal(signal.SIGSTOP)
             time.sleep(kunci.TRANSPORT_DEADLINE + 0.5)
             child.send_signal(signal.SIGCONT)
             line = child.stdout.readline().decode().split()
-            assert line[0] == "Indeterminate"
-            wait_for(lambda: observer.query("k") is None, 2)
-            assert observer.info()["released"] == 1
+            if held:
+                assert line[0] == "Timeout"
+                assert observer.query("k").token == holder.token
+                holder.release()
+            else:
+                assert line[0] == "Indeterminate"
+                wait_for(lambda: observer.query("k") is None, 2)
+                assert observer.info()["released"] == 1
         assert child.wait(5) == 0
     finally:
         if child.poll() is None:
