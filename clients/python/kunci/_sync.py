@@ -55,6 +55,10 @@ _RENEW_RETRY = 0.05
 
 _CLIENTS = weakref.WeakSet()
 
+# The socket took nothing by the deadline: the server is not reading. Not a
+# reason to close the session by itself.
+_NO_ROOM = "no room to write by the deadline"
+
 
 class _Session(object):
     """One connection to one address."""
@@ -144,8 +148,10 @@ class Client(object):
         self._retry_at = [0.0] * count
         self._last_failure = [None] * count
         self._preferred = 0
-        # Maintenance thread: background releases and timers.
-        self._maint_lock = threading.Lock()
+        # Maintenance thread: background releases and timers. Re-entrant:
+        # a ticket's finalizer may start the thread while this thread holds
+        # the lock (a collection during `_schedule`).
+        self._maint_lock = threading.RLock()
         self._maint_thread = None
         self._maint_wake = None
         self._background = []  # (key, token) appended without a lock
@@ -373,7 +379,12 @@ class Client(object):
         took none of its bytes, so it may move. ``SENT``: possibly sent;
         its result may already be set (the session died, or refused it)."""
         wake = False
-        with session.write_lock:
+        # Another thread may be stuck writing to a server that does not
+        # read: wait for the socket no longer than this call's deadline
+        # (then the request is certainly not sent).
+        if not session.write_lock.acquire(True, max(0.0, call.deadline - monotonic())):
+            return UNSENT
+        try:
             with self._mu:
                 if not session.alive:
                     return UNSENT
@@ -391,7 +402,7 @@ class Client(object):
                 session.writers -= 1
                 if sent == 0:
                     session.pending.remove(call)
-                    if failure is not None and session.alive:
+                    if failure is not None and failure is not _NO_ROOM and session.alive:
                         self._close_session(session, failure)
                     self._maybe_close_fds(session)
                     return UNSENT
@@ -409,6 +420,8 @@ class Client(object):
                     if call.result is None:
                         call.result = INDETERMINATE
                 self._maybe_close_fds(session)
+        finally:
+            session.write_lock.release()
         if wake:
             session.wake()
         return SENT
@@ -424,7 +437,7 @@ class Client(object):
             except BlockingIOError:
                 left = deadline - monotonic()
                 if left <= 0:
-                    return sent, "no room to write by the deadline"
+                    return sent, _NO_ROOM
                 session.write_poll.poll(math.ceil(left * 1000))
             except InterruptedError:
                 pass

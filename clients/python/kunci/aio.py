@@ -402,7 +402,9 @@ class Client(object):
         except RuntimeError:
             running = None
         if running is loop:
-            self._start_background(key, token)
+            # Not at once: this may run inside a finalizer or in the middle
+            # of handling an answer.
+            loop.call_soon(self._start_background, key, token)
         else:
             # From another thread, or from a finalizer outside the loop.
             loop.call_soon_threadsafe(self._start_background, key, token)
