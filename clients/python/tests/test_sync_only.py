@@ -194,3 +194,74 @@ def test_answer_noticed_after_the_deadline(server, make_proxy, held):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_waiting_threads_deadline_is_kept_while_another_thread_reads(server, make_proxy):
+    # Thread A reads the connection for its long acquire; thread B's ping
+    # has a much earlier deadline and gets no answer. B must end at its
+    # own D: the reading thread is woken to keep it, and closing that
+    # session ends A's call too (rule 5: exactly that session).
+    proxy = make_proxy(server.port)
+    client = kunci.Client(proxy.address)
+    holder = kunci.Client(server.address)
+    held = holder.acquire("k")
+    client.ping()
+    results = {}
+
+    def long_acquire():
+        results["a"] = _timed(lambda: client.acquire("k", wait=100))
+
+    reader = threading.Thread(target=long_acquire)
+    reader.start()
+    wait_for(lambda: holder.query("k").waiters == 1, 2)
+    proxy.down = "drop"
+    results["b"] = _timed(client.ping)
+    reader.join(10)
+    kind, elapsed = results["b"]
+    assert kind is kunci.Indeterminate
+    assert kunci.TRANSPORT_DEADLINE <= elapsed < kunci.TRANSPORT_DEADLINE + 1
+    assert results["a"][0] is kunci.Indeterminate
+    # Closing the session removed A's waiter from the server's queue.
+    wait_for(lambda: holder.query("k").waiters == 0, 2)
+    held.release()
+    client.close()
+    holder.close()
+
+
+def _timed(function):
+    start = time.monotonic()
+    try:
+        function()
+        kind = "ok"
+    except kunci.Error as error:
+        kind = type(error)
+    return kind, time.monotonic() - start
+
+
+def test_interrupted_acquire_releases_its_late_grant(server):
+    # A KeyboardInterrupt (here: an exception from a signal handler) while
+    # the acquire is queued: the call is abandoned, and the grant that comes
+    # later is released instead of going to nobody.
+    client = kunci.Client(server.address)
+    holder = client.acquire("k")
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Interrupted):
+            client.acquire("k", wait=10)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert client.query("k").waiters == 1
+    holder.release()
+    wait_for(lambda: client.query("k") is None, 2)
+    info = client.info()
+    assert info["grants"] == 2 and info["released"] == 2
+    client.close()
