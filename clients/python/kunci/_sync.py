@@ -961,31 +961,41 @@ class _KeepAlive(object):
 
     def _renew(self):
         ticket = self.ticket
+        renewed = False
         try:
-            while not self.stopped:
-                try:
-                    ticket.renew()
-                except NotHeld:
-                    return  # renew() declared the loss
-                except (Unavailable, Indeterminate) as error:
-                    if self.stopped:
-                        return
-                    left = ticket.valid_until - monotonic()
-                    if left <= 0:
-                        ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
-                        return
-                    time.sleep(min(_RENEW_RETRY, left))
-                    continue
-                except LockLost:
-                    return
-                except Error as error:
-                    ticket._declare_lost("renewal failed: %s" % error)
-                    return
-                if not self.stopped:
-                    ticket._client._schedule(ticket._lease_sent_at + ticket.lease / 3.0, self._renew_due)
-                return
+            renewed = self._renew_until_done()
         finally:
+            # Cleared before the next renewal is scheduled, so that a due
+            # renewal never finds the previous one still marked running.
             self.renewing = False
+        if renewed and not self.stopped:
+            ticket._client._schedule(ticket._lease_sent_at + ticket.lease / 3.0, self._renew_due)
+
+    def _renew_until_done(self):
+        """Renews once, retrying while ``valid_until`` is ahead. Whether it
+        succeeded."""
+        ticket = self.ticket
+        while not self.stopped:
+            try:
+                ticket.renew()
+            except NotHeld:
+                return False  # renew() declared the loss
+            except (Unavailable, Indeterminate) as error:
+                if self.stopped:
+                    return False
+                left = ticket.valid_until - monotonic()
+                if left <= 0:
+                    ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
+                    return False
+                time.sleep(min(_RENEW_RETRY, left))
+                continue
+            except LockLost:
+                return False
+            except Error as error:
+                ticket._declare_lost("renewal failed: %s" % error)
+                return False
+            return True
+        return False
 
     def _check(self):
         if self.stopped:

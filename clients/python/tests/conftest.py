@@ -418,6 +418,25 @@ def make_client(flavour):
         runner.close()
 
 
+# Fixed header length of each request op (spec §2.1), after the op byte.
+REQUEST_HEADER = {b"A": 10, b"R": 8, b"E": 9, b"Q": 0, b"P": 8, b"I": 0}
+
+
+def request_frames(data):
+    """The request frames in ``data`` (bytes a client wrote), as
+    ``(op, header, key)`` tuples: the header is read by its length first,
+    as a server does, because it may contain any byte."""
+    frames = []
+    pos = 0
+    while pos < len(data):
+        op = data[pos:pos + 1]
+        start = pos + 1 + REQUEST_HEADER[op]
+        end = data.index(b"\n", start)
+        frames.append((op, data[pos + 1:start], data[start:end]))
+        pos = end + 1
+    return frames
+
+
 def wait_for(predicate, timeout, interval=0.01):
     """Polls ``predicate`` until it is true; fails the test after
     ``timeout`` seconds."""
