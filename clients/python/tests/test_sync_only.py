@@ -265,3 +265,20 @@ def test_interrupted_acquire_releases_its_late_grant(server):
     info = client.info()
     assert info["grants"] == 2 and info["released"] == 2
     client.close()
+
+
+def test_maintenance_thread_ends_when_idle_and_comes_back(server, monkeypatch):
+    import gc
+
+    import kunci._sync
+
+    monkeypatch.setattr(kunci._sync, "_MAINTENANCE_IDLE_EXIT", 0.2)
+    client = kunci.Client(server.address)
+    for round_ in (1, 2):
+        ticket = client.acquire("k")
+        del ticket  # a dropped ticket is released by the maintenance thread
+        gc.collect()
+        wait_for(lambda: client.query("k") is None, 2)
+        assert client.info()["released"] == round_
+        wait_for(lambda: client._maint_thread is None, 2)
+    client.close()
