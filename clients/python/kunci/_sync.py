@@ -393,6 +393,7 @@ class Client(object):
         if not session.write_lock.acquire(True, max(0.0, call.deadline - monotonic())):
             return UNSENT
         try:
+            self._take_in_unread(session, call)
             with self._mu:
                 if not session.alive:
                     return UNSENT
@@ -433,6 +434,33 @@ class Client(object):
         if wake:
             session.wake()
         return SENT
+
+    def _take_in_unread(self, session, call):
+        """When no thread reads ``session``, reads what has arrived on it
+        before a request is written: a session the server ended while
+        nobody was reading (an ``X 8``, an end of stream) is noticed now,
+        while the request is still certainly not sent and can move."""
+        with self._mu:
+            if not session.alive or session.reader is not None:
+                return
+            session.reader = call
+        try:
+            if session.read_poll.poll(0):
+                self._read(session)
+        finally:
+            self._release_reader(session, call)
+
+    def _release_reader(self, session, call):
+        with self._mu:
+            session.reader = None
+            session.poll_until = math.inf
+            if session.alive:
+                # Hand the reading over to a thread still waiting on it.
+                for other in session.pending.calls():
+                    if other is not call and other.waiting() and other.waiter is not None:
+                        self._signal(other)
+                        break
+            self._maybe_close_fds(session)
 
     def _send(self, session, frame, deadline):
         view = memoryview(frame)
@@ -535,15 +563,7 @@ class Client(object):
                 if readable:
                     self._read(session)
         finally:
-            with self._mu:
-                session.reader = None
-                session.poll_until = math.inf
-                if session.alive:
-                    for other in session.pending.calls():
-                        if other is not call and other.waiting() and other.waiter is not None:
-                            self._signal(other)
-                            break
-                self._maybe_close_fds(session)
+            self._release_reader(session, call)
 
     def _expire(self, session):
         """The earliest deadline of a waiting call has passed: read what
