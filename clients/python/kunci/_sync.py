@@ -7,7 +7,7 @@ waiting thread per session (the leader) reads the socket and hands every
 answer to the call it correlates with (acquires by owner, the others by
 token/nonce in request order); the other threads sleep on a private lock
 until their answer, or the leader's role, is handed to them. A single
-thread therefore makes a call with two system calls and no thread switch,
+thread therefore makes a call with a few system calls and no thread switch,
 and many threads pipeline their requests on one connection.
 
 The leader also keeps every deadline of its session (rule 5): when the
