@@ -162,7 +162,8 @@ def test_answer_noticed_after_the_deadline(server, make_proxy, held):
     # not be handed over but released, exactly that token (rule 7); a T
     # stays a definitive Timeout whenever it is noticed (rule 6).
     proxy = make_proxy(server.port)
-    proxy.down_delay = 0.5
+    # Long enough that the answer is still in the proxy when the child stops.
+    proxy.down_delay = 1.5
     script = PAUSED_CHILD % {"root": PACKAGE_ROOT, "address": proxy.address}
     child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)
