@@ -7,7 +7,7 @@ waiting thread per session (the leader) reads the socket and hands every
 answer to the call it correlates with (acquires by owner, the others by
 token/nonce in request order); the other threads sleep on a private lock
 until their answer, or the leader's role, is handed to them. A single
-thread therefore makes a call with two system calls and no thread switch,
+thread therefore makes a call with a few system calls and no thread switch,
 and many threads pipeline their requests on one connection.
 
 The leader also keeps every deadline of its session (rule 5): when the
@@ -48,6 +48,9 @@ CONNECT_TIMEOUT = 1.0
 _CALL_GRACE = 1.0
 
 _READ_CHUNK = 65536
+
+# How long the maintenance thread stays with nothing to do before it ends.
+_MAINTENANCE_IDLE_EXIT = 5.0
 
 # How soon a keep-alive retries a renewal that ended Unavailable or
 # Indeterminate while valid_until is still ahead.
@@ -258,7 +261,12 @@ class Client(object):
             for session in self._sessions:
                 if session is not None:
                     self._close_session(session, "the client was closed")
-        self._wake_maintenance()
+            wake = self._maint_wake
+        if wake is not None:
+            try:
+                os.write(wake[1], b"\0")  # the thread sees _closed and ends
+            except OSError:
+                pass
 
     def __enter__(self):
         return self
@@ -385,6 +393,7 @@ class Client(object):
         if not session.write_lock.acquire(True, max(0.0, call.deadline - monotonic())):
             return UNSENT
         try:
+            self._take_in_unread(session, call)
             with self._mu:
                 if not session.alive:
                     return UNSENT
@@ -425,6 +434,33 @@ class Client(object):
         if wake:
             session.wake()
         return SENT
+
+    def _take_in_unread(self, session, call):
+        """When no thread reads ``session``, reads what has arrived on it
+        before a request is written: a session the server ended while
+        nobody was reading (an ``X 8``, an end of stream) is noticed now,
+        while the request is still certainly not sent and can move."""
+        with self._mu:
+            if not session.alive or session.reader is not None:
+                return
+            session.reader = call
+        try:
+            if session.read_poll.poll(0):
+                self._read(session)
+        finally:
+            self._release_reader(session, call)
+
+    def _release_reader(self, session, call):
+        with self._mu:
+            session.reader = None
+            session.poll_until = math.inf
+            if session.alive:
+                # Hand the reading over to a thread still waiting on it.
+                for other in session.pending.calls():
+                    if other is not call and other.waiting() and other.waiter is not None:
+                        self._signal(other)
+                        break
+            self._maybe_close_fds(session)
 
     def _send(self, session, frame, deadline):
         view = memoryview(frame)
@@ -527,15 +563,7 @@ class Client(object):
                 if readable:
                     self._read(session)
         finally:
-            with self._mu:
-                session.reader = None
-                session.poll_until = math.inf
-                if session.alive:
-                    for other in session.pending.calls():
-                        if other is not call and other.waiting() and other.waiter is not None:
-                            self._signal(other)
-                            break
-                self._maybe_close_fds(session)
+            self._release_reader(session, call)
 
     def _expire(self, session):
         """The earliest deadline of a waiting call has passed: read what
@@ -646,35 +674,30 @@ class Client(object):
 
     def _release_background(self, key, token):
         """Schedules a release of exactly ``token`` that nobody waits for.
-        Never blocks and takes no lock (it runs from ``__del__`` too)."""
+        Never blocks on the network (it runs from ``__del__`` too)."""
         if self._closed or self._pid != os.getpid():
             return
         self._background.append((key, token))
-        self._wake_maintenance(start=True)
+        self._wake_maintenance()
 
-    def _wake_maintenance(self, start=False):
-        wake = self._maint_wake
-        if wake is None:
-            if not start:
-                return
-            self._start_maintenance()
-            wake = self._maint_wake
-        try:
-            os.write(wake[1], b"\0")
-        except (OSError, TypeError):
-            pass
-
-    def _start_maintenance(self):
+    def _wake_maintenance(self):
+        """Wakes the maintenance thread, starting it if it is not running."""
         with self._maint_lock:
-            if self._maint_thread is not None:
+            if self._closed:
                 return
-            wake = os.pipe()
-            os.set_blocking(wake[0], False)
-            os.set_blocking(wake[1], False)
-            self._maint_wake = wake
-            thread = threading.Thread(target=self._maintain, name="kunci-maintenance", daemon=True)
-            self._maint_thread = thread
-            thread.start()
+            if self._maint_wake is None:
+                wake = os.pipe()
+                os.set_blocking(wake[0], False)
+                os.set_blocking(wake[1], False)
+                self._maint_wake = wake
+            if self._maint_thread is None:
+                thread = threading.Thread(target=self._maintain, name="kunci-maintenance", daemon=True)
+                self._maint_thread = thread
+                thread.start()
+        try:
+            os.write(self._maint_wake[1], b"\0")
+        except OSError:
+            pass
 
     def _schedule(self, when, action):
         """Runs ``action()`` on the maintenance thread at ``when``
@@ -684,19 +707,33 @@ class Client(object):
             heapq.heappush(self._timers, (when, self._timer_seq, action))
             # The thread sleeps until the earliest timer: wake it only when
             # this one comes first.
-            earliest = self._timers[0][1] == self._timer_seq
-        if earliest or self._maint_thread is None:
-            self._wake_maintenance(start=True)
+            wake = self._timers[0][1] == self._timer_seq or self._maint_thread is None
+        if wake:
+            self._wake_maintenance()
 
     def _maintain(self):
         wake_r = self._maint_wake[0]
         poller = select.poll()
         poller.register(wake_r, select.POLLIN)
+        idle_since = None
         while not self._closed:
             with self._maint_lock:
                 next_at = self._timers[0][0] if self._timers else None
-            timeout = None if next_at is None else max(0, math.ceil((next_at - monotonic()) * 1000))
-            if not self._background:
+                if next_at is None and not self._background:
+                    # Nothing to do for a while: the thread ends (and is
+                    # started again on demand), so that a client dropped
+                    # without close() does not keep a thread forever.
+                    now = monotonic()
+                    if idle_since is None:
+                        idle_since = now
+                    elif now - idle_since >= _MAINTENANCE_IDLE_EXIT:
+                        self._maint_thread = None
+                        return
+                    next_at = idle_since + _MAINTENANCE_IDLE_EXIT
+                else:
+                    idle_since = None
+            if not self._background and next_at is not None:
+                timeout = max(0, math.ceil((next_at - monotonic()) * 1000))
                 try:
                     poller.poll(timeout)
                 except InterruptedError:
@@ -718,6 +755,8 @@ class Client(object):
                     action()
                 except Exception:
                     log.exception("kunci keep-alive timer failed")
+        with self._maint_lock:
+            self._maint_thread = None
 
     def _send_background(self, key, token):
         call = Call("R", key, monotonic() + P.TRANSPORT_DEADLINE, token=token, background=True)

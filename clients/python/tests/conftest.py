@@ -284,6 +284,16 @@ class Proxy(object):
                 self._close_both(client, server, state)
                 return
 
+    def cut_all(self):
+        """Ends every connection that is open now, as a server restart
+        would."""
+        with self.lock:
+            for sock in self.sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
     def stop(self):
         self.running = False
         try:

@@ -313,6 +313,20 @@ def test_no_answer_by_the_deadline_is_indeterminate(server, make_proxy, make_cli
     assert ops == [b"P", b"A", b"P"]
 
 
+def test_connection_that_died_while_idle_is_not_used(server, make_proxy, make_client):
+    # The server ended the connection while nobody was reading it: the next
+    # request must notice before writing and go to a new connection (it is
+    # still certainly not sent), not end Indeterminate.
+    proxy = make_proxy(server.port)
+    client = make_client(proxy.address)
+    client.ping()
+    proxy.cut_all()
+    time.sleep(0.2)
+    ticket = client.acquire("k")
+    assert proxy.accepted == 2
+    ticket.release()
+
+
 def test_session_dying_after_the_request_is_indeterminate_at_once(server, make_proxy, make_client):
     proxy = make_proxy(server.port)
     client = make_client(proxy.address)

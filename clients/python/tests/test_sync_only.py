@@ -162,7 +162,8 @@ def test_answer_noticed_after_the_deadline(server, make_proxy, held):
     # not be handed over but released, exactly that token (rule 7); a T
     # stays a definitive Timeout whenever it is noticed (rule 6).
     proxy = make_proxy(server.port)
-    proxy.down_delay = 0.5
+    # Long enough that the answer is still in the proxy when the child stops.
+    proxy.down_delay = 1.5
     script = PAUSED_CHILD % {"root": PACKAGE_ROOT, "address": proxy.address}
     child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)
@@ -264,4 +265,21 @@ def test_interrupted_acquire_releases_its_late_grant(server):
     wait_for(lambda: client.query("k") is None, 2)
     info = client.info()
     assert info["grants"] == 2 and info["released"] == 2
+    client.close()
+
+
+def test_maintenance_thread_ends_when_idle_and_comes_back(server, monkeypatch):
+    import gc
+
+    import kunci._sync
+
+    monkeypatch.setattr(kunci._sync, "_MAINTENANCE_IDLE_EXIT", 0.2)
+    client = kunci.Client(server.address)
+    for round_ in (1, 2):
+        ticket = client.acquire("k")
+        del ticket  # a dropped ticket is released by the maintenance thread
+        gc.collect()
+        wait_for(lambda: client.query("k") is None, 2)
+        assert client.info()["released"] == round_
+        wait_for(lambda: client._maint_thread is None, 2)
     client.close()
