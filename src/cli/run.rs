@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use super::client::{self as common, Accepts, Parsed};
 use super::exit;
-use crate::client::{Error, KeptLease, Loss};
+use crate::client::{Error, KeptLease, Loss, Ticket};
 
 const HELP: &str = "\
 kunci run — run a command while holding a lock
@@ -140,6 +140,10 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
         Err(error) => return common::fail("run", error, &options.servers),
     };
+    let ticket = match fresh(ticket, options.lease) {
+        Ok(ticket) => ticket,
+        Err(error) => return common::fail("run", error, &options.servers),
+    };
     let token = ticket.token();
     let (events, inbox) = mpsc::channel();
     let lost = events.clone();
@@ -236,6 +240,30 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             // Lost: releasing sends nothing.
             drop(kept);
             exit::NOT_HELD
+        }
+    }
+}
+
+/// A ticket whose first renewal is not yet due. An acquire that waited in
+/// the queue has a `valid_until` counted from when it was sent, which may
+/// be mostly or wholly spent by the time of the grant: renew such a ticket
+/// before the command starts (nothing has been done under the lock yet).
+fn fresh(mut ticket: Ticket, lease: Duration) -> Result<Ticket, Error> {
+    let left = ticket
+        .valid_until()
+        .saturating_duration_since(Instant::now());
+    if left > lease - lease / 3 {
+        return Ok(ticket);
+    }
+    match ticket.renew(lease) {
+        Ok(()) => Ok(ticket),
+        // The keep-alive retries while the lease is known to run.
+        Err(_) if ticket.is_valid() => Ok(ticket),
+        Err(error) => {
+            // Nothing to release: the grant is gone or unknowable, and the
+            // lease reclaims it.
+            let _ = ticket.into_token();
+            Err(error)
         }
     }
 }

@@ -123,6 +123,12 @@ pub struct KeptLease {
 impl Ticket {
     /// Hands the ticket to the client's I/O thread, which renews its lease
     /// every lease/3 until it is released or lost (see [`KeptLease`]).
+    ///
+    /// The first renewal is due lease/3 after the request that set the
+    /// lease was sent, so it is sent at once if that has passed. A ticket
+    /// whose [`valid_until`](Self::valid_until) has already passed — an
+    /// acquire that waited in the queue for longer than its lease — is
+    /// lost at once: [`renew`](Self::renew) it first.
     pub fn keep_alive(self) -> KeptLease {
         self.keep(None)
     }
