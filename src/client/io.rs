@@ -20,8 +20,8 @@ use mio::net::{TcpStream, UnixStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
 use super::TRANSPORT_DEADLINE;
-use super::engine::{Action, Engine, Key, Op, Outcome, SessionId, Submission};
-use super::keep_alive::{KeepAlives, KeepId, Loss, Step};
+use super::engine::{Action, Engine, Op, Outcome, SessionId, Submission};
+use super::keep_alive::{Grant, KeepAlives, KeepId, Loss, Step};
 use super::kept::Mirror;
 use crate::addr::Address;
 
@@ -60,11 +60,7 @@ pub(crate) enum Message {
     /// holder sees its state.
     Keep {
         id: KeepId,
-        key: Key,
-        token: u64,
-        lease: Duration,
-        set_at: Instant,
-        valid_until: Instant,
+        grant: Grant,
         mirror: Arc<Mirror>,
     },
     /// Stop keeping a lease: it is being released.
@@ -375,18 +371,9 @@ impl Shell {
     fn receive(&mut self, message: Message, now: Instant) {
         match message {
             Message::Request(submission) => self.engine.submit(submission, now),
-            Message::Keep {
-                id,
-                key,
-                token,
-                lease,
-                set_at,
-                valid_until,
-                mirror,
-            } => {
+            Message::Keep { id, grant, mirror } => {
                 self.mirrors.insert(id, mirror);
-                self.keep
-                    .insert(id, key, token, lease, set_at, valid_until, now);
+                self.keep.insert(id, grant, now);
             }
             Message::Forget(id) => {
                 self.keep.remove(id);

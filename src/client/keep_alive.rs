@@ -75,6 +75,17 @@ pub(crate) enum Step {
     Release { key: Key, token: u64 },
 }
 
+/// A lease to keep: granted (or last renewed) by a request handed to the
+/// socket at `set_at`, valid until `valid_until`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Grant {
+    pub key: Key,
+    pub token: u64,
+    pub lease: Duration,
+    pub set_at: Instant,
+    pub valid_until: Instant,
+}
+
 struct Kept {
     key: Key,
     token: u64,
@@ -108,18 +119,15 @@ pub(crate) struct KeepAlives {
 }
 
 impl KeepAlives {
-    /// Starts keeping a lease granted (or last renewed) by a request handed
-    /// to the socket at `set_at`, valid until `valid_until`.
-    pub(crate) fn insert(
-        &mut self,
-        id: KeepId,
-        key: Key,
-        token: u64,
-        lease: Duration,
-        set_at: Instant,
-        valid_until: Instant,
-        now: Instant,
-    ) {
+    /// Starts keeping a lease.
+    pub(crate) fn insert(&mut self, id: KeepId, grant: Grant, now: Instant) {
+        let Grant {
+            key,
+            token,
+            lease,
+            set_at,
+            valid_until,
+        } = grant;
         if now >= valid_until {
             self.steps.push_back(Step::Lost {
                 id,
@@ -286,6 +294,16 @@ mod tests {
         Key::new("kept").unwrap()
     }
 
+    fn grant(token: u64, lease: Duration, set_at: Instant) -> Grant {
+        Grant {
+            key: key(),
+            token,
+            lease,
+            set_at,
+            valid_until: valid_until(set_at, lease),
+        }
+    }
+
     /// A lease of `lease` whose acquire was handed to the socket at 0.
     fn kept(lease: Duration) -> (KeepAlives, Clock, Instant) {
         let clock = Clock {
@@ -293,15 +311,7 @@ mod tests {
         };
         let mut keep = KeepAlives::default();
         let valid_until = valid_until(clock.at(Duration::ZERO), lease);
-        keep.insert(
-            7,
-            key(),
-            42,
-            lease,
-            clock.at(Duration::ZERO),
-            valid_until,
-            clock.at(MS),
-        );
+        keep.insert(7, grant(42, lease, clock.at(Duration::ZERO)), clock.at(MS));
         assert!(steps(&mut keep).is_empty());
         (keep, clock, valid_until)
     }
@@ -463,23 +473,11 @@ mod tests {
         let mut keep = KeepAlives::default();
         keep.insert(
             1,
-            key(),
-            5,
-            lease,
-            clock.at(Duration::ZERO),
-            valid_until,
+            grant(5, lease, clock.at(Duration::ZERO)),
             clock.at(2 * S),
         );
         assert_eq!(steps(&mut keep), ["renew 1 kept 5 3"]);
-        keep.insert(
-            2,
-            key(),
-            6,
-            lease,
-            clock.at(Duration::ZERO),
-            valid_until,
-            valid_until,
-        );
+        keep.insert(2, grant(6, lease, clock.at(Duration::ZERO)), valid_until);
         assert_eq!(steps(&mut keep), ["lost 2 Expired"]);
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::engine::Key;
 use super::io::Message;
-use super::keep_alive::{KeepId, Loss};
+use super::keep_alive::{Grant, KeepId, Loss};
 use super::{Client, Error, Ticket, drift_margin};
 
 /// A callback run once, on the client's I/O thread, when the lock is lost.
@@ -166,13 +166,16 @@ impl Ticket {
         let set_at = valid_until
             .checked_sub(lease.saturating_sub(drift_margin(lease)))
             .unwrap_or(valid_until);
-        let sent = client.send(Message::Keep {
-            id,
+        let grant = Grant {
             key,
             token,
             lease,
             set_at,
             valid_until,
+        };
+        let sent = client.send(Message::Keep {
+            id,
+            grant,
             mirror: mirror.clone(),
         });
         if !sent {
