@@ -235,7 +235,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             }
             // Nothing CMD started outlives the lock.
             if group_alive(group) {
-                signal_group(group, libc::SIGTERM);
+                terminate(group);
                 stop_group(group, Instant::now() + options.kill_after, None);
             }
             watchdog.disarm();
@@ -244,7 +244,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
         Err(loss) => {
             eprintln!("kunci run: lock lost: {loss}; stopping the command");
-            signal_group(group, libc::SIGTERM);
+            terminate(group);
             stop_group(group, Instant::now() + options.kill_after, Some(&inbox));
             if let Some(terminal) = terminal {
                 terminal.restore();
@@ -382,6 +382,12 @@ fn forward_signals() -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// SIGTERM to the group, then SIGCONT so that a stopped member acts on it.
+fn terminate(group: libc::pid_t) {
+    signal_group(group, libc::SIGTERM);
+    signal_group(group, libc::SIGCONT);
 }
 
 fn signal_group(group: libc::pid_t, signal: i32) {
@@ -540,6 +546,7 @@ fn watch(pipe: RawFd, kill_after: Duration) -> ! {
         }
         // End of file: kunci is gone.
         libc::kill(-group, libc::SIGTERM);
+        libc::kill(-group, libc::SIGCONT);
         let grace_end = Instant::now() + kill_after;
         while Instant::now() < grace_end {
             if libc::kill(-group, 0) != 0 {
