@@ -510,8 +510,9 @@ fn run_killed_by_sigkill_leaves_nothing_of_the_command_behind() {
     .spawn()
     .unwrap();
     let pids = read_pids(&pid_file, 2);
-    child.kill().unwrap();
+    // Measured before the kill: the watchdog's grace cannot start earlier.
     let killed = Instant::now();
+    child.kill().unwrap();
     child.wait().unwrap();
     let deadline = killed + 5 * S;
     while !process_gone(pids[0]) {
