@@ -722,3 +722,37 @@ fn a_renewal_whose_session_dies_is_retried_while_time_is_left() {
         client.query("retried").unwrap().is_free()
     });
 }
+
+#[test]
+fn a_renewal_answered_after_the_loss_is_given_back() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let client = connect(&[&proxy.addr]);
+    let kept = client
+        .acquire("late-renewal", Duration::ZERO, 2 * S)
+        .unwrap()
+        .keep_alive();
+    let token = kept.token();
+    let valid_until = kept.valid_until();
+    // The first renewal (at 667 ms) is applied, but its answer arrives
+    // after valid_until.
+    proxy.set_faults(Faults {
+        answer_delay: 1500 * MS,
+        ..Faults::default()
+    });
+    assert_eq!(kept.wait_lost(), Loss::Expired);
+    assert!(Instant::now() >= valid_until);
+    // Nobody holds that grant now: the client releases it.
+    eventually("the renewed grant is released", || {
+        server.info()["released"] == "1"
+    });
+    let releases: Vec<u64> = proxy
+        .forwarded()
+        .iter()
+        .filter(|f| f.op == b'R')
+        .map(|f| f.id)
+        .collect();
+    assert_eq!(releases, [token]);
+    assert_eq!(renewals_of(&proxy, token).len(), 1);
+    assert_eq!(kept.release(), Err(Error::NotHeld));
+}
