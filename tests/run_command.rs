@@ -818,3 +818,48 @@ fn run_suspended_from_the_terminal_stops_as_a_job_and_resumes() {
     assert!(output.contains("got hello"), "{output:?}");
     assert!(direct(&server).query("suspend").unwrap().is_free());
 }
+
+#[test]
+fn run_exits_6_when_the_lease_runs_out_without_an_answered_renewal() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let dir = TempDir::new("run-unanswered");
+    let script = waiting_script(&dir, "exit 0");
+    let spawned = Instant::now();
+    let mut child = command(
+        &proxy.addr,
+        &[
+            "run",
+            "unanswered",
+            "--lease",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_for_file(&dir.join("started"));
+    // Renewals reach the server; their answers never come back.
+    proxy.set_faults(Faults {
+        swallow_answers: true,
+        ..Faults::default()
+    });
+    let status = wait_exit(&mut child, 10 * S);
+    let elapsed = spawned.elapsed();
+    assert_eq!(status.code(), Some(6));
+    // Not before valid_until: the acquire was sent after the spawn, and
+    // the bound is its send instant + 2 s − 14 ms.
+    assert!(elapsed >= 2 * S - 14 * MS, "{elapsed:?}");
+    assert!(elapsed < 2 * S + LATE, "{elapsed:?}");
+    assert_eq!(wait_for_file(&dir.join("got")), "term\n");
+    let mut message = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut message).unwrap();
+    assert!(
+        message.contains("lock lost: the lease ran out without a successful renewal"),
+        "{message}"
+    );
+}
