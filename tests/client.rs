@@ -581,6 +581,11 @@ fn a_server_shutting_down_answers_waiters_busy() {
     let _ = holder.into_token();
 }
 
+/// How late a keep-alive event may be seen, through the proxy or a
+/// callback, on a machine busy with other tests: generous, as upper bounds
+/// are here; the lower bounds are exact.
+const SLACK: Duration = Duration::from_millis(500);
+
 /// When the proxy saw each `E` for `token`.
 fn renewals_of(proxy: &Proxy, token: u64) -> Vec<Instant> {
     proxy
@@ -620,7 +625,7 @@ fn a_kept_lease_is_renewed_every_third_of_the_lease_and_outlives_it() {
     }
     for pair in renewals.windows(2) {
         let gap = pair[1] - pair[0];
-        assert!(gap < period + LATE, "{gap:?}");
+        assert!(gap < period + SLACK, "{gap:?}");
     }
     assert!(
         proxy
@@ -657,7 +662,7 @@ fn a_kept_lease_is_lost_at_once_when_a_renewal_finds_it_not_held() {
     let (loss, at) = news.recv_timeout(S).unwrap();
     assert_eq!(loss, Loss::NotHeld);
     let after = at - acquired;
-    assert!(after >= S && after < S + LATE, "{after:?}");
+    assert!(after >= S && after < S + SLACK, "{after:?}");
     assert!(!kept.is_valid());
     assert_eq!(renewals_of(&proxy, kept.token()).len(), 1);
     // Releasing after the loss sends nothing and says so; the callback ran
@@ -686,7 +691,7 @@ fn a_kept_lease_is_lost_when_valid_until_passes_without_a_renewal() {
     assert_eq!(kept.wait_lost(), Loss::Expired);
     let noticed = Instant::now();
     assert!(noticed >= valid_until, "lost before valid_until");
-    assert!(noticed < valid_until + LATE, "{:?}", noticed - valid_until);
+    assert!(noticed < valid_until + SLACK, "{:?}", noticed - valid_until);
     assert_eq!(kept.valid_until(), valid_until);
     // One renewal, possibly sent and never answered: never sent again.
     assert_eq!(renewals_of(&proxy, kept.token()).len(), 1);
@@ -724,7 +729,7 @@ fn a_renewal_whose_session_dies_is_retried_while_time_is_left() {
     let renewals = renewals_of(&proxy, kept.token());
     assert_eq!(renewals.len(), 2, "{renewals:?}");
     let retry = renewals[1] - cut;
-    assert!(retry >= 100 * MS && retry < 100 * MS + LATE, "{retry:?}");
+    assert!(retry >= 100 * MS && retry < 100 * MS + SLACK, "{retry:?}");
     assert_eq!(kept.lost(), None);
     assert_eq!(client.query("retried").unwrap().token, kept.token());
     drop(kept);
