@@ -574,7 +574,7 @@ fn run_stops_what_the_command_left_running_before_it_releases() {
     let elapsed = started.elapsed();
     assert_eq!(code(&output), 0, "{}", stderr(&output));
     assert!(
-        elapsed >= 500 * MS && elapsed < 500 * MS + LATE,
+        elapsed >= 500 * MS && elapsed < 500 * MS + 2 * LATE,
         "{elapsed:?}"
     );
     assert!(process_gone(read_pids(&pid_file, 1)[0]));
@@ -726,7 +726,7 @@ fn run_renews_at_once_a_lock_granted_after_waiting_longer_than_its_lease() {
     assert_eq!(stderr(&run), "");
     let frames = proxy.frames();
     let granted = frames.iter().position(|f| f.op == b'E').expect("a renewal");
-    assert!(frames[granted].at - released < 300 * MS, "renewed at once");
+    assert!(frames[granted].at - released < LATE, "renewed at once");
     assert!(client.query("late").unwrap().is_free());
 }
 
@@ -854,7 +854,7 @@ fn run_exits_6_when_the_lease_runs_out_without_an_answered_renewal() {
     // Not before valid_until: the acquire was sent after the spawn, and
     // the bound is its send instant + 2 s − 14 ms.
     assert!(elapsed >= 2 * S - 14 * MS, "{elapsed:?}");
-    assert!(elapsed < 2 * S + LATE, "{elapsed:?}");
+    assert!(elapsed < 2 * S + 2 * LATE, "{elapsed:?}");
     assert_eq!(wait_for_file(&dir.join("got")), "term\n");
     let mut message = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut message).unwrap();
