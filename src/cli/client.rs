@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::args;
 use super::exit;
 use crate::addr::{Address, DEFAULT_ADDRESS};
-use crate::client::{Client, Config, Error};
+use crate::client::{Client, Config, Error, Ticket, WAIT_MAX};
 
 /// The environment variable that names the servers when `--server` is not
 /// given: addresses separated by commas.
@@ -25,6 +25,12 @@ const SERVER_HELP: &str = "  --server ADDR   a server address: HOST:PORT or unix
 pub(super) struct Options {
     pub servers: Vec<Address>,
     pub wait: Duration,
+    /// `--wait inf`: wait until acquired.
+    pub wait_forever: bool,
+    /// `run`: the exit status when the key stayed held (`--conflict-exit-code`).
+    pub conflict_exit_code: u8,
+    /// `run`: no message on stderr for a timeout (`--quiet`).
+    pub quiet: bool,
     pub lease: Duration,
     pub kill_after: Duration,
     pub positionals: Vec<String>,
@@ -38,6 +44,8 @@ pub(super) struct Accepts {
     pub wait: bool,
     pub lease: bool,
     pub kill_after: bool,
+    /// `--conflict-exit-code` and `--quiet`.
+    pub conflict: bool,
     /// Positional arguments, by name (for messages).
     pub positionals: &'static [&'static str],
     /// Everything after the positionals is a command to run.
@@ -56,6 +64,9 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
     let mut options = Options {
         servers: Vec::new(),
         wait: Duration::ZERO,
+        wait_forever: false,
+        conflict_exit_code: exit::TIMEOUT,
+        quiet: false,
         lease: Duration::from_secs(30),
         kill_after: Duration::from_secs(5),
         positionals: Vec::new(),
@@ -66,7 +77,13 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         match argument {
             Long("server") => options.servers.push(args::address(parser.value())?),
             Long("wait") if accepts.wait => {
-                options.wait = args::seconds("--wait", &args::text(parser.value())?)?
+                let text = args::text(parser.value())?;
+                options.wait_forever = text == "inf";
+                options.wait = if options.wait_forever {
+                    WAIT_MAX
+                } else {
+                    args::seconds("--wait", &text)?
+                };
             }
             Long("lease") if accepts.lease => {
                 options.lease = args::seconds("--lease", &args::text(parser.value())?)?
@@ -74,6 +91,10 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
             Long("kill-after") if accepts.kill_after => {
                 options.kill_after = args::seconds("--kill-after", &args::text(parser.value())?)?
             }
+            Short('E') | Long("conflict-exit-code") if accepts.conflict => {
+                options.conflict_exit_code = args::number("--conflict-exit-code", parser.value())?
+            }
+            Short('q') | Long("quiet") if accepts.conflict => options.quiet = true,
             Short('h') | Long("help") => return Ok(Parsed::Help),
             Value(value) if options.positionals.len() < accepts.positionals.len() => {
                 let text = value
@@ -281,6 +302,7 @@ const NONE: Accepts = Accepts {
     wait: false,
     lease: false,
     kill_after: false,
+    conflict: false,
     positionals: &[],
     command: false,
 };
@@ -297,18 +319,20 @@ const COMMANDS: &[Command] = &[
         help: "\
 kunci acquire — take a lock and print its fencing token
 
-Usage: kunci acquire KEY [--wait S] [--lease S] [--server ADDR]...
+Usage: kunci acquire KEY [--wait S|inf] [--lease S] [--server ADDR]...
 
 Prints the token as one decimal number and exits 0, leaving the lock held
 until its lease runs out or `kunci release KEY TOKEN`.
 
 Options:
   --wait S        how long to wait for the key, in seconds, decimals allowed,
-                  at most 255 (default 0: one immediate attempt)
+                  at most 255 (default 0: one immediate attempt); `inf`
+                  waits until acquired, queueing again for 255 s each time
+                  a wait runs out (the place in the queue is not kept)
   --lease S       the lease, whole seconds 1..=255 (default 30)
 ",
         run: |client, options| {
-            let ticket = client.acquire(&options.positionals[0], options.wait, options.lease)?;
+            let ticket = acquire(client, &options.positionals[0], options)?;
             Ok(ticket.into_token().to_string())
         },
     },
@@ -477,4 +501,90 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
 /// newline: the caller prints a line).
 pub(super) fn with_server_help(help: &str) -> String {
     format!("{help}{}", SERVER_HELP.trim_end())
+}
+
+/// Acquires `key` with the options' wait and lease. `--wait inf` queues
+/// with the longest wire wait (255 s) again each time one runs out.
+pub(super) fn acquire(client: &Client, key: &str, options: &Options) -> Result<Ticket, Error> {
+    if options.wait_forever {
+        acquire_until_granted(client, key, options.lease, WAIT_MAX)
+    } else {
+        client.acquire(key, options.wait, options.lease)
+    }
+}
+
+/// Acquires `key`, waiting `slice` at a time until it is granted or an
+/// outcome other than `Timeout` ends it. Each attempt is a new request at
+/// the tail of the queue: the place is not kept across attempts.
+fn acquire_until_granted(
+    client: &Client,
+    key: &str,
+    lease: Duration,
+    slice: Duration,
+) -> Result<Ticket, Error> {
+    loop {
+        match client.acquire(key, slice, lease) {
+            Err(Error::Timeout) => log::debug!("{key}: still held after {slice:?}; queueing again"),
+            outcome => return outcome,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::server::{Config as ServerConfig, Server};
+
+    #[test]
+    fn waiting_forever_queues_again_each_time_a_wait_runs_out() {
+        let listen = vec!["127.0.0.1:0".parse().unwrap()];
+        let server = Server::bind(ServerConfig {
+            listen,
+            ..Default::default()
+        })
+        .unwrap();
+        let address = server.addresses()[0].clone();
+        let stop = server.shutdown_handle();
+        let running = std::thread::spawn(move || server.run());
+        let client = Client::new([address], Config::default()).unwrap();
+        let holder = client
+            .acquire("forever", Duration::ZERO, Duration::from_secs(30))
+            .unwrap();
+        let started = Instant::now();
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(2500));
+            holder.release().unwrap();
+        });
+        // A one-second slice stands in for 255 s: two waits run out (two
+        // `T`), the third attempt is granted when the holder lets go.
+        let ticket = acquire_until_granted(
+            &client,
+            "forever",
+            Duration::from_secs(5),
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        let waited = started.elapsed();
+        releaser.join().unwrap();
+        assert!(waited >= Duration::from_millis(2500), "{waited:?}");
+        assert!(waited < Duration::from_secs(4), "{waited:?}");
+        let info = client.info().unwrap();
+        for counter in ["timeouts=2", "grants=2", "released=1"] {
+            assert!(
+                info.split(' ').any(|pair| pair == counter),
+                "{counter}: {info}"
+            );
+        }
+        ticket.release().unwrap();
+        // Other outcomes end the wait at once.
+        assert_eq!(
+            acquire_until_granted(&client, "", Duration::from_secs(5), Duration::from_secs(1))
+                .unwrap_err(),
+            Error::InvalidArgument("key is empty")
+        );
+        stop.shut_down();
+        running.join().unwrap().unwrap();
+    }
 }

@@ -21,10 +21,16 @@
 //! one it has already seen. `docs/CLIENT.md` explains every outcome and how
 //! to use the token.
 //!
+//! To hold a lock for longer than one lease, [`Ticket::keep_alive`] hands
+//! the ticket to the client's I/O thread, which renews it every lease/3 and
+//! reports a loss at once ([`KeptLease`]).
+//!
 //! [`Client`] has an example.
 
 mod engine;
 mod io;
+mod keep_alive;
+mod kept;
 mod ticket;
 
 use std::fmt;
@@ -35,6 +41,8 @@ use std::time::{Duration, Instant};
 use crate::addr::Address;
 use engine::{Key, Op, Outcome, Submission};
 
+pub use keep_alive::Loss;
+pub use kept::KeptLease;
 pub use ticket::Ticket;
 
 /// The transport deadline: how long past its wait a call may take (spec
@@ -187,6 +195,7 @@ struct Inner {
     owner_base: u64,
     next_owner: AtomicU64,
     next_nonce: AtomicU64,
+    next_keep: AtomicU64,
 }
 
 impl Drop for Inner {
@@ -226,6 +235,7 @@ impl Client {
                 owner_base: random_u64(),
                 next_owner: AtomicU64::new(0),
                 next_nonce: AtomicU64::new(random_u64()),
+                next_keep: AtomicU64::new(0),
             }),
         })
     }
@@ -339,6 +349,16 @@ impl Client {
             deadline: Instant::now() + TRANSPORT_DEADLINE,
             reply: None,
         });
+    }
+
+    /// Hands a message to the I/O thread; `false` if it has stopped.
+    fn send(&self, message: io::Message) -> bool {
+        self.inner.shared.send(message)
+    }
+
+    /// An id for a kept lease, unique within this client.
+    fn fresh_keep_id(&self) -> keep_alive::KeepId {
+        self.inner.next_keep.fetch_add(1, Ordering::Relaxed)
     }
 
     /// An owner id no other call of this client uses: a random base plus a
