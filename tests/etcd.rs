@@ -191,6 +191,22 @@ fn etcd_cli_commands_and_exit_codes() {
     assert!(stdout(&info).starts_with("backend=etcd"), "{info:?}");
     assert_eq!(code(&kunci(&server, &["ping"])), 0);
 
+    // The bench drives etcd:// through the client (pairs and contended).
+    for workload in ["pairs", "contended"] {
+        let bench = Command::new(kunci_bin())
+            .args(["bench", workload, "--server", &server, "--connections", "3"])
+            .args(["--duration", "1", "--warmup", "0", "--json"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(code(&bench), 0, "{bench:?}");
+        let report = stdout(&bench);
+        assert!(report.contains("\"errors\":0"), "{report}");
+        assert!(!report.contains("\"grants\":0,"), "{report}");
+    }
+    let hold = kunci(&server, &["bench", "hold", "5", "--server", &server]);
+    assert_eq!(code(&hold), 2, "{hold:?}");
+
     let refusing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let refused = format!("etcd://{}", refusing.local_addr().unwrap());
     drop(refusing);
