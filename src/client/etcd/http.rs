@@ -349,7 +349,7 @@ impl Reader {
                     self.line(deadline)?;
                     break;
                 }
-                if body.len() + size > BODY_MAX {
+                if size > BODY_MAX.saturating_sub(body.len()) {
                     return Err(invalid("response body too long"));
                 }
                 self.take(size, &mut body, deadline)?;
@@ -480,5 +480,94 @@ impl Stream {
         self.chunk_left -= n;
         self.need_crlf = self.chunk_left == 0;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A one-trick member: reads one request per connection and writes
+    /// `answer` (or closes when it is empty); counts the requests.
+    fn member(answer: &'static [u8]) -> (String, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let counted = requests.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let mut buf = [0u8; 4096];
+                if stream.read(&mut buf).unwrap_or(0) > 0 {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    // Split the answer to exercise incremental parsing.
+                    for piece in answer.chunks(7) {
+                        let _ = stream.write_all(piece);
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        });
+        (address, requests)
+    }
+
+    fn refused() -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().to_string()
+    }
+
+    #[test]
+    fn an_unsent_request_moves_on_and_a_sent_one_is_never_resent() {
+        let chunked: &[u8] = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\
+            5\r\n{\"a\":\r\n4\r\n\"b\"}\r\n0\r\n\r\n";
+        let (good, good_requests) = member(chunked);
+        let members = Members::new(vec![refused(), good], Duration::from_secs(1));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let answer = members.post("/v3/x", "{}", deadline).ok().unwrap();
+        assert_eq!(
+            (answer.status, &answer.body[..]),
+            (200, &b"{\"a\":\"b\"}"[..])
+        );
+        assert_eq!(good_requests.load(Ordering::SeqCst), 1);
+
+        // A member that takes the request and closes: possibly sent, so
+        // the good member behind it never sees it.
+        let (closing, closing_requests) = member(b"");
+        let (good, good_requests) = member(chunked);
+        let members = Members::new(vec![closing, good], Duration::from_secs(1));
+        let failure = members.post("/v3/x", "{}", deadline).err();
+        assert_eq!(failure, Some(Failure::Unanswered));
+        assert_eq!(closing_requests.load(Ordering::SeqCst), 1);
+        assert_eq!(good_requests.load(Ordering::SeqCst), 0);
+
+        // Nobody reachable: unsent at the deadline.
+        let members = Members::new(vec![refused()], Duration::from_secs(1));
+        let started = Instant::now();
+        let soon = started + Duration::from_millis(200);
+        assert_eq!(
+            members.post("/v3/x", "{}", soon).err(),
+            Some(Failure::Unsent)
+        );
+        assert!(started.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
+    fn malformed_answers_are_unanswered_never_a_panic() {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for garbage in [
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"[..],
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\n\r\n{}",
+            b"\x00\x01 not http\r\n\r\n",
+        ] {
+            let (address, _) = member(garbage);
+            let members = Members::new(vec![address], Duration::from_secs(1));
+            let failure = members.post("/v3/x", "{}", deadline).err();
+            assert_eq!(failure, Some(Failure::Unanswered), "{garbage:?}");
+        }
     }
 }

@@ -413,7 +413,11 @@ impl Cluster {
                 Turn::Behind {
                     predecessor,
                     revision: seen,
-                } => self.watch_deletion(&predecessor, seen + 1, wait_until.min(next_keep_alive)),
+                } => self.watch_deletion(
+                    &predecessor,
+                    seen.saturating_add(1),
+                    wait_until.min(next_keep_alive),
+                ),
             }
         }
     }
@@ -610,8 +614,8 @@ impl Cluster {
         Outcome::Query(KeyStatus {
             token: entry.create_revision as u64,
             owner: entry.owner(),
-            lease_ms: u32::try_from(ttl.max(0) * 1000).unwrap_or(u32::MAX),
-            waiters: u32::try_from(count - 1).unwrap_or(0),
+            lease_ms: u32::try_from(ttl.max(0).saturating_mul(1000)).unwrap_or(u32::MAX),
+            waiters: u32::try_from(count.saturating_sub(1)).unwrap_or(0),
         })
     }
 
