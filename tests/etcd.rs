@@ -135,10 +135,27 @@ fn etcd_every_outcome_of_every_call() {
         .unwrap();
     let nowhere = client_of(&format!("etcd://{refused}"));
     let started = Instant::now();
-    assert_eq!(
-        nowhere.acquire("books", Duration::ZERO, lease).unwrap_err(),
-        Error::Unavailable
-    );
+    let calls: Vec<std::thread::JoinHandle<Option<Error>>> = vec![
+        std::thread::spawn({
+            let nowhere = nowhere.clone();
+            move || nowhere.acquire("books", Duration::ZERO, lease).err()
+        }),
+        std::thread::spawn({
+            let nowhere = nowhere.clone();
+            move || nowhere.release("books", 7).err()
+        }),
+        std::thread::spawn({
+            let nowhere = nowhere.clone();
+            move || nowhere.renew("books", 7, lease).err()
+        }),
+        std::thread::spawn({
+            let nowhere = nowhere.clone();
+            move || nowhere.query("books").err()
+        }),
+    ];
+    for call in calls {
+        assert_eq!(call.join().unwrap(), Some(Error::Unavailable));
+    }
     assert!(started.elapsed() >= 5 * S - 10 * MS && started.elapsed() < 6 * S);
 }
 
@@ -190,6 +207,48 @@ fn etcd_cli_commands_and_exit_codes() {
     let info = kunci(&server, &["info"]);
     assert!(stdout(&info).starts_with("backend=etcd"), "{info:?}");
     assert_eq!(code(&kunci(&server, &["ping"])), 0);
+
+    // kunci run: CMD's status; Timeout (1, or -E); a lock lost to someone
+    // releasing its token (6, CMD terminated).
+    assert_eq!(
+        code(&kunci(&server, &["run", "job", "--", "sh", "-c", "exit 3"])),
+        3
+    );
+    let held = kunci(&server, &["acquire", "job", "--lease", "30"]);
+    let held = stdout(&held);
+    assert_eq!(code(&kunci(&server, &["run", "job", "--", "true"])), 1);
+    assert_eq!(
+        code(&kunci(
+            &server,
+            &["run", "job", "-E", "7", "-q", "--", "true"]
+        )),
+        7
+    );
+    assert_eq!(code(&kunci(&server, &["release", "job", &held])), 0);
+    let running = {
+        let server = server.clone();
+        std::thread::spawn(move || {
+            kunci(
+                &server,
+                &["run", "job", "--lease", "3", "--", "sleep", "30"],
+            )
+        })
+    };
+    let client = cluster.client();
+    let give_up = Instant::now() + 5 * S;
+    let token = loop {
+        let status = client.query("job").unwrap();
+        if !status.is_free() {
+            break status.token;
+        }
+        assert!(Instant::now() < give_up, "kunci run never acquired");
+        std::thread::sleep(20 * MS);
+    };
+    client.release("job", token).unwrap();
+    let taken = Instant::now();
+    let lost = running.join().unwrap();
+    assert_eq!(code(&lost), 6, "{lost:?}");
+    assert!(taken.elapsed() < 3 * S, "{:?}", taken.elapsed());
 
     // The bench drives etcd:// through the client (pairs and contended).
     for workload in ["pairs", "contended"] {
@@ -405,6 +464,18 @@ fn etcd_indeterminate_through_a_silent_member() {
         .acquire("silent-release", Duration::ZERO, 10 * S)
         .unwrap();
     let token = held.into_token();
+    // The holder's range passes, the keep-alive goes silent.
+    let at_renew = Blackhole::start(&cluster.members[2].client, 1);
+    // Silent from the first byte: even a read gets no answer.
+    let at_query = Blackhole::start(&cluster.members[0].client, 0);
+    let renewing = std::thread::spawn({
+        let address = format!("etcd://{}", at_renew.addr);
+        move || client_of(&address).renew("silent-release", token, 10 * S)
+    });
+    let querying = std::thread::spawn({
+        let address = format!("etcd://{}", at_query.addr);
+        move || client_of(&address).query("silent-release")
+    });
 
     let acquiring = std::thread::spawn({
         let address = format!("etcd://{}", at_put.addr);
@@ -428,6 +499,9 @@ fn etcd_indeterminate_through_a_silent_member() {
     let (released, took) = releasing.join().unwrap();
     assert_eq!(released, Err(Error::Indeterminate));
     assert!(took >= 5 * S - 10 * MS && took < 6 * S, "{took:?}");
+
+    assert_eq!(renewing.join().unwrap(), Err(Error::Indeterminate));
+    assert_eq!(querying.join().unwrap(), Err(Error::Indeterminate));
 
     // The release never reached etcd: the grant is still there.
     assert_eq!(direct.query("silent-release").unwrap().token, token);
