@@ -510,8 +510,9 @@ fn run_killed_by_sigkill_leaves_nothing_of_the_command_behind() {
     .spawn()
     .unwrap();
     let pids = read_pids(&pid_file, 2);
-    child.kill().unwrap();
+    // Measured before the kill: the watchdog's grace cannot start earlier.
     let killed = Instant::now();
+    child.kill().unwrap();
     child.wait().unwrap();
     let deadline = killed + 5 * S;
     while !process_gone(pids[0]) {
@@ -742,5 +743,123 @@ fn run_warns_when_only_the_final_release_finds_the_lock_gone() {
         stderr(&output).contains("warning: the lock was no longer held"),
         "{}",
         stderr(&output)
+    );
+}
+
+/// The state letter and process group of `pid`, from /proc.
+fn state_and_group(pid: u32) -> (char, i32) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let mut fields = stat
+        .rsplit_once(") ")
+        .map(|(_, rest)| rest)
+        .unwrap_or_default()
+        .split(' ');
+    let state = fields.next().and_then(|s| s.chars().next()).unwrap_or('?');
+    let group = fields.nth(1).and_then(|g| g.parse().ok()).unwrap_or(0);
+    (state, group)
+}
+
+fn until_state(pid: u32, wanted: impl Fn(char) -> bool, what: &str) {
+    let deadline = Instant::now() + 5 * S;
+    while !wanted(state_and_group(pid).0) {
+        assert!(
+            Instant::now() < deadline,
+            "{pid} never {what}: {:?}",
+            state_and_group(pid)
+        );
+        std::thread::sleep(5 * MS);
+    }
+}
+
+#[test]
+fn run_suspended_from_the_terminal_stops_as_a_job_and_resumes() {
+    if !have("script") {
+        eprintln!("skipped: script(1) is not installed");
+        return;
+    }
+    let server = TestServer::start(&[]);
+    let dir = TempDir::new("run-suspend");
+    let pid_file = dir.join("pids");
+    // A shell with job control (`sh -m`), as in a terminal: kunci runs as
+    // its own job; once the job stops, the shell reads a line, then `fg`.
+    let session = format!(
+        "sh -m -c '{} run suspend -- sh -c \"echo \\$\\$ > {pids}; echo \\$PPID >> {pids}; \
+         read x; echo got \\$x\"; read go; fg'",
+        kunci_bin(),
+        pids = pid_file.display()
+    );
+    let mut script = Command::new("script")
+        .args(["-qfc", &session, "/dev/null"])
+        .env("KUNCI_SERVER", &server.addr)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pids = read_pids(&pid_file, 2);
+    let (cmd, kunci) = (pids[0], pids[1]);
+    let mut input = script.stdin.take().unwrap();
+    // ^Z: the terminal stops CMD's group; kunci stops its own in turn,
+    // as a job that a shell would see stopped.
+    std::io::Write::write_all(&mut input, b"\x1a").unwrap();
+    until_state(cmd, |s| s == 'T', "stopped");
+    until_state(kunci, |s| s == 'T', "stopped");
+    // The shell has the terminal again; `fg` continues kunci's group, and
+    // kunci gives CMD the terminal back and continues it.
+    std::io::Write::write_all(&mut input, b"go\n").unwrap();
+    until_state(kunci, |s| s != 'T', "continued");
+    until_state(cmd, |s| s != 'T', "continued");
+    std::io::Write::write_all(&mut input, b"hello\n").unwrap();
+    let status = wait_exit(&mut script, 10 * S);
+    let mut output = String::new();
+    std::io::Read::read_to_string(&mut script.stdout.take().unwrap(), &mut output).unwrap();
+    assert!(status.success(), "{status:?}: {output:?}");
+    assert!(output.contains("got hello"), "{output:?}");
+    assert!(direct(&server).query("suspend").unwrap().is_free());
+}
+
+#[test]
+fn run_exits_6_when_the_lease_runs_out_without_an_answered_renewal() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let dir = TempDir::new("run-unanswered");
+    let script = waiting_script(&dir, "exit 0");
+    let spawned = Instant::now();
+    let mut child = command(
+        &proxy.addr,
+        &[
+            "run",
+            "unanswered",
+            "--lease",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_for_file(&dir.join("started"));
+    // Renewals reach the server; their answers never come back.
+    proxy.set_faults(Faults {
+        swallow_answers: true,
+        ..Faults::default()
+    });
+    let status = wait_exit(&mut child, 10 * S);
+    let elapsed = spawned.elapsed();
+    assert_eq!(status.code(), Some(6));
+    // Not before valid_until: the acquire was sent after the spawn, and
+    // the bound is its send instant + 2 s − 14 ms.
+    assert!(elapsed >= 2 * S - 14 * MS, "{elapsed:?}");
+    assert!(elapsed < 2 * S + LATE, "{elapsed:?}");
+    assert_eq!(wait_for_file(&dir.join("got")), "term\n");
+    let mut message = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut message).unwrap();
+    assert!(
+        message.contains("lock lost: the lease ran out without a successful renewal"),
+        "{message}"
     );
 }

@@ -16,6 +16,9 @@
 //!   group, CMD's group becomes the foreground group while CMD runs (the
 //!   child claims it itself, before `exec`, so that it never reads the
 //!   terminal from the background), and `kunci`'s group gets it back after.
+//!   When CMD is stopped from the terminal (^Z), `kunci` takes the terminal
+//!   back and stops its own group, so that the shell sees the job stopped;
+//!   when continued, it gives CMD the terminal again and continues it.
 //! - A watchdog, forked before anything else while `kunci` has one thread,
 //!   blocks on a pipe whose write end only `kunci` (and CMD until its
 //!   `exec`) holds. CMD's child writes its process group id into the pipe
@@ -84,6 +87,8 @@ const FORWARDED: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
 enum Event {
     Exited(ExitStatus),
+    /// The command was stopped (^Z in its terminal).
+    Stopped,
     Lost(Loss),
 }
 
@@ -209,11 +214,19 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     }
     spawn_reaper(group, events);
 
-    let outcome = match inbox.recv() {
-        Ok(Event::Exited(status)) => Ok(status),
-        Ok(Event::Lost(loss)) => Err(loss),
-        // The reaper and the keep-alive hold senders until they are done.
-        Err(mpsc::RecvError) => Err(Loss::Expired),
+    let outcome = loop {
+        match inbox.recv() {
+            Ok(Event::Exited(status)) => break Ok(status),
+            Ok(Event::Lost(loss)) => break Err(loss),
+            Ok(Event::Stopped) => {
+                if let Some(terminal) = &terminal {
+                    terminal.suspend_with(group);
+                }
+            }
+            // The reaper never ends, so this cannot happen; if it did, the
+            // command could no longer be watched.
+            Err(mpsc::RecvError) => break Err(Loss::Expired),
+        }
     };
     match outcome {
         Ok(status) => {
@@ -222,7 +235,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             }
             // Nothing CMD started outlives the lock.
             if group_alive(group) {
-                signal_group(group, libc::SIGTERM);
+                terminate(group);
                 stop_group(group, Instant::now() + options.kill_after, None);
             }
             watchdog.disarm();
@@ -231,7 +244,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
         Err(loss) => {
             eprintln!("kunci run: lock lost: {loss}; stopping the command");
-            signal_group(group, libc::SIGTERM);
+            terminate(group);
             stop_group(group, Instant::now() + options.kill_after, Some(&inbox));
             if let Some(terminal) = terminal {
                 terminal.restore();
@@ -278,7 +291,7 @@ fn stop_group(group: libc::pid_t, grace_end: Instant, inbox: Option<&mpsc::Recei
             let left = grace_end.saturating_duration_since(Instant::now());
             match inbox.recv_timeout(left) {
                 Ok(Event::Exited(_)) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
-                Ok(Event::Lost(_)) => {}
+                Ok(Event::Lost(_) | Event::Stopped) => {}
                 Err(mpsc::RecvTimeoutError::Timeout) if !killed => {
                     eprintln!("kunci run: the command did not stop; killing it");
                     signal_group(group, libc::SIGKILL);
@@ -299,15 +312,20 @@ fn stop_group(group: libc::pid_t, grace_end: Instant, inbox: Option<&mpsc::Recei
 }
 
 /// Reaps every child of this process (the command, its orphans, the
-/// watchdog) and reports the command's exit.
+/// watchdog) and reports the command's exit, and its stops.
 fn spawn_reaper(command: libc::pid_t, events: mpsc::Sender<Event>) {
     std::thread::spawn(move || {
         loop {
             let mut status = 0;
             // SAFETY: waitpid with a valid pointer to a local.
-            let pid = unsafe { libc::waitpid(-1, &mut status, 0) };
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WUNTRACED) };
             if pid == command {
-                let _ = events.send(Event::Exited(ExitStatus::from_raw(status)));
+                let event = if libc::WIFSTOPPED(status) {
+                    Event::Stopped
+                } else {
+                    Event::Exited(ExitStatus::from_raw(status))
+                };
+                let _ = events.send(event);
             } else if pid < 0 {
                 match std::io::Error::last_os_error().raw_os_error() {
                     Some(libc::EINTR) => {}
@@ -366,6 +384,12 @@ fn forward_signals() -> std::io::Result<()> {
     Ok(())
 }
 
+/// SIGTERM to the group, then SIGCONT so that a stopped member acts on it.
+fn terminate(group: libc::pid_t) {
+    signal_group(group, libc::SIGTERM);
+    signal_group(group, libc::SIGCONT);
+}
+
 fn signal_group(group: libc::pid_t, signal: i32) {
     // SAFETY: kill(2) on the process group of our own child.
     unsafe {
@@ -402,6 +426,26 @@ impl Terminal {
         // SAFETY: tcsetpgrp on stdin with our child's group.
         unsafe {
             libc::tcsetpgrp(libc::STDIN_FILENO, group);
+        }
+    }
+
+    /// CMD was stopped from the terminal (^Z): take the terminal back and
+    /// stop kunci's own group, so that the shell sees the job stopped. When
+    /// the shell continues the job, give CMD the terminal again (if the job
+    /// is in the foreground) and continue CMD's group. While kunci is
+    /// stopped nothing renews the lease: a stop longer than the lease
+    /// loses the lock, which kunci reports once it runs again.
+    fn suspend_with(&self, group: libc::pid_t) {
+        // SAFETY: tcsetpgrp/tcgetpgrp/getpgrp on stdin and our own group;
+        // kill(2) on our own group and our child's group.
+        unsafe {
+            libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpgrp());
+            libc::kill(0, libc::SIGTSTP);
+            // Continued.
+            if libc::tcgetpgrp(libc::STDIN_FILENO) == libc::getpgrp() {
+                libc::tcsetpgrp(libc::STDIN_FILENO, group);
+            }
+            libc::kill(-group, libc::SIGCONT);
         }
     }
 
@@ -502,6 +546,7 @@ fn watch(pipe: RawFd, kill_after: Duration) -> ! {
         }
         // End of file: kunci is gone.
         libc::kill(-group, libc::SIGTERM);
+        libc::kill(-group, libc::SIGCONT);
         let grace_end = Instant::now() + kill_after;
         while Instant::now() < grace_end {
             if libc::kill(-group, 0) != 0 {
