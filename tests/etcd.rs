@@ -408,7 +408,7 @@ fn etcd_kunci_run_keeps_its_lock_while_the_leader_is_killed() {
         std::thread::spawn(move || {
             kunci(
                 &server,
-                &["run", "steady", "--lease", "3", "--", "sleep", "6"],
+                &["run", "steady", "--lease", "4", "--", "sleep", "7"],
             )
         })
     };
