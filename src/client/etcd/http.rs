@@ -107,7 +107,10 @@ impl Members {
                 match write_request(&mut stream, &request, deadline) {
                     Ok(()) => {}
                     Err(0) => continue,
-                    Err(_) => return Err(Failure::Unanswered),
+                    Err(_) => {
+                        self.avoid(member);
+                        return Err(Failure::Unanswered);
+                    }
                 }
                 let mut reader = Reader::new(stream);
                 return match reader.read_answer(deadline) {
@@ -124,6 +127,7 @@ impl Members {
                     }
                     Err(error) => {
                         log::debug!("etcd {}: no answer: {error}", self.endpoints[member]);
+                        self.avoid(member);
                         Err(Failure::Unanswered)
                     }
                 };
@@ -134,6 +138,16 @@ impl Members {
             };
             std::thread::sleep(left.min(ROUND_PAUSE));
         }
+    }
+
+    /// After `member` left a request unanswered, the next request starts
+    /// with the member after it: a member that accepts and then stays
+    /// silent (partitioned, overloaded) must not keep every call.
+    fn avoid(&self, member: usize) {
+        let next = (member + 1) % self.endpoints.len();
+        let _ = self
+            .preferred
+            .compare_exchange(member, next, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     /// Opens a streaming request on a fresh connection (a watch): returns
@@ -163,7 +177,10 @@ impl Members {
                     });
                 }
                 Ok(head) => log::debug!("etcd watch: status {}", head.status),
-                Err(error) => log::debug!("etcd watch: {error}"),
+                Err(error) => {
+                    log::debug!("etcd watch: {error}");
+                    self.avoid(member);
+                }
             }
         }
         None

@@ -18,6 +18,18 @@ use crate::client::engine::{Key, Outcome};
 /// The pause before a read that changes nothing is tried again.
 const READ_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
+/// How long one attempt of a request that may be repeated (a read, a
+/// revocation, a grant) waits for its answer before it is tried again on
+/// another member, within the call's deadline. A healthy cluster answers
+/// in milliseconds; an election takes about one election timeout (1 s by
+/// default).
+const ATTEMPT_LIMIT: Duration = Duration::from_secs(2);
+
+/// The end of one attempt of a repeatable request.
+fn attempt_until(deadline: Instant) -> Instant {
+    deadline.min(Instant::now() + ATTEMPT_LIMIT)
+}
+
 /// How etcd answered a request that changes something.
 enum Fault {
     /// Certainly not sent to any member: nothing changed.
@@ -155,7 +167,7 @@ impl Cluster {
     ) -> Result<(Instant, JsonValue), Fault> {
         let mut sent = false;
         loop {
-            match self.members.post(path, body, deadline) {
+            match self.members.post(path, body, attempt_until(deadline)) {
                 Ok(Answer {
                     sent_at,
                     status: 200,
@@ -191,7 +203,10 @@ impl Cluster {
         let body = format!(r#"{{"ID":"{lease}"}}"#);
         let mut sent = false;
         loop {
-            match self.members.post("/v3/lease/revoke", &body, deadline) {
+            match self
+                .members
+                .post("/v3/lease/revoke", &body, attempt_until(deadline))
+            {
                 Ok(answer) if answer.status == 200 => return Ok(()),
                 Ok(answer) => {
                     let code = json::parse(&answer.body).and_then(|v| json::int(&v, "code"));
@@ -237,7 +252,8 @@ impl Cluster {
     fn grant(&self, lease_s: u8, deadline: Instant) -> Result<(Instant, i64, i64), Fault> {
         let body = format!(r#"{{"TTL":"{lease_s}"}}"#);
         loop {
-            if let Ok((sent_at, value)) = self.write("/v3/lease/grant", &body, deadline)
+            if let Ok((sent_at, value)) =
+                self.write("/v3/lease/grant", &body, attempt_until(deadline))
                 && let Some(id) = json::int(&value, "ID").filter(|id| *id != 0)
                 && let Some(ttl) = json::int(&value, "TTL").filter(|ttl| *ttl >= lease_s.into())
             {
@@ -251,14 +267,35 @@ impl Cluster {
         }
     }
 
-    /// Sends one keep-alive for `lease`: `Ok(Some(sent_at))` if it was
-    /// renewed with `ttl`, `Ok(None)` if the lease no longer exists.
+    /// Renews `lease` by one keep-alive: `Ok(Some((sent_at, ttl)))` with
+    /// the send instant of the attempt that was answered, `Ok(None)` if the
+    /// lease no longer exists. A keep-alive only ever makes a lease end
+    /// later, so an unanswered attempt is repeated, on the next member,
+    /// until `deadline`: `Err(Unknown)` then if any attempt may have
+    /// reached etcd, else `Err(Unsent)`.
     fn keep_alive(&self, lease: i64, deadline: Instant) -> Result<Option<(Instant, i64)>, Fault> {
         let body = format!(r#"{{"ID":"{lease}"}}"#);
-        let (sent_at, value) = self.write("/v3/lease/keepalive", &body, deadline)?;
-        let result = json::field(&value, "result").ok_or(Fault::Unknown)?;
-        let ttl = json::int(result, "TTL").ok_or(Fault::Unknown)?;
-        Ok((ttl > 0).then_some((sent_at, ttl)))
+        let mut sent = false;
+        loop {
+            match self.write("/v3/lease/keepalive", &body, attempt_until(deadline)) {
+                Ok((sent_at, value)) => {
+                    if let Some(result) = json::field(&value, "result")
+                        && let Some(ttl) = json::int(result, "TTL")
+                    {
+                        return Ok((ttl > 0).then_some((sent_at, ttl)));
+                    }
+                    // An error answer (no leader yet, a timeout inside etcd).
+                    sent = true;
+                }
+                Err(Fault::Unknown) => sent = true,
+                Err(Fault::Unsent) => {}
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(if sent { Fault::Unknown } else { Fault::Unsent });
+            }
+            std::thread::sleep(left.min(READ_RETRY_PAUSE));
+        }
     }
 
     /// The holder of `key` and how many entries its prefix has.
