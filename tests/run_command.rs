@@ -863,3 +863,36 @@ fn run_exits_6_when_the_lease_runs_out_without_an_answered_renewal() {
         "{message}"
     );
 }
+
+#[test]
+fn run_started_in_the_background_reads_the_terminal_once_brought_to_the_foreground() {
+    if !have("script") {
+        eprintln!("skipped: script(1) is not installed");
+        return;
+    }
+    let server = TestServer::start(&[]);
+    // CMD reads the terminal from a background job and is stopped; kunci
+    // stops with it, and `fg` resumes both, CMD holding the terminal.
+    let session = format!(
+        "sh -m -c '{} run background -- sh -c \"read x; echo got \\$x\" & sleep 1; fg'",
+        kunci_bin()
+    );
+    let mut script = Command::new("script")
+        .args(["-qfc", &session, "/dev/null"])
+        .env("KUNCI_SERVER", &server.addr)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = script.stdin.take().unwrap();
+    std::thread::sleep(2 * S);
+    std::io::Write::write_all(&mut input, b"hello\n").unwrap();
+    let status = wait_exit(&mut script, 10 * S);
+    let mut output = String::new();
+    std::io::Read::read_to_string(&mut script.stdout.take().unwrap(), &mut output).unwrap();
+    assert!(status.success(), "{status:?}: {output:?}");
+    assert!(output.contains("got hello"), "{output:?}");
+    assert!(direct(&server).query("background").unwrap().is_free());
+}

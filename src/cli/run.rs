@@ -16,9 +16,10 @@
 //!   group, CMD's group becomes the foreground group while CMD runs (the
 //!   child claims it itself, before `exec`, so that it never reads the
 //!   terminal from the background), and `kunci`'s group gets it back after.
-//!   When CMD is stopped from the terminal (^Z), `kunci` takes the terminal
-//!   back and stops its own group, so that the shell sees the job stopped;
-//!   when continued, it gives CMD the terminal again and continues it.
+//!   When CMD is stopped by the terminal (^Z, or a read from the
+//!   background), `kunci` takes the terminal back and stops its own group,
+//!   so that the shell sees the job stopped; when continued in the
+//!   foreground, it gives CMD the terminal and continues it.
 //! - A watchdog, forked before anything else while `kunci` has one thread,
 //!   blocks on a pipe whose write end only `kunci` (and CMD until its
 //!   `exec`) holds. CMD's child writes its process group id into the pipe
@@ -161,7 +162,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         watchdog.disarm();
         return exit::USAGE;
     }
-    let terminal = Terminal::claim();
+    let mut terminal = Terminal::claim();
     let mut command = Command::new(&options.command[0]);
     command
         .args(&options.command[1..])
@@ -195,7 +196,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         Ok(child) => child,
         Err(error) => {
             if let Some(terminal) = terminal {
-                terminal.restore();
+                terminal.restore(0);
             }
             eprintln!("kunci run: cannot start {:?}: {error}", options.command[0]);
             watchdog.disarm();
@@ -218,11 +219,11 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         match inbox.recv() {
             Ok(Event::Exited(status)) => break Ok(status),
             Ok(Event::Lost(loss)) => break Err(loss),
-            Ok(Event::Stopped) => {
-                if let Some(terminal) = &terminal {
-                    terminal.suspend_with(group);
-                }
+            Ok(Event::Stopped) if stdin_is_terminal() => {
+                terminal = suspend_with(terminal, group);
             }
+            // Stopped by someone else's SIGSTOP: theirs to continue.
+            Ok(Event::Stopped) => {}
             // The reaper never ends, so this cannot happen; if it did, the
             // command could no longer be watched.
             Err(mpsc::RecvError) => break Err(Loss::Expired),
@@ -231,7 +232,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     match outcome {
         Ok(status) => {
             if let Some(terminal) = terminal {
-                terminal.restore();
+                terminal.restore(group);
             }
             // Nothing CMD started outlives the lock.
             if group_alive(group) {
@@ -247,7 +248,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             terminate(group);
             stop_group(group, Instant::now() + options.kill_after, Some(&inbox));
             if let Some(terminal) = terminal {
-                terminal.restore();
+                terminal.restore(group);
             }
             watchdog.disarm();
             // Lost: releasing sends nothing.
@@ -429,34 +430,60 @@ impl Terminal {
         }
     }
 
-    /// CMD was stopped from the terminal (^Z): take the terminal back and
-    /// stop kunci's own group, so that the shell sees the job stopped. When
-    /// the shell continues the job, give CMD the terminal again (if the job
-    /// is in the foreground) and continue CMD's group. While kunci is
-    /// stopped nothing renews the lease: a stop longer than the lease
-    /// loses the lock, which kunci reports once it runs again.
-    fn suspend_with(&self, group: libc::pid_t) {
-        // SAFETY: tcsetpgrp/tcgetpgrp/getpgrp on stdin and our own group;
-        // kill(2) on our own group and our child's group.
+    /// Gives the terminal back to kunci's group if CMD's group (`group`;
+    /// 0: none started) still has it, and restores SIGTTOU.
+    fn restore(self, group: libc::pid_t) {
+        // SAFETY: tcgetpgrp/tcsetpgrp on stdin with our own group; signal
+        // restores the disposition saved by `claim`.
         unsafe {
-            libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpgrp());
-            libc::kill(0, libc::SIGTSTP);
-            // Continued.
-            if libc::tcgetpgrp(libc::STDIN_FILENO) == libc::getpgrp() {
-                libc::tcsetpgrp(libc::STDIN_FILENO, group);
+            let current = libc::tcgetpgrp(libc::STDIN_FILENO);
+            if group == 0 || current == group {
+                libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpgrp());
             }
-            libc::kill(-group, libc::SIGCONT);
-        }
-    }
-
-    fn restore(self) {
-        // SAFETY: tcsetpgrp on stdin with our own group; signal restores
-        // the disposition saved by `claim`.
-        unsafe {
-            libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpgrp());
             libc::signal(libc::SIGTTOU, self.old_ttou);
         }
     }
+}
+
+fn stdin_is_terminal() -> bool {
+    // SAFETY: isatty on a descriptor number.
+    unsafe { libc::isatty(libc::STDIN_FILENO) == 1 }
+}
+
+/// CMD was stopped by its terminal (^Z, or a read from the background):
+/// take the terminal back if CMD had it, and stop kunci's own group, so
+/// that the shell sees the job stopped. When the shell continues the job,
+/// give CMD the terminal if the job is now in the foreground, and continue
+/// CMD's group. While kunci is stopped nothing renews the lease: a stop
+/// longer than the lease loses the lock, which kunci reports once it runs
+/// again. (An orphaned group, with no job-control shell, cannot be stopped
+/// by SIGTSTP: then CMD is simply continued.)
+fn suspend_with(held: Option<Terminal>, group: libc::pid_t) -> Option<Terminal> {
+    // SAFETY: tcsetpgrp/getpgrp on stdin and our own group; kill(2) on our
+    // own group.
+    unsafe {
+        if held.is_some() {
+            libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpgrp());
+        }
+        libc::kill(0, libc::SIGTSTP);
+    }
+    // Continued: in the foreground (`fg`) or not (`bg`).
+    let terminal = match held {
+        // SAFETY: tcgetpgrp and getpgrp have no arguments to get wrong.
+        Some(terminal) if unsafe { libc::tcgetpgrp(libc::STDIN_FILENO) == libc::getpgrp() } => {
+            Some(terminal)
+        }
+        Some(terminal) => {
+            terminal.restore(group);
+            None
+        }
+        None => Terminal::claim(),
+    };
+    if let Some(terminal) = &terminal {
+        terminal.give_to(group);
+    }
+    signal_group(group, libc::SIGCONT);
+    terminal
 }
 
 /// A helper process that stops CMD's group if kunci dies (module docs).
