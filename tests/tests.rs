@@ -4,6 +4,8 @@ mod abuse;
 mod bench;
 mod client;
 mod core;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod fencing;
 mod metrics;
 mod operations;

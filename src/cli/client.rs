@@ -129,6 +129,14 @@ pub(super) fn default_servers() -> Result<Vec<Address>, String> {
         Ok(text) if !text.trim().is_empty() => text,
         _ => DEFAULT_ADDRESS.to_owned(),
     };
+    // An etcd address lists its members with commas itself.
+    if text.trim().starts_with("etcd://") {
+        return text
+            .trim()
+            .parse()
+            .map(|address| vec![address])
+            .map_err(|e: crate::addr::AddressError| format!("{SERVER_ENV}: {e}"));
+    }
     text.split(',')
         .map(|address| {
             address

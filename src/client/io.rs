@@ -530,6 +530,11 @@ impl Shell {
                     Ok(Stream::Tcp(stream))
                 }),
             Address::Unix(path) => UnixStream::connect(path).map(Stream::Unix),
+            // `Client::new` sends etcd addresses to the etcd backend.
+            Address::Etcd(_) => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "not a kunci server address",
+            )),
         };
         let mut stream = match stream {
             Ok(stream) => stream,

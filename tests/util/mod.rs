@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use kunci::protocol::{self, Request, Response};
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
 pub mod proxy;
 
 /// The `kunci` binary under test.
