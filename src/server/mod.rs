@@ -129,8 +129,6 @@ struct EventLoop {
     registry: mio::Registry,
     allow: Vec<Network>,
     state: Option<StateDir>,
-    /// The wall clock at the core's epoch, for the state file.
-    wall_start_ms: u64,
     core: Core,
     conns: Slab<Connection>,
     conn_timers: TimerWheel,
@@ -153,12 +151,12 @@ impl Server {
     /// Binds every listen address, opens the state directory if one is
     /// configured, and prepares the loop.
     pub fn bind(config: Config) -> io::Result<Server> {
-        let state = match &config.state_dir {
+        let mut state = match &config.state_dir {
             Some(dir) => Some(StateDir::open(dir)?),
             None => None,
         };
-        let recorded = state.as_ref().map(StateDir::recorded).unwrap_or_default();
-        let first_token = first_token_from_clock().max(recorded.token_high_water);
+        let token_high_water = state.as_ref().map_or(0, StateDir::token_high_water);
+        let first_token = first_token_from_clock().max(token_high_water);
         let poll = Poll::new()?;
         let mut listeners = Vec::new();
         let mut addresses = Vec::new();
@@ -187,21 +185,14 @@ impl Server {
             );
         }
         let clock_start = Instant::now();
-        let wall_start_ms = state::wall_clock_ms();
         let mut core = Core::new(config.limits, first_token);
-        if recorded.lease_horizon_ms > wall_start_ms {
-            let grace = Duration::from_millis(recorded.lease_horizon_ms - wall_start_ms);
-            info!(
-                "state: the previous run's leases may last {:.1} s more; until then every key counts as held",
-                grace.as_secs_f64()
-            );
-            core.set_grace_until(micros(grace));
+        if let Some(state) = state.as_mut() {
+            state.resume(&mut core)?;
         }
         let loop_state = EventLoop {
             registry: poll.registry().try_clone()?,
             allow: config.allow.clone(),
             state,
-            wall_start_ms,
             core,
             conns: Slab::new(),
             conn_timers: TimerWheel::new(),
@@ -366,10 +357,6 @@ impl EventLoop {
         Some(Duration::from_micros(next.saturating_sub(self.now())))
     }
 
-    fn wall_ms(&self, at: Micros) -> u64 {
-        self.wall_start_ms + at.div_ceil(1_000)
-    }
-
     /// With a state directory: before any answer leaves the process, make
     /// sure the state file covers every token issued and every lease
     /// granted, so a crash can never show a token or lease twice. Without
@@ -378,13 +365,15 @@ impl EventLoop {
         let Some(state) = self.state.as_mut() else {
             return;
         };
-        let deadline = self.core.lease_deadline_max();
-        let deadline_ms = if deadline == 0 {
-            0
-        } else {
-            self.wall_start_ms + deadline.div_ceil(1_000)
-        };
-        if let Err(e) = state.cover(self.core.next_token(), deadline_ms) {
+        let now = micros(self.clock_start.elapsed());
+        let core = &self.core;
+        let covered = state.cover(
+            core.next_token(),
+            core.lease_deadline_max(),
+            core.grace_until(),
+            now,
+        );
+        if let Err(e) = covered {
             // Answering without the promise on disk could, after a crash,
             // hand a key to two holders: stop instead.
             error!("state directory: cannot persist: {e}; exiting");
@@ -392,16 +381,19 @@ impl EventLoop {
         }
     }
 
+    /// Persists every held grant (spec §7.1) once no request can arrive.
     fn record_clean_stop(&mut self, now: Micros) {
-        let grace = self.core.grace_until();
-        let mut horizon = if grace > now { self.wall_ms(grace) } else { 0 };
-        if self.core.held() > 0 {
-            horizon = horizon.max(self.wall_ms(self.core.lease_deadline_max()));
-        }
-        let next_token = self.core.next_token();
         if let Some(state) = self.state.as_mut() {
-            if let Err(e) = state.record_clean_stop(next_token, horizon) {
-                error!("state directory: cannot record the clean stop: {e}");
+            let started = Instant::now();
+            match state.save_clean_stop(&self.core, now) {
+                Ok(()) => info!(
+                    "state: saved {} grants in {:.0} ms",
+                    self.core.held(),
+                    started.elapsed().as_secs_f64() * 1e3
+                ),
+                // The last run's running file still promises its horizon:
+                // the next run starts with a grace instead of the grants.
+                Err(e) => error!("state directory: cannot record the clean stop: {e}"),
             }
         }
     }
