@@ -1201,9 +1201,13 @@ fn during_the_grace_a_token_not_below_the_first_or_token_0_is_still_not_held() {
 }
 
 #[test]
-fn adoption_by_extend_at_the_key_limit_is_not_held_and_changes_nothing() {
+fn adoption_by_extend_may_take_the_table_to_twice_the_key_limit_and_no_further() {
     let mut fake = Fake::new(limits(1, 10, 10, 10), 2);
     fake.core.set_grace_until(10 * S);
+    // A waiter of this run fills the key limit...
+    fake.enqueue(1, "w", 60, 30, 1);
+    assert_eq!(fake.acquire(1, "x", 60, 30, 2), vec![(1, busy(2))]);
+    // ...yet an earlier holder adopts its key; one more finds no room.
     assert_eq!(
         fake.extend(1, "a", 30, EARLIER),
         vec![(1, extended(EARLIER))]
@@ -1267,7 +1271,11 @@ fn the_horizon_on_disk_covers_every_lease_and_runs_at_most_5_s_past_the_latest()
     // The write rate: each write moves the horizon at least 5 s on, and
     // the horizon ends within 30 s (the longest lease) + 5 s of the last
     // step at 60 s: at most (60 + 35) / 5 writes, plus the one at start.
-    assert!(state.writes <= 1 + 95 / 5, "{} writes in a minute", state.writes);
+    assert!(
+        state.writes <= 1 + 95 / 5,
+        "{} writes in a minute",
+        state.writes
+    );
 }
 
 #[test]

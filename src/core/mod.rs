@@ -559,11 +559,18 @@ impl Core {
                     entry
                 }
                 Some(Adoptable::Untracked) => {
+                    // An earlier run's holders must not lose their keys to
+                    // this run's waiters filling the table, so adoption may
+                    // take it to twice the key limit: that run held at most
+                    // that many, and the bound on memory stays.
                     let hash = self.table.hash(key);
-                    match self.insert_key(key, hash, token, 0) {
+                    let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
+                        .then(|| self.table.insert(key, hash, token, 0))
+                        .flatten();
+                    match entry {
                         Some(entry) => entry,
-                        // No room to hold it: nothing changed, and the key
-                        // stays held by the unknown grant until the horizon.
+                        // No room: nothing changed, and the key stays held
+                        // by the unknown grant until the horizon.
                         None => return self.not_held(conn, token),
                     }
                 }
