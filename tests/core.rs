@@ -1021,10 +1021,12 @@ fn restart_after_clean_stop(grants: &[(&str, u64, u64, u32)], downtime_ms: u64) 
     fake
 }
 
+/// 30 s left at the stop, 10 s down: 20 s less the 1 ms the whole-ms clock
+/// readings cost.
 #[test]
 fn restored_grant_keeps_token_owner_and_its_deadline_less_the_downtime() {
     let mut fake = restart_after_clean_stop(&[("a", EARLIER, 7, 30_000)], 10_000);
-    assert_eq!(fake.query("a"), (EARLIER, 7, 20_000, 0));
+    assert_eq!(fake.query("a"), (EARLIER, 7, 19_999, 0));
     assert_eq!(fake.acquire(1, "a", 0, 30, 1), vec![(1, timeout(1))]);
     fake.enqueue(1, "a", 60, 30, 2);
     // R/E/Q act on it as before the restart: wrong tokens are N.
@@ -1032,8 +1034,11 @@ fn restored_grant_keeps_token_owner_and_its_deadline_less_the_downtime() {
         fake.extend(2, "a", 5, EARLIER + 1),
         vec![(2, not_held(EARLIER + 1))]
     );
-    assert_eq!(fake.run_until(20 * S - 1), vec![]);
-    assert_eq!(fake.run_until(20 * S), vec![(1, acquired(2, FIRST_TOKEN))]);
+    assert_eq!(fake.run_until(19_999 * MS - 1), vec![]);
+    assert_eq!(
+        fake.run_until(19_999 * MS),
+        vec![(1, acquired(2, FIRST_TOKEN))]
+    );
     assert_eq!(fake.core.stats().expired, 1);
     fake.core.check_invariants();
 
@@ -1055,7 +1060,7 @@ fn restored_grant_keeps_token_owner_and_its_deadline_less_the_downtime() {
 #[test]
 fn restored_grant_that_expired_during_the_downtime_is_free_and_others_are_free_at_once() {
     let mut fake = restart_after_clean_stop(
-        &[("gone", EARLIER, 7, 5_000), ("kept", EARLIER + 1, 8, 5_001)],
+        &[("gone", EARLIER, 7, 5_000), ("kept", EARLIER + 1, 8, 5_002)],
         5_000,
     );
     assert_eq!(fake.core.keys(), 1);

@@ -227,7 +227,9 @@ impl Recorded {
             expired: 0,
         };
         for grant in self.grants {
-            let left = u64::from(grant.left_ms).saturating_sub(since).min(cap);
+            // Both clock readings are whole ms: one ms less keeps the
+            // downtime from ever counting for the lease.
+            let left = u64::from(grant.left_ms).saturating_sub(since + 1).min(cap);
             if left == 0 {
                 restart.expired += 1;
                 continue;
@@ -414,7 +416,8 @@ impl StateDir {
                 key: grant.key,
                 token: grant.token,
                 owner: grant.owner,
-                left_ms: (grant.deadline - now).div_ceil(1_000).min(max_left) as u32,
+                // Rounded down: the lease never grows across the restart.
+                left_ms: ((grant.deadline - now) / 1_000).min(max_left) as u32,
             });
         let grace = core.grace_until();
         let horizon = if grace > now { grace } else { 0 };
@@ -854,13 +857,14 @@ mod tests {
         assert!(recorded.clean_stop);
         assert_eq!(recorded.token_high_water, 9);
         assert_eq!(recorded.written, clocks("boot-a", 1_005_000, 50_005_000));
-        // 2.5 s later by the boot-time clock, whatever the wall clock says.
+        // 2.5 s later by the boot-time clock, whatever the wall clock says
+        // (less one ms for the whole-ms clock readings).
         let restart = recorded.restart_at(&clocks("boot-a", 1_007_500, 1));
         assert_eq!(restart.grace, Duration::ZERO);
         assert_eq!(restart.expired, 1);
         assert_eq!(
             restart.grants,
-            vec![("lång/ключ".to_owned(), 8, 80, Duration::from_millis(27_500))]
+            vec![("lång/ключ".to_owned(), 8, 80, Duration::from_millis(27_499))]
         );
         let _ = fs::remove_dir_all(&dir);
     }
