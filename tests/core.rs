@@ -992,30 +992,28 @@ fn boot(boot_ms: u64, wall_ms: u64) -> Clocks {
 /// token, owner, lease ms left), restored into a fresh core `downtime_ms`
 /// later, as the server does at start.
 fn restart_after_clean_stop(grants: &[(&str, u64, u64, u32)], downtime_ms: u64) -> Fake {
-    let recorded = Recorded {
-        version: 2,
-        clean_stop: true,
-        written: boot(1_000, 50_000_000),
-        token_high_water: FIRST_TOKEN,
-        horizon_ms: 0,
-        grants: grants
+    let mut recorded = Recorded::new(true, boot(1_000, 50_000_000), FIRST_TOKEN, 0);
+    recorded.set_grants(
+        grants
             .iter()
             .map(|&(key, token, owner, left_ms)| SavedGrant {
-                key: key.to_owned(),
+                key,
                 token,
                 owner,
                 left_ms,
-            })
-            .collect(),
-    };
+            }),
+    );
     // The wall clock stepped back an hour meanwhile: it must not matter.
     let restart = recorded.restart_at(&boot(1_000 + downtime_ms, 50_000_000 - 3_600_000));
     assert_eq!(restart.grace, std::time::Duration::ZERO);
     let mut fake = Fake::with_conns(4);
-    for (key, token, owner, left) in restart.grants {
-        fake.core
-            .restore_grant(&key, token, owner, left.as_micros() as u64)
-            .unwrap();
+    for grant in recorded.grants() {
+        if let Some(left) = restart.lease_left(grant.left_ms) {
+            let deadline = left.as_micros() as u64;
+            fake.core
+                .restore_grant(grant.key, grant.token, grant.owner, deadline)
+                .unwrap();
+        }
     }
     fake.core.check_invariants();
     fake

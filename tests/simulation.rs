@@ -725,13 +725,7 @@ impl Sim {
             wall_ms: 50_000_000 + now.div_ceil(MS),
         };
         let ms_after = |at: Micros| at.saturating_sub(now).div_ceil(MS);
-        let mut recorded = Recorded {
-            version: 2,
-            clean_stop: clean,
-            written: written.clone(),
-            token_high_water: core.next_token(),
-            ..Recorded::default()
-        };
+        let mut recorded = Recorded::new(clean, written.clone(), core.next_token(), 0);
         if clean {
             core.check_invariants();
             self.fake.core.shut_down();
@@ -741,17 +735,17 @@ impl Sim {
             self.observe(&out, None)?;
             let core = &self.fake.core;
             // As `StateDir::save_clean_stop`: grants still running, the
-            // time left rounded up; what remains of this run's own grace.
-            recorded.grants = core
-                .grants()
-                .filter(|grant| grant.deadline > now)
-                .map(|grant| SavedGrant {
-                    key: grant.key.to_owned(),
-                    token: grant.token,
-                    owner: grant.owner,
-                    left_ms: ms_after(grant.deadline) as u32,
-                })
-                .collect();
+            // time left rounded down; what remains of this run's own grace.
+            recorded.set_grants(
+                core.grants()
+                    .filter(|grant| grant.deadline > now)
+                    .map(|grant| SavedGrant {
+                        key: grant.key,
+                        token: grant.token,
+                        owner: grant.owner,
+                        left_ms: ((grant.deadline - now) / MS) as u32,
+                    }),
+            );
             recorded.horizon_ms = ms_after(core.grace_until());
             self.counts.clean_restarts += 1;
         } else {
@@ -774,11 +768,15 @@ impl Sim {
         let limits = *self.fake.core.limits();
         let mut core = Core::new(limits, first_token);
         let mut model = Model::new(limits, first_token);
-        for (key, token, owner, left) in restart.grants {
+        for grant in recorded.grants() {
+            let Some(left) = restart.lease_left(grant.left_ms) else {
+                continue;
+            };
             let deadline = left.as_micros() as Micros;
-            core.restore_grant(&key, token, owner, deadline)
+            let key = grant.key;
+            core.restore_grant(key, grant.token, grant.owner, deadline)
                 .map_err(|e| format!("restore of {key:?}: {e}"))?;
-            model.restore(&key, token, owner, tick_of(deadline));
+            model.restore(key, grant.token, grant.owner, tick_of(deadline));
             self.counts.restored += 1;
         }
         if !restart.grace.is_zero() {

@@ -166,22 +166,13 @@ pub fn wall_clock_ms() -> u64 {
         .map_or(0, |elapsed| elapsed.as_millis() as u64)
 }
 
-/// One grant held at a clean stop.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SavedGrant {
-    pub key: String,
-    pub token: u64,
-    pub owner: u64,
-    /// Lease time left at the write, ms.
-    pub left_ms: u32,
-}
-
-/// A grant as the clean stop hands it over.
-#[derive(Clone, Copy, Debug)]
-pub struct GrantToSave<'a> {
+/// One grant held at a clean stop, as written and as read back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SavedGrant<'a> {
     pub key: &'a str,
     pub token: u64,
     pub owner: u64,
+    /// Lease time left at the write, ms.
     pub left_ms: u32,
 }
 
@@ -197,52 +188,113 @@ pub struct Recorded {
     pub token_high_water: u64,
     /// ms after the write until which a lease of that run may still run.
     pub horizon_ms: u64,
-    /// The grants held at a clean stop.
-    pub grants: Vec<SavedGrant>,
+    /// How many grants `grant_bytes` holds.
+    grant_count: u64,
+    /// The grants held at a clean stop, validated, in their file encoding:
+    /// a million grants are read without a million allocations.
+    grant_bytes: Vec<u8>,
 }
 
 /// What the previous run means for this one, at the moment `now`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Restart {
     /// Every key without a restored grant counts as held for this long.
     pub grace: Duration,
-    /// Grants to restore: (key, token, owner, lease left). Grants whose
-    /// lease ran out during the downtime are left out.
-    pub grants: Vec<(String, u64, u64, Duration)>,
-    /// Listed grants whose lease ran out while the server was down.
-    pub expired: usize,
+    /// The time since the file was written, ms.
+    since_ms: u64,
+}
+
+impl Restart {
+    /// The lease a grant with `left_ms` at the write has left now, or
+    /// `None` when it ran out while the server was down.
+    pub fn lease_left(&self, left_ms: u32) -> Option<Duration> {
+        // Both clock readings are whole ms: one ms less keeps the downtime
+        // from ever counting for the lease.
+        let left = u64::from(left_ms)
+            .saturating_sub(self.since_ms + 1)
+            .min(MAX_GRACE.as_millis() as u64);
+        (left > 0).then(|| Duration::from_millis(left))
+    }
 }
 
 impl Recorded {
-    /// The grace and the grants of this run, starting at `now`: the
-    /// downtime counts against every lease, never for it, and nothing lasts
-    /// longer than [`MAX_GRACE`].
-    pub fn restart_at(self, now: &Clocks) -> Restart {
-        let since = now.since(&self.written);
-        let cap = MAX_GRACE.as_millis() as u64;
-        let grace = self.horizon_ms.saturating_sub(since).min(cap);
-        let mut restart = Restart {
-            grace: Duration::from_millis(grace),
-            grants: Vec::with_capacity(self.grants.len()),
-            expired: 0,
-        };
-        for grant in self.grants {
-            // Both clock readings are whole ms: one ms less keeps the
-            // downtime from ever counting for the lease.
-            let left = u64::from(grant.left_ms).saturating_sub(since + 1).min(cap);
-            if left == 0 {
-                restart.expired += 1;
-                continue;
-            }
-            restart.grants.push((
-                grant.key,
-                grant.token,
-                grant.owner,
-                Duration::from_millis(left),
-            ));
+    /// A record as this build writes it, without grants (see
+    /// [`set_grants`](Self::set_grants)).
+    pub fn new(clean_stop: bool, written: Clocks, token_high_water: u64, horizon_ms: u64) -> Self {
+        Recorded {
+            version: FORMAT_VERSION,
+            clean_stop,
+            written,
+            token_high_water,
+            horizon_ms,
+            ..Recorded::default()
         }
-        restart
     }
+
+    /// The grace and the time since the write, at `now`: the downtime
+    /// counts against every lease, never for it, and nothing lasts longer
+    /// than [`MAX_GRACE`].
+    pub fn restart_at(&self, now: &Clocks) -> Restart {
+        let since_ms = now.since(&self.written);
+        let cap = MAX_GRACE.as_millis() as u64;
+        let grace = self.horizon_ms.saturating_sub(since_ms).min(cap);
+        Restart {
+            grace: Duration::from_millis(grace),
+            since_ms,
+        }
+    }
+
+    /// How many grants were listed.
+    pub fn grant_count(&self) -> u64 {
+        self.grant_count
+    }
+
+    /// The grants listed at a clean stop.
+    pub fn grants(&self) -> impl Iterator<Item = SavedGrant<'_>> + '_ {
+        let mut reader = Reader {
+            bytes: &self.grant_bytes,
+            at: 0,
+        };
+        // Validated when read: decoding cannot fail here.
+        (0..self.grant_count).map_while(move |index| decode_grant(&mut reader, index).ok())
+    }
+
+    /// Replaces the listed grants (a clean stop's, for tests and tools).
+    pub fn set_grants<'a>(&mut self, grants: impl IntoIterator<Item = SavedGrant<'a>>) {
+        self.grant_bytes.clear();
+        self.grant_count = 0;
+        for grant in grants {
+            encode_grant(&mut self.grant_bytes, &grant);
+            self.grant_count += 1;
+        }
+    }
+}
+
+fn encode_grant(out: &mut Vec<u8>, grant: &SavedGrant<'_>) {
+    out.extend_from_slice(&grant.token.to_be_bytes());
+    out.extend_from_slice(&grant.owner.to_be_bytes());
+    out.extend_from_slice(&grant.left_ms.to_be_bytes());
+    out.push(grant.key.len() as u8);
+    out.extend_from_slice(grant.key.as_bytes());
+}
+
+/// Reads grant number `index`, checking everything but its token's range.
+fn decode_grant<'a>(reader: &mut Reader<'a>, index: u64) -> Result<SavedGrant<'a>, String> {
+    let token = reader.u64("grant token")?;
+    let owner = reader.u64("grant owner")?;
+    let left_ms = reader.u32("grant lease")?;
+    let key_len = reader.u8("grant key length")?;
+    let key = reader.take(key_len.into(), "grant key")?;
+    let key = std::str::from_utf8(key).map_err(|_| format!("grant {index}: key not UTF-8"))?;
+    if key.is_empty() || key.contains('\n') {
+        return Err(format!("grant {index}: invalid key {key:?}"));
+    }
+    Ok(SavedGrant {
+        key,
+        token,
+        owner,
+        left_ms,
+    })
 }
 
 /// An open, locked state directory.
@@ -360,9 +412,14 @@ impl StateDir {
         let recorded = self.take_recorded();
         let (version, clean_stop) = (recorded.version, recorded.clean_stop);
         let restart = recorded.restart_at(&clocks);
-        let restored = restart.grants.len();
-        for (key, token, owner, left) in restart.grants {
-            core.restore_grant(&key, token, owner, micros(left))
+        let mut restored = 0;
+        for grant in recorded.grants() {
+            let Some(left) = restart.lease_left(grant.left_ms) else {
+                continue;
+            };
+            restored += 1;
+            let key = grant.key;
+            core.restore_grant(key, grant.token, grant.owner, micros(left))
                 .map_err(|e| {
                     state_error(
                         &self.dir,
@@ -387,7 +444,7 @@ impl StateDir {
             info!(
                 "state: restored {restored} grants of the previous run ({} expired while it was \
                  down) in {:.0} ms",
-                restart.expired,
+                recorded.grant_count() - restored,
                 started.elapsed().as_secs_f64() * 1e3
             );
         } else if version == 1 {
@@ -412,7 +469,7 @@ impl StateDir {
         let mut grants = core
             .grants()
             .filter(|grant| live(grant.deadline))
-            .map(|grant| GrantToSave {
+            .map(|grant| SavedGrant {
                 key: grant.key,
                 token: grant.token,
                 owner: grant.owner,
@@ -475,7 +532,7 @@ impl StateDir {
         horizon: u64,
         now: u64,
         count: usize,
-        grants: &mut dyn Iterator<Item = GrantToSave<'a>>,
+        grants: &mut dyn Iterator<Item = SavedGrant<'a>>,
     ) -> io::Result<()> {
         let at = self.anchor.plus(now.div_ceil(1_000));
         let horizon_ms = horizon.saturating_sub(now).div_ceil(1_000);
@@ -491,7 +548,7 @@ impl StateDir {
         token_high_water: u64,
         horizon_ms: u64,
         count: usize,
-        grants: &mut dyn Iterator<Item = GrantToSave<'a>>,
+        grants: &mut dyn Iterator<Item = SavedGrant<'a>>,
     ) -> io::Result<()> {
         let temporary = self.dir.join(format!("{STATE_FILE}.tmp"));
         let file = File::create(&temporary)?;
@@ -499,13 +556,12 @@ impl StateDir {
         write_header(&mut out, kind, at, token_high_water, horizon_ms)?;
         out.write_all(&(count as u64).to_be_bytes())?;
         let mut written = 0;
+        let mut encoded = Vec::with_capacity(64);
         for grant in grants {
             written += 1;
-            out.write_all(&grant.token.to_be_bytes())?;
-            out.write_all(&grant.owner.to_be_bytes())?;
-            out.write_all(&grant.left_ms.to_be_bytes())?;
-            out.write_all(&[grant.key.len() as u8])?;
-            out.write_all(grant.key.as_bytes())?;
+            encoded.clear();
+            encode_grant(&mut encoded, &grant);
+            out.write_all(&encoded)?;
         }
         if written != count {
             return Err(io::Error::other(format!(
@@ -585,8 +641,8 @@ struct Reader<'a> {
     at: usize,
 }
 
-impl Reader<'_> {
-    fn take(&mut self, len: usize, what: &str) -> Result<&[u8], String> {
+impl<'a> Reader<'a> {
+    fn take(&mut self, len: usize, what: &str) -> Result<&'a [u8], String> {
         let end = self
             .at
             .checked_add(len)
@@ -732,30 +788,15 @@ fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
         return Err(format!("{count} grants listed, room for at most {room}"));
     }
     // A key listed twice is caught when the grants are restored.
-    let mut grants = Vec::with_capacity(count as usize);
+    let grants_start = reader.at;
     for index in 0..count {
-        let token = reader.u64("grant token")?;
-        let owner = reader.u64("grant owner")?;
-        let left_ms = reader.u32("grant lease")?;
-        let key_len = reader.u8("grant key length")?;
-        let key = reader.take(key_len.into(), "grant key")?;
-        let key = std::str::from_utf8(key)
-            .map_err(|_| format!("grant {index}: key not UTF-8"))?
-            .to_owned();
-        if key.is_empty() || key.contains('\n') {
-            return Err(format!("grant {index}: invalid key {key:?}"));
-        }
-        if token == 0 || token >= token_high_water {
+        let grant = decode_grant(&mut reader, index)?;
+        if grant.token == 0 || grant.token >= token_high_water {
             return Err(format!(
-                "grant {index} ({key:?}): token {token} not in 1..{token_high_water}"
+                "grant {index} ({:?}): token {} not in 1..{token_high_water}",
+                grant.key, grant.token
             ));
         }
-        grants.push(SavedGrant {
-            key,
-            token,
-            owner,
-            left_ms,
-        });
     }
     if reader.at != body.len() {
         return Err(format!(
@@ -769,7 +810,8 @@ fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
         written,
         token_high_water,
         horizon_ms,
-        grants,
+        grant_count: count,
+        grant_bytes: body[grants_start..reader.at].to_vec(),
     })
 }
 
@@ -835,13 +877,13 @@ mod tests {
             let mut state = StateDir::open(&dir).unwrap();
             state.anchor(clocks("boot-a", 1_000_000, 50_000_000));
             let grants = [
-                GrantToSave {
+                SavedGrant {
                     key: "short",
                     token: 7,
                     owner: 70,
                     left_ms: 1_000,
                 },
-                GrantToSave {
+                SavedGrant {
                     key: "lång/ключ",
                     token: 8,
                     owner: 80,
@@ -861,10 +903,19 @@ mod tests {
         // (less one ms for the whole-ms clock readings).
         let restart = recorded.restart_at(&clocks("boot-a", 1_007_500, 1));
         assert_eq!(restart.grace, Duration::ZERO);
-        assert_eq!(restart.expired, 1);
+        let restored: Vec<(&str, u64, u64, Option<Duration>)> = recorded
+            .grants()
+            .map(|grant| {
+                let left = restart.lease_left(grant.left_ms);
+                (grant.key, grant.token, grant.owner, left)
+            })
+            .collect();
         assert_eq!(
-            restart.grants,
-            vec![("lång/ключ".to_owned(), 8, 80, Duration::from_millis(27_499))]
+            restored,
+            vec![
+                ("short", 7, 70, None),
+                ("lång/ключ", 8, 80, Some(Duration::from_millis(27_499)))
+            ]
         );
         let _ = fs::remove_dir_all(&dir);
     }
@@ -884,9 +935,7 @@ mod tests {
         let recorded = recorded_with_horizon(6_000);
         for wall_step in [-3_600_000i64, 0, 3_600_000] {
             let wall = (50_001_000 + wall_step) as u64;
-            let restart = recorded
-                .clone()
-                .restart_at(&clocks("boot-a", 1_001_000, wall));
+            let restart = recorded.restart_at(&clocks("boot-a", 1_001_000, wall));
             assert_eq!(restart.grace, Duration::from_millis(5_000), "{wall_step}");
         }
     }
@@ -944,7 +993,7 @@ mod tests {
         {
             let mut state = StateDir::open(&dir).unwrap();
             state.anchor(clocks("boot-a", 1_000, 2_000));
-            let grant = GrantToSave {
+            let grant = SavedGrant {
                 key: "k",
                 token: 3,
                 owner: 4,
