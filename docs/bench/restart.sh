@@ -16,6 +16,9 @@ addr=127.0.0.1:$port
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$dir"' EXIT
 
 rss() { awk '/VmRSS/ {print $2 " KiB"}' "/proc/$1/status"; }
+# CPU time (user + system) a process has used so far, ms: on a busy host
+# the wall-clock figures below include waiting for a core.
+cpu_ms() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) * 1000 / hz}' "/proc/$1/stat"; }
 now_ms() { date +%s%3N; }
 held() { "$kunci" info --server "$addr" | tr ' ' '\n' | sed -n 's/^held=//p'; }
 
@@ -40,7 +43,7 @@ RUST_LOG=info "$kunci" serve --listen "$addr" --state-dir "$dir/state" 2>"$dir/l
 server=$!
 until grep -q 'listening on' "$dir/log2"; do sleep 0.005; done
 restore=$(( $(now_ms) - start ))
-echo "start (spawn to listening): $restore ms; server RSS $(rss "$server")"
+echo "start (spawn to listening): $restore ms, $(cpu_ms "$server") ms CPU; server RSS $(rss "$server")"
 grep -o 'restored.*' "$dir/log2" || true
 echo "held after the restart: $(held)"
 kill -TERM "$server"
