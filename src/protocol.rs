@@ -29,6 +29,10 @@ pub const REQUEST_FRAME_MAX: usize = 1 + 10 + REQUEST_TAIL_MAX;
 /// gives up on the stream.
 pub const RESPONSE_TEXT_MAX: usize = 4096;
 
+/// The largest frame the server sends: an `I` line with every counter at
+/// its maximum is under 400 bytes; an `X` is at most 91.
+pub const RESPONSE_FRAME_MAX: usize = 512;
+
 /// Longest text the server puts in an `X` frame.
 pub const ERROR_TEXT_MAX: usize = 80;
 
@@ -124,6 +128,8 @@ pub enum ErrorCode {
     ConnectionLimit = 7,
     /// The server is shutting down.
     ShuttingDown = 8,
+    /// The peer's address is not in the server's `--allow` list.
+    NotAllowed = 9,
 }
 
 impl ErrorCode {
@@ -135,6 +141,7 @@ impl ErrorCode {
                 | ErrorCode::FrameTooLong
                 | ErrorCode::ConnectionLimit
                 | ErrorCode::ShuttingDown
+                | ErrorCode::NotAllowed
         )
     }
 
@@ -149,6 +156,7 @@ impl ErrorCode {
             ErrorCode::UnexpectedPayload => "this op takes no payload",
             ErrorCode::ConnectionLimit => "connection limit reached",
             ErrorCode::ShuttingDown => "server shutting down",
+            ErrorCode::NotAllowed => "peer not allowed",
         }
     }
 
@@ -163,6 +171,7 @@ impl ErrorCode {
             6 => ErrorCode::UnexpectedPayload,
             7 => ErrorCode::ConnectionLimit,
             8 => ErrorCode::ShuttingDown,
+            9 => ErrorCode::NotAllowed,
             _ => return None,
         })
     }

@@ -268,7 +268,7 @@ fn a_pipelining_peer_that_never_reads_stays_bounded() {
 }
 
 #[test]
-fn peers_outside_the_allow_list_are_closed_at_accept_and_counted() {
+fn peers_outside_the_allow_list_get_x9_at_accept_and_are_counted() {
     let dir = crate::util::TempDir::new("allow");
     let unix = format!("unix:{}", dir.join("k.sock").display());
     let server = TestServer::start(&[
@@ -280,6 +280,11 @@ fn peers_outside_the_allow_list_are_closed_at_accept_and_counted() {
         "10.0.0.0/8",
     ]);
     let mut outsider = server.peer();
+    // `X 9` comes at accept, before the server reads a byte (spec §6).
+    assert_eq!(
+        outsider.recv_bytes(27),
+        b"X\x09\0\0\0\0\0\0\0\0peer not allowed\n"
+    );
     outsider.send(&ping(1));
     outsider.expect_closed();
     let mut local = Peer::connect(&unix);

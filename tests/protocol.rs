@@ -422,14 +422,18 @@ fn a_255_byte_multibyte_key_round_trips() {
 }
 
 #[test]
-fn error_codes_are_fatal_exactly_for_1_2_7_8_and_have_short_ascii_texts() {
+fn error_codes_are_fatal_exactly_for_1_2_7_8_9_and_have_short_ascii_texts() {
     for value in 0..=255u8 {
         let Some(code) = ErrorCode::from_u8(value) else {
-            assert!(value == 0 || value > 8, "{value}");
+            assert!(value == 0 || value > 9, "{value}");
             continue;
         };
         assert_eq!(code as u8, value);
-        assert_eq!(code.is_fatal(), matches!(value, 1 | 2 | 7 | 8), "{code:?}");
+        assert_eq!(
+            code.is_fatal(),
+            matches!(value, 1 | 2 | 7 | 8 | 9),
+            "{code:?}"
+        );
         let text = code.text();
         assert!(!text.is_empty() && text.len() <= 80, "{text:?}");
         assert!(text.bytes().all(|b| b.is_ascii() && b != b'\n'), "{text:?}");

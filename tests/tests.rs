@@ -6,6 +6,7 @@ mod client;
 mod core;
 mod fencing;
 mod protocol;
+mod regression;
 mod restart;
 mod run_command;
 mod server;

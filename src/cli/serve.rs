@@ -48,8 +48,8 @@ Options:
   -h, --help                  show this help
 
 Logging: RUST_LOG (default info) — one start-up line, then only problems.
-SIGTERM / SIGINT: waiters get `B`, connections `X 8`, held grants are saved
-(with --state-dir), then exit 0.
+SIGTERM / SIGINT / SIGHUP: waiters get `B`, connections `X 8`, held grants are
+saved (with --state-dir), then exit 0.
 ",
         listen = defaults.listen[0],
         max_keys = limits.max_keys,
@@ -110,6 +110,22 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
     Ok(Some(config))
 }
 
+/// SIGTERM, SIGINT and SIGHUP shut the server down gracefully (spec §4):
+/// a thread waits for them and uses the server's shutdown handle.
+fn shut_down_on_signals(server: &Server) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])?;
+    let handle = server.shutdown_handle();
+    std::thread::Builder::new()
+        .name("signals".to_owned())
+        .spawn(move || {
+            for _ in signals.forever() {
+                handle.shut_down();
+            }
+        })?;
+    Ok(())
+}
+
 fn positive(option: &str, value: Result<OsString, lexopt::Error>) -> Result<usize, String> {
     let number: usize = args::number(option, value)?;
     if number == 0 {
@@ -155,10 +171,14 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         limits.max_waits_per_conn,
         limits.max_connections,
     );
+    if let Err(e) = shut_down_on_signals(&server) {
+        error!("cannot install signal handlers: {e}");
+        return 1;
+    }
     match server.run() {
         Ok(()) => exit::DONE,
         Err(e) => {
-            error!("event loop failed: {e}");
+            error!("{e}; exiting");
             1
         }
     }

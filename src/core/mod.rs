@@ -11,6 +11,8 @@
 //! Timers run on a 1 ms tick: a deadline rounds *up* to the next tick and
 //! fires once the clock has reached that tick, so nothing happens early.
 
+pub mod connection;
+pub mod endpoint;
 pub mod lock_table;
 pub mod timer_wheel;
 pub mod waiters;
@@ -20,7 +22,10 @@ use std::fmt::Write as _;
 
 use crate::protocol::{ErrorCode, Request, RequestError, Response};
 use lock_table::{LockTable, NIL};
-use timer_wheel::{TimerId, TimerLinks, TimerStore, TimerWheel};
+use timer_wheel::{
+    MICROS_PER_TICK, TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached,
+    tick_start,
+};
 use waiters::{ConnWaiters, Waiters};
 
 /// A connection as the core knows it: the shell's slab index.
@@ -29,7 +34,6 @@ pub type ConnId = u32;
 /// Microseconds since the core's epoch.
 pub type Micros = u64;
 
-const MICROS_PER_TICK: u64 = 1_000;
 const MICROS_PER_S: u64 = 1_000_000;
 
 /// Timer ids with this bit are waiters; without it, lock-table entries.
@@ -59,6 +63,34 @@ impl Default for Limits {
             max_waits_per_conn: 1 << 12,
             max_connections: 1 << 14,
         }
+    }
+}
+
+impl Limits {
+    /// Checks the limits against what the internal structures can index:
+    /// lock-table entries and waiters share one timer wheel (waiters'
+    /// timer ids carry [`WAITER_TIMER`]), and connection ids are the
+    /// connection wheel's timer ids. The error names the flag.
+    pub fn validate(&self) -> Result<(), String> {
+        let ids = WAITER_TIMER as usize;
+        if self.max_keys >= ids {
+            return Err(format!("--max-keys {} is above {}", self.max_keys, ids - 1));
+        }
+        if self.max_waiters >= ids {
+            return Err(format!(
+                "--max-waiters {} is above {}",
+                self.max_waiters,
+                ids - 1
+            ));
+        }
+        if self.max_connections as u64 > endpoint::CONN_ID_MAX / 2 {
+            return Err(format!(
+                "--max-connections {} is above {}",
+                self.max_connections,
+                endpoint::CONN_ID_MAX / 2
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -166,10 +198,6 @@ impl TimerStore for TimerNodes<'_> {
             &mut self.table.get_mut(id).lease
         }
     }
-}
-
-fn tick_at_or_after(at: Micros) -> u64 {
-    at.div_ceil(MICROS_PER_TICK)
 }
 
 impl Core {
@@ -294,6 +322,13 @@ impl Core {
         self.connections
     }
 
+    /// Whether `conn` is open as far as the core knows.
+    pub fn is_open(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(conn as usize)
+            .is_some_and(|state| state.open)
+    }
+
     /// The responses produced since the last drain, in the order they must
     /// be written.
     pub fn drain_outbox(&mut self) -> std::vec::Drain<'_, Output> {
@@ -303,7 +338,7 @@ impl Core {
     /// When [`handle_timeout`](Self::handle_timeout) next has work, or
     /// `None` when no timer is armed.
     pub fn poll_timeout(&self) -> Option<Micros> {
-        self.wheel.next_tick().map(|tick| tick * MICROS_PER_TICK)
+        self.wheel.next_tick().map(tick_start)
     }
 
     /// A connection opened.
@@ -363,7 +398,7 @@ impl Core {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
             };
-            let fired = self.wheel.poll(&mut nodes, now / MICROS_PER_TICK);
+            let fired = self.wheel.poll(&mut nodes, tick_reached(now));
             debug_assert!(fired.is_none());
         }
         match *request {
@@ -394,7 +429,7 @@ impl Core {
         if now >= self.grace_until && !self.freed_in_grace.is_empty() {
             self.freed_in_grace = HashSet::default();
         }
-        let now_tick = now / MICROS_PER_TICK;
+        let now_tick = tick_reached(now);
         loop {
             let mut nodes = TimerNodes {
                 table: &mut self.table,
@@ -617,7 +652,7 @@ impl Core {
                 let deadline = if entry.token == 0 {
                     self.grace_until
                 } else {
-                    (self.wheel.deadline_of(&entry.lease) * MICROS_PER_TICK)
+                    tick_start(self.wheel.deadline_of(&entry.lease))
                         .saturating_sub(MICROS_PER_TICK - 1)
                 };
                 Response::Query {

@@ -14,6 +14,28 @@
 //! so a timer never fires early. A cancelled timer is unlinked at once: it
 //! never causes a wake-up.
 
+/// Microseconds per tick. Every conversion between the clock (µs) and
+/// ticks goes through the three functions below, so the rounding is
+/// decided once.
+pub const MICROS_PER_TICK: u64 = 1_000;
+
+/// The tick a deadline at `at` µs fires on: rounded *up*, so a timer never
+/// fires before its deadline.
+pub fn tick_at_or_after(at: u64) -> u64 {
+    at.div_ceil(MICROS_PER_TICK)
+}
+
+/// The tick the clock at `now` µs has reached: rounded down, so a poll
+/// never fires a timer whose tick has not begun.
+pub fn tick_reached(now: u64) -> u64 {
+    now / MICROS_PER_TICK
+}
+
+/// The instant (µs) at which `tick` begins.
+pub fn tick_start(tick: u64) -> u64 {
+    tick * MICROS_PER_TICK
+}
+
 /// Identifies a timed object to its [`TimerStore`]. Values from
 /// [`SLOT_BASE`] up are reserved for the wheel.
 pub type TimerId = u32;

@@ -1,64 +1,47 @@
-//! The mio shell around the sans-IO [`Core`]: listeners, connections in a
-//! slab, per-connection buffers, signals, and the poll loop.
+//! The mio shell around the sans-IO [`Endpoint`]: syscalls and nothing
+//! else. It accepts, reads, writes, shuts and closes sockets, reads the
+//! clock, and sleeps in `epoll_wait` until the endpoint's next deadline.
+//! Every rule about what the bytes mean, when to stop reading, and when to
+//! close lives in [`crate::core::endpoint`].
 //!
 //! One thread does everything. Each wake-up reads what the ready sockets
-//! have (stamping each read with the clock), decodes whole frames straight
-//! from a shared scratch buffer, hands them to the core, and writes every
-//! connection's answers with one `write` per connection. The poll timeout
-//! is the earliest armed timer, or none: an idle server sleeps.
+//! have (stamping each read with the clock) and hands it to the endpoint,
+//! fires due timers, then writes every connection's queued answers with
+//! one `write` each. The poll timeout is the endpoint's earliest deadline,
+//! or none: an idle server sleeps.
 
-mod connection;
 mod listener;
 pub mod state;
 
 use std::fs::File;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use log::{debug, error, info, warn};
+use log::{debug, info, warn};
 use mio::{Events, Interest, Poll, Token, Waker};
-use signal_hook::consts::{SIGINT, SIGTERM};
-use signal_hook_mio::v1_0::Signals;
 use slab::Slab;
 
 use crate::addr::{Address, Network};
-use crate::core::timer_wheel::{TimerId, TimerLinks, TimerStore, TimerWheel};
+use crate::core::connection::READ_CHUNK;
+use crate::core::endpoint::{Action, Endpoint};
 use crate::core::{ConnId, Core, Limits, Micros};
-use crate::protocol::{self, Decoded, ErrorCode};
-use connection::{Connection, Flushed, Phase};
-use listener::{Listener, Peer, Stream};
+pub use listener::Stream;
+use listener::{Listener, Peer};
 use state::StateDir;
 
-/// Bytes read from a socket at a time; also the most input one
-/// connection can have waiting behind backpressure.
-const READ_CHUNK: usize = 64 * 1024;
 /// Bytes one connection may read per wake-up before others get a turn.
 const READ_BUDGET: usize = 4 * READ_CHUNK;
-/// Stop reading a connection whose unsent output passes this...
-const OUTPUT_HIGH_WATER: usize = 64 * 1024;
-/// ...and resume once it is below this.
-const OUTPUT_LOW_WATER: usize = 16 * 1024;
-/// A frame left incomplete this long closes the connection.
-pub const PARTIAL_FRAME_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a closing connection may take to drain its last answers and
-/// its peer's unread input before it is dropped.
-const LINGER: Duration = Duration::from_secs(2);
-/// At most this many connections refused at the limit linger at once;
-/// beyond it they are closed right after a best-effort `X 7`.
-const LINGERING_REFUSED_MAX: usize = 256;
-/// How long a graceful shutdown waits for peers to take their last bytes.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
 /// After `accept` keeps failing (no file descriptors), retry this much later.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// Connections refused with the spare descriptor per wake-up before the
 /// loop backs off and serves the connections it has.
 const ACCEPT_REFUSALS_PER_WAKEUP: usize = 64;
 
-const SIGNAL_TOKEN: Token = Token(usize::MAX);
-const WAKE_TOKEN: Token = Token(usize::MAX - 1);
-const LISTENER_TOKEN_BASE: usize = usize::MAX - 2;
+const WAKE_TOKEN: Token = Token(usize::MAX);
+const LISTENER_TOKEN_BASE: usize = usize::MAX - 1;
 
 fn listener_token(index: usize) -> Token {
     Token(LISTENER_TOKEN_BASE - index)
@@ -71,8 +54,8 @@ pub struct Config {
     pub limits: Limits,
     /// Permissions of `unix:` socket files.
     pub unix_mode: u32,
-    /// When not empty, TCP peers outside these networks are closed at
-    /// accept (and counted as `refused`).
+    /// When not empty, TCP peers outside these networks get `X 9` at
+    /// accept and are closed (and counted as `refused`).
     pub allow: Vec<Network>,
     /// Where to keep the token high-water mark and lease horizon that make
     /// restarts safe (see [`state`]); `None` keeps nothing on disk.
@@ -91,7 +74,8 @@ impl Default for Config {
     }
 }
 
-/// Asks a running server to shut down gracefully, from any thread.
+/// Asks a running server to shut down gracefully, from any thread. The
+/// binary calls it from its signal handling; the library installs none.
 #[derive(Clone)]
 pub struct ShutdownHandle {
     requested: Arc<AtomicBool>,
@@ -119,38 +103,44 @@ pub struct Server {
     poll: Poll,
     listeners: Vec<Listener>,
     addresses: Vec<Address>,
-    signals: Signals,
     shutdown: ShutdownHandle,
-    loop_state: EventLoop,
+    shell: Shell,
+}
+
+/// An accepted socket and what its readiness last said.
+struct Socket {
+    stream: Stream,
+    /// The peer's end-of-file has been reported: read until it is seen,
+    /// since no later readiness event will report it again.
+    read_closed: bool,
+    /// In the list of sockets to read without waiting for readiness.
+    in_ready: bool,
 }
 
 /// Everything the loop mutates, apart from the poll and the listeners.
-struct EventLoop {
+struct Shell {
     registry: mio::Registry,
-    allow: Vec<Network>,
     state: Option<StateDir>,
-    core: Core,
-    conns: Slab<Connection>,
-    conn_timers: TimerWheel,
+    endpoint: Endpoint,
+    sockets: Slab<Socket>,
     clock_start: Instant,
     read_buffer: Box<[u8]>,
-    write_buffer: Vec<u8>,
-    /// Connections with output to flush before the next poll.
-    dirty: Vec<usize>,
-    /// Connections to service before the next poll.
+    /// Sockets to read before the next poll.
     ready: Vec<usize>,
-    refused_lingering: usize,
     accept_paused_until: Option<Micros>,
     /// A descriptor held in reserve, given up to accept-and-refuse when
     /// the process runs out of descriptors.
     spare_fd: Option<File>,
-    shutdown_deadline: Option<Micros>,
 }
 
 impl Server {
     /// Binds every listen address, opens the state directory if one is
     /// configured, and prepares the loop.
     pub fn bind(config: Config) -> io::Result<Server> {
+        config
+            .limits
+            .validate()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let mut state = match &config.state_dir {
             Some(dir) => Some(StateDir::open(dir)?),
             None => None,
@@ -168,9 +158,6 @@ impl Server {
             addresses.push(listener.local_address()?);
             listeners.push(listener);
         }
-        let mut signals = Signals::new([SIGTERM, SIGINT])?;
-        poll.registry()
-            .register(&mut signals, SIGNAL_TOKEN, Interest::READABLE)?;
         let shutdown = ShutdownHandle {
             requested: Arc::new(AtomicBool::new(false)),
             waker: Arc::new(Waker::new(poll.registry(), WAKE_TOKEN)?),
@@ -189,30 +176,23 @@ impl Server {
         if let Some(state) = state.as_mut() {
             state.resume(&mut core)?;
         }
-        let loop_state = EventLoop {
+        let shell = Shell {
             registry: poll.registry().try_clone()?,
-            allow: config.allow.clone(),
             state,
-            core,
-            conns: Slab::new(),
-            conn_timers: TimerWheel::new(),
+            endpoint: Endpoint::new(core, config.allow.clone()),
+            sockets: Slab::new(),
             clock_start,
             read_buffer: vec![0; READ_CHUNK].into_boxed_slice(),
-            write_buffer: Vec::new(),
-            dirty: Vec::new(),
             ready: Vec::new(),
-            refused_lingering: 0,
             accept_paused_until: None,
             spare_fd: File::open("/dev/null").ok(),
-            shutdown_deadline: None,
         };
         Ok(Server {
             poll,
             listeners,
             addresses,
-            signals,
             shutdown,
-            loop_state,
+            shell,
         })
     }
 
@@ -222,19 +202,24 @@ impl Server {
     }
 
     pub fn limits(&self) -> &Limits {
-        self.loop_state.core.limits()
+        self.shell.endpoint.core().limits()
     }
 
+    /// A handle that shuts the server down gracefully (spec §4) from any
+    /// thread — `kunci serve` calls it on SIGTERM, SIGINT and SIGHUP.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.shutdown.clone()
     }
 
-    /// Runs until SIGTERM, SIGINT or a [`ShutdownHandle`], then shuts down
-    /// gracefully (spec §4) and returns.
+    /// Runs until a [`ShutdownHandle`] asks it to stop, then shuts down
+    /// gracefully (spec §4) and returns. An error is returned when the
+    /// poller fails or the state directory cannot be written (answering
+    /// without the promise on disk could, after a crash, hand a key to two
+    /// holders).
     pub fn run(mut self) -> io::Result<()> {
         let mut events = Events::with_capacity(1024);
         loop {
-            let timeout = self.loop_state.poll_timeout();
+            let timeout = self.shell.poll_timeout();
             if let Err(error) = self.poll.poll(&mut events, timeout) {
                 if error.kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -243,11 +228,6 @@ impl Server {
             }
             for event in events.iter() {
                 match event.token() {
-                    SIGNAL_TOKEN => {
-                        if self.signals.pending().next().is_some() {
-                            self.begin_shutdown();
-                        }
-                    }
                     WAKE_TOKEN => {
                         if self.shutdown.requested.load(Ordering::SeqCst) {
                             self.begin_shutdown();
@@ -256,45 +236,50 @@ impl Server {
                     Token(token) if token > LISTENER_TOKEN_BASE - self.listeners.len() => {
                         let index = LISTENER_TOKEN_BASE - token;
                         if let Some(listener) = self.listeners.get(index) {
-                            self.loop_state.accept_all(listener);
+                            self.shell.accept_all(listener);
                         }
                     }
                     Token(id) => {
                         if event.is_writable() {
-                            self.loop_state.on_writable(id);
+                            self.shell.flush(id)?;
+                        }
+                        if event.is_read_closed() || event.is_error() {
+                            if let Some(socket) = self.shell.sockets.get_mut(id) {
+                                socket.read_closed = true;
+                            }
                         }
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
-                            self.loop_state.service(id);
+                            self.shell.read(id);
                         }
                     }
                 }
             }
-            let state = &mut self.loop_state;
-            state.service_ready();
-            let now = state.now();
-            state.core.handle_timeout(now);
-            state.route_outbox(None);
-            state.fire_conn_timers(now);
-            if state.accept_paused_until.is_some_and(|until| until <= now) {
-                state.accept_paused_until = None;
-                for listener in &self.listeners {
-                    state.accept_all(listener);
+            let shell = &mut self.shell;
+            for id in std::mem::take(&mut shell.ready) {
+                if let Some(socket) = shell.sockets.get_mut(id) {
+                    socket.in_ready = false;
+                    shell.read(id);
                 }
             }
-            state.flush_dirty();
-            if let Some(deadline) = state.shutdown_deadline {
-                if state.conns.is_empty() || now >= deadline {
-                    state.record_clean_stop(now);
-                    info!("shut down");
-                    return Ok(());
+            let now = shell.now();
+            shell.endpoint.handle_timeout(now);
+            if shell.accept_paused_until.is_some_and(|until| until <= now) {
+                shell.accept_paused_until = None;
+                for listener in &self.listeners {
+                    shell.accept_all(listener);
                 }
+            }
+            shell.flush_all()?;
+            if shell.endpoint.is_shut_down(now) {
+                shell.record_clean_stop(now);
+                info!("shut down");
+                return Ok(());
             }
         }
     }
 
     fn begin_shutdown(&mut self) {
-        let state = &mut self.loop_state;
-        if state.shutdown_deadline.is_some() {
+        if self.shell.endpoint.is_shutting_down() {
             return;
         }
         info!("shutting down: answering waiters and closing connections");
@@ -303,15 +288,9 @@ impl Server {
             listener.remove_file();
         }
         self.listeners.clear();
-        let now = state.now();
-        state.shutdown_deadline = Some(now + SHUTDOWN_GRACE.as_micros() as u64);
-        state.accept_paused_until = None;
-        state.core.shut_down();
-        state.route_outbox(None);
-        let ids: Vec<usize> = state.conns.iter().map(|(id, _)| id).collect();
-        for id in ids {
-            state.begin_close(id, now);
-        }
+        let now = self.shell.now();
+        self.shell.accept_paused_until = None;
+        self.shell.endpoint.shut_down(now);
     }
 }
 
@@ -323,20 +302,11 @@ impl Drop for Server {
     }
 }
 
-/// Gives the connection timer wheel the links inside connections.
-struct ConnTimers<'a>(&'a mut Slab<Connection>);
-
-impl TimerStore for ConnTimers<'_> {
-    fn links(&mut self, id: TimerId) -> &mut TimerLinks {
-        &mut self.0[id as usize].timer
-    }
-}
-
 fn micros(duration: Duration) -> Micros {
     duration.as_micros() as Micros
 }
 
-impl EventLoop {
+impl Shell {
     fn now(&self) -> Micros {
         micros(self.clock_start.elapsed())
     }
@@ -345,61 +315,168 @@ impl EventLoop {
         if !self.ready.is_empty() {
             return Some(Duration::ZERO);
         }
-        let next = [
-            self.core.poll_timeout(),
-            self.conn_timers.next_tick().map(|tick| tick * 1_000),
-            self.accept_paused_until,
-            self.shutdown_deadline,
-        ]
-        .into_iter()
-        .flatten()
-        .min()?;
+        let next = [self.endpoint.poll_timeout(), self.accept_paused_until]
+            .into_iter()
+            .flatten()
+            .min()?;
         Some(Duration::from_micros(next.saturating_sub(self.now())))
+    }
+
+    /// Reads socket `id` until it would block, reaches end-of-file, the
+    /// endpoint wants no more, or the budget is spent. A short read means
+    /// the socket is drained — edge-triggered readiness reports the next
+    /// bytes, which saves an `EAGAIN` read per wake-up — *unless* the peer
+    /// has closed: then its end-of-file may already sit behind the bytes
+    /// read and no event would report it again, so reading goes on until
+    /// it is seen.
+    fn read(&mut self, id: usize) {
+        let mut budget = READ_BUDGET;
+        loop {
+            if !self.endpoint.wants_read(id as ConnId) {
+                return;
+            }
+            let Some(socket) = self.sockets.get_mut(id) else {
+                return;
+            };
+            match socket.stream.read(&mut self.read_buffer) {
+                Ok(0) => {
+                    let now = self.now();
+                    return self.endpoint.handle_eof(id as ConnId, now);
+                }
+                Ok(n) => {
+                    let drained = n < self.read_buffer.len() && !socket.read_closed;
+                    let now = self.now();
+                    self.endpoint
+                        .handle_read(id as ConnId, &self.read_buffer[..n], now);
+                    budget = budget.saturating_sub(n);
+                    if drained {
+                        return;
+                    }
+                    if budget == 0 {
+                        return self.read_later(id);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return self.endpoint.handle_broken(id as ConnId),
+            }
+        }
+    }
+
+    /// Reads `id` again before the next poll, after others had a turn.
+    fn read_later(&mut self, id: usize) {
+        if let Some(socket) = self.sockets.get_mut(id) {
+            if !socket.in_ready {
+                socket.in_ready = true;
+                self.ready.push(id);
+            }
+        }
+    }
+
+    /// Writes what every connection has queued, then carries out the
+    /// endpoint's socket actions.
+    fn flush_all(&mut self) -> io::Result<()> {
+        while let Some(id) = self.endpoint.next_transmit() {
+            self.flush(id as usize)?;
+        }
+        self.apply_actions();
+        Ok(())
+    }
+
+    /// Writes `id`'s queued output until it is all sent or the socket
+    /// would block (its write readiness then brings it back).
+    fn flush(&mut self, id: usize) -> io::Result<()> {
+        if self.endpoint.transmit(id as ConnId).is_some() {
+            self.make_durable()?;
+        }
+        loop {
+            let Some(socket) = self.sockets.get_mut(id) else {
+                return Ok(());
+            };
+            let Some(bytes) = self.endpoint.transmit(id as ConnId) else {
+                return Ok(());
+            };
+            match socket.stream.write(bytes) {
+                Ok(0) => {
+                    self.endpoint.handle_broken(id as ConnId);
+                    return Ok(());
+                }
+                Ok(n) => {
+                    let now = self.now();
+                    self.endpoint.handle_written(id as ConnId, n, now);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    self.endpoint.handle_broken(id as ConnId);
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    fn apply_actions(&mut self) {
+        while let Some((id, action)) = self.endpoint.poll_action() {
+            let id = id as usize;
+            match action {
+                Action::ShutWrite => {
+                    if let Some(socket) = self.sockets.get(id) {
+                        socket.stream.shutdown_write();
+                    }
+                }
+                Action::Read => self.read_later(id),
+                Action::Close => {
+                    if self.sockets.contains(id) {
+                        let mut socket = self.sockets.remove(id);
+                        let _ = self.registry.deregister(&mut socket.stream);
+                    }
+                }
+            }
+        }
     }
 
     /// With a state directory: before any answer leaves the process, make
     /// sure the state file covers every token issued and every lease
     /// granted, so a crash can never show a token or lease twice. Without
     /// one this is nothing.
-    fn make_durable(&mut self) {
+    fn make_durable(&mut self) -> io::Result<()> {
         let Some(state) = self.state.as_mut() else {
-            return;
+            return Ok(());
         };
         let now = micros(self.clock_start.elapsed());
-        let core = &self.core;
-        let covered = state.cover(
-            core.next_token(),
-            core.lease_deadline_max(),
-            core.grace_until(),
-            now,
-        );
-        if let Err(e) = covered {
-            // Answering without the promise on disk could, after a crash,
-            // hand a key to two holders: stop instead.
-            error!("state directory: cannot persist: {e}; exiting");
-            std::process::exit(1);
-        }
+        let core = self.endpoint.core();
+        state
+            .cover(
+                core.next_token(),
+                core.lease_deadline_max(),
+                core.grace_until(),
+                now,
+            )
+            .map(|_| ())
+            .map_err(|e| io::Error::new(e.kind(), format!("state directory: cannot persist: {e}")))
     }
 
     /// Persists every held grant (spec §7.1) once no request can arrive.
     fn record_clean_stop(&mut self, now: Micros) {
-        if let Some(state) = self.state.as_mut() {
-            let started = Instant::now();
-            match state.save_clean_stop(&self.core, now) {
-                Ok(()) => info!(
-                    "state: saved {} grants in {:.0} ms",
-                    self.core.held(),
-                    started.elapsed().as_secs_f64() * 1e3
-                ),
-                // The last run's running file still promises its horizon:
-                // the next run starts with a grace instead of the grants.
-                Err(e) => error!("state directory: cannot record the clean stop: {e}"),
-            }
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
+        let core = self.endpoint.core();
+        let started = Instant::now();
+        match state.save_clean_stop(core, now) {
+            Ok(()) => info!(
+                "state: saved {} grants in {:.0} ms",
+                core.held(),
+                started.elapsed().as_secs_f64() * 1e3
+            ),
+            // The running file still promises its horizon: the next run
+            // starts with a grace instead of the grants.
+            Err(e) => log::error!("state directory: cannot record the clean stop: {e}"),
         }
     }
 
     fn accept_all(&mut self, listener: &Listener) {
-        if self.accept_paused_until.is_some() || self.shutdown_deadline.is_some() {
+        if self.accept_paused_until.is_some() || self.endpoint.is_shutting_down() {
             return;
         }
         let mut refused = 0;
@@ -435,11 +512,10 @@ impl EventLoop {
             self.spare_fd = File::open("/dev/null").ok();
             return false;
         }
-        let accepted = listener.accept();
-        if let Ok((stream, _)) = accepted {
-            let mut conn = Connection::new(stream);
-            self.send_connection_limit(&mut conn);
-            conn.stream.shutdown_write();
+        if let Ok((mut stream, _)) = listener.accept() {
+            let frame = self.endpoint.refusal_without_descriptor();
+            let _ = stream.write(&frame);
+            stream.shutdown_write();
         }
         self.spare_fd = File::open("/dev/null").ok();
         self.spare_fd.is_some()
@@ -451,63 +527,35 @@ impl EventLoop {
         self.accept_paused_until = Some(self.now() + micros(ACCEPT_BACKOFF));
     }
 
-    fn send_connection_limit(&mut self, conn: &mut Connection) {
-        let mut frame = Vec::with_capacity(40);
-        protocol::encode_response(&ErrorCode::ConnectionLimit.response(0), &mut frame);
-        self.core.stats_mut().errors += 1;
-        match conn.write_some(&frame) {
-            Flushed::All => {}
-            Flushed::Partial(n) => conn.output = frame[n..].to_vec(),
-            Flushed::Broken => {}
-        }
-    }
-
     fn admit(&mut self, stream: Stream, peer: Peer) {
-        if let Peer::Tcp(address) = peer {
-            if !self.allow.is_empty()
-                && !self
-                    .allow
-                    .iter()
-                    .any(|network| network.contains(address.ip()))
-            {
-                debug!("refusing {address}: not in --allow");
-                self.core.stats_mut().refused += 1;
-                return;
-            }
-        }
-        let mut conn = Connection::new(stream);
-        if self.core.connections() >= self.core.limits().max_connections {
-            debug!("refusing {peer:?}: connection limit");
-            self.send_connection_limit(&mut conn);
-            if self.refused_lingering >= LINGERING_REFUSED_MAX {
-                return;
-            }
-            self.refused_lingering += 1;
-            conn.refused = true;
-            let id = self.insert_connection(conn);
-            let now = self.now();
-            self.begin_close(id, now);
+        let entry = self.sockets.vacant_entry();
+        let id = entry.key();
+        if id as u64 > crate::core::endpoint::CONN_ID_MAX {
+            // More sockets than the limit allows are waiting to close.
+            warn!("refusing {peer:?}: too many sockets still closing");
             return;
         }
-        let id = self.insert_connection(conn);
-        self.core.connect(id as ConnId);
-        debug!("connection {id} from {peer:?}");
-    }
-
-    fn insert_connection(&mut self, conn: Connection) -> usize {
-        let entry = self.conns.vacant_entry();
-        let id = entry.key();
-        let conn = entry.insert(conn);
+        let socket = entry.insert(Socket {
+            stream,
+            read_closed: false,
+            in_ready: false,
+        });
         // Registered for both directions once, edge-triggered: no
         // re-registration syscalls when output comes and goes.
         if let Err(e) = self.registry.register(
-            &mut conn.stream,
+            &mut socket.stream,
             Token(id),
             Interest::READABLE | Interest::WRITABLE,
         ) {
             warn!("register connection: {e}");
         }
-        id
+        debug!("connection {id} from {peer:?}");
+        let ip: Option<IpAddr> = match peer {
+            Peer::Tcp(address) => Some(address.ip()),
+            Peer::Unix => None,
+        };
+        let now = self.now();
+        self.endpoint.accept(id as ConnId, ip, now);
     }
 }
 
@@ -540,388 +588,4 @@ pub(crate) fn raise_fd_limit(wanted: usize) -> Option<u64> {
         }
     }
     Some(limit.rlim_cur)
-}
-
-/// How one pass over a connection's input ended.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum InputEnd {
-    /// Everything readable was read (or the budget ran out).
-    Drained,
-    /// Output passed the high-water mark; input waits.
-    Backpressure,
-    /// The peer closed its write side.
-    PeerClosed,
-    /// The socket failed.
-    Broken,
-    /// The peer's bytes broke framing; an `X` is queued.
-    Fatal,
-}
-
-impl EventLoop {
-    /// Reads, decodes and evaluates what connection `id` sent, and writes
-    /// the answers with one `write`.
-    fn service(&mut self, id: usize) {
-        let Some(conn) = self.conns.get_mut(id) else {
-            return;
-        };
-        conn.ready = false;
-        if conn.phase == Phase::Closing {
-            return self.discard_input(id);
-        }
-        if conn.paused {
-            return;
-        }
-        // Answers go to the shared write buffer unless earlier output is
-        // still queued, which they must follow.
-        let mut out = if conn.output.is_empty() {
-            std::mem::take(&mut self.write_buffer)
-        } else {
-            std::mem::take(&mut conn.output)
-        };
-        let mut budget = READ_BUDGET;
-        let mut progress = false;
-        let end = loop {
-            if out.len() >= OUTPUT_HIGH_WATER {
-                break InputEnd::Backpressure;
-            }
-            let conn = &mut self.conns[id];
-            let carried = conn.input.len().min(self.read_buffer.len());
-            self.read_buffer[..carried].copy_from_slice(&conn.input[..carried]);
-            conn.input = Vec::new();
-            let mut end = None;
-            let mut filled = carried;
-            let mut now = 0;
-            if carried < self.read_buffer.len() {
-                match conn.stream.read(&mut self.read_buffer[carried..]) {
-                    Ok(0) => end = Some(InputEnd::PeerClosed),
-                    Ok(n) => {
-                        filled += n;
-                        budget = budget.saturating_sub(n);
-                        now = micros(self.clock_start.elapsed());
-                        // A short read emptied the socket: edge-triggered
-                        // readiness will report the next bytes.
-                        if filled < self.read_buffer.len() || budget == 0 {
-                            end = Some(InputEnd::Drained);
-                        }
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        end = Some(InputEnd::Drained)
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(_) => end = Some(InputEnd::Broken),
-                }
-            }
-            if now == 0 {
-                now = self.now();
-            }
-            let (consumed, fatal) = self.evaluate(id, filled, now, &mut out);
-            progress |= consumed > 0;
-            let conn = &mut self.conns[id];
-            if consumed < filled {
-                conn.input = self.read_buffer[consumed..filled].to_vec();
-            }
-            if fatal {
-                break InputEnd::Fatal;
-            }
-            if out.len() >= OUTPUT_HIGH_WATER {
-                break InputEnd::Backpressure;
-            }
-            if let Some(end) = end {
-                if end == InputEnd::Drained && budget == 0 && !conn.ready {
-                    conn.ready = true;
-                    self.ready.push(id);
-                }
-                break end;
-            }
-        };
-        let now = self.now();
-        if !out.is_empty() {
-            self.make_durable();
-        }
-        let conn = &mut self.conns[id];
-        let broken = match conn.write_some(&out) {
-            Flushed::All => false,
-            Flushed::Partial(n) => {
-                conn.output = out[n..].to_vec();
-                false
-            }
-            Flushed::Broken => true,
-        };
-        out.clear();
-        if out.capacity() <= 4 * OUTPUT_HIGH_WATER {
-            self.write_buffer = out;
-        }
-        if broken || end == InputEnd::Broken {
-            return self.close(id);
-        }
-        match end {
-            InputEnd::Fatal | InputEnd::PeerClosed => {
-                if end == InputEnd::PeerClosed {
-                    debug!("connection {id} closed by peer");
-                }
-                self.begin_close(id, now);
-            }
-            InputEnd::Backpressure => {
-                let conn = &mut self.conns[id];
-                if conn.output.len() >= OUTPUT_LOW_WATER {
-                    conn.paused = true;
-                } else if !conn.ready {
-                    // The socket took the batch: go on after others had a turn.
-                    conn.ready = true;
-                    self.ready.push(id);
-                }
-                // Our output is late, not the peer's input.
-                self.conn_timers
-                    .cancel(&mut ConnTimers(&mut self.conns), id as TimerId);
-            }
-            InputEnd::Drained | InputEnd::Broken => self.arm_partial_frame_timer(id, progress, now),
-        }
-    }
-
-    /// Decodes and evaluates the frames in `read_buffer[..filled]` until
-    /// input runs out, output passes the high-water mark, or framing
-    /// breaks. Returns the bytes consumed and whether framing broke.
-    fn evaluate(
-        &mut self,
-        id: usize,
-        filled: usize,
-        now: Micros,
-        out: &mut Vec<u8>,
-    ) -> (usize, bool) {
-        let conn_id = id as ConnId;
-        let mut at = 0;
-        while at < filled && out.len() < OUTPUT_HIGH_WATER {
-            match protocol::decode_request(&self.read_buffer[at..filled]) {
-                Decoded::Incomplete => break,
-                Decoded::Request { request, len } => {
-                    self.core.handle_request(conn_id, &request, now);
-                    at += len;
-                }
-                Decoded::Invalid { error, len } => {
-                    self.core.handle_invalid(conn_id, error);
-                    at += len;
-                }
-                Decoded::Fatal(error) => {
-                    debug!("connection {id}: {}", error.code);
-                    self.core.handle_invalid(conn_id, error);
-                    route(
-                        &mut self.core,
-                        &mut self.conns,
-                        &mut self.dirty,
-                        Some((id, out)),
-                    );
-                    return (filled, true);
-                }
-            }
-            route(
-                &mut self.core,
-                &mut self.conns,
-                &mut self.dirty,
-                Some((id, out)),
-            );
-        }
-        (at, false)
-    }
-
-    /// (Re)starts the incomplete-frame clock when a new frame was left
-    /// incomplete; stops it when no input is left.
-    fn arm_partial_frame_timer(&mut self, id: usize, progress: bool, now: Micros) {
-        let Some(conn) = self.conns.get(id) else {
-            return;
-        };
-        let (idle, armed) = (conn.input.is_empty(), conn.timer.is_armed());
-        let mut timers = ConnTimers(&mut self.conns);
-        if idle {
-            self.conn_timers.cancel(&mut timers, id as TimerId);
-        } else if progress || !armed {
-            let deadline = now + micros(PARTIAL_FRAME_TIMEOUT);
-            self.conn_timers
-                .arm(&mut timers, id as TimerId, deadline.div_ceil(1_000));
-        }
-    }
-
-    fn service_ready(&mut self) {
-        let ready = std::mem::take(&mut self.ready);
-        for id in ready {
-            self.service(id);
-        }
-    }
-
-    fn on_writable(&mut self, id: usize) {
-        self.make_durable();
-        let Some(conn) = self.conns.get_mut(id) else {
-            return;
-        };
-        if !conn.flush_output() {
-            return self.close(id);
-        }
-        self.after_flush(id);
-    }
-
-    /// After output drained: resume a paused reader, finish a closing
-    /// connection's write side.
-    fn after_flush(&mut self, id: usize) {
-        let Some(conn) = self.conns.get_mut(id) else {
-            return;
-        };
-        if conn.phase == Phase::Closing {
-            if conn.output.is_empty() {
-                if conn.peer_closed {
-                    return self.close(id);
-                }
-                if !conn.write_shut {
-                    conn.stream.shutdown_write();
-                    conn.write_shut = true;
-                }
-            }
-            return;
-        }
-        if conn.paused && conn.output.len() < OUTPUT_LOW_WATER {
-            conn.paused = false;
-            if !conn.ready {
-                conn.ready = true;
-                self.ready.push(id);
-            }
-        }
-    }
-
-    /// Routes the core's queued answers to their connections' output.
-    fn route_outbox(&mut self, current: Option<(usize, &mut Vec<u8>)>) {
-        route(&mut self.core, &mut self.conns, &mut self.dirty, current);
-    }
-
-    fn flush_dirty(&mut self) {
-        if self.dirty.is_empty() {
-            return;
-        }
-        self.make_durable();
-        let dirty = std::mem::take(&mut self.dirty);
-        for &id in &dirty {
-            let Some(conn) = self.conns.get_mut(id) else {
-                continue;
-            };
-            conn.dirty = false;
-            if !conn.flush_output() {
-                self.close(id);
-                continue;
-            }
-            self.after_flush(id);
-        }
-        let mut dirty = dirty;
-        dirty.clear();
-        if self.dirty.is_empty() {
-            self.dirty = dirty;
-        }
-    }
-
-    fn fire_conn_timers(&mut self, now: Micros) {
-        let tick = now / 1_000;
-        while let Some(id) = self
-            .conn_timers
-            .poll(&mut ConnTimers(&mut self.conns), tick)
-        {
-            let id = id as usize;
-            match self.conns.get(id).map(|conn| conn.phase) {
-                Some(Phase::Open) => {
-                    debug!("connection {id}: frame incomplete for {PARTIAL_FRAME_TIMEOUT:?}");
-                    self.close(id);
-                }
-                Some(Phase::Closing) => self.close(id),
-                None => {}
-            }
-        }
-    }
-
-    /// Stops reading requests from `id` (the core must already have
-    /// forgotten it), flushes what is queued, then shuts the write side and
-    /// discards input until the peer closes or the linger time passes.
-    /// Closing this way, rather than at once, keeps unread input from
-    /// turning our close into a reset that could destroy the last answer.
-    fn begin_close(&mut self, id: usize, now: Micros) {
-        let Some(conn) = self.conns.get_mut(id) else {
-            return;
-        };
-        if conn.phase == Phase::Closing {
-            return;
-        }
-        if conn.phase == Phase::Open {
-            self.core.disconnect(id as ConnId);
-        }
-        conn.phase = Phase::Closing;
-        conn.paused = false;
-        conn.input = Vec::new();
-        let deadline = now + micros(LINGER);
-        self.conn_timers.arm(
-            &mut ConnTimers(&mut self.conns),
-            id as TimerId,
-            deadline.div_ceil(1_000),
-        );
-        self.on_writable(id);
-        self.discard_input(id);
-    }
-
-    fn discard_input(&mut self, id: usize) {
-        loop {
-            let Some(conn) = self.conns.get_mut(id) else {
-                return;
-            };
-            match conn.stream.read(&mut self.read_buffer) {
-                Ok(0) => {
-                    conn.peer_closed = true;
-                    if conn.output.is_empty() {
-                        return self.close(id);
-                    }
-                    return;
-                }
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(_) => return self.close(id),
-            }
-        }
-    }
-
-    fn close(&mut self, id: usize) {
-        if !self.conns.contains(id) {
-            return;
-        }
-        self.conn_timers
-            .cancel(&mut ConnTimers(&mut self.conns), id as TimerId);
-        let mut conn = self.conns.remove(id);
-        if conn.phase == Phase::Open {
-            self.core.disconnect(id as ConnId);
-        }
-        if conn.refused {
-            self.refused_lingering -= 1;
-        }
-        let _ = self.registry.deregister(&mut conn.stream);
-        debug!("connection {id} closed");
-    }
-}
-
-/// Encodes the core's queued responses: those for `current` into its
-/// buffer, the rest into their connection's output (marked dirty).
-fn route(
-    core: &mut Core,
-    conns: &mut Slab<Connection>,
-    dirty: &mut Vec<usize>,
-    mut current: Option<(usize, &mut Vec<u8>)>,
-) {
-    for (conn_id, response) in core.drain_outbox() {
-        let id = conn_id as usize;
-        if let Some((current_id, out)) = current.as_mut() {
-            if *current_id == id {
-                protocol::encode_response(&response, out);
-                continue;
-            }
-        }
-        let Some(conn) = conns.get_mut(id) else {
-            continue;
-        };
-        protocol::encode_response(&response, &mut conn.output);
-        if !conn.dirty {
-            conn.dirty = true;
-            dirty.push(id);
-        }
-    }
 }

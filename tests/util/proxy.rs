@@ -228,13 +228,15 @@ fn pump_requests(mut client: TcpStream, mut server: TcpStream, state: Arc<State>
             }
         }
         let forward = !faults.swallow_requests;
+        // Record before forwarding: the answer may reach the client (and the
+        // test read `frames()`) before this thread runs again.
+        pending.extend_from_slice(bytes);
+        record_frames(&mut pending, forward, &state);
         if forward && !bytes.is_empty() && server.write_all(bytes).is_err() {
             let _ = client.shutdown(Shutdown::Both);
             return;
         }
         forwarded_bytes += bytes.len();
-        pending.extend_from_slice(bytes);
-        record_frames(&mut pending, forward, &state);
         if cut {
             let _ = client.shutdown(Shutdown::Both);
             let _ = server.shutdown(Shutdown::Both);

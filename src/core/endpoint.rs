@@ -1,0 +1,627 @@
+//! Every connection of a server and the core they share, with no sockets
+//! and no clock: the sans-IO half of the server (quinn-proto's `Endpoint`
+//! and `Connection` are the model).
+//!
+//! The shell gives it what the sockets did — [`accept`](Endpoint::accept),
+//! [`handle_read`](Endpoint::handle_read), [`handle_eof`](Endpoint::handle_eof),
+//! [`handle_written`](Endpoint::handle_written),
+//! [`handle_broken`](Endpoint::handle_broken) — and the time
+//! ([`handle_timeout`](Endpoint::handle_timeout)), each with `now`. It
+//! pulls what to do: the bytes to write ([`next_transmit`](Endpoint::next_transmit),
+//! [`transmit`](Endpoint::transmit)), socket actions ([`poll_action`](Endpoint::poll_action))
+//! and when to wake up ([`poll_timeout`](Endpoint::poll_timeout)). Every
+//! rule about reading, answering, backpressure and closing lives here or
+//! in [`Connection`], where the simulation and the fuzzers reach it.
+
+use std::collections::VecDeque;
+use std::net::IpAddr;
+
+use log::debug;
+
+use super::connection::{
+    Connection, LINGER_US, OUTPUT_HIGH_WATER, OUTPUT_LOW_WATER, PARTIAL_FRAME_TIMEOUT_US, Phase,
+};
+use super::timer_wheel::{
+    TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
+};
+use super::{ConnId, Core, Micros};
+use crate::addr::Network;
+use crate::protocol::{self, Decoded, ErrorCode, RESPONSE_FRAME_MAX};
+
+/// The largest connection id: ids are the connection timer wheel's ids.
+pub const CONN_ID_MAX: u64 = super::timer_wheel::TIMER_ID_MAX as u64;
+
+/// At most this many connections refused at accept linger at once;
+/// beyond it they are closed right after a best-effort `X 7`/`X 9`.
+const LINGERING_REFUSED_MAX: usize = 256;
+/// How long a graceful shutdown waits for peers to take their last bytes.
+pub const SHUTDOWN_GRACE_US: Micros = 3_000_000;
+/// An emptied output buffer up to this size is kept for the next
+/// connection that needs one, instead of being freed.
+const SPARE_OUTPUT_MAX: usize = 4 * OUTPUT_HIGH_WATER;
+
+/// What the shell must do to a connection's socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Everything is sent: shut the write side, so the peer reads our last
+    /// answer and then end-of-file.
+    ShutWrite,
+    /// Close the socket and free the id; the endpoint has forgotten it.
+    Close,
+    /// Read the socket again without waiting for readiness: input that
+    /// backpressure held back is waiting in the kernel, and edge-triggered
+    /// readiness will not report it again.
+    Read,
+}
+
+/// Why evaluating a connection's input stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stop {
+    /// Only part of a frame (or nothing) is left.
+    Incomplete,
+    /// Output passed the high-water mark.
+    OutputFull,
+    /// Framing is lost; the `X` is queued.
+    Fatal,
+}
+
+pub struct Endpoint {
+    core: Core,
+    /// Indexed by the shell's id for the socket.
+    conns: Vec<Option<Connection>>,
+    /// How many slots of `conns` are filled.
+    count: usize,
+    /// Partial-frame and linger deadlines.
+    timers: TimerWheel,
+    allow: Vec<Network>,
+    /// Connections with output to send, each once.
+    transmit_queue: Vec<ConnId>,
+    actions: VecDeque<(ConnId, Action)>,
+    refused_lingering: usize,
+    shutdown_deadline: Option<Micros>,
+    /// An emptied output buffer, kept so that a busy connection does not
+    /// allocate one per answer.
+    spare_output: Vec<u8>,
+}
+
+/// Gives the connection timer wheel the links inside connections.
+struct ConnTimers<'a>(&'a mut [Option<Connection>]);
+
+impl TimerStore for ConnTimers<'_> {
+    fn links(&mut self, id: TimerId) -> &mut TimerLinks {
+        &mut self.0[id as usize]
+            .as_mut()
+            .expect("a timer armed for a connection that is gone")
+            .timer
+    }
+}
+
+impl Endpoint {
+    /// An endpoint around `core`. TCP peers outside `allow` (when it is not
+    /// empty) are refused at accept with `X 9`.
+    pub fn new(core: Core, allow: Vec<Network>) -> Endpoint {
+        Endpoint {
+            core,
+            conns: Vec::new(),
+            count: 0,
+            timers: TimerWheel::new(),
+            allow,
+            transmit_queue: Vec::new(),
+            actions: VecDeque::new(),
+            refused_lingering: 0,
+            shutdown_deadline: None,
+            spare_output: Vec::new(),
+        }
+    }
+
+    pub fn core(&self) -> &Core {
+        &self.core
+    }
+
+    pub fn core_mut(&mut self) -> &mut Core {
+        &mut self.core
+    }
+
+    /// The connection with this id, if the endpoint knows it.
+    pub fn connection(&self, id: ConnId) -> Option<&Connection> {
+        self.conns.get(id as usize)?.as_ref()
+    }
+
+    /// Connections the endpoint knows, closing ones included.
+    pub fn connection_count(&self) -> usize {
+        self.count
+    }
+
+    /// Whether the shell should read connection `id`'s socket.
+    pub fn wants_read(&self, id: ConnId) -> bool {
+        self.connection(id).is_some_and(Connection::wants_read)
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutdown_deadline.is_some()
+    }
+
+    /// After [`shut_down`](Self::shut_down): whether every connection is
+    /// closed or the grace period is over.
+    pub fn is_shut_down(&self, now: Micros) -> bool {
+        self.shutdown_deadline
+            .is_some_and(|deadline| self.count == 0 || now >= deadline)
+    }
+
+    /// The most output a connection can hold: the high-water mark plus the
+    /// answers to the frame that passed it (a hand-over to itself
+    /// included), plus one deferred answer per wait it may queue, plus the
+    /// `X 8` of a shutdown.
+    pub fn output_bound(&self) -> usize {
+        let per_wait = 18;
+        OUTPUT_HIGH_WATER
+            + 2 * RESPONSE_FRAME_MAX
+            + self.core.limits().max_waits_per_conn as usize * per_wait
+            + RESPONSE_FRAME_MAX
+    }
+
+    /// A socket was accepted and given id `id` (an index the shell reuses
+    /// only after [`Action::Close`]). `peer` is the TCP peer's address,
+    /// `None` for a Unix peer. A peer outside the allow list gets `X 9`, one
+    /// beyond the connection limit `X 7`; both are closed after that
+    /// without a byte of theirs being read (spec §6).
+    pub fn accept(&mut self, id: ConnId, peer: Option<IpAddr>, now: Micros) {
+        let index = id as usize;
+        if self.conns.len() <= index {
+            self.conns.resize_with(index + 1, || None);
+        }
+        assert!(self.conns[index].is_none(), "connection id {id} reused");
+        let allowed = match peer {
+            Some(ip) if !self.allow.is_empty() => {
+                self.allow.iter().any(|network| network.contains(ip))
+            }
+            _ => true,
+        };
+        self.count += 1;
+        if !allowed {
+            debug!("refusing {peer:?}: not in --allow");
+            self.core.stats_mut().refused += 1;
+            return self.refuse(id, ErrorCode::NotAllowed, now);
+        }
+        if self.core.connections() >= self.core.limits().max_connections {
+            debug!("refusing {peer:?}: connection limit");
+            return self.refuse(id, ErrorCode::ConnectionLimit, now);
+        }
+        self.conns[index] = Some(Connection::new(Phase::Open));
+        self.core.connect(id);
+    }
+
+    fn refuse(&mut self, id: ConnId, code: ErrorCode, now: Micros) {
+        let mut conn = Connection::new(Phase::Flushing { peer_closed: false });
+        let linger = if self.refused_lingering < LINGERING_REFUSED_MAX {
+            self.refused_lingering += 1;
+            conn.refused = true;
+            LINGER_US
+        } else {
+            // Too many refused peers linger already: one write attempt,
+            // then the socket goes.
+            1
+        };
+        self.conns[id as usize] = Some(conn);
+        self.core.send_error(id, code, 0);
+        self.route();
+        self.arm(id, now + linger, now);
+    }
+
+    /// The frame for a peer accepted only to be told that the server is out
+    /// of descriptors: the shell writes it once and closes. Counted as an
+    /// error sent.
+    pub fn refusal_without_descriptor(&mut self) -> Vec<u8> {
+        self.core.stats_mut().errors += 1;
+        let mut frame = Vec::with_capacity(RESPONSE_FRAME_MAX);
+        protocol::encode_response(&ErrorCode::ConnectionLimit.response(0), &mut frame);
+        frame
+    }
+
+    /// The socket of `id` read `bytes` at `now`. Whole frames are evaluated
+    /// until output passes the high-water mark; the rest is kept.
+    pub fn handle_read(&mut self, id: ConnId, bytes: &[u8], now: Micros) {
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
+        match conn.phase {
+            Phase::Open => {}
+            // The shell should not read now; keep what it did read.
+            Phase::Backpressured => return conn.carry(bytes),
+            // Closing: input is discarded.
+            Phase::Flushing { .. } | Phase::Lingering => return,
+        }
+        let (progress, stop) = if conn.input.is_empty() {
+            // The common case: decode straight from the shell's buffer and
+            // keep only a trailing partial frame.
+            let (consumed, stop) = self.evaluate(id, bytes, now);
+            if stop != Stop::Fatal {
+                self.conn_mut(id)
+                    .expect("evaluation keeps the connection")
+                    .carry(&bytes[consumed..]);
+            }
+            (consumed > 0, stop)
+        } else {
+            conn.carry(bytes);
+            self.evaluate_input(id, now)
+        };
+        self.after_evaluation(id, progress, stop, now);
+    }
+
+    /// The peer of `id` closed its write side (a read returned 0). Its
+    /// waiters leave their queues at once (spec §1); answers already queued
+    /// are still sent, since a half-closed peer can read them.
+    pub fn handle_eof(&mut self, id: ConnId, now: Micros) {
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
+        match conn.phase {
+            Phase::Open | Phase::Backpressured => {
+                debug!("connection {id} closed by peer");
+                self.begin_close(id, true, now);
+            }
+            Phase::Flushing { .. } => conn.phase = Phase::Flushing { peer_closed: true },
+            Phase::Lingering => self.close(id),
+        }
+    }
+
+    /// Reading or writing `id`'s socket failed: it is gone.
+    pub fn handle_broken(&mut self, id: ConnId) {
+        self.close(id);
+    }
+
+    /// The next connection with output to send. The shell writes it with
+    /// [`transmit`](Self::transmit) and [`handle_written`](Self::handle_written)
+    /// until the socket would block (then its write readiness brings it
+    /// back) or nothing is left.
+    pub fn next_transmit(&mut self) -> Option<ConnId> {
+        loop {
+            let id = self.transmit_queue.pop()?;
+            if let Some(conn) = self.conn_mut(id) {
+                conn.transmit_queued = false;
+                return Some(id);
+            }
+        }
+    }
+
+    /// Whether any connection has output queued since the last
+    /// [`next_transmit`](Self::next_transmit) returned `None`.
+    pub fn has_transmit(&self) -> bool {
+        !self.transmit_queue.is_empty()
+    }
+
+    /// The bytes `id` has to send now, if any.
+    pub fn transmit(&self, id: ConnId) -> Option<&[u8]> {
+        let conn = self.connection(id)?;
+        (!conn.output.is_empty()).then_some(&conn.output[..])
+    }
+
+    /// The socket of `id` took the first `written` bytes of
+    /// [`transmit`](Self::transmit).
+    pub fn handle_written(&mut self, id: ConnId, written: usize, now: Micros) {
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
+        let emptied = conn.sent(written);
+        let below_low_water = conn.output.len() < OUTPUT_LOW_WATER;
+        if let Some(buffer) = emptied {
+            if self.spare_output.capacity() == 0 && buffer.capacity() <= SPARE_OUTPUT_MAX {
+                self.spare_output = buffer;
+            }
+            self.output_drained(id, now);
+        } else if below_low_water && conn.phase == Phase::Backpressured {
+            self.resume(id, now);
+        }
+    }
+
+    /// The next thing the shell must do to a socket.
+    pub fn poll_action(&mut self) -> Option<(ConnId, Action)> {
+        self.actions.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) next has work.
+    pub fn poll_timeout(&self) -> Option<Micros> {
+        [
+            self.core.poll_timeout(),
+            self.timers.next_tick().map(tick_start),
+            self.shutdown_deadline,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Fires what is due at `now`: the core's leases and waits, then
+    /// partial-frame and linger deadlines.
+    pub fn handle_timeout(&mut self, now: Micros) {
+        self.core.handle_timeout(now);
+        self.route();
+        while let Some(id) = self
+            .timers
+            .poll(&mut ConnTimers(&mut self.conns), tick_reached(now))
+        {
+            if self.connection(id).map(Connection::phase) == Some(Phase::Open) {
+                debug!("connection {id}: frame incomplete for 10 s");
+            }
+            self.close(id);
+        }
+    }
+
+    /// Graceful shutdown (spec §4): queued waiters get `B`, every open
+    /// connection `X 8`, and every connection starts closing; the shell
+    /// stops accepting and returns once [`is_shut_down`](Self::is_shut_down).
+    pub fn shut_down(&mut self, now: Micros) {
+        if self.shutdown_deadline.is_some() {
+            return;
+        }
+        self.shutdown_deadline = Some(now + SHUTDOWN_GRACE_US);
+        self.core.shut_down();
+        self.route();
+        for id in 0..self.conns.len() as ConnId {
+            if self.connection(id).is_some_and(|conn| conn.phase.is_live()) {
+                self.begin_close(id, false, now);
+            }
+        }
+    }
+
+    /// Asserts what must hold between calls: buffers within their bounds,
+    /// the core knowing exactly the live connections, each deadline armed
+    /// exactly when its phase needs one. Simulations call it after every
+    /// step.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) {
+        let mut count = 0;
+        let output_bound = self.output_bound();
+        for (id, conn) in self.conns.iter().enumerate() {
+            let id = id as ConnId;
+            let Some(conn) = conn else {
+                assert!(!self.core.is_open(id), "core knows closed connection {id}");
+                continue;
+            };
+            count += 1;
+            assert_eq!(
+                conn.phase.is_live(),
+                self.core.is_open(id),
+                "connection {id} in {:?}",
+                conn.phase
+            );
+            assert!(
+                conn.input.len() <= super::connection::INPUT_MAX,
+                "connection {id} holds {} bytes of input",
+                conn.input.len()
+            );
+            assert!(
+                conn.output.len() <= output_bound,
+                "connection {id} holds {} bytes of output",
+                conn.output.len()
+            );
+            match conn.phase {
+                Phase::Open => {
+                    assert!(
+                        conn.input.len() < protocol::REQUEST_FRAME_MAX,
+                        "connection {id} holds a whole frame unevaluated"
+                    );
+                    assert_eq!(
+                        conn.timer.is_armed(),
+                        !conn.input.is_empty(),
+                        "partial-frame deadline of connection {id}"
+                    );
+                }
+                Phase::Backpressured => {
+                    assert!(!conn.timer.is_armed(), "backpressured {id} has a deadline");
+                }
+                Phase::Flushing { .. } => {
+                    assert!(
+                        conn.timer.is_armed(),
+                        "flushing {id} has no linger deadline"
+                    );
+                    assert!(conn.input.is_empty(), "closing {id} kept input");
+                }
+                Phase::Lingering => {
+                    assert!(conn.timer.is_armed(), "lingering {id} has no deadline");
+                    assert!(conn.output.is_empty(), "lingering {id} has output");
+                }
+            }
+        }
+        assert_eq!(count, self.count, "connection count");
+        assert_eq!(self.timers.len(), self.armed_count(), "connection timers");
+        self.core.check_invariants();
+    }
+
+    fn armed_count(&self) -> usize {
+        self.conns
+            .iter()
+            .flatten()
+            .filter(|conn| conn.timer.is_armed())
+            .count()
+    }
+
+    fn conn_mut(&mut self, id: ConnId) -> Option<&mut Connection> {
+        self.conns.get_mut(id as usize)?.as_mut()
+    }
+
+    /// Evaluates the whole frames at the start of `buf` for `id`; returns
+    /// the bytes consumed and why it stopped.
+    fn evaluate(&mut self, id: ConnId, buf: &[u8], now: Micros) -> (usize, Stop) {
+        let mut at = 0;
+        loop {
+            if self.conns[id as usize]
+                .as_ref()
+                .is_none_or(Connection::output_full)
+            {
+                return (at, Stop::OutputFull);
+            }
+            match protocol::decode_request(&buf[at..]) {
+                Decoded::Incomplete => return (at, Stop::Incomplete),
+                Decoded::Request { request, len } => {
+                    self.core.handle_request(id, &request, now);
+                    at += len;
+                }
+                Decoded::Invalid { error, len } => {
+                    self.core.handle_invalid(id, error);
+                    at += len;
+                }
+                Decoded::Fatal(error) => {
+                    debug!("connection {id}: {}", error.code);
+                    self.core.handle_invalid(id, error);
+                    self.route();
+                    return (buf.len(), Stop::Fatal);
+                }
+            }
+            self.route();
+        }
+    }
+
+    /// Evaluates the input `id` carries (after new bytes were appended, or
+    /// on resuming from backpressure).
+    fn evaluate_input(&mut self, id: ConnId, now: Micros) -> (bool, Stop) {
+        let Some(conn) = self.conn_mut(id) else {
+            return (false, Stop::Incomplete);
+        };
+        let input = std::mem::take(&mut conn.input);
+        let (consumed, stop) = self.evaluate(id, &input, now);
+        let conn = self.conn_mut(id).expect("evaluation keeps the connection");
+        conn.input = input;
+        if stop == Stop::Fatal {
+            conn.input = Vec::new();
+        } else {
+            conn.consume(consumed);
+        }
+        (consumed > 0, stop)
+    }
+
+    fn after_evaluation(&mut self, id: ConnId, progress: bool, stop: Stop, now: Micros) {
+        match stop {
+            Stop::Fatal => self.begin_close(id, false, now),
+            Stop::OutputFull => {
+                if let Some(conn) = self.conn_mut(id) {
+                    conn.phase = Phase::Backpressured;
+                }
+                self.cancel(id);
+            }
+            Stop::Incomplete => {
+                let Some(conn) = self.connection(id) else {
+                    return;
+                };
+                if conn.input.is_empty() {
+                    self.cancel(id);
+                } else if progress || !conn.timer.is_armed() {
+                    // A new frame was left incomplete: its clock starts
+                    // now. A frame that only grew keeps its deadline, so a
+                    // byte at a time cannot hold a connection forever.
+                    self.arm(id, now + PARTIAL_FRAME_TIMEOUT_US, now);
+                }
+            }
+        }
+    }
+
+    /// Output fell below the low-water mark: evaluate what was held back,
+    /// then let the shell read again.
+    fn resume(&mut self, id: ConnId, now: Micros) {
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
+        conn.phase = Phase::Open;
+        let (progress, stop) = self.evaluate_input(id, now);
+        self.after_evaluation(id, progress, stop, now);
+        if self.connection(id).map(Connection::phase) == Some(Phase::Open) {
+            self.actions.push_back((id, Action::Read));
+        }
+    }
+
+    /// Everything queued for `id` is sent.
+    fn output_drained(&mut self, id: ConnId, now: Micros) {
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
+        match conn.phase {
+            Phase::Open | Phase::Lingering => {}
+            Phase::Backpressured => self.resume(id, now),
+            Phase::Flushing { peer_closed: true } => self.close(id),
+            Phase::Flushing { peer_closed: false } => {
+                conn.phase = Phase::Lingering;
+                self.actions.push_back((id, Action::ShutWrite));
+            }
+        }
+    }
+
+    /// Stops reading requests from `id`: the core forgets it (its waiters
+    /// leave their queues), what is queued is flushed, then the write side
+    /// is shut and input discarded until the peer closes or the linger
+    /// deadline passes.
+    fn begin_close(&mut self, id: ConnId, peer_closed: bool, now: Micros) {
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
+        if !conn.phase.is_live() {
+            return;
+        }
+        conn.phase = Phase::Flushing { peer_closed };
+        conn.input = Vec::new();
+        let drained = conn.output.is_empty();
+        self.core.disconnect(id);
+        self.arm(id, now + LINGER_US, now);
+        if drained {
+            self.output_drained(id, now);
+        }
+    }
+
+    /// Forgets `id` at once and tells the shell to close its socket.
+    fn close(&mut self, id: ConnId) {
+        if self.connection(id).is_none() {
+            return;
+        }
+        self.cancel(id);
+        let conn = self.conns[id as usize].take().expect("checked above");
+        self.count -= 1;
+        if conn.phase.is_live() {
+            self.core.disconnect(id);
+        }
+        if conn.refused {
+            self.refused_lingering -= 1;
+        }
+        debug!("connection {id} closed");
+        self.actions.push_back((id, Action::Close));
+    }
+
+    /// Arms `id`'s one deadline.
+    fn arm(&mut self, id: ConnId, deadline: Micros, now: Micros) {
+        let mut timers = ConnTimers(&mut self.conns);
+        if self.timers.is_empty() {
+            // With nothing armed the wheel may stand far behind `now` (no
+            // one had to call `handle_timeout`); bring it up to date first,
+            // since it keeps deadlines relative to its position.
+            let fired = self.timers.poll(&mut timers, tick_reached(now));
+            debug_assert!(fired.is_none());
+        }
+        self.timers
+            .arm(&mut timers, id as TimerId, tick_at_or_after(deadline));
+    }
+
+    fn cancel(&mut self, id: ConnId) {
+        if self
+            .connection(id)
+            .is_some_and(|conn| conn.timer.is_armed())
+        {
+            self.timers
+                .cancel(&mut ConnTimers(&mut self.conns), id as TimerId);
+        }
+    }
+
+    /// Encodes the core's queued answers into their connections' output.
+    fn route(&mut self) {
+        for (id, response) in self.core.drain_outbox() {
+            let Some(conn) = self.conns.get_mut(id as usize).and_then(Option::as_mut) else {
+                continue;
+            };
+            if conn.output.capacity() == 0 {
+                conn.output = std::mem::take(&mut self.spare_output);
+            }
+            protocol::encode_response(&response, &mut conn.output);
+            if !conn.transmit_queued {
+                conn.transmit_queued = true;
+                self.transmit_queue.push(id);
+            }
+        }
+    }
+}
