@@ -560,3 +560,27 @@ fn kunci_run_keeps_its_command_running_across_kill_9_and_a_restart() {
     assert_eq!(code, 0);
     assert_eq!(seen, vec![token], "Q showed other holders");
 }
+
+#[test]
+fn sighup_and_sigint_save_the_grants_as_sigterm_does() {
+    for signal in [libc::SIGHUP, libc::SIGINT] {
+        let dir = TempDir::new("signals");
+        let server = start_on(&dir, 0);
+        let mut peer = server.peer();
+        peer.send(&acquire(0, 60, 7, "kept"));
+        let token = granted(peer.recv(), 7);
+        let port = port_of(&server);
+        let mut server = server;
+        server.signal(signal);
+        let status = server.wait_exit(Duration::from_secs(10));
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "signal {signal}: {status:?}"
+        );
+        let server = start_on(&dir, port);
+        let mut peer = server.peer();
+        let (held_by, owner, lease_ms, _) = query_key(&mut peer, "kept");
+        assert_eq!((held_by, owner), (token, 7), "signal {signal}");
+        assert!(lease_ms > 50_000, "signal {signal}: {lease_ms} ms left");
+    }
+}
