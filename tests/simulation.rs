@@ -960,7 +960,9 @@ fn simulation_of_many_clients_on_a_fake_clock() {
             counts.restored,
             counts.adopted,
         ];
-        assert!(restarts.iter().all(|&n| n > 1_000), "{counts:?}");
+        // About 1 seed in 10 adopts a key after a crash.
+        let often = seeds.len() as u64 / 10;
+        assert!(restarts.iter().all(|&n| n > often), "{counts:?}");
     }
 }
 

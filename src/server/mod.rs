@@ -465,9 +465,11 @@ impl Shell {
         let started = Instant::now();
         match state.save_clean_stop(core, now) {
             Ok(()) => info!(
-                "state: saved {} grants in {:.0} ms",
+                "state: saved {} grants in {:.0} ms; the state file was written {} times \
+                 in this run",
                 core.held(),
-                started.elapsed().as_secs_f64() * 1e3
+                started.elapsed().as_secs_f64() * 1e3,
+                state.writes
             ),
             // The running file still promises its horizon: the next run
             // starts with a grace instead of the grants.
