@@ -39,17 +39,20 @@ Options:
                               (e.g. 10.0.0.0/8, ::1/128); repeat for several.
                               Others are closed at once and counted as
                               `refused`. Default: anyone who can connect.
-  --state-dir DIR             keep a token high-water mark and a lease horizon
-                              in DIR, so that tokens stay monotonic even if
-                              the clock steps back, and after a crash no key
-                              is granted while a lease of the previous run may
-                              still run (default: keep nothing on disk)
+  --state-dir DIR             keep restart state in DIR: a clean stop saves
+                              every held grant and the next start restores
+                              it; after a crash every key counts as held for
+                              at most the longest outstanding lease + 5 s
+                              unless its holder renews it; tokens stay
+                              monotonic even if the clock steps back
+                              (default: keep nothing on disk)
   --unix-mode MODE            permissions of unix: socket files, octal
                               (default {unix_mode:o})
   -h, --help                  show this help
 
 Logging: RUST_LOG (default info) — one start-up line, then only problems.
-SIGTERM / SIGINT / SIGHUP: waiters get `B`, connections `X 8`, then exit 0.
+SIGTERM / SIGINT / SIGHUP: waiters get `B`, connections `X 8`, held grants are
+saved (with --state-dir), then exit 0.
 ",
         listen = defaults.listen[0],
         max_keys = limits.max_keys,
@@ -152,6 +155,10 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     super::logging::init_server();
     let server = match Server::bind(config) {
         Ok(server) => server,
+        Err(e) if crate::server::state::is_state_dir_error(&e) => {
+            error!("cannot start: {e}");
+            return 1;
+        }
         Err(e) => {
             error!("cannot listen: {e}");
             return 1;

@@ -127,8 +127,6 @@ struct Socket {
 struct Shell {
     registry: mio::Registry,
     state: Option<StateDir>,
-    /// The wall clock at the core's epoch, for the state file.
-    wall_start_ms: u64,
     endpoint: Endpoint,
     sockets: Slab<Socket>,
     clock_start: Instant,
@@ -150,12 +148,12 @@ impl Server {
             .limits
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        let state = match &config.state_dir {
+        let mut state = match &config.state_dir {
             Some(dir) => Some(StateDir::open(dir)?),
             None => None,
         };
-        let recorded = state.as_ref().map(StateDir::recorded).unwrap_or_default();
-        let first_token = first_token_from_clock().max(recorded.token_high_water);
+        let token_high_water = state.as_ref().map_or(0, StateDir::token_high_water);
+        let first_token = first_token_from_clock().max(token_high_water);
         let poll = Poll::new()?;
         let mut listeners = Vec::new();
         let mut addresses = Vec::new();
@@ -189,20 +187,13 @@ impl Server {
             );
         }
         let clock_start = Instant::now();
-        let wall_start_ms = state::wall_clock_ms();
         let mut core = Core::new(config.limits, first_token);
-        if recorded.lease_horizon_ms > wall_start_ms {
-            let grace = Duration::from_millis(recorded.lease_horizon_ms - wall_start_ms);
-            info!(
-                "state: the previous run's leases may last {:.1} s more; until then every key counts as held",
-                grace.as_secs_f64()
-            );
-            core.set_grace_until(micros(grace));
+        if let Some(state) = state.as_mut() {
+            state.resume(&mut core)?;
         }
         let shell = Shell {
             registry: poll.registry().try_clone()?,
             state,
-            wall_start_ms,
             endpoint: Endpoint::new(core, config.allow.clone()),
             sockets: Slab::new(),
             clock_start,
@@ -490,44 +481,45 @@ impl Shell {
         }
     }
 
-    fn wall_ms(&self, at: Micros) -> u64 {
-        self.wall_start_ms + at.div_ceil(1_000)
-    }
-
     /// With a state directory: before any answer leaves the process, make
     /// sure the state file covers every token issued and every lease
     /// granted, so a crash can never show a token or lease twice. Without
     /// one this is nothing.
     fn make_durable(&mut self) -> io::Result<()> {
-        let core = self.endpoint.core();
-        let deadline = core.lease_deadline_max();
-        let deadline_ms = if deadline == 0 {
-            0
-        } else {
-            self.wall_ms(deadline)
-        };
-        let next_token = core.next_token();
         let Some(state) = self.state.as_mut() else {
             return Ok(());
         };
+        let now = micros(self.clock_start.elapsed());
+        let core = self.endpoint.core();
         state
-            .cover(next_token, deadline_ms)
+            .cover(
+                core.next_token(),
+                core.lease_deadline_max(),
+                core.grace_until(),
+                now,
+            )
             .map(|_| ())
             .map_err(|e| io::Error::new(e.kind(), format!("state directory: cannot persist: {e}")))
     }
 
+    /// Persists every held grant (spec §7.1) once no request can arrive.
     fn record_clean_stop(&mut self, now: Micros) {
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
         let core = self.endpoint.core();
-        let grace = core.grace_until();
-        let mut horizon = if grace > now { self.wall_ms(grace) } else { 0 };
-        if core.held() > 0 {
-            horizon = horizon.max(self.wall_ms(core.lease_deadline_max()));
-        }
-        let next_token = core.next_token();
-        if let Some(state) = self.state.as_mut() {
-            if let Err(e) = state.record_clean_stop(next_token, horizon) {
-                log::error!("state directory: cannot record the clean stop: {e}");
-            }
+        let started = Instant::now();
+        match state.save_clean_stop(core, now) {
+            Ok(()) => info!(
+                "state: saved {} grants in {:.0} ms; the state file was written {} times \
+                 in this run",
+                core.held(),
+                started.elapsed().as_secs_f64() * 1e3,
+                state.writes
+            ),
+            // The running file still promises its horizon: the next run
+            // starts with a grace instead of the grants.
+            Err(e) => log::error!("state directory: cannot record the clean stop: {e}"),
         }
     }
 
