@@ -1,4 +1,5 @@
-//! Server addresses: `HOST:PORT` for TCP, `unix:PATH` for a Unix socket.
+//! Server addresses: `HOST:PORT` for TCP, `unix:PATH` for a Unix socket,
+//! `etcd://HOST:PORT[,HOST:PORT…]` for the members of an etcd cluster.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -15,6 +16,9 @@ pub enum Address {
     Tcp(String),
     /// `unix:PATH`.
     Unix(PathBuf),
+    /// `etcd://HOST:PORT[,HOST:PORT…]`: members of one etcd v3 cluster,
+    /// reached through its HTTP/JSON gateway (a client address only).
+    Etcd(Vec<String>),
 }
 
 /// An address that is neither `HOST:PORT` nor `unix:PATH`.
@@ -25,7 +29,8 @@ impl fmt::Display for AddressError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "invalid address {:?}: expected HOST:PORT, unix:PATH, or a network such as 10.0.0.0/8",
+            "invalid address {:?}: expected HOST:PORT, unix:PATH, etcd://HOST:PORT[,HOST:PORT...], \
+             or a network such as 10.0.0.0/8",
             self.0
         )
     }
@@ -37,20 +42,29 @@ impl FromStr for Address {
     type Err = AddressError;
 
     fn from_str(text: &str) -> Result<Address, AddressError> {
+        if let Some(members) = text.strip_prefix("etcd://") {
+            let endpoints: Vec<String> = members.split(',').map(|m| m.trim().to_owned()).collect();
+            if endpoints.iter().any(|endpoint| !is_host_port(endpoint)) {
+                return Err(AddressError(text.to_owned()));
+            }
+            return Ok(Address::Etcd(endpoints));
+        }
         if let Some(path) = text.strip_prefix("unix:") {
             if path.is_empty() {
                 return Err(AddressError(text.to_owned()));
             }
             return Ok(Address::Unix(PathBuf::from(path)));
         }
-        let Some((host, port)) = text.rsplit_once(':') else {
-            return Err(AddressError(text.to_owned()));
-        };
-        if host.is_empty() || port.parse::<u16>().is_err() {
+        if !is_host_port(text) {
             return Err(AddressError(text.to_owned()));
         }
         Ok(Address::Tcp(text.to_owned()))
     }
+}
+
+fn is_host_port(text: &str) -> bool {
+    text.rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
 }
 
 impl fmt::Display for Address {
@@ -58,6 +72,7 @@ impl fmt::Display for Address {
         match self {
             Address::Tcp(host_port) => f.write_str(host_port),
             Address::Unix(path) => write!(f, "unix:{}", path.display()),
+            Address::Etcd(endpoints) => write!(f, "etcd://{}", endpoints.join(",")),
         }
     }
 }
@@ -77,7 +92,28 @@ mod tests {
             "unix:/tmp/k.sock".parse(),
             Ok(Address::Unix("/tmp/k.sock".into()))
         );
-        for bad in ["", "unix:", "localhost", ":5862", "host:port", "host:70000"] {
+        assert_eq!(
+            "etcd://127.0.0.1:2379,db2:2379".parse(),
+            Ok(Address::Etcd(vec![
+                "127.0.0.1:2379".into(),
+                "db2:2379".into()
+            ]))
+        );
+        assert_eq!(
+            "etcd://a:1,b:2".parse::<Address>().unwrap().to_string(),
+            "etcd://a:1,b:2"
+        );
+        for bad in [
+            "",
+            "unix:",
+            "localhost",
+            ":5862",
+            "host:port",
+            "host:70000",
+            "etcd://",
+            "etcd://a:1,",
+            "etcd://a",
+        ] {
             assert!(bad.parse::<Address>().is_err(), "{bad}");
         }
     }

@@ -13,6 +13,7 @@
 //! - [`server`] — the mio shell: listeners, connections, buffers, signals.
 //! - [`client`] — the official client: sessions, deadlines, correlation,
 //!   [`client::Ticket`]; the rules live in a sans-IO engine.
+//! - [`metrics`] — Prometheus exposition and its bounded HTTP exchange.
 //! - [`addr`] — server addresses (`HOST:PORT`, `unix:PATH`).
 //! - [`cli`] — the `kunci` subcommands; `main.rs` only calls [`cli::main`].
 
@@ -20,5 +21,6 @@ pub mod addr;
 pub mod cli;
 pub mod client;
 pub mod core;
+pub mod metrics;
 pub mod protocol;
 pub mod server;

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use kunci::client::{Client, Config, Error, TRANSPORT_DEADLINE};
+use kunci::client::{Client, Config, Error, Loss, TRANSPORT_DEADLINE};
 use kunci::protocol::Response;
 
 use crate::util::TestServer;
@@ -579,4 +579,195 @@ fn a_server_shutting_down_answers_waiters_busy() {
     assert!(server.stop().success());
     assert_eq!(waiter.join().unwrap().unwrap_err(), Error::Busy);
     let _ = holder.into_token();
+}
+
+/// How late a keep-alive event may be seen, through the proxy or a
+/// callback, on a machine busy with other tests: generous, as upper bounds
+/// are here; the lower bounds are exact.
+const SLACK: Duration = Duration::from_millis(500);
+
+/// When the proxy saw each `E` for `token`.
+fn renewals_of(proxy: &Proxy, token: u64) -> Vec<Instant> {
+    proxy
+        .frames()
+        .iter()
+        .filter(|f| f.op == b'E' && f.id == token)
+        .map(|f| f.at)
+        .collect()
+}
+
+#[test]
+fn a_kept_lease_is_renewed_every_third_of_the_lease_and_outlives_it() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let client = connect(&[&proxy.addr]);
+    let started = Instant::now();
+    let kept = client
+        .acquire("kept", Duration::ZERO, S)
+        .unwrap()
+        .keep_alive();
+    assert_eq!(kept.wait_lost_timeout(2500 * MS), None);
+    assert_eq!(kept.lost(), None);
+    assert!(kept.is_valid());
+    assert!(kept.valid_until() > started + 2 * S);
+    assert_eq!(client.query("kept").unwrap().token, kept.token());
+    // Every lease/3 from the previous renewal's start, the first from the
+    // acquire's send instant (after `started`): renewal k cannot be seen
+    // before started + k × 333 ms, and none comes much later than due.
+    let renewals = renewals_of(&proxy, kept.token());
+    assert!((6..=7).contains(&renewals.len()), "{renewals:?}");
+    let period = S / 3;
+    for (k, &seen) in renewals.iter().enumerate() {
+        assert!(
+            seen >= started + period * (k as u32 + 1),
+            "renewal {k} early"
+        );
+    }
+    for pair in renewals.windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(gap < period + SLACK, "{gap:?}");
+    }
+    assert!(
+        proxy
+            .frames()
+            .iter()
+            .all(|f| f.op != b'E' || f.lease_s == 1)
+    );
+    let token = kept.token();
+    kept.release().unwrap();
+    assert!(client.query("kept").unwrap().is_free());
+    // Released: renewal has stopped.
+    let count = renewals_of(&proxy, token).len();
+    std::thread::sleep(700 * MS);
+    assert_eq!(renewals_of(&proxy, token).len(), count);
+}
+
+#[test]
+fn a_kept_lease_is_lost_at_once_when_a_renewal_finds_it_not_held() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let client = connect(&[&proxy.addr]);
+    let (told, news) = std::sync::mpsc::channel();
+    let acquired = Instant::now();
+    let kept = client
+        .acquire("taken-away", Duration::ZERO, 3 * S)
+        .unwrap()
+        .keep_alive_with(move |loss| told.send((loss, Instant::now())).unwrap());
+    // Someone else releases the grant; the next renewal (at lease/3) is
+    // answered N.
+    connect(&[&server.addr])
+        .release("taken-away", kept.token())
+        .unwrap();
+    assert_eq!(kept.wait_lost(), Loss::NotHeld);
+    let (loss, at) = news.recv_timeout(S).unwrap();
+    assert_eq!(loss, Loss::NotHeld);
+    let after = at - acquired;
+    assert!(after >= S && after < S + SLACK, "{after:?}");
+    assert!(!kept.is_valid());
+    assert_eq!(renewals_of(&proxy, kept.token()).len(), 1);
+    // Releasing after the loss sends nothing and says so; the callback ran
+    // once.
+    let frames = proxy.frames().len();
+    assert_eq!(kept.release(), Err(Error::NotHeld));
+    std::thread::sleep(1500 * MS);
+    assert_eq!(proxy.frames().len(), frames, "nothing sent after the loss");
+    assert!(news.try_recv().is_err());
+}
+
+#[test]
+fn a_kept_lease_is_lost_when_valid_until_passes_without_a_renewal() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let client = connect(&[&proxy.addr]);
+    let kept = client
+        .acquire("unanswered", Duration::ZERO, 2 * S)
+        .unwrap()
+        .keep_alive();
+    let valid_until = kept.valid_until();
+    proxy.set_faults(Faults {
+        swallow_answers: true,
+        ..Faults::default()
+    });
+    assert_eq!(kept.wait_lost(), Loss::Expired);
+    let noticed = Instant::now();
+    assert!(noticed >= valid_until, "lost before valid_until");
+    assert!(noticed < valid_until + SLACK, "{:?}", noticed - valid_until);
+    assert_eq!(kept.valid_until(), valid_until);
+    // One renewal, possibly sent and never answered: never sent again.
+    assert_eq!(renewals_of(&proxy, kept.token()).len(), 1);
+    assert_eq!(kept.release(), Err(Error::NotHeld));
+}
+
+#[test]
+fn a_renewal_whose_session_dies_is_retried_while_time_is_left() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let client = connect(&[&proxy.addr]);
+    let kept = client
+        .acquire("retried", Duration::ZERO, 3 * S)
+        .unwrap()
+        .keep_alive();
+    let first_bound = kept.valid_until();
+    proxy.set_faults(Faults {
+        swallow_answers: true,
+        ..Faults::default()
+    });
+    // The first renewal (at 1 s) reaches the server, its answer does not.
+    eventually("the first renewal is sent", || {
+        renewals_of(&proxy, kept.token()).len() == 1
+    });
+    std::thread::sleep(200 * MS);
+    proxy.set_faults(Faults::default());
+    // Measured before the cut: the retry cannot be sent earlier than 100 ms
+    // after it.
+    let cut = Instant::now();
+    proxy.cut_all();
+    // Its session died: Indeterminate, retried 100 ms later, answered.
+    eventually("the lease is renewed again", || {
+        kept.valid_until() > first_bound
+    });
+    let renewals = renewals_of(&proxy, kept.token());
+    assert_eq!(renewals.len(), 2, "{renewals:?}");
+    let retry = renewals[1] - cut;
+    assert!(retry >= 100 * MS && retry < 100 * MS + SLACK, "{retry:?}");
+    assert_eq!(kept.lost(), None);
+    assert_eq!(client.query("retried").unwrap().token, kept.token());
+    drop(kept);
+    eventually("the dropped lease is released", || {
+        client.query("retried").unwrap().is_free()
+    });
+}
+
+#[test]
+fn a_renewal_answered_after_the_loss_is_given_back() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let client = connect(&[&proxy.addr]);
+    let kept = client
+        .acquire("late-renewal", Duration::ZERO, 2 * S)
+        .unwrap()
+        .keep_alive();
+    let token = kept.token();
+    let valid_until = kept.valid_until();
+    // The first renewal (at 667 ms) is applied, but its answer arrives
+    // after valid_until.
+    proxy.set_faults(Faults {
+        answer_delay: 1500 * MS,
+        ..Faults::default()
+    });
+    assert_eq!(kept.wait_lost(), Loss::Expired);
+    assert!(Instant::now() >= valid_until);
+    // Nobody holds that grant now: the client releases it.
+    eventually("the renewed grant is released", || {
+        server.info()["released"] == "1"
+    });
+    let releases: Vec<u64> = proxy
+        .forwarded()
+        .iter()
+        .filter(|f| f.op == b'R')
+        .map(|f| f.id)
+        .collect();
+    assert_eq!(releases, [token]);
+    assert_eq!(renewals_of(&proxy, token).len(), 1);
+    assert_eq!(kept.release(), Err(Error::NotHeld));
 }

@@ -3,8 +3,9 @@
 //! shutdown and the restart grace; then random sequences against the
 //! reference model.
 
-use kunci::core::{Core, Limits, Output};
+use kunci::core::{Core, Limits, Output, RestoreError};
 use kunci::protocol::{ErrorCode, Request, RequestError, Response};
+use kunci::server::state::{self, Clocks, Recorded, SavedGrant};
 use proptest::prelude::*;
 
 use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
@@ -972,6 +973,372 @@ fn grace_limits_still_apply() {
     assert_eq!(fake.acquire(1, "b", 0, 30, 3), vec![(1, timeout(3))]);
     fake.enqueue(2, "a", 100, 30, 4);
     assert_eq!(fake.query("a"), (0, 0, 10_000, 2));
+}
+
+// ---- restarts: restored grants, adoption, the horizon (spec §7) ---------------
+
+/// A token the previous run issued: below this run's first.
+const EARLIER: u64 = FIRST_TOKEN - 500;
+
+fn boot(boot_ms: u64, wall_ms: u64) -> Clocks {
+    Clocks {
+        boot_id: b"boot-a".to_vec(),
+        boot_ms,
+        wall_ms,
+    }
+}
+
+/// A clean stop written at boot time 1,000 ms listing `grants` as (key,
+/// token, owner, lease ms left), restored into a fresh core `downtime_ms`
+/// later, as the server does at start.
+fn restart_after_clean_stop(grants: &[(&str, u64, u64, u32)], downtime_ms: u64) -> Fake {
+    let mut recorded = Recorded::new(true, boot(1_000, 50_000_000), FIRST_TOKEN, 0);
+    recorded.set_grants(
+        grants
+            .iter()
+            .map(|&(key, token, owner, left_ms)| SavedGrant {
+                key,
+                token,
+                owner,
+                left_ms,
+            }),
+    );
+    // The wall clock stepped back an hour meanwhile: it must not matter.
+    let restart = recorded.restart_at(&boot(1_000 + downtime_ms, 50_000_000 - 3_600_000));
+    assert_eq!(restart.grace, std::time::Duration::ZERO);
+    let mut fake = Fake::with_conns(4);
+    for grant in recorded.grants() {
+        if let Some(left) = restart.lease_left(grant.left_ms) {
+            let deadline = left.as_micros() as u64;
+            fake.core
+                .restore_grant(grant.key, grant.token, grant.owner, deadline)
+                .unwrap();
+        }
+    }
+    fake.core.check_invariants();
+    fake
+}
+
+/// 30 s left at the stop, 10 s down: 20 s less the 1 ms the whole-ms clock
+/// readings cost.
+#[test]
+fn restored_grant_keeps_token_owner_and_its_deadline_less_the_downtime() {
+    let mut fake = restart_after_clean_stop(&[("a", EARLIER, 7, 30_000)], 10_000);
+    assert_eq!(fake.query("a"), (EARLIER, 7, 19_999, 0));
+    assert_eq!(fake.acquire(1, "a", 0, 30, 1), vec![(1, timeout(1))]);
+    fake.enqueue(1, "a", 60, 30, 2);
+    // R/E/Q act on it as before the restart: wrong tokens are N.
+    assert_eq!(
+        fake.extend(2, "a", 5, EARLIER + 1),
+        vec![(2, not_held(EARLIER + 1))]
+    );
+    assert_eq!(fake.run_until(19_999 * MS - 1), vec![]);
+    assert_eq!(
+        fake.run_until(19_999 * MS),
+        vec![(1, acquired(2, FIRST_TOKEN))]
+    );
+    assert_eq!(fake.core.stats().expired, 1);
+    fake.core.check_invariants();
+
+    let mut fake = restart_after_clean_stop(&[("a", EARLIER, 7, 30_000)], 10_000);
+    fake.set_now(3 * S);
+    assert_eq!(
+        fake.extend(2, "a", 5, EARLIER),
+        vec![(2, extended(EARLIER))]
+    );
+    assert_eq!(fake.query("a"), (EARLIER, 7, 5_000, 0));
+    assert_eq!(fake.release(2, "a", EARLIER), vec![(2, released(EARLIER))]);
+    assert_eq!(fake.core.keys(), 0);
+    assert_eq!(
+        fake.acquire(1, "a", 0, 30, 3),
+        vec![(1, acquired(3, FIRST_TOKEN))]
+    );
+}
+
+#[test]
+fn restored_grant_that_expired_during_the_downtime_is_free_and_others_are_free_at_once() {
+    let mut fake = restart_after_clean_stop(
+        &[("gone", EARLIER, 7, 5_000), ("kept", EARLIER + 1, 8, 5_002)],
+        5_000,
+    );
+    assert_eq!(fake.core.keys(), 1);
+    assert_eq!(fake.query("gone"), (0, 0, 0, 0));
+    assert_eq!(fake.query("kept"), (EARLIER + 1, 8, 1, 0));
+    assert_eq!(
+        fake.acquire(1, "gone", 0, 30, 1),
+        vec![(1, acquired(1, FIRST_TOKEN))]
+    );
+    assert_eq!(
+        fake.acquire(1, "never-held", 0, 30, 2),
+        vec![(1, acquired(2, FIRST_TOKEN + 1))]
+    );
+    // The old token of the expired grant is not adopted: no grace runs.
+    assert_eq!(
+        fake.extend(2, "gone", 5, EARLIER),
+        vec![(2, not_held(EARLIER))]
+    );
+}
+
+#[test]
+fn a_restored_grant_is_refused_when_its_token_is_not_an_earlier_runs_or_its_key_repeats() {
+    let mut fake = Fake::with_conns(1);
+    for token in [0, FIRST_TOKEN, FIRST_TOKEN + 1] {
+        assert_eq!(
+            fake.core.restore_grant("a", token, 1, S),
+            Err(RestoreError::TokenNotFromEarlierRun)
+        );
+    }
+    fake.core.restore_grant("a", 1, 1, S).unwrap();
+    assert_eq!(
+        fake.core.restore_grant("a", 2, 1, S),
+        Err(RestoreError::DuplicateKey)
+    );
+    fake.core.check_invariants();
+}
+
+#[test]
+fn adoption_by_extend_during_the_grace_makes_the_token_the_holder_again() {
+    let mut fake = Fake::with_conns(3);
+    fake.core.set_grace_until(10 * S);
+    fake.set_now(2 * S);
+    assert_eq!(
+        fake.extend(1, "a", 30, EARLIER),
+        vec![(1, extended(EARLIER))]
+    );
+    // Owner 0, the new lease from now; Q shows the token.
+    assert_eq!(fake.query("a"), (EARLIER, 0, 30_000, 0));
+    assert_eq!(fake.acquire(2, "a", 0, 30, 1), vec![(2, timeout(1))]);
+    // From now on it is an ordinary grant: another earlier token is N.
+    assert_eq!(
+        fake.extend(2, "a", 5, EARLIER - 1),
+        vec![(2, not_held(EARLIER - 1))]
+    );
+    assert_eq!(
+        fake.extend(1, "a", 20, EARLIER),
+        vec![(1, extended(EARLIER))]
+    );
+    let info = fake.info();
+    assert_eq!((info["keys"].as_str(), info["held"].as_str()), ("1", "1"));
+    // The horizon passes; the adopted lease goes on to its own deadline.
+    fake.enqueue(2, "a", 60, 30, 2);
+    assert_eq!(fake.run_until(22 * S - 1), vec![]);
+    assert_eq!(fake.run_until(22 * S), vec![(2, acquired(2, FIRST_TOKEN))]);
+    fake.core.check_invariants();
+
+    // A key waited on during the grace (an entry held by the unknown
+    // grant) is adopted the same way; its waiter stays queued behind.
+    let mut fake = Fake::with_conns(3);
+    fake.core.set_grace_until(10 * S);
+    fake.enqueue(2, "b", 60, 30, 3);
+    fake.set_now(S);
+    assert_eq!(
+        fake.extend(1, "b", 15, EARLIER),
+        vec![(1, extended(EARLIER))]
+    );
+    assert_eq!(fake.query("b"), (EARLIER, 0, 15_000, 1));
+    assert_eq!(fake.run_until(16 * S - 1), vec![]);
+    assert_eq!(fake.run_until(16 * S), vec![(2, acquired(3, FIRST_TOKEN))]);
+    assert_eq!(fake.core.stats().expired, 1);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn adoption_by_release_frees_the_key_and_hands_it_to_the_head_waiter() {
+    let mut fake = Fake::with_conns(4);
+    fake.core.set_grace_until(10 * S);
+    fake.enqueue(2, "a", 60, 30, 1);
+    fake.enqueue(3, "a", 60, 30, 2);
+    fake.set_now(S);
+    assert_eq!(
+        fake.release(1, "a", EARLIER),
+        vec![(1, released(EARLIER)), (2, acquired(1, FIRST_TOKEN))]
+    );
+    assert_eq!(fake.query("a"), (FIRST_TOKEN, 1, 30_000, 1));
+    fake.core.check_invariants();
+
+    // Without waiters the key is simply free, for the rest of the grace
+    // too — also after a grant of this run on it ends.
+    assert_eq!(fake.release(1, "b", EARLIER), vec![(1, released(EARLIER))]);
+    assert_eq!(fake.query("b"), (0, 0, 0, 0));
+    assert_eq!(fake.query("c"), (0, 0, 9_000, 0));
+    let token = fake.grant(1, "b", 1, 3);
+    assert_eq!(fake.release(1, "b", token), vec![(1, released(token))]);
+    fake.grant(1, "b", 1, 4);
+    assert_eq!(fake.run_until(3 * S).len(), 0);
+    assert_eq!(fake.core.stats().expired, 1);
+    assert_eq!(fake.query("b"), (0, 0, 0, 0));
+    // A freed key is no longer held by the unknown grant: nothing to adopt.
+    assert_eq!(
+        fake.extend(1, "b", 5, EARLIER),
+        vec![(1, not_held(EARLIER))]
+    );
+    assert_eq!(fake.release(1, "b", EARLIER), vec![(1, not_held(EARLIER))]);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn during_the_grace_a_token_not_below_the_first_or_token_0_is_still_not_held() {
+    let mut fake = Fake::with_conns(2);
+    fake.core.set_grace_until(10 * S);
+    fake.enqueue(1, "waited", 60, 30, 1);
+    for key in ["waited", "untracked"] {
+        for token in [0, FIRST_TOKEN, FIRST_TOKEN + 7, u64::MAX] {
+            assert_eq!(fake.release(2, key, token), vec![(2, not_held(token))]);
+            assert_eq!(fake.extend(2, key, 5, token), vec![(2, not_held(token))]);
+        }
+    }
+    assert_eq!(fake.query("waited"), (0, 0, 10_000, 1));
+    assert_eq!(fake.query("untracked"), (0, 0, 10_000, 0));
+    // After the grace an earlier token adopts nothing.
+    fake.run_until(10 * S);
+    assert_eq!(
+        fake.extend(2, "untracked", 5, EARLIER),
+        vec![(2, not_held(EARLIER))]
+    );
+    assert_eq!(
+        fake.release(2, "untracked", EARLIER),
+        vec![(2, not_held(EARLIER))]
+    );
+    assert_eq!(fake.core.stats().not_held, 18);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn adoption_by_extend_may_take_the_table_to_twice_the_key_limit_and_no_further() {
+    let mut fake = Fake::new(limits(1, 10, 10, 10), 2);
+    fake.core.set_grace_until(10 * S);
+    // A waiter of this run fills the key limit...
+    fake.enqueue(1, "w", 60, 30, 1);
+    assert_eq!(fake.acquire(1, "x", 60, 30, 2), vec![(1, busy(2))]);
+    // ...yet an earlier holder adopts its key; one more finds no room.
+    assert_eq!(
+        fake.extend(1, "a", 30, EARLIER),
+        vec![(1, extended(EARLIER))]
+    );
+    assert_eq!(
+        fake.extend(1, "b", 30, EARLIER + 1),
+        vec![(1, not_held(EARLIER + 1))]
+    );
+    assert_eq!(fake.query("b"), (0, 0, 10_000, 0));
+    fake.core.check_invariants();
+}
+
+/// The state file written while running, read back: the horizon it
+/// promises, in µs of the core's clock.
+fn horizon_on_disk(dir: &std::path::Path, anchor: &Clocks) -> u64 {
+    let bytes = std::fs::read(dir.join(state::STATE_FILE)).unwrap();
+    let recorded = state::parse(&bytes, anchor).unwrap();
+    (recorded.written.boot_ms - anchor.boot_ms + recorded.horizon_ms) * MS
+}
+
+#[test]
+fn the_horizon_on_disk_covers_every_lease_and_runs_at_most_5_s_past_the_latest() {
+    let dir = crate::util::TempDir::new("horizon");
+    let mut state = state::StateDir::open(&dir.0).unwrap();
+    let mut fake = Fake::with_conns(2);
+    state.resume(&mut fake.core).unwrap();
+    let anchor = boot(7_000, 50_000);
+    state.anchor(anchor.clone());
+    let mut token = 0;
+    // A minute of grants and renewals every 100 ms with mixed leases.
+    for step in 1..=600u64 {
+        fake.run_until(step * 100 * MS);
+        let lease = [1, 2, 10, 30][step as usize % 4];
+        if step % 7 == 0 && token != 0 {
+            fake.extend(1, "k", lease, token);
+        } else {
+            fake.release(1, "k", token);
+            token = fake.grant(1, "k", lease, step);
+        }
+        // The shell covers before any answer leaves.
+        let core = &fake.core;
+        state
+            .cover(
+                core.next_token(),
+                core.lease_deadline_max(),
+                core.grace_until(),
+                fake.now,
+            )
+            .unwrap();
+        let latest = fake.core.lease_deadline_max();
+        let horizon = horizon_on_disk(&dir.0, &anchor);
+        assert!(
+            horizon >= latest,
+            "step {step}: horizon {horizon} < lease {latest}"
+        );
+        assert!(
+            horizon <= latest + 5 * S + MS,
+            "step {step}: horizon {horizon} more than 5 s past {latest}"
+        );
+    }
+    // The write rate: each write moves the horizon at least 5 s on, and
+    // the horizon ends within 30 s (the longest lease) + 5 s of the last
+    // step at 60 s: at most (60 + 35) / 5 writes, plus the one at start.
+    assert!(
+        state.writes <= 1 + 95 / 5,
+        "{} writes in a minute",
+        state.writes
+    );
+}
+
+#[test]
+fn a_clean_stop_saved_and_resumed_restores_every_grant_and_the_remaining_grace() {
+    let dir = crate::util::TempDir::new("resume");
+    let mut fake = Fake::with_conns(2);
+    fake.core.set_grace_until(30 * S);
+    {
+        let mut state = state::StateDir::open(&dir.0).unwrap();
+        state.resume(&mut fake.core).unwrap();
+        fake.set_now(S);
+        // Adopted keys during the grace: one expires, two are released
+        // by their earlier holders and granted anew, one runs out now.
+        fake.extend(1, "adopted", 10, EARLIER);
+        fake.run_until(20 * S);
+        let long_key = "é/long-key-beyond-the-inline-bytes";
+        for (key, token) in [("a", 1), (long_key, 2), ("expires-now", 3)] {
+            fake.release(1, key, EARLIER - token);
+        }
+        let a = fake.grant(1, "a", 30, 1);
+        let b = fake.grant(1, long_key, 255, 2);
+        fake.grant(1, "expires-now", 1, 3);
+        fake.run_until(21 * S);
+        fake.core.shut_down();
+        fake.drain();
+        state.save_clean_stop(&fake.core, fake.now).unwrap();
+        assert_eq!((a, b), (FIRST_TOKEN, FIRST_TOKEN + 1));
+    }
+    let mut state = state::StateDir::open(&dir.0).unwrap();
+    let mut next = Core::new(Limits::default(), FIRST_TOKEN + 1_000);
+    next.connect(0);
+    state.resume(&mut next).unwrap();
+    next.check_invariants();
+    let mut grants: Vec<(String, u64, u64)> = next
+        .grants()
+        .map(|grant| (grant.key.to_owned(), grant.token, grant.owner))
+        .collect();
+    grants.sort();
+    assert_eq!(
+        grants,
+        vec![
+            ("a".to_owned(), FIRST_TOKEN, 1),
+            (
+                "é/long-key-beyond-the-inline-bytes".to_owned(),
+                FIRST_TOKEN + 1,
+                2
+            ),
+        ]
+    );
+    // Lease left: 29 s and 254 s less the (real, short) time since the save.
+    for grant in next.grants() {
+        let left = if grant.owner == 1 { 29 * S } else { 254 * S };
+        assert!(
+            grant.deadline <= left && grant.deadline > left - 2 * S,
+            "{grant:?}"
+        );
+    }
+    // The grace of the stopped run goes on: 9 s were left of it.
+    assert!(next.grace_until() <= 9 * S + MS && next.grace_until() > 7 * S);
+    assert_eq!(next.next_token(), FIRST_TOKEN + 1_000);
 }
 
 // ---- random sequences against the reference model --------------------------------

@@ -182,3 +182,405 @@ fn without_a_state_dir_a_restart_frees_every_key() {
     peer.send(&acquire(0, 60, 2, "volatile"));
     assert!(granted(peer.recv(), 2) > token);
 }
+
+// ---- restarts without an outage (spec §7) ------------------------------------------
+
+/// A server on `127.0.0.1:port` (0: any) with the state directory `dir`.
+fn start_on(dir: &TempDir, port: u16) -> TestServer {
+    start_under(&[], dir, port)
+}
+
+fn start_under(wrapper: &[&str], dir: &TempDir, port: u16) -> TestServer {
+    let listen = format!("127.0.0.1:{port}");
+    let state_dir = dir.0.display().to_string();
+    let args = ["--listen", &listen, "--state-dir", &state_dir];
+    TestServer::start_under(wrapper, &args, |_| {})
+}
+
+fn port_of(server: &TestServer) -> u16 {
+    server.addr.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// `Q key` as (token, owner, lease_ms, waiters).
+fn query_key(peer: &mut crate::util::Peer, key: &str) -> (u64, u64, u32, u32) {
+    peer.send(&query(key));
+    match peer.recv() {
+        Response::Query {
+            token,
+            owner,
+            lease_ms,
+            waiters,
+        } => (token, owner, lease_ms, waiters),
+        other => panic!("expected Q, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_clean_stop_restores_every_grant_with_its_token_owner_and_deadline() {
+    let dir = TempDir::new("restore");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    let granted_at = Instant::now();
+    peer.send(&acquire(0, 6, 41, "held"));
+    let held = granted(peer.recv(), 41);
+    peer.send(&acquire(0, 200, 42, "long"));
+    let long = granted(peer.recv(), 42);
+    peer.send(&acquire(0, 30, 43, "released"));
+    let released = granted(peer.recv(), 43);
+    peer.send(&release(released, "released"));
+    assert_eq!(peer.recv(), Response::Released { token: released });
+    // A waiter gets B at the stop; waiters are not restored.
+    let mut waiter = server.peer();
+    waiter.send(&acquire(60, 5, 44, "held"));
+    assert_eq!(query_key(&mut waiter, "held").3, 1);
+    let port = port_of(&server);
+    assert!(server.stop().success());
+    assert_eq!(waiter.recv(), Response::Busy { owner: 44 });
+
+    let server = start_on(&dir, port);
+    let mut peer = server.peer();
+    let (token, owner, lease_ms, waiters) = query_key(&mut peer, "held");
+    let since = granted_at.elapsed().as_millis() as u32;
+    assert_eq!((token, owner, waiters), (held, 41, 0));
+    // The downtime counted against the lease, never for it.
+    // (`Q` rounds the time left up to the next ms.)
+    assert!(
+        lease_ms <= 6_000 + 1 - since.min(6_000),
+        "{lease_ms} ms left after {since} ms"
+    );
+    assert!(
+        lease_ms + since > 6_000 - 1_000,
+        "{lease_ms} ms left after {since} ms"
+    );
+    assert_eq!(query_key(&mut peer, "long").0, long);
+    // Other keys are free at once.
+    for key in ["released", "never-used"] {
+        peer.send(&acquire(0, 5, 45, key));
+        assert!(granted(peer.recv(), 45) > long, "{key}");
+    }
+    peer.send(&acquire(0, 5, 46, "held"));
+    assert_eq!(peer.recv(), Response::Timeout { owner: 46 });
+    // E and R act on the restored grants as before.
+    peer.send(&crate::util::extend(9, held, "held"));
+    assert_eq!(peer.recv(), Response::Extended { token: held });
+    assert_eq!(query_key(&mut peer, "held").0, held);
+    peer.send(&release(long, "long"));
+    assert_eq!(peer.recv(), Response::Released { token: long });
+    peer.send(&release(long, "long"));
+    assert_eq!(peer.recv(), Response::NotHeld { token: long });
+    // The restored lease still ends: wait for the key.
+    let sent = Instant::now();
+    peer.send(&acquire(20, 5, 47, "held"));
+    granted(peer.recv(), 47);
+    let waited = sent.elapsed();
+    assert!(
+        waited >= Duration::from_millis(8_900),
+        "lease cut short: {waited:?}"
+    );
+}
+
+#[test]
+fn after_kill_9_a_holder_keeps_its_key_by_renewing_and_frees_it_by_releasing() {
+    let dir = TempDir::new("adopt");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    peer.send(&acquire(0, 20, 1, "kept"));
+    let kept = granted(peer.recv(), 1);
+    peer.send(&acquire(0, 20, 2, "freed"));
+    let freed = granted(peer.recv(), 2);
+    let port = port_of(&server);
+    server.kill();
+
+    let server = start_on(&dir, port);
+    let mut peer = server.peer();
+    let mut other = server.peer();
+    other.send(&acquire(60, 5, 3, "freed"));
+    // Renewing adopts the key: owner 0, the new lease from now.
+    peer.send(&crate::util::extend(9, kept, "kept"));
+    assert_eq!(peer.recv(), Response::Extended { token: kept });
+    let (token, owner, lease_ms, _) = query_key(&mut peer, "kept");
+    assert_eq!((token, owner), (kept, 0));
+    assert!(lease_ms > 8_000 && lease_ms <= 9_000, "{lease_ms}");
+    other.send(&acquire(0, 5, 4, "kept"));
+    assert_eq!(other.recv(), Response::Timeout { owner: 4 });
+    // Releasing frees the key and hands it to the head waiter.
+    peer.send(&release(freed, "freed"));
+    assert_eq!(peer.recv(), Response::Released { token: freed });
+    assert!(granted(other.recv(), 3) > kept);
+    // A token of this run never adopts, and an adopted key is no longer the
+    // unknown grant's.
+    let next: u64 = server.info()["next_token"].parse().unwrap();
+    for (token, key) in [(next, "untouched"), (kept - 1, "kept"), (freed, "freed")] {
+        peer.send(&crate::util::extend(9, token, key));
+        assert_eq!(peer.recv(), Response::NotHeld { token }, "{key}");
+    }
+}
+
+/// After kill -9 with one lease of `lease_s` outstanding: (the time left to
+/// the horizon `Q` shows at the restart, the time from the grant to the
+/// restart).
+fn grace_after_kill_9(lease_s: u8) -> (Duration, Duration) {
+    let dir = TempDir::new("grace-measure");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    let granted_at = Instant::now();
+    peer.send(&acquire(0, lease_s, 1, "leased"));
+    granted(peer.recv(), 1);
+    server.kill();
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    let (token, _, lease_ms, _) = query_key(&mut peer, "another-key");
+    assert_eq!(token, 0);
+    (Duration::from_millis(lease_ms.into()), granted_at.elapsed())
+}
+
+#[test]
+fn the_grace_after_kill_9_is_at_most_the_longest_lease_plus_5_s() {
+    for lease_s in [2u8, 30] {
+        let (grace, since_grant) = grace_after_kill_9(lease_s);
+        let lease = Duration::from_secs(lease_s.into());
+        let total = grace + since_grant;
+        eprintln!("lease {lease_s} s: grace {grace:?} at the restart, {total:?} after the grant");
+        // Every lease is covered; the horizon is at most 5 s past it.
+        assert!(
+            total >= lease,
+            "grace ends {total:?} after a {lease:?} grant"
+        );
+        assert!(
+            grace <= lease + Duration::from_secs(5),
+            "grace {grace:?} for a {lease:?} lease"
+        );
+    }
+    // With a 2 s lease, a wait on any key is granted within 7 s of the
+    // grant (and never before the lease could have ended).
+    let dir = TempDir::new("grace-wait");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    let granted_at = Instant::now();
+    peer.send(&acquire(0, 2, 1, "leased"));
+    granted(peer.recv(), 1);
+    server.kill();
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    peer.send(&acquire(30, 5, 2, "leased"));
+    granted(peer.recv(), 2);
+    let waited = granted_at.elapsed();
+    eprintln!("lease 2 s: key granted again {waited:?} after the first grant");
+    assert!(waited >= Duration::from_secs(2), "{waited:?}");
+    assert!(waited <= Duration::from_millis(7_500), "{waited:?}");
+}
+
+/// `faketime` and its arguments for a clock `offset` away, or `None` (the
+/// test is skipped) when faketime is not installed.
+fn faketime(offset: &'static str) -> Option<[&'static str; 3]> {
+    let found = std::process::Command::new("sh")
+        .args(["-c", "command -v faketime"])
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if !found {
+        eprintln!("faketime is not installed (apt-get install faketime): test skipped");
+        return None;
+    }
+    Some(["faketime", "-f", offset])
+}
+
+#[test]
+fn a_clock_stepped_back_an_hour_does_not_lengthen_the_grace() {
+    let Some(stepped_back) = faketime("-1h") else {
+        return;
+    };
+    let dir = TempDir::new("step-back");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    peer.send(&acquire(0, 1, 1, "crash"));
+    let before = granted(peer.recv(), 1);
+    server.kill();
+
+    let server = start_under(&stepped_back, &dir, 0);
+    let mut peer = server.peer();
+    let (token, _, lease_ms, _) = query_key(&mut peer, "crash");
+    assert_eq!(token, 0);
+    assert!(lease_ms <= 6_000, "grace {lease_ms} ms after a 1 s lease");
+    // Tokens stay above the earlier run's, though the clock went back.
+    let next: u64 = server.info()["next_token"].parse().unwrap();
+    assert!(next > before);
+    peer.send(&acquire(10, 5, 2, "crash"));
+    assert!(granted(peer.recv(), 2) > before);
+}
+
+#[test]
+fn a_clock_stepped_forward_an_hour_does_not_shorten_the_grace() {
+    let Some(stepped_forward) = faketime("+1h") else {
+        return;
+    };
+    let dir = TempDir::new("step-forward");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    peer.send(&acquire(0, 30, 1, "running"));
+    let token = granted(peer.recv(), 1);
+    server.kill();
+
+    let server = start_under(&stepped_forward, &dir, 0);
+    let mut peer = server.peer();
+    peer.send(&acquire(0, 5, 2, "running"));
+    assert_eq!(peer.recv(), Response::Timeout { owner: 2 });
+    let (_, _, lease_ms, _) = query_key(&mut peer, "running");
+    assert!(lease_ms >= 25_000, "grace {lease_ms} ms for a 30 s lease");
+    // The holder renews as usual.
+    peer.send(&crate::util::extend(30, token, "running"));
+    assert_eq!(peer.recv(), Response::Extended { token });
+}
+
+/// Starts a server on `dir` that must fail; returns its stderr.
+fn failed_start(dir: &std::path::Path) -> String {
+    let output = std::process::Command::new(crate::util::kunci_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn a_damaged_state_file_stops_the_start_with_what_is_wrong() {
+    let dir = TempDir::new("damaged");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    peer.send(&acquire(0, 30, 1, "k"));
+    granted(peer.recv(), 1);
+    assert!(server.stop().success());
+    let file = dir.join("kunci.state");
+    let good = std::fs::read(&file).unwrap();
+    let cases: [(&[u8], &str); 4] = [
+        (&good[..good.len() - 5], "checksum"),
+        (&good[..9], "truncated"),
+        (b"kunci-state 9\n...", "newer kunci"),
+        (b"\x00\x01garbage", "not a kunci state file"),
+    ];
+    for (bytes, what) in cases {
+        std::fs::write(&file, bytes).unwrap();
+        let stderr = failed_start(&dir.0);
+        assert!(stderr.contains("cannot start: state dir"), "{stderr}");
+        assert!(stderr.contains(&file.display().to_string()), "{stderr}");
+        assert!(stderr.contains(what), "{what}: {stderr}");
+        // Never a silent reset: the file is left as it was.
+        assert_eq!(std::fs::read(&file).unwrap(), bytes);
+    }
+    // A state dir that cannot be one says so, not "cannot listen".
+    let not_a_dir = dir.join("plain-file");
+    std::fs::write(&not_a_dir, b"").unwrap();
+    let stderr = failed_start(&not_a_dir);
+    assert!(stderr.contains("state dir"), "{stderr}");
+    assert!(!stderr.contains("cannot listen"), "{stderr}");
+}
+
+/// Runs `kunci run survive --lease 4` whose command writes its token, then
+/// runs for 7 s. While it runs, `interrupt` stops the server and a new one
+/// starts on the same port and state directory; a second client probes the
+/// key all along. Returns (kunci's exit code, the command's token, every
+/// token `Q` showed meanwhile).
+fn kunci_run_across_a_restart(name: &str, interrupt: fn(TestServer)) -> (i32, u64, Vec<u64>) {
+    let dir = TempDir::new(name);
+    let server = start_on(&dir, 0);
+    let port = port_of(&server);
+    let token_file = dir.join("token");
+    let done_file = dir.join("done");
+    let script = format!(
+        "echo $KUNCI_TOKEN > {token}.tmp && mv {token}.tmp {token}; sleep 7; echo done > {done}",
+        token = token_file.display(),
+        done = done_file.display()
+    );
+    let mut run = std::process::Command::new(crate::util::kunci_bin())
+        .args(["run", "survive", "--lease", "4", "--", "sh", "-c", &script])
+        .env("KUNCI_SERVER", &server.addr)
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let token: u64 = loop {
+        if let Ok(text) = std::fs::read_to_string(&token_file) {
+            break text.trim().parse().unwrap();
+        }
+        assert!(Instant::now() < deadline, "the command never started");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    std::thread::sleep(Duration::from_millis(1_500));
+    interrupt(server);
+    let server = start_on(&dir, port);
+    let mut probe = server.peer();
+    let mut seen = Vec::new();
+    let mut owner = 100;
+    let status = loop {
+        if let Some(status) = run.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(15),
+            "kunci run did not end"
+        );
+        owner += 1;
+        probe.send(&acquire(0, 5, owner, "survive"));
+        match probe.recv() {
+            Response::Timeout { .. } => {}
+            other => {
+                if std::fs::read(&done_file).is_err() {
+                    panic!("the key was given to another client while the command ran: {other:?}");
+                }
+            }
+        }
+        let (held_by, ..) = query_key(&mut probe, "survive");
+        if held_by != 0 && seen.last() != Some(&held_by) {
+            seen.push(held_by);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        std::fs::read(&done_file).is_ok(),
+        "the command did not finish"
+    );
+    // The final release found the lease: the key is free now.
+    assert_eq!(query_key(&mut probe, "survive"), (0, 0, 0, 0));
+    (status.code().unwrap_or(-1), token, seen)
+}
+
+#[test]
+fn kunci_run_keeps_its_command_running_across_a_clean_restart() {
+    let (code, token, seen) = kunci_run_across_a_restart("run-clean", |server| {
+        assert!(server.stop().success());
+    });
+    assert_eq!(code, 0);
+    assert_eq!(seen, vec![token], "Q showed other holders");
+}
+
+#[test]
+fn kunci_run_keeps_its_command_running_across_kill_9_and_a_restart() {
+    let (code, token, seen) = kunci_run_across_a_restart("run-kill9", TestServer::kill);
+    assert_eq!(code, 0);
+    assert_eq!(seen, vec![token], "Q showed other holders");
+}
+
+#[test]
+fn sighup_and_sigint_save_the_grants_as_sigterm_does() {
+    for signal in [libc::SIGHUP, libc::SIGINT] {
+        let dir = TempDir::new("signals");
+        let server = start_on(&dir, 0);
+        let mut peer = server.peer();
+        peer.send(&acquire(0, 60, 7, "kept"));
+        let token = granted(peer.recv(), 7);
+        let port = port_of(&server);
+        let mut server = server;
+        server.signal(signal);
+        let status = server.wait_exit(Duration::from_secs(10));
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "signal {signal}: {status:?}"
+        );
+        let server = start_on(&dir, port);
+        let mut peer = server.peer();
+        let (held_by, owner, lease_ms, _) = query_key(&mut peer, "kept");
+        assert_eq!((held_by, owner), (token, 7), "signal {signal}");
+        assert!(lease_ms > 50_000, "signal {signal}: {lease_ms} ms left");
+    }
+}

@@ -174,6 +174,11 @@ fn usage_errors_and_invalid_arguments_exit_2_before_anything_is_sent() {
         &["ping", "--server", "nowhere"],
         &["run", "k"],
         &["run", "k", "--kill-after", "x", "--", "true"],
+        &["run", "k", "-E", "x", "--", "true"],
+        &["run", "k", "--conflict-exit-code", "256", "--", "true"],
+        &["run", "k", "--wait", "infinity", "--", "true"],
+        &["acquire", "k", "-q"],
+        &["acquire", "k", "-E", "75"],
     ] {
         let output = kunci(addr, args);
         assert_eq!(code(&output), 2, "{args:?}: {}", stderr(&output));
@@ -402,4 +407,492 @@ fn run_stops_the_command_if_kunci_itself_dies() {
     child.kill().unwrap();
     child.wait().unwrap();
     assert_eq!(wait_for_file(&dir.join("got")), "term\n");
+}
+
+/// Whether process `pid` is gone: no longer in /proc, or a zombie waiting
+/// for a parent that does not reap it.
+fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z')),
+    }
+}
+
+/// The process ids, one a line, that a command wrote to `path`.
+fn read_pids(path: &Path, count: usize) -> Vec<u32> {
+    let deadline = Instant::now() + 10 * S;
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let pids: Vec<u32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        if pids.len() == count && text.ends_with('\n') {
+            return pids;
+        }
+        assert!(Instant::now() < deadline, "{}: {text:?}", path.display());
+        std::thread::sleep(5 * MS);
+    }
+}
+
+fn have(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
+#[test]
+fn run_gives_an_interactive_command_the_terminal_and_takes_it_back() {
+    if !have("script") {
+        eprintln!("skipped: script(1) is not installed");
+        return;
+    }
+    let server = TestServer::start(&[]);
+    let bin = kunci_bin();
+    // Two runs in one terminal session: the second can read the terminal
+    // only if the first gave the foreground back to the shell's group.
+    let session = format!(
+        "{bin} run k -- sh -c 'read x; echo got \\$x'; \
+         {bin} run k -- sh -c 'read y; echo got \\$y'"
+    );
+    let pipeline =
+        format!("(sleep 2; echo hello; sleep 1; echo again) | script -qfc \"{session}\" /dev/null");
+    let started = Instant::now();
+    let mut child = Command::new("sh")
+        .args(["-c", &pipeline])
+        .env("KUNCI_SERVER", &server.addr)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_exit(&mut child, 20 * S);
+    let elapsed = started.elapsed();
+    let mut output = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut output).unwrap();
+    assert!(status.success(), "{status:?}: {output:?}");
+    assert!(elapsed >= 3 * S, "{elapsed:?}");
+    let got: Vec<&str> = output
+        .lines()
+        .map(|line| line.trim_end_matches('\r'))
+        .filter(|line| line.starts_with("got "))
+        .collect();
+    assert_eq!(got, ["got hello", "got again"], "{output:?}");
+    assert!(direct(&server).query("k").unwrap().is_free());
+}
+
+#[test]
+fn run_killed_by_sigkill_leaves_nothing_of_the_command_behind() {
+    let server = TestServer::start(&[]);
+    let dir = TempDir::new("run-sigkill");
+    let pid_file = dir.join("pids");
+    // Two grandchildren: one that stops at SIGTERM, one that ignores it
+    // (so only the SIGKILL after --kill-after can stop it, and its shell).
+    let script = format!(
+        "sleep 1000 & echo $! > {pids}; trap '' TERM; sleep 1000 & echo $! >> {pids}; wait",
+        pids = pid_file.display()
+    );
+    let mut child = command(
+        &server.addr,
+        &[
+            "run",
+            "sigkill",
+            "--kill-after",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let pids = read_pids(&pid_file, 2);
+    // Measured before the kill: the watchdog's grace cannot start earlier.
+    let killed = Instant::now();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let deadline = killed + 5 * S;
+    while !process_gone(pids[0]) {
+        assert!(Instant::now() < deadline, "the SIGTERM never came");
+        std::thread::sleep(5 * MS);
+    }
+    assert!(
+        killed.elapsed() < S,
+        "SIGTERM came late: {:?}",
+        killed.elapsed()
+    );
+    // The one that ignores SIGTERM lives until --kill-after has passed.
+    std::thread::sleep((900 * MS).saturating_sub(killed.elapsed()));
+    assert!(!process_gone(pids[1]), "SIGKILL came before --kill-after");
+    while !process_gone(pids[1]) {
+        assert!(Instant::now() < deadline, "the SIGKILL never came");
+        std::thread::sleep(5 * MS);
+    }
+    let elapsed = killed.elapsed();
+    assert!(elapsed >= S && elapsed < S + LATE, "{elapsed:?}");
+}
+
+#[test]
+fn run_stops_what_the_command_left_running_before_it_releases() {
+    let server = TestServer::start(&[]);
+    let dir = TempDir::new("run-leftover");
+    let pid_file = dir.join("pids");
+    let script = format!("sleep 1000 & echo $! > {}", pid_file.display());
+    let started = Instant::now();
+    let output = kunci(
+        &server.addr,
+        &["run", "leftover", "--", "sh", "-c", &script],
+    );
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(started.elapsed() < 2 * S, "{:?}", started.elapsed());
+    let pids = read_pids(&pid_file, 1);
+    assert!(process_gone(pids[0]));
+    assert!(direct(&server).query("leftover").unwrap().is_free());
+
+    // One that ignores SIGTERM is killed after --kill-after.
+    let script = format!(
+        "trap '' TERM; sleep 1000 & echo $! > {}",
+        pid_file.display()
+    );
+    let started = Instant::now();
+    let output = kunci(
+        &server.addr,
+        &[
+            "run",
+            "leftover",
+            "--kill-after",
+            "0.5",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    let elapsed = started.elapsed();
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(
+        elapsed >= 500 * MS && elapsed < 500 * MS + 2 * LATE,
+        "{elapsed:?}"
+    );
+    assert!(process_gone(read_pids(&pid_file, 1)[0]));
+}
+
+#[test]
+fn run_for_cron_exits_with_the_conflict_code_and_says_nothing() {
+    let server = TestServer::start(&[]);
+    let dir = TempDir::new("run-cron");
+    let ran = dir.join("ran");
+    let touch = format!("touch {}", ran.display());
+    let holder = direct(&server)
+        .acquire("nightly", Duration::ZERO, 30 * S)
+        .unwrap();
+    let quiet = kunci(
+        &server.addr,
+        &[
+            "run", "nightly", "--wait", "0", "-E", "75", "-q", "--", "sh", "-c", &touch,
+        ],
+    );
+    assert_eq!(code(&quiet), 75);
+    assert_eq!(stderr(&quiet), "");
+    assert_eq!(stdout(&quiet), "");
+    let long = kunci(
+        &server.addr,
+        &[
+            "run",
+            "nightly",
+            "--conflict-exit-code",
+            "75",
+            "--quiet",
+            "--",
+            "sh",
+            "-c",
+            &touch,
+        ],
+    );
+    assert_eq!((code(&long), stderr(&long).as_str()), (75, ""));
+    // Without -q the timeout is reported; without -E it exits 1.
+    let told = kunci(&server.addr, &["run", "nightly", "-E", "75", "--", "true"]);
+    assert_eq!(code(&told), 75);
+    assert!(stderr(&told).contains("timeout"), "{}", stderr(&told));
+    let plain = kunci(&server.addr, &["run", "nightly", "-q", "--", "true"]);
+    assert_eq!((code(&plain), stderr(&plain).as_str()), (1, ""));
+    assert!(!ran.exists(), "the command ran without the lock");
+    // Other failures keep their own codes and messages: busy is 3.
+    drop(holder);
+    let busy_server = TestServer::start(&["--max-keys", "1"]);
+    let _other = direct(&busy_server)
+        .acquire("other", Duration::ZERO, 30 * S)
+        .unwrap();
+    let busy = kunci(
+        &busy_server.addr,
+        &["run", "nightly", "-E", "75", "-q", "--", "true"],
+    );
+    assert_eq!(code(&busy), 3);
+    assert!(stderr(&busy).contains("busy"), "{}", stderr(&busy));
+}
+
+/// Waits (bounded) until `key` has `count` waiters.
+fn until_waiters(client: &Client, key: &str, count: u32) {
+    let deadline = Instant::now() + 10 * S;
+    while client.query(key).unwrap().waiters < count {
+        assert!(Instant::now() < deadline, "never {count} waiters on {key}");
+        std::thread::sleep(5 * MS);
+    }
+}
+
+#[test]
+fn waiting_forever_queues_with_the_longest_wire_wait() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let client = direct(&server);
+    let holder = client.acquire("forever", Duration::ZERO, 30 * S).unwrap();
+    let started = Instant::now();
+    let run = command(
+        &proxy.addr,
+        &["run", "forever", "--wait", "inf", "--", "true"],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    until_waiters(&client, "forever", 1);
+    let acquire = command(
+        &proxy.addr,
+        &["acquire", "forever", "--wait", "inf", "--lease", "1"],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    until_waiters(&client, "forever", 2);
+    std::thread::sleep(S.saturating_sub(started.elapsed()));
+    holder.release().unwrap();
+    // The run is first in the queue, then the acquire.
+    let run = run.wait_with_output().unwrap();
+    let acquire = acquire.wait_with_output().unwrap();
+    assert!(started.elapsed() >= S);
+    assert_eq!(code(&run), 0, "{}", stderr(&run));
+    assert_eq!(stderr(&run), "");
+    assert_eq!(code(&acquire), 0, "{}", stderr(&acquire));
+    assert!(
+        stdout(&acquire).parse::<u64>().is_ok(),
+        "{}",
+        stdout(&acquire)
+    );
+    let waits: Vec<u8> = proxy
+        .frames()
+        .iter()
+        .filter(|f| f.op == b'A')
+        .map(|f| f.wait_s)
+        .collect();
+    assert_eq!(waits, [255, 255]);
+}
+
+#[test]
+fn run_renews_at_once_a_lock_granted_after_waiting_longer_than_its_lease() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let client = direct(&server);
+    let holder = client.acquire("late", Duration::ZERO, 30 * S).unwrap();
+    let run = command(
+        &proxy.addr,
+        &[
+            "run",
+            "late",
+            "--wait",
+            "5",
+            "--lease",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            "sleep 0.5",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    until_waiters(&client, "late", 1);
+    // Granted 1.5 s after it was sent: the ticket's own bound has passed.
+    std::thread::sleep(1500 * MS);
+    holder.release().unwrap();
+    let released = Instant::now();
+    let run = run.wait_with_output().unwrap();
+    assert_eq!(code(&run), 0, "{}", stderr(&run));
+    assert_eq!(stderr(&run), "");
+    let frames = proxy.frames();
+    let granted = frames.iter().position(|f| f.op == b'E').expect("a renewal");
+    assert!(frames[granted].at - released < LATE, "renewed at once");
+    assert!(client.query("late").unwrap().is_free());
+}
+
+#[test]
+fn run_warns_when_only_the_final_release_finds_the_lock_gone() {
+    let server = TestServer::start(&[]);
+    let script = format!(
+        "{} release \"$KUNCI_KEY\" \"$KUNCI_TOKEN\" >/dev/null; exit 3",
+        kunci_bin()
+    );
+    let output = kunci(&server.addr, &["run", "gone", "--", "sh", "-c", &script]);
+    assert_eq!(code(&output), 3);
+    assert!(
+        stderr(&output).contains("warning: the lock was no longer held"),
+        "{}",
+        stderr(&output)
+    );
+}
+
+/// The state letter and process group of `pid`, from /proc.
+fn state_and_group(pid: u32) -> (char, i32) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let mut fields = stat
+        .rsplit_once(") ")
+        .map(|(_, rest)| rest)
+        .unwrap_or_default()
+        .split(' ');
+    let state = fields.next().and_then(|s| s.chars().next()).unwrap_or('?');
+    let group = fields.nth(1).and_then(|g| g.parse().ok()).unwrap_or(0);
+    (state, group)
+}
+
+fn until_state(pid: u32, wanted: impl Fn(char) -> bool, what: &str) {
+    let deadline = Instant::now() + 5 * S;
+    while !wanted(state_and_group(pid).0) {
+        assert!(
+            Instant::now() < deadline,
+            "{pid} never {what}: {:?}",
+            state_and_group(pid)
+        );
+        std::thread::sleep(5 * MS);
+    }
+}
+
+#[test]
+fn run_suspended_from_the_terminal_stops_as_a_job_and_resumes() {
+    if !have("script") {
+        eprintln!("skipped: script(1) is not installed");
+        return;
+    }
+    let server = TestServer::start(&[]);
+    let dir = TempDir::new("run-suspend");
+    let pid_file = dir.join("pids");
+    // A shell with job control (`sh -m`), as in a terminal: kunci runs as
+    // its own job; once the job stops, the shell reads a line, then `fg`.
+    let session = format!(
+        "sh -m -c '{} run suspend -- sh -c \"echo \\$\\$ > {pids}; echo \\$PPID >> {pids}; \
+         read x; echo got \\$x\"; read go; fg'",
+        kunci_bin(),
+        pids = pid_file.display()
+    );
+    let mut script = Command::new("script")
+        .args(["-qfc", &session, "/dev/null"])
+        .env("KUNCI_SERVER", &server.addr)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pids = read_pids(&pid_file, 2);
+    let (cmd, kunci) = (pids[0], pids[1]);
+    let mut input = script.stdin.take().unwrap();
+    // ^Z: the terminal stops CMD's group; kunci stops its own in turn,
+    // as a job that a shell would see stopped.
+    std::io::Write::write_all(&mut input, b"\x1a").unwrap();
+    until_state(cmd, |s| s == 'T', "stopped");
+    until_state(kunci, |s| s == 'T', "stopped");
+    // The shell has the terminal again; `fg` continues kunci's group, and
+    // kunci gives CMD the terminal back and continues it.
+    std::io::Write::write_all(&mut input, b"go\n").unwrap();
+    until_state(kunci, |s| s != 'T', "continued");
+    until_state(cmd, |s| s != 'T', "continued");
+    std::io::Write::write_all(&mut input, b"hello\n").unwrap();
+    let status = wait_exit(&mut script, 10 * S);
+    let mut output = String::new();
+    std::io::Read::read_to_string(&mut script.stdout.take().unwrap(), &mut output).unwrap();
+    assert!(status.success(), "{status:?}: {output:?}");
+    assert!(output.contains("got hello"), "{output:?}");
+    assert!(direct(&server).query("suspend").unwrap().is_free());
+}
+
+#[test]
+fn run_exits_6_when_the_lease_runs_out_without_an_answered_renewal() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let dir = TempDir::new("run-unanswered");
+    let script = waiting_script(&dir, "exit 0");
+    let spawned = Instant::now();
+    let mut child = command(
+        &proxy.addr,
+        &[
+            "run",
+            "unanswered",
+            "--lease",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_for_file(&dir.join("started"));
+    // Renewals reach the server; their answers never come back.
+    proxy.set_faults(Faults {
+        swallow_answers: true,
+        ..Faults::default()
+    });
+    let status = wait_exit(&mut child, 10 * S);
+    let elapsed = spawned.elapsed();
+    assert_eq!(status.code(), Some(6));
+    // Not before valid_until: the acquire was sent after the spawn, and
+    // the bound is its send instant + 2 s − 14 ms.
+    assert!(elapsed >= 2 * S - 14 * MS, "{elapsed:?}");
+    assert!(elapsed < 2 * S + 2 * LATE, "{elapsed:?}");
+    assert_eq!(wait_for_file(&dir.join("got")), "term\n");
+    let mut message = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut message).unwrap();
+    assert!(
+        message.contains("lock lost: the lease ran out without a successful renewal"),
+        "{message}"
+    );
+}
+
+#[test]
+fn run_started_in_the_background_reads_the_terminal_once_brought_to_the_foreground() {
+    if !have("script") {
+        eprintln!("skipped: script(1) is not installed");
+        return;
+    }
+    let server = TestServer::start(&[]);
+    // CMD reads the terminal from a background job and is stopped; kunci
+    // stops with it, and `fg` resumes both, CMD holding the terminal.
+    let session = format!(
+        "sh -m -c '{} run background -- sh -c \"read x; echo got \\$x\" & sleep 1; fg'",
+        kunci_bin()
+    );
+    let mut script = Command::new("script")
+        .args(["-qfc", &session, "/dev/null"])
+        .env("KUNCI_SERVER", &server.addr)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = script.stdin.take().unwrap();
+    std::thread::sleep(2 * S);
+    std::io::Write::write_all(&mut input, b"hello\n").unwrap();
+    let status = wait_exit(&mut script, 10 * S);
+    let mut output = String::new();
+    std::io::Read::read_to_string(&mut script.stdout.take().unwrap(), &mut output).unwrap();
+    assert!(status.success(), "{status:?}: {output:?}");
+    assert!(output.contains("got hello"), "{output:?}");
+    assert!(direct(&server).query("background").unwrap().is_free());
 }

@@ -4,7 +4,11 @@ mod abuse;
 mod bench;
 mod client;
 mod core;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod fencing;
+mod metrics;
+mod operations;
 mod protocol;
 mod regression;
 mod restart;

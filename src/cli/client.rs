@@ -8,21 +8,29 @@ use std::time::Duration;
 use super::args;
 use super::exit;
 use crate::addr::{Address, DEFAULT_ADDRESS};
-use crate::client::{Client, Config, Error};
+use crate::client::{Client, Config, Error, Ticket, WAIT_MAX};
 
 /// The environment variable that names the servers when `--server` is not
 /// given: addresses separated by commas.
 pub const SERVER_ENV: &str = "KUNCI_SERVER";
 
-const SERVER_HELP: &str = "\
-  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
-                  several addresses of the same service (default: $KUNCI_SERVER,
-                  comma-separated, else 127.0.0.1:5862)";
+// Not a `\`-continued literal: that would strip the first line's indent.
+const SERVER_HELP: &str = "  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
+                  several addresses of the same service (default:
+                  $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862)
+  -h, --help      show this help
+";
 
 /// Options of the client commands. Each command accepts only some of them.
 pub(super) struct Options {
     pub servers: Vec<Address>,
     pub wait: Duration,
+    /// `--wait inf`: wait until acquired.
+    pub wait_forever: bool,
+    /// `run`: the exit status when the key stayed held (`--conflict-exit-code`).
+    pub conflict_exit_code: u8,
+    /// `run`: no message on stderr for a timeout (`--quiet`).
+    pub quiet: bool,
     pub lease: Duration,
     pub kill_after: Duration,
     pub positionals: Vec<String>,
@@ -36,6 +44,8 @@ pub(super) struct Accepts {
     pub wait: bool,
     pub lease: bool,
     pub kill_after: bool,
+    /// `--conflict-exit-code` and `--quiet`.
+    pub conflict: bool,
     /// Positional arguments, by name (for messages).
     pub positionals: &'static [&'static str],
     /// Everything after the positionals is a command to run.
@@ -54,6 +64,9 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
     let mut options = Options {
         servers: Vec::new(),
         wait: Duration::ZERO,
+        wait_forever: false,
+        conflict_exit_code: exit::TIMEOUT,
+        quiet: false,
         lease: Duration::from_secs(30),
         kill_after: Duration::from_secs(5),
         positionals: Vec::new(),
@@ -64,7 +77,13 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         match argument {
             Long("server") => options.servers.push(args::address(parser.value())?),
             Long("wait") if accepts.wait => {
-                options.wait = args::seconds("--wait", &args::text(parser.value())?)?
+                let text = args::text(parser.value())?;
+                options.wait_forever = text == "inf";
+                options.wait = if options.wait_forever {
+                    WAIT_MAX
+                } else {
+                    args::seconds("--wait", &text)?
+                };
             }
             Long("lease") if accepts.lease => {
                 options.lease = args::seconds("--lease", &args::text(parser.value())?)?
@@ -72,6 +91,10 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
             Long("kill-after") if accepts.kill_after => {
                 options.kill_after = args::seconds("--kill-after", &args::text(parser.value())?)?
             }
+            Short('E') | Long("conflict-exit-code") if accepts.conflict => {
+                options.conflict_exit_code = args::number("--conflict-exit-code", parser.value())?
+            }
+            Short('q') | Long("quiet") if accepts.conflict => options.quiet = true,
             Short('h') | Long("help") => return Ok(Parsed::Help),
             Value(value) if options.positionals.len() < accepts.positionals.len() => {
                 let text = value
@@ -101,11 +124,19 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
 }
 
 /// `$KUNCI_SERVER` (comma-separated), else the default address.
-fn default_servers() -> Result<Vec<Address>, String> {
+pub(super) fn default_servers() -> Result<Vec<Address>, String> {
     let text = match std::env::var(SERVER_ENV) {
         Ok(text) if !text.trim().is_empty() => text,
         _ => DEFAULT_ADDRESS.to_owned(),
     };
+    // An etcd address lists its members with commas itself.
+    if text.trim().starts_with("etcd://") {
+        return text
+            .trim()
+            .parse()
+            .map(|address| vec![address])
+            .map_err(|e: crate::addr::AddressError| format!("{SERVER_ENV}: {e}"));
+    }
     text.split(',')
         .map(|address| {
             address
@@ -137,19 +168,112 @@ pub(super) fn exit_code(error: &Error) -> u8 {
     }
 }
 
+/// What a failed command was doing, so its message can say it exactly.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Attempt<'a> {
+    pub key: Option<&'a str>,
+    /// The acquire's wait (`None` for other requests).
+    pub wait: Option<Duration>,
+    pub token: Option<u64>,
+}
+
 /// Reports a failed outcome on stderr and returns its exit code.
 pub(super) fn fail(command: &str, error: Error, servers: &[Address]) -> u8 {
+    report(command, error, servers, &Attempt::default())
+}
+
+/// Reports a failed outcome of `attempt` on stderr — its name (which the
+/// exit code also tells), what happened and what to do — and returns its
+/// exit code.
+pub(super) fn report(command: &str, error: Error, servers: &[Address], attempt: &Attempt) -> u8 {
+    let outcome = match error {
+        Error::Timeout => "timeout",
+        Error::Busy => "busy",
+        Error::Unavailable => "unavailable",
+        Error::Indeterminate => "indeterminate",
+        Error::InvalidArgument(_) => "invalid argument",
+        Error::NotHeld => "not held",
+    };
+    eprintln!(
+        "kunci {command}: {outcome}: {}",
+        message(command, &error, servers, attempt)
+    );
+    exit_code(&error)
+}
+
+/// The message for a failed outcome (without the `kunci COMMAND: ` prefix).
+pub(super) fn message(
+    command: &str,
+    error: &Error,
+    servers: &[Address],
+    attempt: &Attempt,
+) -> String {
+    let key = attempt
+        .key
+        .map_or_else(|| "the key".to_owned(), |key| format!("key {key:?}"));
+    let token = attempt
+        .token
+        .map_or_else(|| "the token".to_owned(), |token| format!("token {token}"));
+    let is_lock_request = matches!(command, "acquire" | "run");
     match error {
+        Error::Timeout => match attempt.wait {
+            Some(wait) if wait.is_zero() => format!(
+                "{key} is held by someone else; nothing was acquired \
+                 (--wait 0 tries once; --wait S waits up to S seconds)"
+            ),
+            Some(wait) => format!(
+                "{key} stayed held by someone else for the whole wait ({}); \
+                 nothing was acquired",
+                seconds_text(wait)
+            ),
+            None => format!("{key} is held by someone else; nothing was acquired"),
+        },
+        Error::Busy => "the server turned the request away: it is at a capacity limit \
+             (--max-keys, --max-waiters, --max-waiters-per-key, --max-waits-per-conn) \
+             or shutting down; nothing was acquired or queued. Try again later"
+            .to_owned(),
         Error::Unavailable => {
             let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
-            eprintln!(
-                "kunci {command}: {error} (tried {}; RUST_LOG=debug shows why)",
+            format!(
+                "no server took the request (tried {}); nothing was sent, so nothing \
+                 changed. Check that kunci serve runs there and lets this host in \
+                 (--allow, --max-connections); RUST_LOG=debug shows each attempt",
                 servers.join(", ")
-            );
+            )
         }
-        _ => eprintln!("kunci {command}: {error}"),
+        Error::Indeterminate if is_lock_request => format!(
+            "no answer came in time, so whether {key} was granted is unknown: do not \
+             assume the lock is held. A grant nobody saw ends with its lease"
+        ),
+        Error::Indeterminate if matches!(command, "release" | "renew") => format!(
+            "no answer came in time, so whether {token} was {} is unknown; \
+             `kunci query` shows the key's holder",
+            if command == "release" {
+                "released"
+            } else {
+                "renewed"
+            }
+        ),
+        Error::Indeterminate => {
+            "the server did not answer in time (the request may have reached it)".to_owned()
+        }
+        Error::InvalidArgument(why) => format!("{why} (see kunci {command} --help)"),
+        Error::NotHeld if command == "renew" => format!(
+            "{token} does not hold {key} (its lease ran out, it was released, or it \
+             never held it): the lock is lost; nothing changed"
+        ),
+        Error::NotHeld => format!(
+            "{token} does not hold {key} (its lease ran out, it was released, or it \
+             never held it); nothing changed"
+        ),
     }
-    exit_code(&error)
+}
+
+/// A duration as the user typed it: `2.5 s`, `1 s`.
+fn seconds_text(duration: Duration) -> String {
+    let text = format!("{:.3}", duration.as_secs_f64());
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    format!("{text} s")
 }
 
 fn usage_error(command: &str, message: &str) -> u8 {
@@ -157,9 +281,21 @@ fn usage_error(command: &str, message: &str) -> u8 {
     exit::USAGE
 }
 
-/// Starts logging for the client commands: warnings by default.
+/// Starts logging for the client commands: warnings by default, each a
+/// line `kunci: warning: …` like the commands' own messages.
 pub(super) fn init_logging() {
     let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format(|out, record| {
+            use std::io::Write as _;
+            let level = match record.level() {
+                log::Level::Error => "error",
+                log::Level::Warn => "warning",
+                log::Level::Info => "info",
+                log::Level::Debug => "debug",
+                log::Level::Trace => "trace",
+            };
+            writeln!(out, "kunci: {level}: {}", record.args())
+        })
         .try_init();
 }
 
@@ -174,6 +310,7 @@ const NONE: Accepts = Accepts {
     wait: false,
     lease: false,
     kill_after: false,
+    conflict: false,
     positionals: &[],
     command: false,
 };
@@ -190,18 +327,20 @@ const COMMANDS: &[Command] = &[
         help: "\
 kunci acquire — take a lock and print its fencing token
 
-Usage: kunci acquire KEY [--wait S] [--lease S] [--server ADDR]...
+Usage: kunci acquire KEY [--wait S|inf] [--lease S] [--server ADDR]...
 
 Prints the token as one decimal number and exits 0, leaving the lock held
 until its lease runs out or `kunci release KEY TOKEN`.
 
 Options:
   --wait S        how long to wait for the key, in seconds, decimals allowed,
-                  at most 255 (default 0: one immediate attempt)
+                  at most 255 (default 0: one immediate attempt); `inf`
+                  waits until acquired, queueing again for 255 s each time
+                  a wait runs out (the place in the queue is not kept)
   --lease S       the lease, whole seconds 1..=255 (default 30)
 ",
         run: |client, options| {
-            let ticket = client.acquire(&options.positionals[0], options.wait, options.lease)?;
+            let ticket = acquire(client, &options.positionals[0], options)?;
             Ok(ticket.into_token().to_string())
         },
     },
@@ -327,7 +466,7 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
     let options = match parse(arguments, command.accepts) {
         Ok(Parsed::Run(options)) => options,
         Ok(Parsed::Help) => {
-            println!("{}{SERVER_HELP}", command.help);
+            print!("{}{SERVER_HELP}", command.help);
             return exit::DONE;
         }
         Err(message) => return usage_error(name, &message),
@@ -346,11 +485,114 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
             let _ = writeln!(std::io::stdout(), "{line}");
             exit::DONE
         }
-        Err(error) => fail(name, error, &options.servers),
+        Err(error) => {
+            let attempt = Attempt {
+                key: command
+                    .accepts
+                    .positionals
+                    .first()
+                    .filter(|name| **name == "KEY")
+                    .and_then(|_| options.positionals.first())
+                    .map(String::as_str),
+                wait: command.accepts.wait.then_some(options.wait),
+                token: options
+                    .positionals
+                    .get(1)
+                    .and_then(|text| text.parse().ok()),
+            };
+            report(name, error, &options.servers, &attempt)
+        }
     }
 }
 
-/// The help of `kunci run`, with the shared `--server` lines.
+/// The help of `kunci run`, with the shared `--server` lines (no final
+/// newline: the caller prints a line).
 pub(super) fn with_server_help(help: &str) -> String {
-    format!("{help}{SERVER_HELP}")
+    format!("{help}{}", SERVER_HELP.trim_end())
+}
+
+/// Acquires `key` with the options' wait and lease. `--wait inf` queues
+/// with the longest wire wait (255 s) again each time one runs out.
+pub(super) fn acquire(client: &Client, key: &str, options: &Options) -> Result<Ticket, Error> {
+    if options.wait_forever {
+        acquire_until_granted(client, key, options.lease, WAIT_MAX)
+    } else {
+        client.acquire(key, options.wait, options.lease)
+    }
+}
+
+/// Acquires `key`, waiting `slice` at a time until it is granted or an
+/// outcome other than `Timeout` ends it. Each attempt is a new request at
+/// the tail of the queue: the place is not kept across attempts.
+fn acquire_until_granted(
+    client: &Client,
+    key: &str,
+    lease: Duration,
+    slice: Duration,
+) -> Result<Ticket, Error> {
+    loop {
+        match client.acquire(key, slice, lease) {
+            Err(Error::Timeout) => log::debug!("{key}: still held after {slice:?}; queueing again"),
+            outcome => return outcome,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::server::{Config as ServerConfig, Server};
+
+    #[test]
+    fn waiting_forever_queues_again_each_time_a_wait_runs_out() {
+        let listen = vec!["127.0.0.1:0".parse().unwrap()];
+        let server = Server::bind(ServerConfig {
+            listen,
+            ..Default::default()
+        })
+        .unwrap();
+        let address = server.addresses()[0].clone();
+        let stop = server.shutdown_handle();
+        let running = std::thread::spawn(move || server.run());
+        let client = Client::new([address], Config::default()).unwrap();
+        let holder = client
+            .acquire("forever", Duration::ZERO, Duration::from_secs(30))
+            .unwrap();
+        let started = Instant::now();
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(2500));
+            holder.release().unwrap();
+        });
+        // A one-second slice stands in for 255 s: two waits run out (two
+        // `T`), the third attempt is granted when the holder lets go.
+        let ticket = acquire_until_granted(
+            &client,
+            "forever",
+            Duration::from_secs(5),
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        let waited = started.elapsed();
+        releaser.join().unwrap();
+        assert!(waited >= Duration::from_millis(2500), "{waited:?}");
+        assert!(waited < Duration::from_secs(4), "{waited:?}");
+        let info = client.info().unwrap();
+        for counter in ["timeouts=2", "grants=2", "released=1"] {
+            assert!(
+                info.split(' ').any(|pair| pair == counter),
+                "{counter}: {info}"
+            );
+        }
+        ticket.release().unwrap();
+        // Other outcomes end the wait at once.
+        assert_eq!(
+            acquire_until_granted(&client, "", Duration::from_secs(5), Duration::from_secs(1))
+                .unwrap_err(),
+            Error::InvalidArgument("key is empty")
+        );
+        stop.shut_down();
+        running.join().unwrap().unwrap();
+    }
 }

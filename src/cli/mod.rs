@@ -4,8 +4,10 @@
 pub mod args;
 mod bench;
 mod client;
+mod logging;
 mod run;
 mod serve;
+mod top;
 
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -25,18 +27,48 @@ const USAGE: &str = "\
 kunci — a small, exact, fast lock server
 
 Usage:
-  kunci serve [--listen ADDR]... [limits]   run the server
+  kunci serve [--listen ADDR]... [options]  run the server
   kunci acquire KEY [--wait S] [--lease S]  take a lock, print its token
   kunci release KEY TOKEN                   release a lock
   kunci renew KEY TOKEN [--lease S]         extend a lock's lease
   kunci query KEY                           show who holds a key
   kunci info                                show the server's counters
+  kunci top [--interval S]                  watch the server's counters
   kunci ping                                measure the round-trip time
   kunci run KEY [options] -- CMD [ARGS]...  run a command under a lock
-  kunci bench [options]                     load-test a server
+  kunci bench [WORKLOAD] [options]          load-test a server
+  kunci help [COMMAND]                      show this help, or a command's
+  kunci --version                           print the version
 
-`kunci COMMAND --help` describes each command's options.
+`kunci help COMMAND` (or `kunci COMMAND --help`) describes its options.
+
+Client commands talk to --server ADDR (HOST:PORT or unix:PATH; repeat for
+several addresses of one service), else to the comma-separated addresses
+in $KUNCI_SERVER, else to 127.0.0.1:5862.
+
+Exit status of client commands:
+  0 done            1 timeout (the key is held by another)   2 usage error
+  3 busy (no room on the server, or it is shutting down)
+  4 unavailable (nothing was sent)   5 indeterminate (no answer in time)
+  6 not held / lock lost
 ";
+
+/// Every command `kunci help COMMAND` knows.
+fn is_command(name: &str) -> bool {
+    matches!(name, "serve" | "run" | "bench" | "top") || client::is_command(name)
+}
+
+/// Runs `name` with `arguments`; `None` when there is no such command.
+fn dispatch(name: &str, arguments: Vec<OsString>) -> Option<u8> {
+    Some(match name {
+        "serve" => serve::main(arguments),
+        "run" => run::main(arguments),
+        "bench" => bench::main(arguments),
+        "top" => top::main(arguments),
+        name if client::is_command(name) => client::main(name, arguments),
+        _ => return None,
+    })
+}
 
 /// Runs the command line and returns the process exit code.
 pub fn main() -> ExitCode {
@@ -46,23 +78,32 @@ pub fn main() -> ExitCode {
         return ExitCode::from(exit::USAGE);
     }
     let command = args.remove(0);
-    let code = match command.to_str().unwrap_or("") {
-        "serve" => serve::main(args),
-        "run" => run::main(args),
-        "bench" => bench::main(args),
-        name if client::is_command(name) => client::main(name, args),
-        "-h" | "--help" | "help" => {
-            print!("{USAGE}");
-            exit::DONE
-        }
+    let name = command.to_str().unwrap_or("");
+    let code = match name {
+        "-h" | "--help" | "help" => match args.first().and_then(|topic| topic.to_str()) {
+            None => {
+                print!("{USAGE}");
+                exit::DONE
+            }
+            Some(topic) if is_command(topic) => {
+                dispatch(topic, vec!["--help".into()]).unwrap_or(exit::USAGE)
+            }
+            Some(topic) => {
+                eprintln!("kunci help: there is no command {topic:?}\n\n{USAGE}");
+                exit::USAGE
+            }
+        },
         "-V" | "--version" => {
             println!("kunci {}", env!("CARGO_PKG_VERSION"));
             exit::DONE
         }
-        other => {
-            eprintln!("kunci: unknown command {other:?}\n\n{USAGE}");
-            exit::USAGE
-        }
+        _ => match dispatch(name, args) {
+            Some(code) => code,
+            None => {
+                eprintln!("kunci: there is no command {command:?}\n\n{USAGE}");
+                exit::USAGE
+            }
+        },
     };
     ExitCode::from(code)
 }

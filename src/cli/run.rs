@@ -1,16 +1,36 @@
 //! `kunci run KEY -- CMD [ARGS]…`: run a command while holding a lock.
 //!
-//! The lock is acquired first; the command runs in its own process group
-//! with `KUNCI_KEY` and `KUNCI_TOKEN` set; the lease is renewed every
-//! lease/3 by a helper thread; SIGINT, SIGTERM and SIGHUP are forwarded to
-//! the group. When the command ends the lock is released and `kunci` exits
-//! with the command's status. If the lock is lost — a renewal answered `N`,
-//! or the ticket's `valid_until` passed without a successful renewal — the
-//! group gets SIGTERM, then SIGKILL after `--kill-after`, and `kunci` exits
-//! 6: the command must not go on believing it holds the lock. If `kunci`
-//! itself dies, the command gets SIGTERM (the lease is no longer renewed).
+//! The lock is acquired first, then kept alive by the client's I/O thread
+//! ([`Ticket::keep_alive_with`](crate::client::Ticket::keep_alive_with)),
+//! which reports a loss on this command's event channel. CMD runs in its
+//! own process group with `KUNCI_KEY` and `KUNCI_TOKEN` set; SIGINT,
+//! SIGTERM and SIGHUP are forwarded to the group. When CMD ends, whatever
+//! it left running in its group is stopped, the lock is released, and
+//! `kunci` exits with CMD's status. If the lock is lost the group gets
+//! SIGTERM, then SIGKILL after `--kill-after`, and `kunci` exits 6: the
+//! command must not go on believing it holds the lock.
+//!
+//! Two things make that hold in a terminal and when `kunci` is killed:
+//!
+//! - When stdin is a terminal and `kunci` is in its foreground process
+//!   group, CMD's group becomes the foreground group while CMD runs (the
+//!   child claims it itself, before `exec`, so that it never reads the
+//!   terminal from the background), and `kunci`'s group gets it back after.
+//!   When CMD is stopped by the terminal (^Z, or a read from the
+//!   background), `kunci` takes the terminal back and stops its own group,
+//!   so that the shell sees the job stopped; when continued in the
+//!   foreground, it gives CMD the terminal and continues it.
+//! - A watchdog, forked before anything else while `kunci` has one thread,
+//!   blocks on a pipe whose write end only `kunci` (and CMD until its
+//!   `exec`) holds. CMD's child writes its process group id into the pipe
+//!   before `exec`, so the watchdog knows the group before CMD runs. When
+//!   `kunci` dies, even by SIGKILL, the pipe reaches end-of-file and the
+//!   watchdog sends SIGTERM to the group, then SIGKILL after
+//!   `--kill-after`. `kunci` disarms it when it has stopped the group
+//!   itself.
 
 use std::ffi::OsString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -19,32 +39,45 @@ use std::time::{Duration, Instant};
 
 use super::client::{self as common, Accepts, Parsed};
 use super::exit;
-use crate::client::{Client, Error, Ticket};
+use crate::client::{Error, KeptLease, Loss, Ticket};
 
 const HELP: &str = "\
 kunci run — run a command while holding a lock
 
-Usage: kunci run KEY [--wait S] [--lease S] [--kill-after S] [--server ADDR]... -- CMD [ARGS]...
+Usage: kunci run KEY [--wait S|inf] [--lease S] [--kill-after S] [-E N] [-q]
+                 [--server ADDR]... -- CMD [ARGS]...
 
 Acquires KEY, runs CMD in its own process group with KUNCI_KEY and
 KUNCI_TOKEN (the fencing token) set, renews the lease every lease/3, and
-forwards SIGINT, SIGTERM and SIGHUP to CMD's group. When CMD ends the lock
+forwards SIGINT, SIGTERM and SIGHUP to CMD's group. In a terminal, CMD's
+group is the foreground group while it runs, so CMD can read the terminal.
+When CMD ends, whatever it left running in its group is stopped, the lock
 is released and kunci exits with CMD's status (128+N if it died of signal
 N, 127 if it could not be started). If the lock is lost (a renewal finds it
 gone, or the lease runs out unrenewed), CMD's group gets SIGTERM, then
-SIGKILL after --kill-after, and kunci exits 6. An acquire that fails exits
-as `kunci acquire` does (1 timeout, 3 busy, 4 unavailable, 5 indeterminate).
+SIGKILL after --kill-after, and kunci exits 6. If kunci itself dies, even
+by SIGKILL, a watchdog does the same to CMD's group. An acquire that fails
+exits as `kunci acquire` does (1 timeout, 3 busy, 4 unavailable,
+5 indeterminate).
 
 Options:
   --wait S        how long to wait for the key, in seconds, decimals allowed,
-                  at most 255 (default 0: one immediate attempt)
+                  at most 255 (default 0: one immediate attempt); `inf`
+                  waits until acquired, queueing again for 255 s each time
+                  a wait runs out (the place in the queue is not kept)
   --lease S       the lease, whole seconds 1..=255 (default 30)
-  --kill-after S  how long after SIGTERM a lost lock's command gets SIGKILL
+  --kill-after S  how long after SIGTERM CMD's group gets SIGKILL
                   (default 5)
+  -E, --conflict-exit-code N
+                  the exit status when the key stayed held (default 1)
+  -q, --quiet     no message when the key stayed held
 ";
 
 /// Exit status when the command cannot be started (as a shell does).
 const NOT_STARTED: u8 = 127;
+
+/// How often a group that is being stopped is checked for survivors.
+const POLL: Duration = Duration::from_millis(10);
 
 /// The process group the forwarded signals go to, once the command runs.
 static CHILD_GROUP: AtomicI32 = AtomicI32::new(0);
@@ -54,9 +87,10 @@ static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
 const FORWARDED: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
 enum Event {
-    Exited(std::io::Result<ExitStatus>),
-    Renewed(Instant),
-    RenewFailed(Error),
+    Exited(ExitStatus),
+    /// The command was stopped (^Z in its terminal).
+    Stopped,
+    Lost(Loss),
 }
 
 pub fn main(arguments: Vec<OsString>) -> u8 {
@@ -64,6 +98,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         wait: true,
         lease: true,
         kill_after: true,
+        conflict: true,
         positionals: &["KEY"],
         command: true,
     };
@@ -79,6 +114,20 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     common::init_logging();
+    // First, while this process has one thread and no sockets.
+    let watchdog = match Watchdog::start(options.kill_after) {
+        Ok(watchdog) => watchdog,
+        Err(error) => {
+            eprintln!("kunci run: cannot start the watchdog process: {error}");
+            return exit::USAGE;
+        }
+    };
+    // Orphans of CMD's group become our children, so that they can be
+    // reaped and a stopped group is seen empty.
+    // SAFETY: prctl with integer arguments only.
+    unsafe {
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1);
+    }
     let client = match common::client(options.servers.clone()) {
         Ok(client) => client,
         Err(message) => {
@@ -87,159 +136,221 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     let key = &options.positionals[0];
-    let ticket = match client.acquire(key, options.wait, options.lease) {
+    let ticket = match common::acquire(&client, key, &options) {
+        Ok(ticket) => ticket,
+        Err(Error::Timeout) => {
+            if !options.quiet {
+                eprintln!("kunci run: {}", Error::Timeout);
+            }
+            return options.conflict_exit_code;
+        }
+        Err(error) => return common::fail("run", error, &options.servers),
+    };
+    let ticket = match fresh(ticket, options.lease) {
         Ok(ticket) => ticket,
         Err(error) => return common::fail("run", error, &options.servers),
     };
+    let token = ticket.token();
+    let (events, inbox) = mpsc::channel();
+    let lost = events.clone();
+    let kept = ticket.keep_alive_with(move |loss| {
+        let _ = lost.send(Event::Lost(loss));
+    });
     if let Err(error) = forward_signals() {
         eprintln!("kunci run: cannot handle signals: {error}");
-        release(ticket);
+        release(kept);
+        watchdog.disarm();
         return exit::USAGE;
     }
+    let mut terminal = Terminal::claim();
     let mut command = Command::new(&options.command[0]);
     command
         .args(&options.command[1..])
         .env("KUNCI_KEY", key)
-        .env("KUNCI_TOKEN", ticket.token().to_string())
+        .env("KUNCI_TOKEN", token.to_string())
         .process_group(0);
-    let parent = std::process::id() as libc::pid_t;
+    let watchdog_fd = watchdog.fd();
+    let take_terminal = terminal.is_some();
     // SAFETY: between fork and exec the closure only makes
-    // async-signal-safe calls (prctl, getppid, kill).
+    // async-signal-safe calls (getpid, write, tcsetpgrp, signal).
     unsafe {
         command.pre_exec(move || {
-            // If kunci dies, nobody renews the lease: stop the command too.
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-            if libc::getppid() != parent {
-                libc::kill(libc::getpid(), libc::SIGTERM);
+            let group = libc::getpid();
+            // Tell the watchdog which group to stop if kunci dies. The pipe
+            // is close-on-exec: CMD itself does not keep it open.
+            let bytes = group.to_ne_bytes();
+            let written = libc::write(watchdog_fd, bytes.as_ptr().cast(), bytes.len());
+            if written != bytes.len() as isize {
+                return Err(std::io::Error::last_os_error());
+            }
+            if take_terminal {
+                // SIGTTOU is ignored (inherited from kunci), so a background
+                // group may take the terminal; CMD gets the default back.
+                libc::tcsetpgrp(libc::STDIN_FILENO, group);
+                libc::signal(libc::SIGTTOU, libc::SIG_DFL);
             }
             Ok(())
         });
     }
-    let mut child = match command.spawn() {
+    let child = match command.spawn() {
         Ok(child) => child,
         Err(error) => {
+            if let Some(terminal) = terminal {
+                terminal.restore(0);
+            }
             eprintln!("kunci run: cannot start {:?}: {error}", options.command[0]);
-            release(ticket);
+            watchdog.disarm();
+            release(kept);
             return NOT_STARTED;
         }
     };
-    let group = child.id() as i32;
+    let group = child.id() as libc::pid_t;
+    if let Some(terminal) = &terminal {
+        terminal.give_to(group);
+    }
     CHILD_GROUP.store(group, Ordering::SeqCst);
     let pending = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
     if pending != 0 {
         signal_group(group, pending);
     }
+    spawn_reaper(group, events);
 
-    let (events, inbox) = mpsc::channel();
-    let exited = events.clone();
-    std::thread::spawn(move || {
-        let _ = exited.send(Event::Exited(child.wait()));
-    });
-    let (stop_renewing, stopped) = mpsc::channel::<()>();
-    spawn_renewer(&client, &ticket, options.lease, events, stopped);
-
-    let mut valid_until = ticket.valid_until();
-    let lost = loop {
-        let now = Instant::now();
-        if now >= valid_until {
-            break "the lease ran out without a successful renewal";
-        }
-        match inbox.recv_timeout(valid_until - now) {
-            Ok(Event::Exited(status)) => {
-                drop(stop_renewing);
-                return finish(ticket, status);
+    let outcome = loop {
+        match inbox.recv() {
+            Ok(Event::Exited(status)) => break Ok(status),
+            Ok(Event::Lost(loss)) => break Err(loss),
+            Ok(Event::Stopped) if stdin_is_terminal() => {
+                terminal = suspend_with(terminal, group);
             }
-            Ok(Event::Renewed(until)) => valid_until = valid_until.max(until),
-            Ok(Event::RenewFailed(Error::NotHeld)) => break "a renewal found it no longer held",
-            Ok(Event::RenewFailed(error)) => log::warn!("renewal failed: {error}"),
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                break "the command can no longer be watched";
-            }
+            // Stopped by someone else's SIGSTOP: theirs to continue.
+            Ok(Event::Stopped) => {}
+            // The reaper never ends, so this cannot happen; if it did, the
+            // command could no longer be watched.
+            Err(mpsc::RecvError) => break Err(Loss::Expired),
         }
     };
-    drop(stop_renewing);
-    eprintln!("kunci run: lock lost: {lost}; stopping the command");
-    signal_group(group, libc::SIGTERM);
-    let grace_end = Instant::now() + options.kill_after;
-    loop {
-        let left = grace_end.saturating_duration_since(Instant::now());
-        match inbox.recv_timeout(left) {
-            Ok(Event::Exited(_)) => break,
-            Ok(_) => {}
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                eprintln!("kunci run: the command did not stop; killing it");
-                signal_group(group, libc::SIGKILL);
-                while let Ok(event) = inbox.recv() {
-                    if matches!(event, Event::Exited(_)) {
-                        break;
-                    }
-                }
-                break;
+    match outcome {
+        Ok(status) => {
+            if let Some(terminal) = terminal {
+                terminal.restore(group);
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            // Nothing CMD started outlives the lock.
+            if group_alive(group) {
+                terminate(group);
+                stop_group(group, Instant::now() + options.kill_after, None);
+            }
+            watchdog.disarm();
+            release(kept);
+            exit_status(status)
+        }
+        Err(loss) => {
+            eprintln!("kunci run: lock lost: {loss}; stopping the command");
+            terminate(group);
+            stop_group(group, Instant::now() + options.kill_after, Some(&inbox));
+            if let Some(terminal) = terminal {
+                terminal.restore(group);
+            }
+            watchdog.disarm();
+            // Lost: releasing sends nothing.
+            drop(kept);
+            exit::NOT_HELD
         }
     }
-    // The grant is gone or unknowable: keep the ticket from releasing in
-    // the background as the process exits; the lease reclaims it if needed.
-    let _ = ticket.into_token();
-    exit::NOT_HELD
 }
 
-/// Renews every lease/3 (counted from the start of the previous renewal)
-/// until `stopped` says so, reporting each result.
-fn spawn_renewer(
-    client: &Client,
-    ticket: &Ticket,
-    lease: Duration,
-    events: mpsc::Sender<Event>,
-    stopped: mpsc::Receiver<()>,
-) {
-    let client = client.clone();
-    let key = ticket.key().to_owned();
-    let token = ticket.token();
-    let period = lease / 3;
-    std::thread::spawn(move || {
-        let mut next = Instant::now() + period;
+/// A ticket whose first renewal is not yet due. An acquire that waited in
+/// the queue has a `valid_until` counted from when it was sent, which may
+/// be mostly or wholly spent by the time of the grant: renew such a ticket
+/// before the command starts (nothing has been done under the lock yet).
+fn fresh(mut ticket: Ticket, lease: Duration) -> Result<Ticket, Error> {
+    let left = ticket
+        .valid_until()
+        .saturating_duration_since(Instant::now());
+    if left > lease - lease / 3 {
+        return Ok(ticket);
+    }
+    match ticket.renew(lease) {
+        Ok(()) => Ok(ticket),
+        // The keep-alive retries while the lease is known to run.
+        Err(_) if ticket.is_valid() => Ok(ticket),
+        Err(error) => {
+            // Nothing to release: the grant is gone or unknowable, and the
+            // lease reclaims it.
+            let _ = ticket.into_token();
+            Err(error)
+        }
+    }
+}
+
+/// Waits until `group` is empty, sending SIGKILL at `grace_end` if it is
+/// not. With `inbox`, the command itself has not been reaped yet: wait for
+/// its exit there.
+fn stop_group(group: libc::pid_t, grace_end: Instant, inbox: Option<&mpsc::Receiver<Event>>) {
+    let mut killed = false;
+    if let Some(inbox) = inbox {
         loop {
-            let wait = next.saturating_duration_since(Instant::now());
-            if !matches!(
-                stopped.recv_timeout(wait),
-                Err(mpsc::RecvTimeoutError::Timeout)
-            ) {
-                return;
+            let left = grace_end.saturating_duration_since(Instant::now());
+            match inbox.recv_timeout(left) {
+                Ok(Event::Exited(_)) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Ok(Event::Lost(_) | Event::Stopped) => {}
+                Err(mpsc::RecvTimeoutError::Timeout) if !killed => {
+                    eprintln!("kunci run: the command did not stop; killing it");
+                    signal_group(group, libc::SIGKILL);
+                    killed = true;
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => std::thread::sleep(POLL),
             }
-            let started = Instant::now();
-            let event = match client.renew(&key, token, lease) {
-                Ok(until) => Event::Renewed(until),
-                Err(error) => Event::RenewFailed(error),
-            };
-            let not_held = matches!(event, Event::RenewFailed(Error::NotHeld));
-            if events.send(event).is_err() || not_held {
-                return;
+        }
+    }
+    // The reaper thread reaps what is left of the group as it exits.
+    while group_alive(group) {
+        if !killed && Instant::now() >= grace_end {
+            signal_group(group, libc::SIGKILL);
+            killed = true;
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// Reaps every child of this process (the command, its orphans, the
+/// watchdog) and reports the command's exit, and its stops.
+fn spawn_reaper(command: libc::pid_t, events: mpsc::Sender<Event>) {
+    std::thread::spawn(move || {
+        loop {
+            let mut status = 0;
+            // SAFETY: waitpid with a valid pointer to a local.
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WUNTRACED) };
+            if pid == command {
+                let event = if libc::WIFSTOPPED(status) {
+                    Event::Stopped
+                } else {
+                    Event::Exited(ExitStatus::from_raw(status))
+                };
+                let _ = events.send(event);
+            } else if pid < 0 {
+                match std::io::Error::last_os_error().raw_os_error() {
+                    Some(libc::EINTR) => {}
+                    // No children now; orphans may still be reparented.
+                    _ => std::thread::sleep(POLL),
+                }
             }
-            next = started + period;
         }
     });
 }
 
-/// The command ended: release the lock and exit with its status.
-fn finish(ticket: Ticket, status: std::io::Result<ExitStatus>) -> u8 {
-    release(ticket);
-    match status {
-        Ok(status) => exit_status(status),
-        Err(error) => {
-            eprintln!("kunci run: cannot wait for the command: {error}");
-            NOT_STARTED
-        }
-    }
+/// Whether any process of `group` is still alive (zombies are reaped by
+/// [`spawn_reaper`], so they do not count for long).
+fn group_alive(group: libc::pid_t) -> bool {
+    // SAFETY: kill(2) with signal 0 only checks.
+    let result = unsafe { libc::kill(-group, 0) };
+    result == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
-fn release(ticket: Ticket) {
-    match ticket.release() {
+fn release(kept: KeptLease) {
+    match kept.release() {
         Ok(()) => {}
         Err(Error::NotHeld) => {
-            eprintln!("kunci run: warning: the lease had already run out when the command ended")
+            eprintln!("kunci run: warning: the lock was no longer held when the command ended")
         }
         Err(error) => eprintln!("kunci run: warning: release failed: {error}"),
     }
@@ -274,9 +385,219 @@ fn forward_signals() -> std::io::Result<()> {
     Ok(())
 }
 
-fn signal_group(group: i32, signal: i32) {
+/// SIGTERM to the group, then SIGCONT so that a stopped member acts on it.
+fn terminate(group: libc::pid_t) {
+    signal_group(group, libc::SIGTERM);
+    signal_group(group, libc::SIGCONT);
+}
+
+fn signal_group(group: libc::pid_t, signal: i32) {
     // SAFETY: kill(2) on the process group of our own child.
     unsafe {
         libc::kill(-group, signal);
     }
+}
+
+/// The controlling terminal, while CMD's group is its foreground group.
+struct Terminal {
+    /// SIGTTOU's disposition before kunci ignored it.
+    old_ttou: libc::sighandler_t,
+}
+
+impl Terminal {
+    /// Takes charge of the terminal if stdin is one and this process is in
+    /// its foreground group; ignores SIGTTOU meanwhile, so that this
+    /// process can hand the terminal back from the background.
+    fn claim() -> Option<Terminal> {
+        // SAFETY: isatty, tcgetpgrp, getpgrp and signal with plain values.
+        unsafe {
+            if libc::isatty(libc::STDIN_FILENO) != 1
+                || libc::tcgetpgrp(libc::STDIN_FILENO) != libc::getpgrp()
+            {
+                return None;
+            }
+            let old_ttou = libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+            Some(Terminal { old_ttou })
+        }
+    }
+
+    /// Makes `group` the foreground group (the child did so already; doing
+    /// it here too, as shells do, leaves no window either way).
+    fn give_to(&self, group: libc::pid_t) {
+        // SAFETY: tcsetpgrp on stdin with our child's group.
+        unsafe {
+            libc::tcsetpgrp(libc::STDIN_FILENO, group);
+        }
+    }
+
+    /// Gives the terminal back to kunci's group if CMD's group (`group`;
+    /// 0: none started) still has it, and restores SIGTTOU.
+    fn restore(self, group: libc::pid_t) {
+        // SAFETY: tcgetpgrp/tcsetpgrp on stdin with our own group; signal
+        // restores the disposition saved by `claim`.
+        unsafe {
+            let current = libc::tcgetpgrp(libc::STDIN_FILENO);
+            if group == 0 || current == group {
+                libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpgrp());
+            }
+            libc::signal(libc::SIGTTOU, self.old_ttou);
+        }
+    }
+}
+
+fn stdin_is_terminal() -> bool {
+    // SAFETY: isatty on a descriptor number.
+    unsafe { libc::isatty(libc::STDIN_FILENO) == 1 }
+}
+
+/// CMD was stopped by its terminal (^Z, or a read from the background):
+/// take the terminal back if CMD had it, and stop kunci's own group, so
+/// that the shell sees the job stopped. When the shell continues the job,
+/// give CMD the terminal if the job is now in the foreground, and continue
+/// CMD's group. While kunci is stopped nothing renews the lease: a stop
+/// longer than the lease loses the lock, which kunci reports once it runs
+/// again. (An orphaned group, with no job-control shell, cannot be stopped
+/// by SIGTSTP: then CMD is simply continued.)
+fn suspend_with(held: Option<Terminal>, group: libc::pid_t) -> Option<Terminal> {
+    // SAFETY: tcsetpgrp/getpgrp on stdin and our own group; kill(2) on our
+    // own group.
+    unsafe {
+        if held.is_some() {
+            libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpgrp());
+        }
+        libc::kill(0, libc::SIGTSTP);
+    }
+    // Continued: in the foreground (`fg`) or not (`bg`).
+    let terminal = match held {
+        // SAFETY: tcgetpgrp and getpgrp have no arguments to get wrong.
+        Some(terminal) if unsafe { libc::tcgetpgrp(libc::STDIN_FILENO) == libc::getpgrp() } => {
+            Some(terminal)
+        }
+        Some(terminal) => {
+            terminal.restore(group);
+            None
+        }
+        None => Terminal::claim(),
+    };
+    if let Some(terminal) = &terminal {
+        terminal.give_to(group);
+    }
+    signal_group(group, libc::SIGCONT);
+    terminal
+}
+
+/// A helper process that stops CMD's group if kunci dies (module docs).
+struct Watchdog {
+    /// The write end of the pipe the watchdog reads; only this process
+    /// holds it (close-on-exec).
+    pipe: OwnedFd,
+}
+
+/// What kunci writes to the watchdog when it no longer needs it.
+const DISARM: u8 = b'D';
+
+impl Watchdog {
+    fn start(kill_after: Duration) -> std::io::Result<Watchdog> {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 fills `fds` with two new descriptors we then own.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: both descriptors were just created and are owned here.
+        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: this process has one thread here (no client, no signal
+        // handlers yet), so the child may run ordinary code.
+        match unsafe { libc::fork() } {
+            -1 => Err(std::io::Error::last_os_error()),
+            0 => {
+                drop(write);
+                watch(read.as_raw_fd(), kill_after)
+            }
+            _ => Ok(Watchdog { pipe: write }),
+        }
+    }
+
+    fn fd(&self) -> RawFd {
+        self.pipe.as_raw_fd()
+    }
+
+    /// kunci has dealt with CMD's group itself: the watchdog exits quietly.
+    fn disarm(self) {
+        // SAFETY: write of one byte from a local to our own pipe.
+        unsafe {
+            libc::write(self.pipe.as_raw_fd(), [DISARM].as_ptr().cast(), 1);
+        }
+    }
+}
+
+/// The watchdog's life: learn the group, wait for kunci to go, then stop
+/// the group. Never returns.
+fn watch(pipe: RawFd, kill_after: Duration) -> ! {
+    // SAFETY: plain system calls on this process's own state and fds.
+    unsafe {
+        // Its own group, so that signals meant for kunci's group (a
+        // terminal's ^C) do not reach it; and deaf to the usual stop
+        // signals, so that it outlives kunci: the pipe tells it when to act.
+        libc::setpgid(0, 0);
+        for signal in [
+            libc::SIGINT,
+            libc::SIGTERM,
+            libc::SIGHUP,
+            libc::SIGQUIT,
+            libc::SIGTSTP,
+            libc::SIGTTIN,
+            libc::SIGTTOU,
+            libc::SIGPIPE,
+        ] {
+            libc::signal(signal, libc::SIG_IGN);
+        }
+        // Hold no terminal and no pipe of kunci's caller open.
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+        if null >= 0 {
+            for fd in 0..3 {
+                libc::dup2(null, fd);
+            }
+            if null > 2 {
+                libc::close(null);
+            }
+        }
+        let mut group_bytes = [0u8; 4];
+        if !read_exact(pipe, &mut group_bytes) {
+            // kunci went away (or disarmed) before any command started.
+            libc::_exit(0);
+        }
+        let group = libc::pid_t::from_ne_bytes(group_bytes);
+        let mut byte = [0u8; 1];
+        if read_exact(pipe, &mut byte) && byte[0] == DISARM {
+            libc::_exit(0);
+        }
+        // End of file: kunci is gone.
+        libc::kill(-group, libc::SIGTERM);
+        libc::kill(-group, libc::SIGCONT);
+        let grace_end = Instant::now() + kill_after;
+        while Instant::now() < grace_end {
+            if libc::kill(-group, 0) != 0 {
+                libc::_exit(0);
+            }
+            std::thread::sleep(POLL);
+        }
+        libc::kill(-group, libc::SIGKILL);
+        libc::_exit(0)
+    }
+}
+
+/// Reads exactly `buf.len()` bytes; `false` at end of file or on an error.
+fn read_exact(fd: RawFd, buf: &mut [u8]) -> bool {
+    let mut done = 0;
+    while done < buf.len() {
+        // SAFETY: reads into the unfilled part of `buf`.
+        let n = unsafe { libc::read(fd, buf[done..].as_mut_ptr().cast(), buf.len() - done) };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return false,
+            _ if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {}
+            _ => return false,
+        }
+    }
+    true
 }

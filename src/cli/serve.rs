@@ -2,7 +2,7 @@
 
 use std::ffi::OsString;
 
-use log::{error, info};
+use log::{error, info, warn};
 
 use super::args;
 use super::exit;
@@ -32,21 +32,27 @@ Options:
                               (default {per_conn})
   --max-connections N         open connections; one more gets `X 7` and is
                               closed (default {max_connections})
+  --metrics ADDR              serve Prometheus metrics at http://ADDR/metrics
+                              (HOST:PORT; default: none). No --allow applies:
+                              bind it to loopback or a management network.
   --allow CIDR                accept TCP peers only from this network
                               (e.g. 10.0.0.0/8, ::1/128); repeat for several.
                               Others are closed at once and counted as
                               `refused`. Default: anyone who can connect.
-  --state-dir DIR             keep a token high-water mark and a lease horizon
-                              in DIR, so that tokens stay monotonic even if
-                              the clock steps back, and after a crash no key
-                              is granted while a lease of the previous run may
-                              still run (default: keep nothing on disk)
+  --state-dir DIR             keep restart state in DIR: a clean stop saves
+                              every held grant and the next start restores
+                              it; after a crash every key counts as held for
+                              at most the longest outstanding lease + 5 s
+                              unless its holder renews it; tokens stay
+                              monotonic even if the clock steps back
+                              (default: keep nothing on disk)
   --unix-mode MODE            permissions of unix: socket files, octal
                               (default {unix_mode:o})
   -h, --help                  show this help
 
 Logging: RUST_LOG (default info) — one start-up line, then only problems.
-SIGTERM / SIGINT / SIGHUP: waiters get `B`, connections `X 8`, then exit 0.
+SIGTERM / SIGINT / SIGHUP: waiters get `B`, connections `X 8`, held grants are
+saved (with --state-dir), then exit 0.
 ",
         listen = defaults.listen[0],
         max_keys = limits.max_keys,
@@ -67,6 +73,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
         let limits: &mut Limits = &mut config.limits;
         match argument {
             Long("listen") => listen.push(args::address(parser.value())?),
+            Long("metrics") => config.metrics = Some(args::address(parser.value())?),
             Long("max-keys") => limits.max_keys = positive("--max-keys", parser.value())?,
             Long("max-waiters") => {
                 limits.max_waiters = args::number("--max-waiters", parser.value())?
@@ -117,6 +124,8 @@ fn shut_down_on_signals(server: &Server) -> std::io::Result<()> {
         .name("signals".to_owned())
         .spawn(move || {
             for _ in signals.forever() {
+                // Tell systemd (when it started us) that the stop is ours.
+                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
                 handle.shut_down();
             }
         })?;
@@ -143,9 +152,13 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             return exit::USAGE;
         }
     };
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    super::logging::init_server();
     let server = match Server::bind(config) {
         Ok(server) => server,
+        Err(e) if crate::server::state::is_state_dir_error(&e) => {
+            error!("cannot start: {e}");
+            return 1;
+        }
         Err(e) => {
             error!("cannot listen: {e}");
             return 1;
@@ -164,9 +177,17 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         limits.max_waits_per_conn,
         limits.max_connections,
     );
+    if let Some(address) = server.metrics_address() {
+        info!("metrics at http://{address}/metrics");
+    }
     if let Err(e) = shut_down_on_signals(&server) {
         error!("cannot install signal handlers: {e}");
         return 1;
+    }
+    // Under systemd (`Type=notify`) this says "listening"; elsewhere,
+    // without NOTIFY_SOCKET, it does nothing.
+    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+        warn!("cannot tell systemd the server is ready: {e}");
     }
     match server.run() {
         Ok(()) => exit::DONE,

@@ -9,6 +9,7 @@
 //! write coalescing comes from the loop's own latency.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,7 +19,10 @@ use std::time::{Duration, Instant};
 use mio::net::{TcpStream, UnixStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
-use super::engine::{Action, Engine, Outcome, SessionId, Submission};
+use super::TRANSPORT_DEADLINE;
+use super::engine::{Action, Engine, Op, Outcome, SessionId, Submission};
+use super::keep_alive::{Grant, KeepAlives, KeepId, Loss, Step};
+use super::kept::Mirror;
 use crate::addr::Address;
 
 const WAKER: Token = Token(usize::MAX);
@@ -42,19 +46,35 @@ pub(crate) struct Slot {
     ready: Condvar,
 }
 
-/// The address of one waiting call: its thread's slot and its number.
-pub(crate) struct Reply {
-    slot: Arc<Slot>,
-    seq: u64,
+/// Where an outcome goes: a waiting call (its thread's slot and its
+/// number), or the renewal of a kept lease.
+pub(crate) enum Reply {
+    Call { slot: Arc<Slot>, seq: u64 },
+    KeepAlive(KeepId),
 }
 
-impl Reply {
-    fn deliver(self, outcome: Outcome) {
-        let mut state = lock(&self.slot.state);
-        if state.0 == self.seq {
+/// What callers hand the I/O thread.
+pub(crate) enum Message {
+    Request(Submission<Reply>),
+    /// Start keeping a lease (see `keep_alive.rs`); `mirror` is where the
+    /// holder sees its state.
+    Keep {
+        id: KeepId,
+        grant: Grant,
+        mirror: Arc<Mirror>,
+    },
+    /// Stop keeping a lease: it is being released.
+    Forget(KeepId),
+}
+
+/// Hands a call's outcome to its waiting thread.
+fn deliver_call(slot: &Slot, seq: u64, outcome: Outcome) {
+    {
+        let mut state = lock(&slot.state);
+        if state.0 == seq {
             state.1 = Some(outcome);
             drop(state);
-            self.slot.ready.notify_one();
+            slot.ready.notify_one();
         } else if let Outcome::Acquired { token, .. } = outcome {
             log::warn!("grant {token} arrived for a call that gave up; its lease will reclaim it");
         }
@@ -78,7 +98,7 @@ fn thread_slot() -> Arc<Slot> {
 
 /// What callers and the I/O thread share.
 pub(crate) struct Shared {
-    queue: Mutex<Vec<Submission<Reply>>>,
+    queue: Mutex<Vec<Message>>,
     waker: Waker,
     /// Set when the last handle is dropped: finish background work, exit.
     closed: AtomicBool,
@@ -89,12 +109,17 @@ pub(crate) struct Shared {
 impl Shared {
     /// Hands a request to the I/O thread; `false` if it has stopped.
     pub(crate) fn submit(&self, submission: Submission<Reply>) -> bool {
+        self.send(Message::Request(submission))
+    }
+
+    /// Hands a message to the I/O thread; `false` if it has stopped.
+    pub(crate) fn send(&self, message: Message) -> bool {
         if !self.running.load(Ordering::Acquire) {
             return false;
         }
         let mut queue = lock(&self.queue);
         let was_empty = queue.is_empty();
-        queue.push(submission);
+        queue.push(message);
         drop(queue);
         if was_empty && let Err(error) = self.waker.wake() {
             log::warn!("cannot wake the client's I/O thread: {error}");
@@ -112,7 +137,7 @@ impl Shared {
             state.0
         };
         let give_up = submission.deadline + CALL_GRACE;
-        submission.reply = Some(Reply {
+        submission.reply = Some(Reply::Call {
             slot: slot.clone(),
             seq,
         });
@@ -167,6 +192,8 @@ pub(crate) fn start(
         poll,
         shared: shared.clone(),
         engine,
+        keep: KeepAlives::default(),
+        mirrors: HashMap::new(),
         addresses,
         per_server,
         conns: (0..sessions).map(|_| None).collect(),
@@ -235,6 +262,9 @@ struct Shell {
     poll: Poll,
     shared: Arc<Shared>,
     engine: Engine<Reply>,
+    keep: KeepAlives,
+    /// Where the holders of kept leases see their state.
+    mirrors: HashMap<KeepId, Arc<Mirror>>,
     addresses: Vec<Address>,
     per_server: usize,
     conns: Vec<Option<Conn>>,
@@ -257,12 +287,13 @@ fn interrupted(error: &io::Error) -> bool {
 impl Shell {
     fn run(&mut self) {
         let mut events = Events::with_capacity(256);
-        let mut submissions = Vec::new();
+        let mut messages = Vec::new();
         loop {
-            let timeout = self
-                .engine
-                .poll_timeout()
-                .map(|at| at.saturating_duration_since(Instant::now()));
+            let next = match (self.engine.poll_timeout(), self.keep.poll_timeout()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let timeout = next.map(|at| at.saturating_duration_since(Instant::now()));
             if let Err(error) = self.poll.poll(&mut events, timeout)
                 && !interrupted(&error)
             {
@@ -306,19 +337,17 @@ impl Shell {
                     self.read(s, now);
                 }
             }
-            std::mem::swap(&mut submissions, &mut *lock(&self.shared.queue));
+            std::mem::swap(&mut messages, &mut *lock(&self.shared.queue));
             let now = Instant::now();
-            for submission in submissions.drain(..) {
-                self.engine.submit(submission, now);
+            for message in messages.drain(..) {
+                self.receive(message, now);
             }
             self.engine.handle_timeout(now);
+            self.keep.handle_timeout(now);
             self.perform_actions();
             self.engine.expire(Instant::now());
             self.perform_actions();
-            self.deliver();
-            self.write_all();
-            self.perform_actions();
-            self.deliver();
+            self.settle();
             if self.shared.closed.load(Ordering::Acquire)
                 && self.engine.is_idle()
                 && lock(&self.shared.queue).is_empty()
@@ -328,16 +357,87 @@ impl Shell {
         }
         self.shared.running.store(false, Ordering::Release);
         // Whatever is left (only after a poll failure) can no longer be
-        // answered by this thread.
+        // answered by this thread, and no lease can be renewed.
         while let Some((reply, _)) = self.engine.poll_completion() {
-            reply.deliver(Outcome::Indeterminate);
+            if let Reply::Call { slot, seq } = reply {
+                deliver_call(&slot, seq, Outcome::Indeterminate);
+            }
+        }
+        for (_, mirror) in self.mirrors.drain() {
+            mirror.lose(Loss::Expired);
         }
     }
 
-    fn deliver(&mut self) {
-        while let Some((reply, outcome)) = self.engine.poll_completion() {
-            reply.deliver(outcome);
+    fn receive(&mut self, message: Message, now: Instant) {
+        match message {
+            Message::Request(submission) => self.engine.submit(submission, now),
+            Message::Keep { id, grant, mirror } => {
+                self.mirrors.insert(id, mirror);
+                self.keep.insert(id, grant, now);
+            }
+            Message::Forget(id) => {
+                self.keep.remove(id);
+                self.mirrors.remove(&id);
+            }
         }
+    }
+
+    /// Delivers outcomes, turns the kept leases' steps into requests and
+    /// writes, until nothing more happens.
+    fn settle(&mut self) {
+        loop {
+            let mut progressed = false;
+            while let Some((reply, outcome)) = self.engine.poll_completion() {
+                progressed = true;
+                match reply {
+                    Reply::Call { slot, seq } => deliver_call(&slot, seq, outcome),
+                    Reply::KeepAlive(id) => self.keep.handle_outcome(id, outcome, Instant::now()),
+                }
+            }
+            progressed |= self.run_keep_steps();
+            self.write_all();
+            self.perform_actions();
+            if !progressed {
+                return;
+            }
+        }
+    }
+
+    /// Performs what the kept leases ask for; `true` if anything was.
+    fn run_keep_steps(&mut self) -> bool {
+        let mut any = false;
+        while let Some(step) = self.keep.poll_step() {
+            any = true;
+            let now = Instant::now();
+            match step {
+                Step::Renew {
+                    id,
+                    key,
+                    token,
+                    lease_s,
+                } => self.engine.submit(
+                    Submission {
+                        op: Op::Extend { token, lease_s },
+                        key,
+                        deadline: now + TRANSPORT_DEADLINE,
+                        reply: Some(Reply::KeepAlive(id)),
+                    },
+                    now,
+                ),
+                Step::Renewed { id, valid_until } => {
+                    if let Some(mirror) = self.mirrors.get(&id) {
+                        mirror.renewed(valid_until);
+                    }
+                }
+                Step::Lost { id, loss } => {
+                    if let Some(mirror) = self.mirrors.remove(&id) {
+                        mirror.lose(loss);
+                    }
+                }
+                Step::Release { key, token } => self.engine.release_in_background(key, token, now),
+            }
+        }
+        any
     }
 
     fn perform_actions(&mut self) {
@@ -430,6 +530,11 @@ impl Shell {
                     Ok(Stream::Tcp(stream))
                 }),
             Address::Unix(path) => UnixStream::connect(path).map(Stream::Unix),
+            // `Client::new` sends etcd addresses to the etcd backend.
+            Address::Etcd(_) => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "not a kunci server address",
+            )),
         };
         let mut stream = match stream {
             Ok(stream) => stream,

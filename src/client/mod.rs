@@ -21,10 +21,18 @@
 //! one it has already seen. `docs/CLIENT.md` explains every outcome and how
 //! to use the token.
 //!
+//! To hold a lock for longer than one lease, [`Ticket::keep_alive`] hands
+//! the ticket to the client's I/O thread, which renews it every lease/3 and
+//! reports a loss at once ([`KeptLease`]).
+//!
 //! [`Client`] has an example.
 
 mod engine;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod io;
+mod keep_alive;
+mod kept;
 mod ticket;
 
 use std::fmt;
@@ -35,6 +43,8 @@ use std::time::{Duration, Instant};
 use crate::addr::Address;
 use engine::{Key, Op, Outcome, Submission};
 
+pub use keep_alive::Loss;
+pub use kept::KeptLease;
 pub use ticket::Ticket;
 
 /// The transport deadline: how long past its wait a call may take (spec
@@ -183,10 +193,11 @@ pub struct Client {
 }
 
 struct Inner {
-    shared: Arc<io::Shared>,
+    shared: Backend,
     owner_base: u64,
     next_owner: AtomicU64,
     next_nonce: AtomicU64,
+    next_keep: AtomicU64,
 }
 
 impl Drop for Inner {
@@ -194,6 +205,81 @@ impl Drop for Inner {
         // The I/O thread finishes the background releases it has (each
         // bounded by its own deadline), then exits.
         self.shared.close();
+    }
+}
+
+/// Where requests go: kunci servers through the I/O thread, or an etcd
+/// cluster (`etcd://`, docs/ETCD.md). Both give the same outcomes.
+enum Backend {
+    Kunci(Arc<io::Shared>),
+    #[cfg(feature = "etcd")]
+    Etcd(Arc<etcd::Shared>),
+}
+
+impl Backend {
+    fn start(servers: Vec<Address>, config: &Config) -> std::io::Result<Backend> {
+        let etcd: Vec<&Address> = servers
+            .iter()
+            .filter(|address| matches!(address, Address::Etcd(_)))
+            .collect();
+        if etcd.is_empty() {
+            return io::start(servers, config.sessions_per_server, config.connect_timeout)
+                .map(Backend::Kunci);
+        }
+        if etcd.len() != servers.len() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "etcd:// addresses cannot be mixed with kunci servers",
+            ));
+        }
+        #[cfg(feature = "etcd")]
+        {
+            let endpoints = servers
+                .into_iter()
+                .flat_map(|address| match address {
+                    Address::Etcd(endpoints) => endpoints,
+                    _ => Vec::new(),
+                })
+                .collect();
+            etcd::Shared::start(endpoints, config.connect_timeout).map(Backend::Etcd)
+        }
+        #[cfg(not(feature = "etcd"))]
+        Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "this kunci was built without etcd support (cargo feature `etcd`)",
+        ))
+    }
+
+    fn call(&self, submission: Submission<io::Reply>) -> Outcome {
+        match self {
+            Backend::Kunci(shared) => shared.call(submission),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(shared) => shared.call(submission),
+        }
+    }
+
+    fn submit(&self, submission: Submission<io::Reply>) -> bool {
+        match self {
+            Backend::Kunci(shared) => shared.submit(submission),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(shared) => shared.submit(submission),
+        }
+    }
+
+    fn send(&self, message: io::Message) -> bool {
+        match self {
+            Backend::Kunci(shared) => shared.send(message),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(shared) => shared.send(message),
+        }
+    }
+
+    fn close(&self) {
+        match self {
+            Backend::Kunci(shared) => shared.close(),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(shared) => shared.close(),
+        }
     }
 }
 
@@ -219,13 +305,14 @@ impl Client {
                 "a client needs at least one server address",
             ));
         }
-        let shared = io::start(servers, config.sessions_per_server, config.connect_timeout)?;
+        let shared = Backend::start(servers, &config)?;
         Ok(Client {
             inner: Arc::new(Inner {
                 shared,
                 owner_base: random_u64(),
                 next_owner: AtomicU64::new(0),
                 next_nonce: AtomicU64::new(random_u64()),
+                next_keep: AtomicU64::new(0),
             }),
         })
     }
@@ -339,6 +426,16 @@ impl Client {
             deadline: Instant::now() + TRANSPORT_DEADLINE,
             reply: None,
         });
+    }
+
+    /// Hands a message to the I/O thread; `false` if it has stopped.
+    fn send(&self, message: io::Message) -> bool {
+        self.inner.shared.send(message)
+    }
+
+    /// An id for a kept lease, unique within this client.
+    fn fresh_keep_id(&self) -> keep_alive::KeepId {
+        self.inner.next_keep.fetch_add(1, Ordering::Relaxed)
     }
 
     /// An owner id no other call of this client uses: a random base plus a

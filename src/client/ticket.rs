@@ -11,6 +11,8 @@ use super::{Client, Error, valid_until};
 ///
 /// Dropping a ticket that was neither released nor kept with
 /// [`Ticket::into_token`] sends a best-effort release in the background.
+/// [`Ticket::keep_alive`] hands it to the client, which then renews the
+/// lease until it is released or lost (a [`KeptLease`](super::KeptLease)).
 #[must_use = "dropping a Ticket releases the lock"]
 pub struct Ticket {
     client: Client,
@@ -38,6 +40,14 @@ impl Ticket {
             valid_until: valid_until(sent_at, lease),
             armed: true,
         }
+    }
+
+    pub(super) fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub(super) fn raw_key(&self) -> Key {
+        self.key
     }
 
     /// The key this ticket holds.

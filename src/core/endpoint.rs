@@ -185,6 +185,7 @@ impl Endpoint {
         }
         if self.core.connections() >= self.core.limits().max_connections {
             debug!("refusing {peer:?}: connection limit");
+            self.core.stats_mut().refused_max_connections += 1;
             return self.refuse(id, ErrorCode::ConnectionLimit, now);
         }
         self.conns[index] = Some(Connection::new(Phase::Open));
@@ -212,7 +213,9 @@ impl Endpoint {
     /// of descriptors: the shell writes it once and closes. Counted as an
     /// error sent.
     pub fn refusal_without_descriptor(&mut self) -> Vec<u8> {
-        self.core.stats_mut().errors += 1;
+        let stats = self.core.stats_mut();
+        stats.count_error(ErrorCode::ConnectionLimit);
+        stats.refused_fd_limit += 1;
         let mut frame = Vec::with_capacity(RESPONSE_FRAME_MAX);
         protocol::encode_response(&ErrorCode::ConnectionLimit.response(0), &mut frame);
         frame

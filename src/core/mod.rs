@@ -16,8 +16,10 @@ pub mod endpoint;
 pub mod key_index;
 pub mod lock_table;
 pub mod timer_wheel;
+pub mod wait_histogram;
 pub mod waiters;
 
+use std::collections::HashSet;
 use std::fmt::Write as _;
 
 use crate::protocol::{ErrorCode, Request, RequestError, Response};
@@ -26,6 +28,7 @@ use timer_wheel::{
     MICROS_PER_TICK, TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached,
     tick_start,
 };
+use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
 
 /// A connection as the core knows it: the shell's slab index.
@@ -94,7 +97,8 @@ impl Limits {
     }
 }
 
-/// The counters reported by `I` (spec §2.2).
+/// The counters reported by `I` (spec §2.2), and the finer ones the
+/// metrics endpoint shows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     pub grants: u64,
@@ -107,10 +111,66 @@ pub struct Stats {
     pub errors: u64,
     /// Connections closed at accept by the `--allow` list.
     pub refused: u64,
+    /// The part of `not_held` that answered an `R`...
+    pub release_not_held: u64,
+    /// ...and the part that answered an `E`.
+    pub extend_not_held: u64,
+    /// Connections accepted and served (refused ones are not counted).
+    pub connections_accepted: u64,
+    /// Connections refused at accept with `X 7` because
+    /// `--max-connections` were open...
+    pub refused_max_connections: u64,
+    /// ...or because the process had no file descriptor left.
+    pub refused_fd_limit: u64,
+    /// `X` frames sent, by code (index = code; 0 unused).
+    pub errors_by_code: [u64; 10],
+    /// How long queued acquires waited before their grant or timeout.
+    pub acquire_wait: WaitHistogram,
+}
+
+impl Stats {
+    /// Counts one `X` frame with `code`, in the total and by code.
+    pub fn count_error(&mut self, code: ErrorCode) {
+        self.errors += 1;
+        if let Some(count) = self.errors_by_code.get_mut(code as usize) {
+            *count += 1;
+        }
+    }
 }
 
 /// A response and the connection it goes to.
 pub type Output = (ConnId, Response);
+
+/// A grant held now (see [`Core::grants`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldGrant<'a> {
+    pub key: &'a str,
+    pub token: u64,
+    pub owner: u64,
+    /// When the lease runs out.
+    pub deadline: Micros,
+}
+
+/// Why [`Core::restore_grant`] refused a grant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RestoreError {
+    /// Token 0, or not below this run's first token.
+    TokenNotFromEarlierRun,
+    /// The key was restored already.
+    DuplicateKey,
+    /// The table cannot grow.
+    TableFull,
+}
+
+impl std::fmt::Display for RestoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RestoreError::TokenNotFromEarlierRun => "token is 0 or not below this run's first",
+            RestoreError::DuplicateKey => "key listed twice",
+            RestoreError::TableFull => "lock table full",
+        })
+    }
+}
 
 #[derive(Clone, Copy, Debug, Default)]
 struct ConnState {
@@ -131,11 +191,26 @@ pub struct Core {
     /// Until this instant every key counts as held by an unknown grant
     /// (after an unclean restart with a state directory); 0 = no grace.
     grace_until: Micros,
+    /// Keys known free during the grace although not in the table: freed
+    /// by an adopting `R`, or released or expired after a grant of this
+    /// run. Emptied once the grace is over; at most `max_keys` of them.
+    freed_in_grace: HashSet<Box<str>, foldhash::fast::RandomState>,
+    /// The first token of this run: tokens below it were issued by an
+    /// earlier run (spec §7: adoption during the grace).
+    first_token: u64,
     /// The latest lease deadline armed for a grant of this run.
     lease_deadline_max: Micros,
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
+}
+
+/// How a key held by the unknown grant is represented.
+enum Adoptable {
+    /// An entry with token 0: the unknown grant, with waiters queued.
+    Waited(u32),
+    /// Not in the table: every key during the grace.
+    Untracked,
 }
 
 /// Gives the timer wheel the links embedded in entries and waiters.
@@ -167,6 +242,8 @@ impl Core {
             connections: 0,
             unknown_holders: 0,
             grace_until: 0,
+            freed_in_grace: HashSet::default(),
+            first_token: first_token.max(1),
             lease_deadline_max: 0,
             next_token: first_token.max(1),
             stats: Stats::default(),
@@ -188,6 +265,53 @@ impl Core {
     /// lease this core granted runs past it.
     pub fn lease_deadline_max(&self) -> Micros {
         self.lease_deadline_max
+    }
+
+    /// The first token of this run; tokens below it are an earlier run's.
+    pub fn first_token(&self) -> u64 {
+        self.first_token
+    }
+
+    /// Restores a grant an earlier run held at a clean stop (spec §7.1):
+    /// `key` held by `token` (below this run's first token) for `owner`
+    /// until `deadline`. Call before any request, at time 0. Restored keys
+    /// count towards the key limit for new keys, but are restored even
+    /// beyond it: every grant of the earlier run comes back.
+    pub fn restore_grant(
+        &mut self,
+        key: &str,
+        token: u64,
+        owner: u64,
+        deadline: Micros,
+    ) -> Result<(), RestoreError> {
+        debug_assert!(self.wheel.elapsed() == 0 && self.stats == Stats::default());
+        if token == 0 || token >= self.first_token {
+            return Err(RestoreError::TokenNotFromEarlierRun);
+        }
+        let hash = self.table.hash(key);
+        if self.table.find(key, hash).is_some() {
+            return Err(RestoreError::DuplicateKey);
+        }
+        let entry = self
+            .table
+            .insert(key, hash, token, owner)
+            .ok_or(RestoreError::TableFull)?;
+        self.arm_lease_at(entry, deadline.max(1));
+        Ok(())
+    }
+
+    /// Every grant held now, for the snapshot at a clean stop; `deadline`
+    /// is when its lease runs out (on the 1 ms tick).
+    pub fn grants(&self) -> impl Iterator<Item = HeldGrant<'_>> + '_ {
+        self.table.live_indices().filter_map(move |entry| {
+            let held = self.table.get(entry);
+            (held.token != 0).then(|| HeldGrant {
+                key: self.table.key(entry),
+                token: held.token,
+                owner: held.owner,
+                deadline: self.wheel.deadline_of(&held.lease) * MICROS_PER_TICK,
+            })
+        })
     }
 
     /// Keys held by a grant of this run.
@@ -258,6 +382,7 @@ impl Core {
                 waiters: ConnWaiters::default(),
             };
             self.connections += 1;
+            self.stats.connections_accepted += 1;
         }
     }
 
@@ -287,7 +412,7 @@ impl Core {
 
     /// Queues an `X` to `conn` and counts it.
     pub fn send_error(&mut self, conn: ConnId, code: ErrorCode, id: u64) {
-        self.stats.errors += 1;
+        self.stats.count_error(code);
         self.outbox.push((conn, code.response(id)));
     }
 
@@ -354,6 +479,9 @@ impl Core {
     /// Fires every timer due at `now`: lease expiries hand keys on, wait
     /// deadlines answer `T`.
     pub fn handle_timeout(&mut self, now: Micros) {
+        if now >= self.grace_until && !self.freed_in_grace.is_empty() {
+            self.freed_in_grace = HashSet::default();
+        }
         let now_tick = tick_reached(now);
         loop {
             let mut nodes = TimerNodes {
@@ -369,6 +497,7 @@ impl Core {
                     let node = self.waiters.get(waiter);
                     (node.conn, node.owner)
                 };
+                self.observe_wait(waiter, now);
                 self.remove_waiter(waiter);
                 self.stats.timeouts += 1;
                 self.outbox.push((conn, Response::Timeout { owner }));
@@ -425,7 +554,7 @@ impl Core {
                 }
                 entry
             }
-            None if now >= self.grace_until => {
+            None if now >= self.grace_until || self.freed_in_grace.contains(key) => {
                 if self.next_token == u64::MAX {
                     return self.busy(conn, owner);
                 }
@@ -455,6 +584,7 @@ impl Core {
             self.waiters
                 .push_back(queue, conn_list, conn, entry, owner, lease_s)
         };
+        self.waiters.get_mut(waiter).enqueued_at = enqueued_at(now);
         let deadline = now + u64::from(wait_s) * MICROS_PER_S;
         let mut nodes = TimerNodes {
             table: &mut self.table,
@@ -486,25 +616,92 @@ impl Core {
     }
 
     fn release(&mut self, conn: ConnId, key: &str, token: u64, now: Micros) {
-        match self.active_grant(key, token) {
-            Some(entry) => {
-                self.cancel_lease(entry);
-                self.stats.released += 1;
-                self.outbox.push((conn, Response::Released { token }));
-                self.hand_over(entry, now);
-            }
-            None => self.not_held(conn, token),
-        }
+        let entry = match self.active_grant(key, token) {
+            Some(entry) => entry,
+            None => match self.adoptable(key, token, now) {
+                Some(Adoptable::Waited(entry)) => {
+                    self.unknown_holders -= 1;
+                    entry
+                }
+                Some(Adoptable::Untracked) => {
+                    self.stats.released += 1;
+                    self.outbox.push((conn, Response::Released { token }));
+                    return self.note_freed(key);
+                }
+                None => {
+                    self.stats.release_not_held += 1;
+                    return self.not_held(conn, token);
+                }
+            },
+        };
+        self.cancel_lease(entry);
+        self.stats.released += 1;
+        self.outbox.push((conn, Response::Released { token }));
+        self.hand_over(entry, now);
     }
 
     fn extend(&mut self, conn: ConnId, key: &str, token: u64, lease_s: u8, now: Micros) {
-        match self.active_grant(key, token) {
-            Some(entry) => {
-                self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
-                self.stats.extended += 1;
-                self.outbox.push((conn, Response::Extended { token }));
-            }
-            None => self.not_held(conn, token),
+        let entry = match self.active_grant(key, token) {
+            Some(entry) => entry,
+            None => match self.adoptable(key, token, now) {
+                Some(Adoptable::Waited(entry)) => {
+                    self.unknown_holders -= 1;
+                    let held = self.table.get_mut(entry);
+                    held.token = token;
+                    held.owner = 0;
+                    entry
+                }
+                Some(Adoptable::Untracked) => {
+                    // An earlier run's holders must not lose their keys to
+                    // this run's waiters filling the table, so adoption may
+                    // take it to twice the key limit: that run held at most
+                    // that many, and the bound on memory stays.
+                    let hash = self.table.hash(key);
+                    let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
+                        .then(|| self.table.insert(key, hash, token, 0))
+                        .flatten();
+                    match entry {
+                        Some(entry) => entry,
+                        // No room: nothing changed, and the key stays held
+                        // by the unknown grant until the horizon.
+                        None => {
+                            self.stats.extend_not_held += 1;
+                            return self.not_held(conn, token);
+                        }
+                    }
+                }
+                None => {
+                    self.stats.extend_not_held += 1;
+                    return self.not_held(conn, token);
+                }
+            },
+        };
+        self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
+        self.stats.extended += 1;
+        self.outbox.push((conn, Response::Extended { token }));
+    }
+
+    /// Whether `token` may adopt `key` (spec §7.3): it is an earlier run's
+    /// token and the key is held by the unknown grant — an entry with token
+    /// 0 (waited on), or, during the grace, a key not in the table and not
+    /// known free.
+    fn adoptable(&self, key: &str, token: u64, now: Micros) -> Option<Adoptable> {
+        if token == 0 || token >= self.first_token {
+            return None;
+        }
+        match self.table.find(key, self.table.hash(key)) {
+            Some(entry) => (self.table.get(entry).token == 0).then_some(Adoptable::Waited(entry)),
+            None => (now < self.grace_until && !self.freed_in_grace.contains(key))
+                .then_some(Adoptable::Untracked),
+        }
+    }
+
+    /// Remembers that `key`, not in the table, is free although the grace
+    /// runs. Without room it stays held by the unknown grant until the
+    /// horizon: later than it could be, never too early.
+    fn note_freed(&mut self, key: &str) {
+        if self.freed_in_grace.len() < self.limits.max_keys {
+            self.freed_in_grace.insert(key.into());
         }
     }
 
@@ -529,12 +726,14 @@ impl Core {
                     waiters: self.waiters.queue_len(entry.waiters),
                 }
             }
-            None if now < self.grace_until => Response::Query {
-                token: 0,
-                owner: 0,
-                lease_ms: millis_left(self.grace_until, now),
-                waiters: 0,
-            },
+            None if now < self.grace_until && !self.freed_in_grace.contains(key) => {
+                Response::Query {
+                    token: 0,
+                    owner: 0,
+                    lease_ms: millis_left(self.grace_until, now),
+                    waiters: 0,
+                }
+            }
             None => Response::Query {
                 token: 0,
                 owner: 0,
@@ -552,11 +751,16 @@ impl Core {
         (token != 0 && self.table.get(entry).token == token).then_some(entry)
     }
 
-    /// The key's holder is gone: grant the head waiter, or drop the key.
+    /// The key's holder is gone: grant the head waiter, or drop the key
+    /// (remembered as free while the grace runs).
     fn hand_over(&mut self, entry: u32, now: Micros) {
         loop {
             let head = self.table.get(entry).waiters;
             if head == NIL {
+                if now < self.grace_until {
+                    let key: Box<str> = self.table.key(entry).into();
+                    self.note_freed(&key);
+                }
                 self.table.remove(entry);
                 return;
             }
@@ -564,6 +768,7 @@ impl Core {
                 let waiter = self.waiters.get(head);
                 (waiter.conn, waiter.owner, waiter.lease_s)
             };
+            self.observe_wait(head, now);
             self.unlink_waiter(head);
             if self.next_token == u64::MAX {
                 self.busy(conn, owner);
@@ -634,6 +839,13 @@ impl Core {
         let conn_list = &mut self.conns[conn as usize].waiters;
         self.waiters.remove(waiter, queue, conn_list);
         entry
+    }
+
+    /// Records how long `waiter` has queued, as it leaves with a grant or
+    /// a timeout.
+    fn observe_wait(&mut self, waiter: u32, now: Micros) {
+        let waited = enqueued_at(now).wrapping_sub(self.waiters.get(waiter).enqueued_at);
+        self.stats.acquire_wait.observe(u64::from(waited));
     }
 
     fn timeout(&mut self, conn: ConnId, owner: u64) {
@@ -778,6 +990,13 @@ impl Core {
         );
         text
     }
+}
+
+/// A waiter's enqueue instant as it is kept: microseconds modulo 2³²
+/// (71 minutes), which measures any wait exactly, since none lasts longer
+/// than 255 s, and fits in the waiter node's padding.
+fn enqueued_at(now: Micros) -> u32 {
+    now as u32
 }
 
 /// Milliseconds from `now` to `deadline`, rounded up, saturating.

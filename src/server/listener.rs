@@ -91,6 +91,10 @@ impl Listener {
                     path: path.clone(),
                 })
             }
+            Address::Etcd(_) => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "etcd:// is a client address; a server cannot listen on it",
+            )),
         }
     }
 

@@ -11,6 +11,7 @@
 //! or none: an idle server sleeps.
 
 mod listener;
+mod scrape;
 pub mod state;
 
 use std::fs::File;
@@ -30,6 +31,7 @@ use crate::core::endpoint::{Action, Endpoint};
 use crate::core::{ConnId, Core, Limits, Micros};
 pub use listener::Stream;
 use listener::{Listener, Peer};
+use scrape::MetricsEndpoint;
 use state::StateDir;
 
 /// Bytes one connection may read per wake-up before others get a turn.
@@ -60,6 +62,9 @@ pub struct Config {
     /// Where to keep the token high-water mark and lease horizon that make
     /// restarts safe (see [`state`]); `None` keeps nothing on disk.
     pub state_dir: Option<std::path::PathBuf>,
+    /// Where to serve Prometheus metrics over HTTP (see [`crate::metrics`]);
+    /// `None` serves none.
+    pub metrics: Option<Address>,
 }
 
 impl Default for Config {
@@ -70,6 +75,7 @@ impl Default for Config {
             unix_mode: 0o600,
             allow: Vec::new(),
             state_dir: None,
+            metrics: None,
         }
     }
 }
@@ -121,8 +127,6 @@ struct Socket {
 struct Shell {
     registry: mio::Registry,
     state: Option<StateDir>,
-    /// The wall clock at the core's epoch, for the state file.
-    wall_start_ms: u64,
     endpoint: Endpoint,
     sockets: Slab<Socket>,
     clock_start: Instant,
@@ -133,6 +137,7 @@ struct Shell {
     /// A descriptor held in reserve, given up to accept-and-refuse when
     /// the process runs out of descriptors.
     spare_fd: Option<File>,
+    metrics: Option<MetricsEndpoint>,
 }
 
 impl Server {
@@ -143,12 +148,12 @@ impl Server {
             .limits
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        let state = match &config.state_dir {
+        let mut state = match &config.state_dir {
             Some(dir) => Some(StateDir::open(dir)?),
             None => None,
         };
-        let recorded = state.as_ref().map(StateDir::recorded).unwrap_or_default();
-        let first_token = first_token_from_clock().max(recorded.token_high_water);
+        let token_high_water = state.as_ref().map_or(0, StateDir::token_high_water);
+        let first_token = first_token_from_clock().max(token_high_water);
         let poll = Poll::new()?;
         let mut listeners = Vec::new();
         let mut addresses = Vec::new();
@@ -160,6 +165,14 @@ impl Server {
             addresses.push(listener.local_address()?);
             listeners.push(listener);
         }
+        let metrics = match &config.metrics {
+            Some(address) => Some(MetricsEndpoint::bind(
+                address,
+                config.unix_mode,
+                poll.registry(),
+            )?),
+            None => None,
+        };
         let shutdown = ShutdownHandle {
             requested: Arc::new(AtomicBool::new(false)),
             waker: Arc::new(Waker::new(poll.registry(), WAKE_TOKEN)?),
@@ -174,20 +187,13 @@ impl Server {
             );
         }
         let clock_start = Instant::now();
-        let wall_start_ms = state::wall_clock_ms();
         let mut core = Core::new(config.limits, first_token);
-        if recorded.lease_horizon_ms > wall_start_ms {
-            let grace = Duration::from_millis(recorded.lease_horizon_ms - wall_start_ms);
-            info!(
-                "state: the previous run's leases may last {:.1} s more; until then every key counts as held",
-                grace.as_secs_f64()
-            );
-            core.set_grace_until(micros(grace));
+        if let Some(state) = state.as_mut() {
+            state.resume(&mut core)?;
         }
         let shell = Shell {
             registry: poll.registry().try_clone()?,
             state,
-            wall_start_ms,
             endpoint: Endpoint::new(core, config.allow.clone()),
             sockets: Slab::new(),
             clock_start,
@@ -195,6 +201,7 @@ impl Server {
             ready: Vec::new(),
             accept_paused_until: None,
             spare_fd: File::open("/dev/null").ok(),
+            metrics,
         };
         Ok(Server {
             poll,
@@ -208,6 +215,12 @@ impl Server {
     /// The addresses actually bound, in the order given.
     pub fn addresses(&self) -> &[Address] {
         &self.addresses
+    }
+
+    /// Where the metrics are served, if anywhere (the real port when 0 was
+    /// asked).
+    pub fn metrics_address(&self) -> Option<&Address> {
+        self.shell.metrics.as_ref().map(MetricsEndpoint::address)
     }
 
     pub fn limits(&self) -> &Limits {
@@ -242,6 +255,7 @@ impl Server {
                             self.begin_shutdown();
                         }
                     }
+                    token if scrape::is_metrics_token(token) => self.shell.serve_metrics(token),
                     Token(token) if token > LISTENER_TOKEN_BASE - self.listeners.len() => {
                         let index = LISTENER_TOKEN_BASE - token;
                         if let Some(listener) = self.listeners.get(index) {
@@ -272,6 +286,9 @@ impl Server {
             }
             let now = shell.now();
             shell.endpoint.handle_timeout(now);
+            if let Some(metrics) = shell.metrics.as_mut() {
+                metrics.expire(&shell.registry, now);
+            }
             if shell.accept_paused_until.is_some_and(|until| until <= now) {
                 shell.accept_paused_until = None;
                 for listener in &self.listeners {
@@ -297,6 +314,10 @@ impl Server {
             listener.remove_file();
         }
         self.listeners.clear();
+        if let Some(metrics) = self.shell.metrics.as_mut() {
+            metrics.close_all(&self.shell.registry);
+        }
+        self.shell.metrics = None;
         let now = self.shell.now();
         self.shell.accept_paused_until = None;
         self.shell.endpoint.shut_down(now);
@@ -324,11 +345,27 @@ impl Shell {
         if !self.ready.is_empty() {
             return Some(Duration::ZERO);
         }
-        let next = [self.endpoint.poll_timeout(), self.accept_paused_until]
-            .into_iter()
-            .flatten()
-            .min()?;
+        let scrape_deadline = self
+            .metrics
+            .as_ref()
+            .and_then(MetricsEndpoint::poll_timeout);
+        let next = [
+            self.endpoint.poll_timeout(),
+            self.accept_paused_until,
+            scrape_deadline,
+        ]
+        .into_iter()
+        .flatten()
+        .min()?;
         Some(Duration::from_micros(next.saturating_sub(self.now())))
+    }
+
+    /// A readiness event on the metrics listener or one of its scrapes.
+    fn serve_metrics(&mut self, token: Token) {
+        let now = self.now();
+        if let Some(metrics) = self.metrics.as_mut() {
+            metrics.ready(token, &self.registry, self.endpoint.core(), now);
+        }
     }
 
     /// Reads socket `id` until it would block, reaches end-of-file, the
@@ -444,44 +481,45 @@ impl Shell {
         }
     }
 
-    fn wall_ms(&self, at: Micros) -> u64 {
-        self.wall_start_ms + at.div_ceil(1_000)
-    }
-
     /// With a state directory: before any answer leaves the process, make
     /// sure the state file covers every token issued and every lease
     /// granted, so a crash can never show a token or lease twice. Without
     /// one this is nothing.
     fn make_durable(&mut self) -> io::Result<()> {
-        let core = self.endpoint.core();
-        let deadline = core.lease_deadline_max();
-        let deadline_ms = if deadline == 0 {
-            0
-        } else {
-            self.wall_ms(deadline)
-        };
-        let next_token = core.next_token();
         let Some(state) = self.state.as_mut() else {
             return Ok(());
         };
+        let now = micros(self.clock_start.elapsed());
+        let core = self.endpoint.core();
         state
-            .cover(next_token, deadline_ms)
+            .cover(
+                core.next_token(),
+                core.lease_deadline_max(),
+                core.grace_until(),
+                now,
+            )
             .map(|_| ())
             .map_err(|e| io::Error::new(e.kind(), format!("state directory: cannot persist: {e}")))
     }
 
+    /// Persists every held grant (spec §7.1) once no request can arrive.
     fn record_clean_stop(&mut self, now: Micros) {
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
         let core = self.endpoint.core();
-        let grace = core.grace_until();
-        let mut horizon = if grace > now { self.wall_ms(grace) } else { 0 };
-        if core.held() > 0 {
-            horizon = horizon.max(self.wall_ms(core.lease_deadline_max()));
-        }
-        let next_token = core.next_token();
-        if let Some(state) = self.state.as_mut() {
-            if let Err(e) = state.record_clean_stop(next_token, horizon) {
-                log::error!("state directory: cannot record the clean stop: {e}");
-            }
+        let started = Instant::now();
+        match state.save_clean_stop(core, now) {
+            Ok(()) => info!(
+                "state: saved {} grants in {:.0} ms; the state file was written {} times \
+                 in this run",
+                core.held(),
+                started.elapsed().as_secs_f64() * 1e3,
+                state.writes
+            ),
+            // The running file still promises its horizon: the next run
+            // starts with a grace instead of the grants.
+            Err(e) => log::error!("state directory: cannot record the clean stop: {e}"),
         }
     }
 

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use kunci::protocol::{self, Request, Response};
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
 pub mod proxy;
 
 /// The `kunci` binary under test.
@@ -41,7 +43,24 @@ impl TestServer {
     /// As [`start`](Self::start), letting the caller adjust the command
     /// (environment, resource limits) before it runs.
     pub fn start_with(args: &[&str], adjust: impl FnOnce(&mut Command)) -> TestServer {
-        let mut command = Command::new(kunci_bin());
+        Self::start_under(&[], args, adjust)
+    }
+
+    /// As [`start_with`](Self::start_with), run by `wrapper` (a program
+    /// and its arguments, e.g. `faketime -f -1h`) when it is not empty.
+    pub fn start_under(
+        wrapper: &[&str],
+        args: &[&str],
+        adjust: impl FnOnce(&mut Command),
+    ) -> TestServer {
+        let mut command = match wrapper.split_first() {
+            Some((program, wrapper_args)) => {
+                let mut command = Command::new(program);
+                command.args(wrapper_args).arg(kunci_bin());
+                command
+            }
+            None => Command::new(kunci_bin()),
+        };
         command.arg("serve");
         if !args.contains(&"--listen") {
             command.args(["--listen", "127.0.0.1:0"]);

@@ -1,7 +1,9 @@
 //! A small, obviously correct reference model of the core: an ordered map
 //! from key to holder and FIFO queue, with the spec's rules written out as
 //! directly as possible. During a restart grace a key that is waited on is
-//! held by an unknown grant (token 0) whose lease ends at the horizon.
+//! held by an unknown grant (token 0) whose lease ends at the horizon; a
+//! key neither in the map nor known free is held by it too; an `E` or `R`
+//! with a token below the run's first token adopts or frees such a key.
 //!
 //! One thing the spec leaves open is what happens first when a key's lease
 //! and a wait on that key run out at the same 1 ms tick, and in which order
@@ -9,10 +11,10 @@
 //! the core's choice from the core's answers and checks that the choice was
 //! one of the allowed ones.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use kunci::core::{ConnId, Limits, Micros, Output};
-use kunci::protocol::{Request, RequestError, Response};
+use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 
 use super::fake::{MS, S, parse_info, tick_of};
 
@@ -53,6 +55,10 @@ pub struct Model {
     pub counters: Counters,
     /// The restart grace's horizon (0: none).
     pub grace_until: Micros,
+    /// Keys known free during the grace though not in the map.
+    pub freed: BTreeSet<String>,
+    /// Tokens below this are an earlier run's.
+    pub first_token: u64,
     /// How often a wait ran out at the tick its key's lease did, and the
     /// core let the wait go first.
     pub ties: u64,
@@ -67,6 +73,8 @@ impl Model {
             conns: BTreeMap::new(),
             counters: Counters::default(),
             grace_until: 0,
+            freed: BTreeSet::new(),
+            first_token: first_token.max(1),
             ties: 0,
         }
     }
@@ -89,6 +97,60 @@ impl Model {
     fn drop_unknown_holders(&mut self) {
         self.keys
             .retain(|_, key| key.token != 0 || !key.queue.is_empty());
+    }
+
+    /// A grant restored at a clean restart.
+    pub fn restore(&mut self, key: &str, token: u64, owner: u64, lease_tick: u64) {
+        let restored = Key {
+            token,
+            owner,
+            lease_tick,
+            queue: VecDeque::new(),
+        };
+        assert!(self.keys.insert(key.to_owned(), restored).is_none());
+    }
+
+    /// Graceful shutdown: every waiter gets `B`, every connection `X 8`
+    /// (in no particular order between connections).
+    pub fn shut_down(&mut self) -> Vec<Output> {
+        let mut out = Vec::new();
+        for held in self.keys.values_mut() {
+            for waiter in held.queue.drain(..) {
+                self.counters.busy += 1;
+                *self.conns.get_mut(&waiter.conn).unwrap() -= 1;
+                out.push((
+                    waiter.conn,
+                    Response::Busy {
+                        owner: waiter.owner,
+                    },
+                ));
+            }
+        }
+        self.drop_unknown_holders();
+        for &conn in self.conns.keys() {
+            self.counters.errors += 1;
+            out.push((conn, ErrorCode::ShuttingDown.response(0)));
+        }
+        out
+    }
+
+    /// Whether `key` counts as held by the unknown grant of an earlier run.
+    fn unknown_holder(&self, key: &str, now: Micros) -> bool {
+        match self.keys.get(key) {
+            Some(held) => held.token == 0,
+            None => now < self.grace_until && !self.freed.contains(key),
+        }
+    }
+
+    /// Whether `token` adopts `key` (spec §7.3).
+    fn adopts(&self, key: &str, token: u64, now: Micros) -> bool {
+        token != 0 && token < self.first_token && self.unknown_holder(key, now)
+    }
+
+    fn note_freed(&mut self, key: &str, now: Micros) {
+        if now < self.grace_until && self.freed.len() < self.limits.max_keys {
+            self.freed.insert(key.to_owned());
+        }
     }
 
     pub fn waiters(&self) -> usize {
@@ -147,7 +209,7 @@ impl Model {
                     *self.conns.get_mut(&conn).unwrap() += 1;
                     return vec![];
                 }
-                if now < self.grace_until {
+                if now < self.grace_until && !self.freed.contains(key) {
                     // Held by an unknown grant until the horizon.
                     if wait_s == 0 {
                         self.counters.timeouts += 1;
@@ -195,6 +257,40 @@ impl Model {
                 );
                 vec![(conn, Response::Acquired { owner, token })]
             }
+            Request::Release { token, key } if self.adopts(key, token, now) => {
+                self.counters.released += 1;
+                let mut out = vec![(conn, Response::Released { token })];
+                if self.keys.contains_key(key) {
+                    out.extend(self.hand_over(key, now));
+                } else {
+                    self.note_freed(key, now);
+                }
+                out
+            }
+            Request::Extend {
+                lease_s,
+                token,
+                key,
+            } if self.adopts(key, token, now) => {
+                let lease_tick = tick_of(now + u64::from(lease_s) * S);
+                let room = self.keys.len() < 2 * self.limits.max_keys;
+                match self.keys.get_mut(key) {
+                    Some(held) => {
+                        held.token = token;
+                        held.owner = 0;
+                        held.lease_tick = lease_tick;
+                    }
+                    None if room => {
+                        self.restore(key, token, 0, lease_tick);
+                    }
+                    None => {
+                        self.counters.not_held += 1;
+                        return vec![(conn, Response::NotHeld { token })];
+                    }
+                }
+                self.counters.extended += 1;
+                vec![(conn, Response::Extended { token })]
+            }
             Request::Release { token, key } => {
                 if self.holder_token(key) != Some(token) || token == 0 {
                     self.counters.not_held += 1;
@@ -231,7 +327,7 @@ impl Model {
                         },
                         waiters: held.queue.len() as u32,
                     },
-                    None if now < self.grace_until => Response::Query {
+                    None if self.unknown_holder(key, now) => Response::Query {
                         token: 0,
                         owner: 0,
                         lease_ms: to_horizon,
@@ -263,6 +359,7 @@ impl Model {
     fn hand_over(&mut self, key: &str, now: Micros) -> Option<Output> {
         let Some(waiter) = self.keys.get_mut(key).unwrap().queue.pop_front() else {
             self.keys.remove(key);
+            self.note_freed(key, now);
             return None;
         };
         *self.conns.get_mut(&waiter.conn).unwrap() -= 1;
@@ -332,6 +429,9 @@ impl Model {
                 conns,
                 counters,
                 ties,
+                freed,
+                grace_until,
+                limits,
                 ..
             } = self;
             for name in expiring {
@@ -384,6 +484,9 @@ impl Model {
                     }
                     None => {
                         keys.remove(&name);
+                        if now < *grace_until && freed.len() < limits.max_keys {
+                            freed.insert(name);
+                        }
                     }
                 }
             }

@@ -207,6 +207,10 @@ impl Stream {
                 stream.set_nonblocking(true)?;
                 Ok(Stream::Unix(mio::net::UnixStream::from_std(stream)))
             }
+            Address::Etcd(_) => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "the connection fleet speaks kunci's protocol, not etcd's",
+            )),
         }
     }
 

@@ -2,8 +2,12 @@
 //!
 //! - [`fleet`] — the connections, the mio loop, request/reply correlation;
 //! - [`workloads`] — what each workload sends next;
-//! - [`stats`] — counts, latency histograms, the report.
+//! - [`stats`] — counts, latency histograms, the report;
+//! - `closed_loop` — pairs and contended through the client, for
+//!   `etcd://` (the fleet speaks only kunci's protocol).
 
+#[cfg(feature = "etcd")]
+mod closed_loop;
 mod fleet;
 mod stats;
 mod workloads;
@@ -42,7 +46,11 @@ Workloads:
                  --connections probes of each kind
 
 Options (defaults: pairs / contended / hold / waiters / idle / timers):
-  --server ADDR        HOST:PORT or unix:PATH (default 127.0.0.1:5862)
+  --server ADDR        HOST:PORT or unix:PATH (default: the first address
+                       in $KUNCI_SERVER, else 127.0.0.1:5862), or
+                       etcd://HOST:PORT[,...]: pairs and contended only, as
+                       closed loops through the client (one thread per
+                       connection, --pipeline 1)
   --connections C      connections (50 / 50 / 4 / 1+N/4000 / N / 8 probes)
   --pipeline P         requests in flight per connection (32 / 1 / 128)
   --keys K             key space (1000000 / 8 / N / 1000)
@@ -263,12 +271,26 @@ impl Run {
             Which::Timers => plan.connections = workloads::Timers::connections(plan.connections),
             _ => {}
         }
+        if matches!(o.server, Some(Address::Etcd(_))) {
+            if !matches!(which, Which::Pairs | Which::Contended) {
+                return Err("etcd:// runs only the pairs and contended workloads".into());
+            }
+            if o.pipeline.is_some_and(|p| p != 1) {
+                return Err("etcd://: one request in flight per connection (--pipeline 1)".into());
+            }
+            plan.pipeline = 1;
+        }
         let duration = o.duration.unwrap_or(Duration::from_secs(duration));
         Ok(Run {
             which,
-            server: o
-                .server
-                .unwrap_or_else(|| Address::Tcp(DEFAULT_ADDRESS.to_owned())),
+            server: match o.server {
+                Some(server) => server,
+                // One server is driven: the first of $KUNCI_SERVER's.
+                None => super::client::default_servers()?
+                    .into_iter()
+                    .next()
+                    .unwrap_or_else(|| Address::Tcp(DEFAULT_ADDRESS.to_owned())),
+            },
             plan,
             key_prefix: o.key_prefix.unwrap_or_else(|| prefix.to_owned()),
             warmup: o.warmup.unwrap_or(Duration::from_secs(warmup)),
@@ -311,6 +333,11 @@ impl Run {
         for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
             signal_hook::flag::register(signal, Arc::clone(&stop))
                 .map_err(|e| format!("cannot handle signal {signal}: {e}"))?;
+        }
+        #[cfg(feature = "etcd")]
+        if matches!(self.server, Address::Etcd(_)) {
+            let stats = closed_loop::execute(self, &stop)?;
+            return Ok(self.report(stats));
         }
         let mut fleet = Fleet::connect(&self.server, self.plan.connections, &self.key_prefix)
             .map_err(|e| e.to_string())?;
@@ -383,12 +410,16 @@ impl Run {
         }
         workload.finish(&mut stats);
         progress.clear();
+        Ok(self.report(stats))
+    }
+
+    fn report(&self, stats: Stats) -> Stats {
         if self.json {
             println!("{}", stats.json(&self.header()));
         } else {
             print!("{}", stats.human(&self.title()));
         }
-        Ok(stats)
+        stats
     }
 
     fn title(&self) -> String {

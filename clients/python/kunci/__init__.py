@@ -1,0 +1,48 @@
+"""kunci: the Python client of the kunci lock server.
+
+    import kunci
+    client = kunci.Client()                  # $KUNCI_SERVER or 127.0.0.1:5862
+    with client.lock("deploy", wait=10, lease=30) as t:
+        t.check()                            # raises kunci.LockLost once lost
+        write(data, fence=t.token)
+
+``kunci.aio.Client`` is the asyncio twin. Every call follows the client
+contract of the kunci protocol (spec §8): one deadline per call, a
+possibly-sent request is never sent again, and ``Indeterminate`` instead
+of a guess. See README.md for every outcome.
+"""
+
+from ._errors import (
+    Busy,
+    Error,
+    Indeterminate,
+    InvalidArgument,
+    LockLost,
+    NotHeld,
+    Timeout,
+    Unavailable,
+)
+from ._common import KeyStatus
+from ._protocol import DEFAULT_SERVER, TRANSPORT_DEADLINE, drift_margin
+from ._sync import Client, Ticket
+from . import aio
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Busy",
+    "Client",
+    "DEFAULT_SERVER",
+    "Error",
+    "Indeterminate",
+    "InvalidArgument",
+    "KeyStatus",
+    "LockLost",
+    "NotHeld",
+    "TRANSPORT_DEADLINE",
+    "Ticket",
+    "Timeout",
+    "Unavailable",
+    "aio",
+    "drift_margin",
+]

@@ -1,0 +1,258 @@
+"""What the sync and asyncio clients share: the call record, the result
+kinds, correlation, key status, fork bookkeeping."""
+
+import collections
+import logging
+import os
+
+from . import _protocol as P
+from ._errors import Busy, Indeterminate, InvalidArgument, NotHeld, Timeout, Unavailable
+
+log = logging.getLogger("kunci")
+
+#: What ``query`` returns for a key that is not free.
+KeyStatus = collections.namedtuple("KeyStatus", "token owner lease_ms waiters")
+KeyStatus.__doc__ = """A key's state as the server answered ``Q``: the active
+grant's ``token`` (0 when no grant is known, e.g. during the grace after an
+unclean restart), the ``owner`` id of the request that was granted, the
+time left on the lease in ms (rounded up) and the number of queued
+``waiters``. It is out of date as soon as it arrives: never use it as a
+lock."""
+
+# Result kinds a call ends with. A tuple whose first item is one of these.
+INDETERMINATE = ("?",)
+MOVED = "moved"  # ("moved", reason, code): executed by nobody, may move on
+
+# Whether a write left the request certainly not sent, or possibly sent.
+UNSENT = 0
+SENT = 1
+
+_U64 = (1 << 64) - 1
+
+
+class Call(object):
+    """One request of one call, through all its attempts (same owner, same
+    deadlines, spec §8 rule 2)."""
+
+    __slots__ = (
+        "op", "key", "owner", "token", "nonce", "lease", "wait_until",
+        "deadline", "result", "sent_at", "writing", "background", "abandoned",
+        "reason", "refusals", "tried", "waiter", "signalled", "future", "timer",
+        "session", "answered_at",
+    )
+
+    def __init__(self, op, key, deadline, owner=0, token=0, nonce=0, lease=0,
+                 wait_until=None, background=False):
+        self.op = op
+        self.key = key
+        self.owner = owner
+        self.token = token
+        self.nonce = nonce
+        self.lease = lease
+        self.wait_until = wait_until
+        self.deadline = deadline
+        self.result = None
+        self.sent_at = None
+        self.writing = False
+        # Nobody waits for the outcome (a compensating or dropped ticket's
+        # release); it never closes a session at its deadline.
+        self.background = background
+        # The caller gave up (cancelled, interrupted): a late grant is
+        # released, other answers are dropped.
+        self.abandoned = False
+        self.reason = None
+        self.refusals = set()
+        # Addresses this call already failed on: others are tried first.
+        self.tried = set()
+        self.waiter = None
+        self.signalled = False
+        self.future = None
+        self.timer = None
+        self.session = None
+        self.answered_at = None
+
+    def waiting(self):
+        """Whether somebody waits for this call's outcome."""
+        return self.result is None and not self.background and not self.abandoned
+
+    def encode(self, now):
+        """The frame, with the wire wait computed at ``now`` (rule 3)."""
+        op = self.op
+        if op == "A":
+            return P.encode_acquire(P.wire_wait(self.wait_until, now), self.lease, self.owner, self.key)
+        if op == "R":
+            return P.encode_release(self.token, self.key)
+        if op == "E":
+            return P.encode_extend(self.lease, self.token, self.key)
+        if op == "Q":
+            return P.encode_query(self.key)
+        if op == "P":
+            return P.encode_ping(self.nonce)
+        return P.INFO_FRAME
+
+    def error_id(self):
+        """The id an ``X`` answer to this request carries (spec §6)."""
+        if self.op == "A":
+            return self.owner
+        if self.op in ("R", "E"):
+            return self.token
+        if self.op == "P":
+            return self.nonce
+        return 0
+
+
+class Pending(object):
+    """The possibly-sent (or being written) requests of one session, for
+    correlation: acquires by owner, the others in request order."""
+
+    __slots__ = ("acquires", "others")
+
+    def __init__(self):
+        self.acquires = {}
+        self.others = collections.deque()
+
+    def add(self, call):
+        if call.op == "A":
+            self.acquires[call.owner] = call
+        else:
+            self.others.append(call)
+
+    def remove(self, call):
+        if call.op == "A":
+            if self.acquires.get(call.owner) is call:
+                del self.acquires[call.owner]
+        else:
+            try:
+                self.others.remove(call)
+            except ValueError:
+                pass
+
+    def take_all(self):
+        calls = list(self.acquires.values())
+        calls.extend(self.others)
+        self.acquires.clear()
+        self.others.clear()
+        return calls
+
+    def calls(self):
+        calls = list(self.acquires.values())
+        calls.extend(self.others)
+        return calls
+
+    def _take_other(self, matches):
+        others = self.others
+        for index, call in enumerate(others):
+            if matches(call):
+                if index == 0:
+                    others.popleft()
+                else:
+                    del others[index]
+                return call
+        return None
+
+    def correlate(self, frame):
+        """The request ``frame`` answers, taken out; ``None`` if none."""
+        kind = frame[0]
+        if kind in ("A", "T", "B"):
+            return self.acquires.pop(frame[1], None)
+        if kind == "R" or kind == "E":
+            token = frame[1]
+            return self._take_other(lambda call: call.op == kind and call.token == token)
+        if kind == "N":
+            token = frame[1]
+            return self._take_other(lambda call: call.op in ("R", "E") and call.token == token)
+        if kind == "Q" or kind == "I":
+            return self._take_other(lambda call: call.op == kind)
+        if kind == "P":
+            nonce = frame[1]
+            return self._take_other(lambda call: call.op == "P" and call.nonce == nonce)
+        if kind == "X":
+            ident = frame[2]
+            call = self.acquires.get(ident)
+            if call is not None:
+                del self.acquires[ident]
+                return call
+            return self._take_other(lambda call: call.op != "A" and call.error_id() == ident)
+        return None
+
+
+def result_of(call, frame, now, compensate):
+    """The result ``frame`` gives ``call`` (already correlated), or ``None``
+    when nobody gets it. A grant that nobody may take (a background or
+    abandoned acquire, or one noticed at or after ``D``: rule 7) is handed
+    to ``compensate(key, token)`` for a release of that exact token."""
+    kind = frame[0]
+    if kind == "A":
+        token = frame[2]
+        if not call.waiting():
+            compensate(call.key, token)
+            return None
+        if now >= call.deadline:
+            compensate(call.key, token)
+            return INDETERMINATE
+        return ("A", token)
+    if not call.waiting():
+        return None
+    if kind == "Q":
+        return ("Q", KeyStatus(frame[1], frame[2], frame[3], frame[4]))
+    if kind == "P":
+        return ("P", now - call.sent_at)
+    if kind == "I":
+        return ("I", frame[1])
+    if kind == "X":
+        return ("X", frame[1], frame[3])
+    return (kind,)
+
+
+def refusal_reason(code):
+    if code == P.ERROR_CONNECTION_LIMIT:
+        return "the server refused the connection: connection limit reached (X 7)"
+    return "the server refused the connection: peer not allowed (X 9)"
+
+
+def raise_for(call, result):
+    """Raises the exception for a result that is not the call's answer."""
+    kind = result[0]
+    if kind == "T":
+        raise Timeout("timeout: the key stayed held for the whole wait")
+    if kind == "B":
+        raise Busy("busy: the server has no capacity for the request, or is shutting down")
+    if kind == "N":
+        raise NotHeld("not held: token %d is not the key's active grant" % call.token)
+    if kind == "X":
+        raise InvalidArgument("the server refused the request: %s (X %d)" % (result[2], result[1]))
+    if kind == MOVED:
+        raise Unavailable(result[1])
+    if kind == "?":
+        raise Indeterminate(
+            "indeterminate: the request may have reached the server but no answer "
+            "came in time; do not assume the lock is held")
+    raise Indeterminate("unexpected answer %r" % (result,))
+
+
+def check_args(check, *values):
+    try:
+        return check(*values)
+    except ValueError as error:
+        raise InvalidArgument(str(error))
+
+
+class OwnerIds(object):
+    """Owner ids and ping nonces unique within one client: a random base
+    plus a counter (``next`` on an ``itertools.count`` is atomic under the
+    GIL), skipping 0."""
+
+    def __init__(self):
+        import itertools
+        self._base = P.random_u64()
+        self._count = itertools.count()
+
+    def next(self):
+        while True:
+            value = (self._base + next(self._count)) & _U64
+            if value:
+                return value
+
+
+def current_pid():
+    return os.getpid()

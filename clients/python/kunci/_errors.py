@@ -1,0 +1,54 @@
+"""The outcomes of a call that are not a result. Each says what the caller
+may conclude (see the README's table of outcomes)."""
+
+
+class Error(Exception):
+    """Base class of every kunci outcome that is not a result."""
+
+
+class Timeout(Error):
+    """The server answered ``T``: the key stayed held for the whole wait
+    (with ``wait=0``: it was held at the one attempt). Definitive: nothing
+    was acquired and nothing is queued."""
+
+
+class Busy(Error):
+    """The server answered ``B``: no capacity for the request, or it is
+    shutting down. Definitive: nothing was acquired or queued."""
+
+
+class Unavailable(Error):
+    """No byte of the request reached a server that executed it by the
+    deadline (connections refused or failed, or refused by the server with
+    ``X 7``/``X 9`` before it read anything). Definitive: nothing changed.
+    ``reason`` names the last failure."""
+
+    def __init__(self, reason="no server could be reached"):
+        super().__init__("unavailable: %s; nothing was sent" % reason)
+        self.reason = reason
+
+
+class Indeterminate(Error):
+    """The request may have reached the server, but its answer was not seen
+    in time (no answer by the deadline, the connection died, or a grant came
+    too late to hand over). For an acquire: do not enter the critical
+    section; a grant nobody saw ends with its lease (a late one is released
+    by the client at once). For a release or renew: the lease may or may
+    not have changed."""
+
+
+class NotHeld(Error):
+    """The server answered ``N``: the token is not the key's active grant
+    (its lease ran out, it was released, or it never existed). Nothing
+    changed. A holder that gets this has lost the lock."""
+
+
+class LockLost(Error):
+    """A held lock is gone, or may be: a renewal was answered ``N``, or the
+    ticket's ``valid_until`` passed without a successful renewal."""
+
+
+class InvalidArgument(Error, ValueError):
+    """The input broke a rule of the contract and nothing was sent (or the
+    server answered a non-fatal ``X``, meaning the client's checks let
+    something through). Nothing changed."""

@@ -1,0 +1,293 @@
+"""Frames, input checks and the numbers of the client contract.
+
+Everything here is pure: no sockets, no clock. The sync and asyncio
+clients share it.
+"""
+
+import math
+import os
+import struct
+
+#: How long past its wait (or past its start, for calls that do not wait)
+#: a call may take: the transport deadline of spec §8 rule 2. It is part
+#: of the contract, not a setting.
+TRANSPORT_DEADLINE = 5.0
+
+#: The longest wait an acquire may ask for, in seconds.
+WAIT_MAX = 255
+
+#: The longest lease, in whole seconds (the shortest is 1).
+LEASE_MAX = 255
+
+#: The address used when neither the caller nor ``KUNCI_SERVER`` names one.
+DEFAULT_SERVER = "127.0.0.1:5862"
+
+KEY_LEN_MAX = 255
+
+#: Longest ``I`` or ``X`` text a server may send (the Rust client's bound).
+RESPONSE_TEXT_MAX = 4096
+
+_U64_MAX = (1 << 64) - 1
+
+# Fixed header size of each response op (spec §2.2), after the op byte.
+_HEADER_LEN = {
+    0x41: 16,  # A owner token
+    0x54: 8,  # T owner
+    0x42: 8,  # B owner
+    0x52: 8,  # R token
+    0x45: 8,  # E token
+    0x4E: 8,  # N token
+    0x51: 24,  # Q token owner lease_ms waiters
+    0x50: 8,  # P nonce
+    0x49: 0,  # I text
+    0x58: 9,  # X code id text
+}
+
+# Error codes (spec §6).
+ERROR_CONNECTION_LIMIT = 7
+ERROR_SHUTTING_DOWN = 8
+ERROR_NOT_ALLOWED = 9
+NON_FATAL_ERRORS = frozenset((3, 4, 5, 6))
+ERROR_TEXT = {
+    1: "unknown op byte",
+    2: "frame too long",
+    3: "key empty",
+    4: "key not valid UTF-8",
+    5: "lease 0",
+    6: "non-empty variable part",
+    7: "connection limit reached",
+    8: "server shutting down",
+    9: "peer not allowed (--allow)",
+}
+
+_PACK_A = struct.Struct(">BBQ").pack
+_PACK_Q64 = struct.Struct(">Q").pack
+_PACK_E = struct.Struct(">BQ").pack
+_UNPACK_Q64 = struct.Struct(">Q").unpack_from
+_UNPACK_A = struct.Struct(">QQ").unpack_from
+_UNPACK_QUERY = struct.Struct(">QQII").unpack_from
+_UNPACK_X = struct.Struct(">BQ").unpack_from
+
+
+class ProtocolError(Exception):
+    """Bytes from the server that do not decode: the session must end."""
+
+
+def drift_margin(lease):
+    """Seconds taken off a lease for the server's clock running faster than
+    ours: 10 ms plus 0.2 % of the lease (the Rust client's margin: 2000 ppm,
+    twice the largest slew NTP applies to two drifting clocks, plus a ms
+    tick)."""
+    return 0.010 + lease / 500.0
+
+
+def valid_until(sent_at, lease):
+    """The conservative expiry of a lease whose request was handed to the
+    socket just after ``sent_at`` (spec §8 rule 9)."""
+    return sent_at + lease - drift_margin(lease)
+
+
+def check_key(key):
+    """The key as UTF-8 bytes, or ``ValueError`` naming the problem."""
+    if isinstance(key, str):
+        try:
+            data = key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("key is not valid UTF-8 (it contains a lone surrogate)")
+    elif isinstance(key, (bytes, bytearray)):
+        data = bytes(key)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("key is not valid UTF-8")
+    else:
+        raise ValueError("key must be a str, not %s" % type(key).__name__)
+    if not data:
+        raise ValueError("key is empty")
+    if len(data) > KEY_LEN_MAX:
+        raise ValueError("key is longer than 255 bytes")
+    if b"\n" in data:
+        raise ValueError("key contains a newline")
+    return data
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_wait(wait):
+    """The wait in seconds as a float: 0..=255, fractions allowed."""
+    if not _is_number(wait) or not math.isfinite(wait):
+        raise ValueError("wait must be a number of seconds, got %r" % (wait,))
+    if wait < 0:
+        raise ValueError("wait must not be negative")
+    if wait > WAIT_MAX:
+        raise ValueError("wait is longer than 255 s")
+    return float(wait)
+
+
+def check_lease(lease):
+    """The lease as an int: a whole number of seconds in 1..=255."""
+    if not _is_number(lease) or not math.isfinite(lease):
+        raise ValueError("lease must be a whole number of seconds, got %r" % (lease,))
+    if isinstance(lease, float):
+        if not lease.is_integer():
+            raise ValueError("lease must be a whole number of seconds")
+        lease = int(lease)
+    if not 1 <= lease <= LEASE_MAX:
+        raise ValueError("lease must be 1..=255 seconds")
+    return lease
+
+
+def check_token(token):
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= _U64_MAX:
+        raise ValueError("token must be an unsigned 64-bit integer")
+    return token
+
+
+def wire_wait(wait_until, now):
+    """The wait written on the wire at ``now`` (spec §8 rule 3): ``None``
+    (an original zero wait) stays 0; otherwise the seconds left to ``Dw``,
+    rounded up, or 0 once it has passed."""
+    if wait_until is None:
+        return 0
+    left = wait_until - now
+    if left <= 0:
+        return 0
+    return min(WAIT_MAX, math.ceil(left))
+
+
+def encode_acquire(wait_s, lease_s, owner, key):
+    return b"A" + _PACK_A(wait_s, lease_s, owner) + key + b"\n"
+
+
+def encode_release(token, key):
+    return b"R" + _PACK_Q64(token) + key + b"\n"
+
+
+def encode_extend(lease_s, token, key):
+    return b"E" + _PACK_E(lease_s, token) + key + b"\n"
+
+
+def encode_query(key):
+    return b"Q" + key + b"\n"
+
+
+def encode_ping(nonce):
+    return b"P" + _PACK_Q64(nonce) + b"\n"
+
+
+INFO_FRAME = b"I\n"
+
+
+def decode_frames(buf):
+    """Decodes every whole response frame at the start of ``buf`` (a
+    bytearray) and removes them from it. Returns a list of tuples:
+    ``("A", owner, token)``, ``("T", owner)``, ``("B", owner)``,
+    ``("R"|"E"|"N", token)``, ``("Q", token, owner, lease_ms, waiters)``,
+    ``("P", nonce)``, ``("I", text)``, ``("X", code, id, text)``.
+    Raises :class:`ProtocolError` on bytes that cannot be a frame; the
+    frames decoded before them are lost with the session anyway."""
+    frames = []
+    pos = 0
+    end = len(buf)
+    while pos < end:
+        op = buf[pos]
+        header_len = _HEADER_LEN.get(op)
+        if header_len is None:
+            raise ProtocolError("unknown response op byte 0x%02x" % op)
+        tail = pos + 1 + header_len
+        if op == 0x49 or op == 0x58:
+            newline = buf.find(b"\n", tail, min(end, tail + RESPONSE_TEXT_MAX + 1))
+            if newline < 0:
+                if end - tail > RESPONSE_TEXT_MAX:
+                    raise ProtocolError("response text longer than %d bytes" % RESPONSE_TEXT_MAX)
+                break
+            text = bytes(buf[tail:newline]).decode("utf-8", "replace")
+            if op == 0x49:
+                frames.append(("I", text))
+            else:
+                code, ident = _UNPACK_X(buf, pos + 1)
+                frames.append(("X", code, ident, text))
+            pos = newline + 1
+            continue
+        if tail >= end:
+            break
+        if buf[tail] != 0x0A:
+            raise ProtocolError("response %r is not followed by a newline" % chr(op))
+        if op == 0x41:
+            owner, token = _UNPACK_A(buf, pos + 1)
+            frames.append(("A", owner, token))
+        elif op == 0x51:
+            frames.append(("Q",) + _UNPACK_QUERY(buf, pos + 1))
+        else:
+            frames.append((chr(op), _UNPACK_Q64(buf, pos + 1)[0]))
+        pos = tail + 1
+    if pos:
+        del buf[:pos]
+    return frames
+
+
+def parse_info(text):
+    """The ``I`` line as a dict: ints where the value is a decimal number."""
+    info = {}
+    for pair in text.split():
+        name, sep, value = pair.partition("=")
+        if not sep:
+            continue
+        try:
+            info[name] = int(value)
+        except ValueError:
+            info[name] = value
+    return info
+
+
+def parse_address(text):
+    """``("unix", path)`` or ``("tcp", (host, port))`` for ``unix:PATH``,
+    ``HOST:PORT`` or ``[V6]:PORT``."""
+    text = text.strip()
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if not path:
+            raise ValueError("unix: address without a path")
+        return ("unix", path)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("address %r is not HOST:PORT or unix:PATH" % text)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return ("tcp", (host, int(port)))
+
+
+def format_address(address):
+    kind, where = address
+    if kind == "unix":
+        return "unix:" + where
+    host, port = where
+    return ("[%s]:%d" if ":" in host else "%s:%d") % (host, port)
+
+
+def resolve_servers(servers):
+    """The parsed addresses of ``servers`` (a comma-separated str, or an
+    iterable of str); ``None`` means ``$KUNCI_SERVER``, else the default."""
+    if servers is None:
+        servers = os.environ.get("KUNCI_SERVER") or DEFAULT_SERVER
+    if isinstance(servers, str):
+        servers = servers.split(",")
+    addresses = [parse_address(item) for item in servers if item.strip()]
+    if not addresses:
+        raise ValueError("a client needs at least one server address")
+    return addresses
+
+
+def retry_delay(failures):
+    """After its first failure an address is retried at once; after ``n``
+    consecutive failures, after 10 ms × 2^(n − 2), at most 500 ms (the Rust
+    client's schedule)."""
+    if failures <= 1:
+        return 0.0
+    return min(0.5, 0.010 * (1 << min(failures - 2, 16)))
+
+
+def random_u64():
+    return int.from_bytes(os.urandom(8), "big")

@@ -1,0 +1,1067 @@
+"""The thread-safe blocking client.
+
+There is no I/O thread. A calling thread writes its own request (so the
+wire wait and the send instant are taken just before its bytes go to the
+socket) and then waits for the answer as a *leader* or a *follower*: one
+waiting thread per session (the leader) reads the socket and hands every
+answer to the call it correlates with (acquires by owner, the others by
+token/nonce in request order); the other threads sleep on a private lock
+until their answer, or the leader's role, is handed to them. A single
+thread therefore makes a call with a few system calls and no thread switch,
+and many threads pipeline their requests on one connection.
+
+The leader also keeps every deadline of its session (rule 5): when the
+earliest ``D`` of a call still waiting passes, it reads what has arrived,
+and if that call is still unanswered, closes exactly that session.
+
+One maintenance thread per client (started on first need) sends the
+releases nobody waits for (a late grant's, a dropped ticket's) and runs
+the keep-alive timers.
+"""
+
+import _thread
+import heapq
+import math
+import os
+import select
+import socket
+import sys
+import threading
+import time
+import weakref
+
+from . import _protocol as P
+from ._common import (
+    INDETERMINATE, MOVED, SENT, UNSENT, Call, OwnerIds, Pending, check_args,
+    log, raise_for, refusal_reason, result_of,
+)
+from ._errors import Error, Indeterminate, LockLost, NotHeld, Unavailable
+
+monotonic = time.monotonic
+
+#: How long a connection attempt may take before it counts as failed.
+CONNECT_TIMEOUT = 1.0
+
+# How long past its deadline a follower waits for its leader before it
+# gives up on it (the leader always ends a call by its deadline; this only
+# guards against a bug).
+_CALL_GRACE = 1.0
+
+_READ_CHUNK = 65536
+
+# How long the maintenance thread stays with nothing to do before it ends.
+_MAINTENANCE_IDLE_EXIT = 5.0
+
+# How soon a keep-alive retries a renewal that ended Unavailable or
+# Indeterminate while valid_until is still ahead.
+_RENEW_RETRY = 0.05
+
+_CLIENTS = weakref.WeakSet()
+
+# The socket took nothing by the deadline: the server is not reading. Not a
+# reason to close the session by itself.
+_NO_ROOM = "no room to write by the deadline"
+
+
+class _Session(object):
+    """One connection to one address."""
+
+    def __init__(self, index, sock):
+        self.index = index
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.write_lock = threading.Lock()
+        self.pending = Pending()
+        self.buf = bytearray()
+        self.frames = 0
+        self.reader = None  # the Call whose thread reads, if any
+        self.writers = 0
+        self.alive = True
+        self.refused = None  # (reason, code) after a first-frame X 7 / X 9
+        self.fd_closed = False
+        self.poll_until = math.inf
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.read_poll = select.poll()
+        self.read_poll.register(self.fd, select.POLLIN)
+        self.read_poll.register(self.wake_r, select.POLLIN)
+        self.write_poll = select.poll()
+        self.write_poll.register(self.fd, select.POLLOUT)
+
+    def wake(self):
+        try:
+            os.write(self.wake_w, b"\0")
+        except OSError:
+            pass
+
+    def close_fds(self):
+        if self.fd_closed:
+            return
+        self.fd_closed = True
+        for close in (self.sock.close, lambda: os.close(self.wake_r), lambda: os.close(self.wake_w)):
+            try:
+                close()
+            except OSError:
+                pass
+
+
+def _connect(address, timeout):
+    kind, where = address
+    if kind == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(where)
+        except BaseException:
+            sock.close()
+            raise
+    else:
+        sock = socket.create_connection(where, timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
+    return sock
+
+
+class Client(object):
+    """A handle to one lock service, reachable at one or more addresses.
+
+    ``servers``: a list of ``HOST:PORT`` / ``unix:PATH`` strings (several
+    addresses of the same service), or one comma-separated string; default
+    ``$KUNCI_SERVER``, else ``127.0.0.1:5862``. Nothing is connected until
+    a call needs it. Safe to share between threads. See the README for
+    every outcome.
+    """
+
+    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT):
+        self._addresses = check_args(P.resolve_servers, servers)
+        self._connect_timeout = float(connect_timeout)
+        self._ids = OwnerIds()
+        self._closed = False
+        self._init_state()
+        _CLIENTS.add(self)
+
+    def _init_state(self):
+        count = len(self._addresses)
+        self._pid = os.getpid()
+        self._mu = threading.Lock()
+        self._sessions = [None] * count
+        self._connect_locks = [threading.Lock() for _ in range(count)]
+        self._failures = [0] * count
+        self._retry_at = [0.0] * count
+        self._last_failure = [None] * count
+        self._preferred = 0
+        # Maintenance thread: background releases and timers. Re-entrant:
+        # a ticket's finalizer may start the thread while this thread holds
+        # the lock (a collection during `_schedule`).
+        self._maint_lock = threading.RLock()
+        self._maint_thread = None
+        self._maint_wake = None
+        self._background = []  # (key, token) appended without a lock
+        self._timers = []
+        self._timer_seq = 0
+
+    # ----------------------------------------------------------------- API
+
+    def acquire(self, key, wait=0, lease=30):
+        """Takes the lock on ``key``, waiting up to ``wait`` seconds (0: one
+        attempt; fractions allowed; at most 255), with a lease of ``lease``
+        whole seconds (1..=255). Returns a :class:`Ticket`, or raises
+        ``Timeout``, ``Busy``, ``Unavailable``, ``Indeterminate`` or
+        ``InvalidArgument``. Returns by ``start + wait + 5 s``."""
+        key_bytes = check_args(P.check_key, key)
+        wait = check_args(P.check_wait, wait)
+        lease = check_args(P.check_lease, lease)
+        start = monotonic()
+        wait_until = start + wait
+        deadline = wait_until + P.TRANSPORT_DEADLINE
+        call = Call("A", key_bytes, deadline, owner=self._ids.next(), lease=lease,
+                    wait_until=wait_until if wait > 0 else None)
+        result = self._run(call)
+        if result[0] == "A":
+            token = result[1]
+            # The hand-over gate (rule 7): a grant is handed over only
+            # before D.
+            if monotonic() >= deadline:
+                self._release_background(key_bytes, token)
+                raise_for(call, INDETERMINATE)
+            return Ticket(self, _key_text(key), key_bytes, token, lease, call.sent_at)
+        raise_for(call, result)
+
+    def lock(self, key, wait=0, lease=30, on_lost=None):
+        """A context manager that acquires ``key`` on entry (as
+        :meth:`acquire`), keeps its lease alive while the block runs (renews
+        every lease/3) and releases it on exit. On loss, ``t.lost`` becomes
+        true, ``on_lost(t)`` runs once (on a client thread) and
+        ``t.check()`` raises ``LockLost``; leaving the block after a loss
+        raises nothing."""
+        return _LockContext(self, key, wait, lease, on_lost)
+
+    def release(self, key, token):
+        """Releases grant ``token`` of ``key``. Raises ``NotHeld`` if that
+        token is not the key's active grant."""
+        key_bytes = check_args(P.check_key, key)
+        token = check_args(P.check_token, token)
+        call = Call("R", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token)
+        result = self._run(call)
+        if result[0] != "R":
+            raise_for(call, result)
+
+    def renew(self, key, token, lease=30):
+        """Resets grant ``token``'s lease to ``lease`` seconds from now.
+        Returns the new conservative expiry (``time.monotonic()`` seconds)."""
+        return self._renew(key, token, lease)[0]
+
+    def _renew(self, key, token, lease):
+        key_bytes = key if isinstance(key, bytes) else check_args(P.check_key, key)
+        token = check_args(P.check_token, token)
+        lease = check_args(P.check_lease, lease)
+        call = Call("E", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token, lease=lease)
+        result = self._run(call)
+        if result[0] != "E":
+            raise_for(call, result)
+        return P.valid_until(call.sent_at, lease), call.sent_at
+
+    def query(self, key):
+        """``None`` if ``key`` is free, else a :class:`KeyStatus`."""
+        key_bytes = check_args(P.check_key, key)
+        call = Call("Q", key_bytes, monotonic() + P.TRANSPORT_DEADLINE)
+        result = self._run(call)
+        if result[0] != "Q":
+            raise_for(call, result)
+        status = result[1]
+        return None if status == (0, 0, 0, 0) else status
+
+    def info(self):
+        """The server's counters (the ``I`` line) as a dict."""
+        call = Call("I", b"", monotonic() + P.TRANSPORT_DEADLINE)
+        result = self._run(call)
+        if result[0] != "I":
+            raise_for(call, result)
+        return P.parse_info(result[1])
+
+    def ping(self):
+        """The round trip of one ``P``, in seconds."""
+        call = Call("P", b"", monotonic() + P.TRANSPORT_DEADLINE, nonce=self._ids.next())
+        result = self._run(call)
+        if result[0] != "P":
+            raise_for(call, result)
+        return result[1]
+
+    def close(self):
+        """Closes every connection. Calls in progress end ``Indeterminate``
+        (or ``Unavailable`` if nothing was sent); tickets are not released
+        (their leases end them)."""
+        with self._mu:
+            if self._closed:
+                return
+            self._closed = True
+            if self._pid != os.getpid():
+                return
+            for session in self._sessions:
+                if session is not None:
+                    self._close_session(session, "the client was closed")
+            wake = self._maint_wake
+        if wake is not None:
+            try:
+                os.write(wake[1], b"\0")  # the thread sees _closed and ends
+            except OSError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # ------------------------------------------------------------- a call
+
+    def _check_process(self):
+        if self._pid != os.getpid():
+            # A fork happened and the at-fork hook did not run (os.fork is
+            # the only way in; this is a guard).
+            _after_fork_in_child()
+        if self._closed:
+            raise Error("the client is closed")
+
+    def _run(self, call):
+        """Runs ``call`` to its result: moves it while it is certainly not
+        sent (rule 4), never resends it once possibly sent (rule 5)."""
+        self._check_process()
+        while True:
+            session = self._session_for(call)
+            if session is None:
+                raise Unavailable(call.reason or "no server could be reached by the deadline")
+            if self._write(session, call) == UNSENT:
+                continue
+            if call.result is None:
+                self._await(session, call)
+            result = call.result
+            if result[0] != MOVED:
+                return result
+            # X 7 / X 9 as the session's first frame: nothing executed.
+            call.reason = result[1]
+            call.tried.add(session.index)
+            if result[2] == P.ERROR_NOT_ALLOWED:
+                call.refusals.add(session.index)
+            call.result = None
+
+    def _session_for(self, call):
+        """A connected session for ``call``, or ``None`` once its deadline
+        has passed (or every address refused it with ``X 9``)."""
+        count = len(self._addresses)
+        while True:
+            now = monotonic()
+            if now >= call.deadline:
+                return None
+            with self._mu:
+                if self._closed:
+                    raise Error("the client is closed")
+                first = self._preferred
+                for offset in range(count):
+                    session = self._sessions[(first + offset) % count]
+                    if session is not None and session.alive:
+                        return session
+                order = [(first + offset) % count for offset in range(count)]
+                allowed = [i for i in order if i not in call.refusals]
+                if not allowed:
+                    return None
+                ready = [i for i in allowed if self._retry_at[i] <= now]
+                ready.sort(key=lambda i: i in call.tried)
+                next_try = min(self._retry_at[i] for i in allowed)
+                if call.reason is None:
+                    failures = [self._last_failure[i] for i in allowed if self._last_failure[i]]
+                    if failures:
+                        call.reason = failures[0]
+            if not ready:
+                time.sleep(max(0.0, min(next_try, call.deadline) - now))
+                continue
+            for index in ready:
+                session = self._open(index, call)
+                if session is not None:
+                    return session
+
+    def _open(self, index, call):
+        lock = self._connect_locks[index]
+        if not lock.acquire(True, max(0.0, call.deadline - monotonic())):
+            return None
+        try:
+            with self._mu:
+                session = self._sessions[index]
+                if session is not None and session.alive:
+                    return session
+                if self._retry_at[index] > monotonic():
+                    return None
+            timeout = min(self._connect_timeout, call.deadline - monotonic())
+            if timeout <= 0:
+                return None
+            address = self._addresses[index]
+            try:
+                sock = _connect(address, timeout)
+            except (OSError, ValueError) as error:
+                reason = "cannot connect to %s: %s" % (P.format_address(address), error)
+                with self._mu:
+                    self._note_failure(index, reason)
+                call.reason = reason
+                call.tried.add(index)
+                return None
+            session = _Session(index, sock)
+            with self._mu:
+                if self._closed:
+                    session.close_fds()
+                    raise Error("the client is closed")
+                self._sessions[index] = session
+                self._preferred = index
+            return session
+        finally:
+            lock.release()
+
+    def _note_failure(self, index, reason):
+        self._failures[index] += 1
+        self._retry_at[index] = monotonic() + P.retry_delay(self._failures[index])
+        self._last_failure[index] = reason
+
+    def _write(self, session, call):
+        """Writes ``call``'s frame on ``session``. ``UNSENT``: the socket
+        took none of its bytes, so it may move. ``SENT``: possibly sent;
+        its result may already be set (the session died, or refused it)."""
+        wake = False
+        # Another thread may be stuck writing to a server that does not
+        # read: wait for the socket no longer than this call's deadline
+        # (then the request is certainly not sent).
+        if not session.write_lock.acquire(True, max(0.0, call.deadline - monotonic())):
+            return UNSENT
+        try:
+            self._take_in_unread(session, call)
+            with self._mu:
+                if not session.alive:
+                    return UNSENT
+                session.pending.add(call)
+                call.writing = True
+                session.writers += 1
+                if call.deadline < session.poll_until and session.reader is not None:
+                    wake = True
+            now = monotonic()
+            frame = call.encode(now)
+            call.sent_at = now
+            sent, failure = self._send(session, frame, call.deadline)
+            with self._mu:
+                call.writing = False
+                session.writers -= 1
+                if sent == 0:
+                    session.pending.remove(call)
+                    if failure is not None and failure is not _NO_ROOM and session.alive:
+                        self._close_session(session, failure)
+                    self._maybe_close_fds(session)
+                    return UNSENT
+                if session.refused is not None:
+                    session.pending.remove(call)
+                    call.result = (MOVED,) + session.refused
+                elif not session.alive:
+                    session.pending.remove(call)
+                    if call.result is None:
+                        call.result = INDETERMINATE
+                elif sent < len(frame):
+                    # Part of a frame is on the wire: the stream can only
+                    # be closed.
+                    self._close_session(session, failure or "write cut short")
+                    if call.result is None:
+                        call.result = INDETERMINATE
+                self._maybe_close_fds(session)
+        finally:
+            session.write_lock.release()
+        if wake:
+            session.wake()
+        return SENT
+
+    def _take_in_unread(self, session, call):
+        """When no thread reads ``session``, reads what has arrived on it
+        before a request is written: a session the server ended while
+        nobody was reading (an ``X 8``, an end of stream) is noticed now,
+        while the request is still certainly not sent and can move."""
+        with self._mu:
+            if not session.alive or session.reader is not None:
+                return
+            session.reader = call
+        try:
+            if session.read_poll.poll(0):
+                self._read(session)
+        finally:
+            self._release_reader(session, call)
+
+    def _release_reader(self, session, call):
+        with self._mu:
+            session.reader = None
+            session.poll_until = math.inf
+            if session.alive:
+                # Hand the reading over to a thread still waiting on it.
+                for other in session.pending.calls():
+                    if other is not call and other.waiting() and other.waiter is not None:
+                        self._signal(other)
+                        break
+            self._maybe_close_fds(session)
+
+    def _send(self, session, frame, deadline):
+        view = memoryview(frame)
+        sent = 0
+        total = len(frame)
+        sock = session.sock
+        while sent < total:
+            try:
+                sent += sock.send(view[sent:])
+            except BlockingIOError:
+                left = deadline - monotonic()
+                if left <= 0:
+                    return sent, _NO_ROOM
+                session.write_poll.poll(math.ceil(left * 1000))
+            except InterruptedError:
+                pass
+            except OSError as error:
+                return sent, "write failed: %s" % error
+        return sent, None
+
+    def _await(self, session, call):
+        """Waits for ``call``'s result, reading as the session's leader
+        when no other thread does."""
+        call.waiter = _thread.allocate_lock()
+        call.waiter.acquire()
+        try:
+            while True:
+                with self._mu:
+                    if call.result is not None:
+                        return
+                    lead = session.reader is None and session.alive
+                    if lead:
+                        session.reader = call
+                    elif not session.alive:
+                        # Closed with this call still registered: cannot
+                        # happen (closing completes it); stay on the safe
+                        # side.
+                        call.result = INDETERMINATE
+                        return
+                if lead:
+                    self._lead(session, call)
+                    continue
+                left = call.deadline + _CALL_GRACE - monotonic()
+                if left <= 0:
+                    with self._mu:
+                        if call.result is None:
+                            log.error("no answer from the session's reader by the deadline")
+                            call.abandoned = True
+                            call.result = INDETERMINATE
+                    continue
+                acquired = call.waiter.acquire(True, left)
+                if acquired:
+                    with self._mu:
+                        call.signalled = False
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, ...): nobody will take the
+            # outcome. A grant already here, or arriving later, is
+            # released.
+            with self._mu:
+                if call.result is None:
+                    call.abandoned = True
+                result = call.result
+            if result is not None and result[0] == "A":
+                self._release_background(call.key, result[1])
+            raise
+
+    def _signal(self, call):
+        if call.waiter is not None and not call.signalled:
+            call.signalled = True
+            call.waiter.release()
+
+    def _lead(self, session, call):
+        try:
+            while True:
+                with self._mu:
+                    if call.result is not None or not session.alive:
+                        return
+                    deadline = call.deadline
+                    for other in session.pending.calls():
+                        if other.deadline < deadline and other.waiting():
+                            deadline = other.deadline
+                    session.poll_until = deadline
+                now = monotonic()
+                if deadline <= now:
+                    self._expire(session)
+                    continue
+                try:
+                    events = session.read_poll.poll(math.ceil((deadline - now) * 1000))
+                except InterruptedError:
+                    continue
+                readable = False
+                for fd, _ in events:
+                    if fd == session.wake_r:
+                        try:
+                            os.read(session.wake_r, 512)
+                        except OSError:
+                            pass
+                    else:
+                        readable = True
+                if readable:
+                    self._read(session)
+        finally:
+            self._release_reader(session, call)
+
+    def _expire(self, session):
+        """The earliest deadline of a waiting call has passed: read what
+        has arrived, then close the session if a call is still overdue."""
+        self._read(session)
+        with self._mu:
+            if not session.alive:
+                return
+            now = monotonic()
+            for call in session.pending.calls():
+                if call.waiting() and call.deadline <= now:
+                    self._close_session(session, "no answer by the deadline")
+                    return
+
+    def _read(self, session):
+        while True:
+            try:
+                data = session.sock.recv(_READ_CHUNK)
+            except BlockingIOError:
+                return
+            except InterruptedError:
+                continue
+            except OSError as error:
+                with self._mu:
+                    self._close_session(session, "read failed: %s" % error)
+                return
+            if not data:
+                with self._mu:
+                    self._close_session(session, "closed by the server")
+                return
+            session.buf += data
+            self._dispatch(session)
+            if len(data) < _READ_CHUNK or not session.alive:
+                return
+
+    def _dispatch(self, session):
+        releases = []
+        try:
+            frames = P.decode_frames(session.buf)
+        except P.ProtocolError as error:
+            frames = None
+            failure = str(error)
+        with self._mu:
+            if frames is None:
+                self._close_session(session, failure)
+                return
+            now = monotonic()
+            compensate = lambda key, token: releases.append((key, token))
+            for frame in frames:
+                if not session.alive:
+                    break
+                first = session.frames == 0
+                session.frames += 1
+                if frame[0] == "X" and first and frame[1] in (P.ERROR_CONNECTION_LIMIT, P.ERROR_NOT_ALLOWED):
+                    session.refused = (refusal_reason(frame[1]), frame[1])
+                    self._close_session(session, session.refused[0])
+                    break
+                if frame[0] == "X" and frame[1] not in P.NON_FATAL_ERRORS:
+                    self._close_session(session, "server error %d: %s" % (frame[1], frame[3]))
+                    break
+                call = session.pending.correlate(frame)
+                if call is None:
+                    self._close_session(session, "answer %r matches no request" % (frame,))
+                    break
+                self._failures[session.index] = 0
+                result = result_of(call, frame, now, compensate)
+                if result is not None and call.result is None:
+                    call.result = result
+                    self._signal(call)
+        for key, token in releases:
+            self._release_background(key, token)
+
+    def _close_session(self, session, reason):
+        """Ends ``session`` (with ``_mu`` held): its possibly-sent requests
+        are ``Indeterminate`` (or, after a first-frame ``X 7``/``X 9``,
+        moved: nothing executed); a request being written is left to its
+        writer."""
+        if not session.alive:
+            return
+        session.alive = False
+        index = session.index
+        if self._sessions[index] is session:
+            self._sessions[index] = None
+        self._note_failure(index, reason)
+        for call in session.pending.take_all():
+            if call.writing or not call.waiting():
+                continue
+            if session.refused is not None:
+                call.result = (MOVED,) + session.refused
+            else:
+                call.result = INDETERMINATE
+            self._signal(call)
+        if self._pid == os.getpid():
+            try:
+                session.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        session.wake()
+        self._maybe_close_fds(session)
+
+    def _maybe_close_fds(self, session):
+        # The descriptor is closed only when no thread reads or writes on
+        # it, so that its number cannot be reused under a thread's feet.
+        if not session.alive and session.reader is None and session.writers == 0:
+            session.close_fds()
+
+    # ----------------------------------------------- background & timers
+
+    def _release_background(self, key, token):
+        """Schedules a release of exactly ``token`` that nobody waits for.
+        Never blocks on the network (it runs from ``__del__`` too)."""
+        if self._closed or self._pid != os.getpid():
+            return
+        self._background.append((key, token))
+        self._wake_maintenance()
+
+    def _wake_maintenance(self):
+        """Wakes the maintenance thread, starting it if it is not running."""
+        with self._maint_lock:
+            if self._closed:
+                return
+            if self._maint_wake is None:
+                wake = os.pipe()
+                os.set_blocking(wake[0], False)
+                os.set_blocking(wake[1], False)
+                self._maint_wake = wake
+            if self._maint_thread is None:
+                thread = threading.Thread(target=self._maintain, name="kunci-maintenance", daemon=True)
+                self._maint_thread = thread
+                thread.start()
+        try:
+            os.write(self._maint_wake[1], b"\0")
+        except OSError:
+            pass
+
+    def _schedule(self, when, action):
+        """Runs ``action()`` on the maintenance thread at ``when``
+        (monotonic seconds). ``action`` must not block."""
+        with self._maint_lock:
+            self._timer_seq += 1
+            heapq.heappush(self._timers, (when, self._timer_seq, action))
+            # The thread sleeps until the earliest timer: wake it only when
+            # this one comes first.
+            wake = self._timers[0][1] == self._timer_seq or self._maint_thread is None
+        if wake:
+            self._wake_maintenance()
+
+    def _maintain(self):
+        wake_r = self._maint_wake[0]
+        poller = select.poll()
+        poller.register(wake_r, select.POLLIN)
+        idle_since = None
+        while not self._closed:
+            with self._maint_lock:
+                next_at = self._timers[0][0] if self._timers else None
+                if next_at is None and not self._background:
+                    # Nothing to do for a while: the thread ends (and is
+                    # started again on demand), so that a client dropped
+                    # without close() does not keep a thread forever.
+                    now = monotonic()
+                    if idle_since is None:
+                        idle_since = now
+                    elif now - idle_since >= _MAINTENANCE_IDLE_EXIT:
+                        self._maint_thread = None
+                        return
+                    next_at = idle_since + _MAINTENANCE_IDLE_EXIT
+                else:
+                    idle_since = None
+            if not self._background and next_at is not None:
+                timeout = max(0, math.ceil((next_at - monotonic()) * 1000))
+                try:
+                    poller.poll(timeout)
+                except InterruptedError:
+                    pass
+                try:
+                    os.read(wake_r, 4096)
+                except OSError:
+                    pass
+            while self._background:
+                key, token = self._background.pop(0)
+                self._send_background(key, token)
+            now = monotonic()
+            due = []
+            with self._maint_lock:
+                while self._timers and self._timers[0][0] <= now:
+                    due.append(heapq.heappop(self._timers)[2])
+            for action in due:
+                try:
+                    action()
+                except Exception:
+                    log.exception("kunci keep-alive timer failed")
+        with self._maint_lock:
+            self._maint_thread = None
+
+    def _send_background(self, key, token):
+        call = Call("R", key, monotonic() + P.TRANSPORT_DEADLINE, token=token, background=True)
+        try:
+            while not self._closed:
+                session = self._session_for(call)
+                if session is None:
+                    log.warning("could not release token %d: %s", token, call.reason)
+                    return
+                if self._write(session, call) == SENT:
+                    return
+        except Error:
+            return
+
+    # ------------------------------------------------------------- fork
+
+    def _reset_after_fork(self):
+        # Only this thread exists in the child. The parent's sockets are
+        # closed here without a shutdown (which would end the parent's
+        # connections too) and never written to.
+        for session in self._sessions:
+            if session is not None:
+                session.close_fds()
+        if self._maint_wake is not None:
+            for fd in self._maint_wake:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._init_state()
+
+
+def _after_fork_in_child():
+    for client in list(_CLIENTS):
+        client._reset_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _key_text(key):
+    return key if isinstance(key, str) else bytes(key).decode("utf-8")
+
+
+class Ticket(object):
+    """A granted lock: ``key``, the fencing ``token``, the ``lease`` (whole
+    seconds) and ``valid_until``, a ``time.monotonic()`` instant before
+    which the server cannot have taken the lock back (the instant just
+    before the request that set the lease was handed to the socket, plus
+    the lease, minus the drift margin ``10 ms + lease/500``).
+
+    Any thread may renew or release it. Dropping an unreleased ticket
+    schedules a best-effort release; :meth:`detach` keeps the lock instead.
+    In a forked child the ticket is the parent's: the child never renews
+    or releases it.
+    """
+
+    def __init__(self, client, key, key_bytes, token, lease, sent_at):
+        self._client = client
+        self.key = key
+        self._key_bytes = key_bytes
+        self.token = token
+        self.lease = lease
+        self.valid_until = P.valid_until(sent_at, lease)
+        self._lease_sent_at = sent_at
+        self._pid = os.getpid()
+        self._state_lock = threading.Lock()
+        self._done = False  # released or detached: the drop does nothing
+        self._lost = False
+        self._keepalive = None
+        self._on_lost = None
+
+    def __repr__(self):
+        return "Ticket(key=%r, token=%d, lease=%d, valid_until=%.3f%s)" % (
+            self.key, self.token, self.lease, self.valid_until, ", lost" if self._lost else "")
+
+    def _foreign(self):
+        return self._pid != os.getpid()
+
+    @property
+    def lost(self):
+        """Whether the lock is known to be lost (a renewal answered ``N``,
+        or ``valid_until`` passed under keep-alive). Always true in a
+        forked child: the lock belongs to the parent."""
+        return self._lost or self._foreign()
+
+    def is_valid(self):
+        """Whether ``valid_until`` is still ahead and no loss is known."""
+        return not self.lost and monotonic() < self.valid_until
+
+    def check(self):
+        """Raises :class:`LockLost` unless the lock is still held
+        (``is_valid()``). Call it before each step that relies on the
+        lock; pass ``token`` to the resource all the same."""
+        if self._foreign():
+            raise LockLost("this ticket belongs to process %d" % self._pid)
+        if self._lost:
+            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+        if monotonic() >= self.valid_until:
+            self._declare_lost("valid_until passed without a successful renewal")
+            raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
+
+    def renew(self, lease=None):
+        """Resets the lease to ``lease`` seconds (default: the ticket's
+        lease) from now. On success ``valid_until`` moves to this renewal's
+        send instant + lease − margin. ``NotHeld``: the lock is lost.
+        ``Indeterminate``: ``valid_until`` keeps the earlier of the two
+        bounds."""
+        self._check_owned()
+        if self._lost:
+            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+        lease = self.lease if lease is None else check_args(P.check_lease, lease)
+        started = monotonic()
+        try:
+            new_valid_until, sent_at = self._client._renew(self._key_bytes, self.token, lease)
+        except NotHeld:
+            self._declare_lost("a renewal was answered N")
+            raise
+        except Indeterminate:
+            with self._state_lock:
+                self.valid_until = min(self.valid_until, P.valid_until(started, lease))
+            raise
+        with self._state_lock:
+            if sent_at >= self._lease_sent_at:
+                self._lease_sent_at = sent_at
+                self.lease = lease
+                self.valid_until = new_valid_until
+        return self.valid_until
+
+    def release(self):
+        """Releases the lock (``R`` for exactly this token). ``NotHeld``:
+        the lease had already run out. After a known loss it sends nothing
+        and raises :class:`LockLost`."""
+        self._check_owned()
+        self._stop_keepalive()
+        if self._lost:
+            self._done = True
+            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+        self._done = True
+        try:
+            self._client.release(self._key_bytes, self.token)
+        except NotHeld:
+            self._declare_lost("the release was answered N")
+            raise
+
+    def detach(self):
+        """Keeps the lock held after this object is dropped; returns the
+        token. The lease still ends unless someone renews it."""
+        self._stop_keepalive()
+        self._done = True
+        return self.token
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        _exit_release(self, exc_type)
+        return False
+
+    def __del__(self):
+        try:
+            if not self._done and not self._foreign():
+                self._done = True
+                self._client._release_background(self._key_bytes, self.token)
+        except Exception:
+            pass
+
+    def _check_owned(self):
+        if self._foreign():
+            raise Error("this ticket belongs to process %d; a forked child never "
+                        "renews or releases its parent's locks" % self._pid)
+
+    def _declare_lost(self, why):
+        with self._state_lock:
+            if self._lost:
+                return
+            self._lost = True
+            self.valid_until = min(self.valid_until, monotonic())
+            keepalive, self._keepalive = self._keepalive, None
+            on_lost = self._on_lost
+        if keepalive is not None:
+            keepalive.stopped = True
+        log.warning("lock on %r (token %d) lost: %s", self.key, self.token, why)
+        if on_lost is not None:
+            try:
+                on_lost(self)
+            except Exception:
+                log.exception("on_lost callback failed")
+
+    def _stop_keepalive(self):
+        if self._foreign():
+            # In a forked child: the parent's keep-alive is not ours (and
+            # the lock may have been held by a thread that is gone).
+            return
+        with self._state_lock:
+            keepalive, self._keepalive = self._keepalive, None
+        if keepalive is not None:
+            keepalive.stopped = True
+
+
+def _exit_release(ticket, exc_type):
+    """Leaving a ``with`` block: release, unless the lock was lost (then
+    nothing is sent and nothing raised) or the ticket is a parent's. A
+    failed release raises only if the block itself did not."""
+    ticket._stop_keepalive()
+    if ticket._foreign() or ticket._done:
+        return
+    if ticket._lost:
+        ticket._done = True
+        return
+    ticket._done = True
+    try:
+        ticket._client.release(ticket._key_bytes, ticket.token)
+    except NotHeld:
+        ticket._declare_lost("the release at the end of the block was answered N")
+    except Error:
+        if exc_type is None:
+            raise
+
+
+class _KeepAlive(object):
+    """Managed renewal of one ticket (spec §8 rule 10)."""
+
+    def __init__(self, ticket):
+        self.ticket = ticket
+        self.stopped = False
+        self.renewing = False
+
+    def start(self):
+        ticket = self.ticket
+        client = ticket._client
+        client._schedule(ticket._lease_sent_at + ticket.lease / 3.0, self._renew_due)
+        client._schedule(ticket.valid_until, self._check)
+
+    def _renew_due(self):
+        if self.stopped or self.renewing:
+            return
+        self.renewing = True
+        threading.Thread(target=self._renew, name="kunci-renew", daemon=True).start()
+
+    def _renew(self):
+        ticket = self.ticket
+        renewed = False
+        try:
+            renewed = self._renew_until_done()
+        finally:
+            # Cleared before the next renewal is scheduled, so that a due
+            # renewal never finds the previous one still marked running.
+            self.renewing = False
+        if renewed and not self.stopped:
+            ticket._client._schedule(ticket._lease_sent_at + ticket.lease / 3.0, self._renew_due)
+
+    def _renew_until_done(self):
+        """Renews once, retrying while ``valid_until`` is ahead. Whether it
+        succeeded."""
+        ticket = self.ticket
+        while not self.stopped:
+            try:
+                ticket.renew()
+            except NotHeld:
+                return False  # renew() declared the loss
+            except (Unavailable, Indeterminate) as error:
+                if self.stopped:
+                    return False
+                left = ticket.valid_until - monotonic()
+                if left <= 0:
+                    ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
+                    return False
+                time.sleep(min(_RENEW_RETRY, left))
+                continue
+            except LockLost:
+                return False
+            except Error as error:
+                ticket._declare_lost("renewal failed: %s" % error)
+                return False
+            return True
+        return False
+
+    def _check(self):
+        if self.stopped:
+            return
+        ticket = self.ticket
+        if monotonic() >= ticket.valid_until:
+            ticket._declare_lost("valid_until passed without a successful renewal")
+        else:
+            ticket._client._schedule(ticket.valid_until, self._check)
+
+
+class _LockContext(object):
+    def __init__(self, client, key, wait, lease, on_lost):
+        self._client = client
+        self._args = (key, wait, lease)
+        self._on_lost = on_lost
+        self._ticket = None
+
+    def __enter__(self):
+        ticket = self._client.acquire(*self._args)
+        ticket._on_lost = self._on_lost
+        keepalive = _KeepAlive(ticket)
+        ticket._keepalive = keepalive
+        keepalive.start()
+        self._ticket = ticket
+        return ticket
+
+    def __exit__(self, exc_type, exc, tb):
+        _exit_release(self._ticket, exc_type)
+        return False

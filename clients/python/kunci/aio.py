@@ -1,0 +1,666 @@
+"""The asyncio client: the same calls as :class:`kunci.Client`, as
+coroutines, on asyncio transports (one event loop per client: the loop of
+the first call).
+
+Each session is one connection whose protocol object decodes answers as
+they arrive and completes the future of the call they correlate with. A
+request is handed to the transport in the same step in which it is
+registered, so nothing can interleave; everything handed to the
+transport counts as possibly sent (only requests that never reached a
+transport are certainly not sent).
+
+Cancellation is safe: a cancelled call whose request was possibly sent
+stays registered as *abandoned*; if its answer is a grant, that exact
+token is released at once, so a grant never goes to nobody.
+"""
+
+import asyncio
+import math
+import os
+import time
+import weakref
+
+from . import _protocol as P
+from ._common import (
+    INDETERMINATE, MOVED, SENT, UNSENT, Call, OwnerIds, Pending, check_args,
+    log, raise_for, refusal_reason, result_of,
+)
+from ._errors import Error, Indeterminate, LockLost, NotHeld, Unavailable
+from ._sync import CONNECT_TIMEOUT, _RENEW_RETRY, _key_text
+
+__all__ = ["Client", "Ticket"]
+
+monotonic = time.monotonic
+
+_CLIENTS = weakref.WeakSet()
+
+
+class _Session(asyncio.Protocol):
+    def __init__(self, client, index):
+        self.client = client
+        self.index = index
+        self.transport = None
+        self.pending = Pending()
+        self.buf = bytearray()
+        self.frames = 0
+        self.alive = False
+        self.refused = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self.alive = True
+
+    def data_received(self, data):
+        self.buf += data
+        self.client._dispatch(self)
+
+    def connection_lost(self, exc):
+        reason = "closed by the server" if exc is None else "connection failed: %s" % exc
+        self.client._close_session(self, reason)
+
+
+class Client(object):
+    """An asyncio handle to one lock service (see :class:`kunci.Client`
+    for ``servers``). Create it anywhere; it binds to the event loop of its
+    first call. Close it with ``await client.close()`` or ``async with``."""
+
+    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT):
+        self._addresses = check_args(P.resolve_servers, servers)
+        self._connect_timeout = float(connect_timeout)
+        self._ids = OwnerIds()
+        self._closed = False
+        self._init_state()
+        _CLIENTS.add(self)
+
+    def _init_state(self):
+        count = len(self._addresses)
+        self._pid = os.getpid()
+        self._loop = None
+        self._sessions = [None] * count
+        self._connecting = [None] * count
+        self._failures = [0] * count
+        self._retry_at = [0.0] * count
+        self._last_failure = [None] * count
+        self._preferred = 0
+        self._tasks = set()
+
+    # ----------------------------------------------------------------- API
+
+    async def acquire(self, key, wait=0, lease=30):
+        """As :meth:`kunci.Client.acquire`; returns a :class:`Ticket`."""
+        key_bytes = check_args(P.check_key, key)
+        wait = check_args(P.check_wait, wait)
+        lease = check_args(P.check_lease, lease)
+        start = monotonic()
+        wait_until = start + wait
+        deadline = wait_until + P.TRANSPORT_DEADLINE
+        call = Call("A", key_bytes, deadline, owner=self._ids.next(), lease=lease,
+                    wait_until=wait_until if wait > 0 else None)
+        result = await self._run(call)
+        if result[0] == "A":
+            token = result[1]
+            if monotonic() >= deadline:
+                self._release_background(key_bytes, token)
+                raise_for(call, INDETERMINATE)
+            return Ticket(self, _key_text(key), key_bytes, token, lease, call.sent_at)
+        raise_for(call, result)
+
+    def lock(self, key, wait=0, lease=30, on_lost=None):
+        """``async with client.lock(...) as t:`` — as
+        :meth:`kunci.Client.lock`; ``on_lost(t)`` runs on the event loop
+        (if it returns an awaitable, that runs as a task)."""
+        return _LockContext(self, key, wait, lease, on_lost)
+
+    async def release(self, key, token):
+        key_bytes = check_args(P.check_key, key)
+        token = check_args(P.check_token, token)
+        call = Call("R", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token)
+        result = await self._run(call)
+        if result[0] != "R":
+            raise_for(call, result)
+
+    async def renew(self, key, token, lease=30):
+        return (await self._renew(key, token, lease))[0]
+
+    async def _renew(self, key, token, lease):
+        key_bytes = key if isinstance(key, bytes) else check_args(P.check_key, key)
+        token = check_args(P.check_token, token)
+        lease = check_args(P.check_lease, lease)
+        call = Call("E", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token, lease=lease)
+        result = await self._run(call)
+        if result[0] != "E":
+            raise_for(call, result)
+        return P.valid_until(call.sent_at, lease), call.sent_at
+
+    async def query(self, key):
+        key_bytes = check_args(P.check_key, key)
+        call = Call("Q", key_bytes, monotonic() + P.TRANSPORT_DEADLINE)
+        result = await self._run(call)
+        if result[0] != "Q":
+            raise_for(call, result)
+        status = result[1]
+        return None if status == (0, 0, 0, 0) else status
+
+    async def info(self):
+        call = Call("I", b"", monotonic() + P.TRANSPORT_DEADLINE)
+        result = await self._run(call)
+        if result[0] != "I":
+            raise_for(call, result)
+        return P.parse_info(result[1])
+
+    async def ping(self):
+        call = Call("P", b"", monotonic() + P.TRANSPORT_DEADLINE, nonce=self._ids.next())
+        result = await self._run(call)
+        if result[0] != "P":
+            raise_for(call, result)
+        return result[1]
+
+    async def close(self):
+        """Closes every connection (tickets are not released)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pid != os.getpid():
+            return
+        for session in self._sessions:
+            if session is not None:
+                self._close_session(session, "the client was closed")
+        tasks = [task for task in self._tasks if task is not _current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+        return False
+
+    # ------------------------------------------------------------- a call
+
+    def _bind_loop(self):
+        if self._pid != os.getpid():
+            for session in self._sessions:
+                if session is not None and session.transport is not None:
+                    _forget_transport(session.transport)
+            self._init_state()
+        if self._closed:
+            raise Error("the client is closed")
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop.is_closed():
+            self._loop = loop
+        elif self._loop is not loop:
+            raise Error("a kunci.aio.Client is used from one event loop only")
+        return loop
+
+    async def _run(self, call):
+        loop = self._bind_loop()
+        while True:
+            session = await self._session_for(call, loop)
+            if session is None:
+                raise Unavailable(call.reason or "no server could be reached by the deadline")
+            if self._write(session, call, loop) == UNSENT:
+                continue
+            if call.result is None:
+                await self._await(call)
+            result = call.result
+            if result[0] != MOVED:
+                return result
+            call.reason = result[1]
+            call.tried.add(session.index)
+            if result[2] == P.ERROR_NOT_ALLOWED:
+                call.refusals.add(session.index)
+            call.result = None
+            call.future = None
+
+    async def _session_for(self, call, loop):
+        count = len(self._addresses)
+        while True:
+            now = monotonic()
+            if now >= call.deadline:
+                return None
+            if self._closed:
+                raise Error("the client is closed")
+            first = self._preferred
+            for offset in range(count):
+                session = self._sessions[(first + offset) % count]
+                if session is not None and session.alive:
+                    return session
+            order = [(first + offset) % count for offset in range(count)]
+            allowed = [i for i in order if i not in call.refusals]
+            if not allowed:
+                return None
+            if call.reason is None:
+                failures = [self._last_failure[i] for i in allowed if self._last_failure[i]]
+                if failures:
+                    call.reason = failures[0]
+            connecting = [self._connecting[i] for i in allowed if self._connecting[i] is not None]
+            ready = [i for i in allowed if self._retry_at[i] <= now and self._connecting[i] is None]
+            ready.sort(key=lambda i: i in call.tried)
+            if ready:
+                await self._open(ready[0], call, loop)
+                continue
+            if connecting:
+                await asyncio.wait(connecting, timeout=max(0.0, call.deadline - now))
+                continue
+            next_try = min(self._retry_at[i] for i in allowed)
+            await asyncio.sleep(max(0.0, min(next_try, call.deadline) - now))
+
+    async def _open(self, index, call, loop):
+        done = loop.create_future()
+        self._connecting[index] = done
+        address = self._addresses[index]
+        session = _Session(self, index)
+        try:
+            timeout = min(self._connect_timeout, call.deadline - monotonic())
+            if timeout <= 0:
+                return
+            kind, where = address
+            if kind == "unix":
+                connect = loop.create_unix_connection(lambda: session, where)
+            else:
+                connect = loop.create_connection(lambda: session, where[0], where[1])
+            try:
+                await asyncio.wait_for(connect, timeout)
+            except (OSError, asyncio.TimeoutError, ValueError) as error:
+                if session.transport is not None:
+                    session.transport.abort()
+                reason = "cannot connect to %s: %s" % (
+                    P.format_address(address), error or "timed out")
+                self._note_failure(index, reason)
+                call.reason = reason
+                call.tried.add(index)
+                return
+            if self._closed:
+                session.transport.abort()
+                raise Error("the client is closed")
+            if session.alive:
+                self._sessions[index] = session
+                self._preferred = index
+            else:
+                # Refused (X 7 / X 9) or closed before this call wrote a
+                # byte on it: try the other addresses first.
+                call.tried.add(index)
+                if session.refused is not None:
+                    call.reason = session.refused[0]
+                    if session.refused[1] == P.ERROR_NOT_ALLOWED:
+                        call.refusals.add(index)
+        finally:
+            self._connecting[index] = None
+            if not done.done():
+                done.set_result(None)
+
+    def _note_failure(self, index, reason):
+        self._failures[index] += 1
+        self._retry_at[index] = monotonic() + P.retry_delay(self._failures[index])
+        self._last_failure[index] = reason
+
+    def _write(self, session, call, loop):
+        transport = session.transport
+        if not session.alive or transport.is_closing():
+            return UNSENT
+        session.pending.add(call)
+        if not call.background:
+            call.future = loop.create_future()
+            call.timer = loop.call_at(
+                loop.time() + (call.deadline - monotonic()), self._deadline_passed, call, session)
+        now = monotonic()
+        call.sent_at = now
+        transport.write(call.encode(now))
+        return SENT
+
+    async def _await(self, call):
+        try:
+            await call.future
+        except asyncio.CancelledError:
+            # The caller gave up. The request is possibly sent: a grant
+            # that came (or comes later) is released; nothing else matters.
+            if call.result is None:
+                call.abandoned = True
+                if call.timer is not None:
+                    call.timer.cancel()
+            elif call.result[0] == "A":
+                self._release_background(call.key, call.result[1])
+            raise
+
+    def _complete(self, call, result):
+        call.result = result
+        if call.timer is not None:
+            call.timer.cancel()
+        future = call.future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def _deadline_passed(self, call, session):
+        # Asyncio reads what has arrived before it runs due timers, and one
+        # more turn of the loop takes in anything read meanwhile: only then
+        # is the session closed (rule 5).
+        if call.waiting():
+            self._loop.call_soon(self._expire, call, session)
+
+    def _expire(self, call, session):
+        if call.waiting() and session.alive:
+            self._close_session(session, "no answer by the deadline")
+
+    def _dispatch(self, session):
+        try:
+            frames = P.decode_frames(session.buf)
+        except P.ProtocolError as error:
+            self._close_session(session, str(error))
+            return
+        now = monotonic()
+        for frame in frames:
+            if not session.alive:
+                return
+            first = session.frames == 0
+            session.frames += 1
+            if frame[0] == "X" and first and frame[1] in (P.ERROR_CONNECTION_LIMIT, P.ERROR_NOT_ALLOWED):
+                session.refused = (refusal_reason(frame[1]), frame[1])
+                self._close_session(session, session.refused[0])
+                return
+            if frame[0] == "X" and frame[1] not in P.NON_FATAL_ERRORS:
+                self._close_session(session, "server error %d: %s" % (frame[1], frame[3]))
+                return
+            call = session.pending.correlate(frame)
+            if call is None:
+                self._close_session(session, "answer %r matches no request" % (frame,))
+                return
+            self._failures[session.index] = 0
+            result = result_of(call, frame, now, self._release_background)
+            if result is not None and call.result is None:
+                self._complete(call, result)
+
+    def _close_session(self, session, reason):
+        if not session.alive:
+            return
+        session.alive = False
+        index = session.index
+        if self._sessions[index] is session:
+            self._sessions[index] = None
+        self._note_failure(index, reason)
+        for call in session.pending.take_all():
+            if not call.waiting():
+                continue
+            if session.refused is not None:
+                self._complete(call, (MOVED,) + session.refused)
+            else:
+                self._complete(call, INDETERMINATE)
+        if session.transport is not None and self._pid == os.getpid():
+            session.transport.abort()
+
+    # ------------------------------------------------------- background
+
+    def _release_background(self, key, token):
+        """Schedules a release of exactly ``token`` nobody waits for."""
+        loop = self._loop
+        if self._closed or self._pid != os.getpid() or loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            # Not at once: this may run inside a finalizer or in the middle
+            # of handling an answer.
+            loop.call_soon(self._start_background, key, token)
+        else:
+            # From another thread, or from a finalizer outside the loop.
+            loop.call_soon_threadsafe(self._start_background, key, token)
+
+    def _start_background(self, key, token):
+        if self._closed:
+            return
+        task = self._loop.create_task(self._send_background(key, token))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_background(self, key, token):
+        call = Call("R", key, monotonic() + P.TRANSPORT_DEADLINE, token=token, background=True)
+        try:
+            while not self._closed:
+                session = await self._session_for(call, self._loop)
+                if session is None:
+                    log.warning("could not release token %d: %s", token, call.reason)
+                    return
+                if self._write(session, call, self._loop) == SENT:
+                    return
+        except Error:
+            return
+
+
+# Transports inherited from the parent by a forked child. They are kept
+# referenced and never used: closing or collecting one would go through the
+# parent's event loop, and the parent's connections must stay intact.
+_INHERITED = []
+
+
+def _forget_transport(transport):
+    _INHERITED.append(transport)
+
+
+class Ticket(object):
+    """As :class:`kunci.Ticket`, with ``renew`` and ``release`` as
+    coroutines. Any task may renew or release it."""
+
+    def __init__(self, client, key, key_bytes, token, lease, sent_at):
+        self._client = client
+        self.key = key
+        self._key_bytes = key_bytes
+        self.token = token
+        self.lease = lease
+        self.valid_until = P.valid_until(sent_at, lease)
+        self._lease_sent_at = sent_at
+        self._pid = os.getpid()
+        self._done = False
+        self._lost = False
+        self._keepalive = None
+        self._on_lost = None
+
+    def __repr__(self):
+        return "Ticket(key=%r, token=%d, lease=%d, valid_until=%.3f%s)" % (
+            self.key, self.token, self.lease, self.valid_until, ", lost" if self._lost else "")
+
+    def _foreign(self):
+        return self._pid != os.getpid()
+
+    @property
+    def lost(self):
+        return self._lost or self._foreign()
+
+    def is_valid(self):
+        return not self.lost and monotonic() < self.valid_until
+
+    def check(self):
+        if self._foreign():
+            raise LockLost("this ticket belongs to process %d" % self._pid)
+        if self._lost:
+            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+        if monotonic() >= self.valid_until:
+            self._declare_lost("valid_until passed without a successful renewal")
+            raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
+
+    async def renew(self, lease=None):
+        self._check_owned()
+        if self._lost:
+            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+        lease = self.lease if lease is None else check_args(P.check_lease, lease)
+        started = monotonic()
+        try:
+            new_valid_until, sent_at = await self._client._renew(self._key_bytes, self.token, lease)
+        except NotHeld:
+            self._declare_lost("a renewal was answered N")
+            raise
+        except Indeterminate:
+            self.valid_until = min(self.valid_until, P.valid_until(started, lease))
+            raise
+        if sent_at >= self._lease_sent_at:
+            self._lease_sent_at = sent_at
+            self.lease = lease
+            self.valid_until = new_valid_until
+        return self.valid_until
+
+    async def release(self):
+        self._check_owned()
+        self._stop_keepalive()
+        self._done = True
+        if self._lost:
+            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+        try:
+            await self._client.release(self._key_bytes, self.token)
+        except NotHeld:
+            self._declare_lost("the release was answered N")
+            raise
+
+    def detach(self):
+        self._stop_keepalive()
+        self._done = True
+        return self.token
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb):
+        await _exit_release(self, exc_type)
+        return False
+
+    def __del__(self):
+        try:
+            if not self._done and not self._foreign():
+                self._done = True
+                self._client._release_background(self._key_bytes, self.token)
+        except Exception:
+            pass
+
+    def _check_owned(self):
+        if self._foreign():
+            raise Error("this ticket belongs to process %d; a forked child never "
+                        "renews or releases its parent's locks" % self._pid)
+
+    def _declare_lost(self, why):
+        if self._lost:
+            return
+        self._lost = True
+        self.valid_until = min(self.valid_until, monotonic())
+        self._stop_keepalive()
+        log.warning("lock on %r (token %d) lost: %s", self.key, self.token, why)
+        if self._on_lost is not None:
+            try:
+                outcome = self._on_lost(self)
+                if asyncio.iscoroutine(outcome) or isinstance(outcome, asyncio.Future):
+                    task = asyncio.ensure_future(outcome)
+                    self._client._tasks.add(task)
+                    task.add_done_callback(self._client._tasks.discard)
+            except Exception:
+                log.exception("on_lost callback failed")
+
+    def _stop_keepalive(self):
+        if self._foreign():
+            return
+        keepalive, self._keepalive = self._keepalive, None
+        if keepalive is not None:
+            keepalive.stop()
+
+
+async def _exit_release(ticket, exc_type):
+    ticket._stop_keepalive()
+    if ticket._foreign() or ticket._done:
+        return
+    ticket._done = True
+    if ticket._lost:
+        return
+    try:
+        await ticket._client.release(ticket._key_bytes, ticket.token)
+    except NotHeld:
+        ticket._declare_lost("the release at the end of the block was answered N")
+    except Error:
+        if exc_type is None:
+            raise
+
+
+class _KeepAlive(object):
+    """Managed renewal of one ticket (spec §8 rule 10): a task that renews
+    every lease/3 and a timer at ``valid_until``."""
+
+    def __init__(self, ticket, loop):
+        self.ticket = ticket
+        self.loop = loop
+        self.task = None
+        self.timer = None
+        self.stopped = False
+
+    def start(self):
+        self.task = self.loop.create_task(self._run())
+        self._arm_check()
+
+    def stop(self):
+        self.stopped = True
+        if self.timer is not None:
+            self.timer.cancel()
+        task = self.task
+        if task is not None and task is not _current_task():
+            task.cancel()
+
+    def _arm_check(self):
+        delay = self.ticket.valid_until - monotonic()
+        self.timer = self.loop.call_at(self.loop.time() + delay, self._check)
+
+    def _check(self):
+        if self.stopped:
+            return
+        if monotonic() >= self.ticket.valid_until:
+            self.ticket._declare_lost("valid_until passed without a successful renewal")
+        else:
+            self._arm_check()
+
+    async def _run(self):
+        ticket = self.ticket
+        while not self.stopped:
+            await asyncio.sleep(max(0.0, ticket._lease_sent_at + ticket.lease / 3.0 - monotonic()))
+            while not self.stopped:
+                try:
+                    await ticket.renew()
+                except NotHeld:
+                    return
+                except (Unavailable, Indeterminate) as error:
+                    left = ticket.valid_until - monotonic()
+                    if left <= 0:
+                        ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
+                        return
+                    await asyncio.sleep(min(_RENEW_RETRY, left))
+                    continue
+                except LockLost:
+                    return
+                except Error as error:
+                    ticket._declare_lost("renewal failed: %s" % error)
+                    return
+                break
+
+
+def _current_task():
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
+
+
+class _LockContext(object):
+    def __init__(self, client, key, wait, lease, on_lost):
+        self._client = client
+        self._args = (key, wait, lease)
+        self._on_lost = on_lost
+        self._ticket = None
+
+    async def __aenter__(self):
+        ticket = await self._client.acquire(*self._args)
+        ticket._on_lost = self._on_lost
+        keepalive = _KeepAlive(ticket, asyncio.get_running_loop())
+        ticket._keepalive = keepalive
+        keepalive.start()
+        self._ticket = ticket
+        return ticket
+
+    async def __aexit__(self, exc_type, exc, tb):
+        await _exit_release(self._ticket, exc_type)
+        return False

@@ -1,0 +1,182 @@
+"""The asyncio client: cancellation, a late grant, many tasks, fork."""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+import kunci
+import kunci.aio
+from conftest import free_port
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 30))
+
+
+async def until(predicate, timeout, interval=0.01):
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not met within %.1f s" % timeout)
+        await asyncio.sleep(interval)
+
+
+def test_cancelled_waiting_acquire_releases_its_late_grant(server):
+    async def main():
+        async with kunci.aio.Client(server.address) as client:
+            holder = await client.acquire("k")
+            waiting = asyncio.ensure_future(client.acquire("k", wait=10))
+            await until(lambda: _waiters(client, 1), 2)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            # The server still has the waiter; when it is granted, nobody
+            # takes the grant, so the client releases that exact token.
+            await holder.release()
+            await until(lambda: _is_free(client), 2)
+            info = await client.info()
+            assert info["grants"] == 2 and info["released"] == 2 and info["held"] == 0
+
+    run(main())
+
+
+async def _waiters(client, count):
+    status = await client.query("k")
+    return status is not None and status.waiters == count
+
+
+async def _is_free(client):
+    return await client.query("k") is None
+
+
+def test_cancelled_acquire_whose_grant_is_arriving_releases_it(server):
+    async def main():
+        async with kunci.aio.Client(server.address) as client:
+            await client.ping()
+            task = asyncio.ensure_future(client.acquire("k"))
+            await asyncio.sleep(0)  # the request is written
+            time.sleep(0.05)  # the grant arrives, unread
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await until(lambda: _is_free(client), 2)
+            info = await client.info()
+            assert info["grants"] == 1 and info["released"] == 1
+
+    run(main())
+
+
+def test_cancelled_before_sending_sends_nothing(server):
+    async def main():
+        # Nothing listens at the first address: the call is still
+        # connecting when it is cancelled.
+        client = kunci.aio.Client(["127.0.0.1:%d" % free_port()])
+        task = asyncio.ensure_future(client.acquire("k"))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await client.close()
+
+    run(main())
+    assert kunci.Client(server.address).info()["grants"] == 0
+
+
+def test_grant_noticed_after_the_deadline_is_released(server):
+    # The event loop is blocked while the grant arrives; when it runs again
+    # D has passed: the grant is not handed over but released (rule 7),
+    # and the session stays open.
+    async def main():
+        async with kunci.aio.Client(server.address) as client:
+            await client.ping()
+            task = asyncio.ensure_future(client.acquire("k", wait=0))
+            await asyncio.sleep(0)
+            time.sleep(kunci.TRANSPORT_DEADLINE + 0.2)
+            with pytest.raises(kunci.Indeterminate):
+                await task
+            await until(lambda: _is_free(client), 2)
+            info = await client.info()
+            assert info["grants"] == 1 and info["released"] == 1
+            assert info["connections"] == 1
+
+    run(main())
+
+
+def test_timeout_noticed_after_the_deadline_is_still_timeout(server):
+    async def main():
+        async with kunci.aio.Client(server.address) as client:
+            holder = await client.acquire("k")
+            task = asyncio.ensure_future(client.acquire("k", wait=0))
+            await asyncio.sleep(0)
+            time.sleep(kunci.TRANSPORT_DEADLINE + 0.2)
+            with pytest.raises(kunci.Timeout):
+                await task
+            assert (await client.query("k")).token == holder.token
+            await holder.release()
+
+    run(main())
+
+
+def test_many_tasks_one_key_one_connection(server):
+    async def main():
+        async with kunci.aio.Client(server.address) as client:
+            inside = []
+            overlaps = []
+            tokens = []
+
+            async def worker(n):
+                for _ in range(10):
+                    async with client.lock("hot", wait=10, lease=5) as ticket:
+                        inside.append(n)
+                        if len(inside) > 1:
+                            overlaps.append(list(inside))
+                        await asyncio.sleep(0.001)
+                        inside.remove(n)
+                        tokens.append(ticket.token)
+
+            await asyncio.gather(*[worker(n) for n in range(30)])
+            assert overlaps == []
+            assert len(set(tokens)) == 300
+            assert tokens == sorted(tokens)
+            info = await client.info()
+            assert info["connections"] == 1 and info["released"] == 300
+
+    run(main())
+
+
+def test_forked_child_never_touches_the_parents_lock(server):
+    client = kunci.aio.Client(server.address)
+
+    async def hold():
+        ticket = await client.acquire("k", lease=5)
+        return ticket
+
+    loop = asyncio.new_event_loop()
+    ticket = loop.run_until_complete(hold())
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            async def child():
+                report = [ticket.lost]
+                try:
+                    await ticket.release()
+                    report.append("released")
+                except kunci.Error as error:
+                    report.append(type(error).__name__)
+                report.append((await client.query("k")).token == ticket.token)
+                return report
+
+            report = asyncio.run(child())
+            status = 0 if report == [True, "Error", True] else 2
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    loop.run_until_complete(ticket.release())
+    info = loop.run_until_complete(client.info())
+    assert info["released"] == 1 and info["not_held"] == 0
+    loop.run_until_complete(client.close())
+    loop.close()

@@ -1,0 +1,237 @@
+//! The client on an etcd v3 cluster (`etcd://HOST:PORT[,HOST:PORT…]`):
+//! the same calls and outcomes as on a kunci server, through etcd's
+//! HTTP/JSON gateway. docs/ETCD.md describes the mapping.
+//!
+//! Calls run on the caller's thread (each blocks until its outcome, as on
+//! a kunci server); background work — releases nobody waits for, lease
+//! revocations, and the renewals of kept leases — runs on short-lived
+//! threads, and one keeper thread per client schedules the renewals with
+//! the same sans-IO [`KeepAlives`] rules as the kunci I/O thread.
+
+mod http;
+mod json;
+mod recipe;
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::TRANSPORT_DEADLINE;
+use super::engine::{Op, Outcome, Submission};
+use super::io::{Message, Reply};
+use super::keep_alive::{KeepAlives, KeepId, Loss, Step};
+use super::kept::Mirror;
+use recipe::Cluster;
+
+/// What the keeper thread is told.
+enum Note {
+    Message(Box<Message>),
+    Renewed(KeepId, Outcome),
+    Close,
+}
+
+/// One client's handle on one etcd cluster.
+pub(crate) struct Shared {
+    cluster: Arc<Cluster>,
+    keeper: Mutex<mpsc::Sender<Note>>,
+}
+
+impl Shared {
+    /// A handle on the cluster whose members are `endpoints` (`HOST:PORT`).
+    pub(crate) fn start(
+        endpoints: Vec<String>,
+        connect_timeout: Duration,
+    ) -> std::io::Result<Arc<Shared>> {
+        let cluster = Arc::new(Cluster::new(http::Members::new(endpoints, connect_timeout)));
+        let (sender, notes) = mpsc::channel();
+        let keeper = Keeper {
+            cluster: cluster.clone(),
+            notes,
+            reply: sender.clone(),
+            keep: KeepAlives::default(),
+            mirrors: HashMap::new(),
+        };
+        std::thread::Builder::new()
+            .name("kunci-etcd-keeper".into())
+            .spawn(move || keeper.run())?;
+        Ok(Arc::new(Shared {
+            cluster,
+            keeper: Mutex::new(sender),
+        }))
+    }
+
+    /// Runs a request on the caller's thread and returns its outcome.
+    pub(crate) fn call(&self, submission: Submission<Reply>) -> Outcome {
+        execute(
+            &self.cluster,
+            submission.op,
+            submission.key,
+            submission.deadline,
+        )
+    }
+
+    /// Runs a request nobody waits for on its own thread.
+    pub(crate) fn submit(&self, submission: Submission<Reply>) -> bool {
+        run_in_background(&self.cluster, submission);
+        true
+    }
+
+    /// Hands a message to the keeper (kept leases) or, for a request, runs
+    /// it in the background.
+    pub(crate) fn send(&self, message: Message) -> bool {
+        match message {
+            Message::Request(submission) => self.submit(submission),
+            message => self.note(Note::Message(Box::new(message))),
+        }
+    }
+
+    pub(crate) fn close(&self) {
+        self.note(Note::Close);
+    }
+
+    fn note(&self, note: Note) -> bool {
+        self.keeper
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .send(note)
+            .is_ok()
+    }
+}
+
+fn execute(cluster: &Arc<Cluster>, op: Op, key: super::engine::Key, deadline: Instant) -> Outcome {
+    match op {
+        Op::Acquire {
+            owner,
+            lease_s,
+            wait_until,
+        } => cluster.acquire(key, owner, lease_s, wait_until, deadline),
+        Op::Release { token } => cluster.release(key, token, deadline),
+        Op::Extend { token, lease_s } => cluster.renew(key, token, lease_s, deadline),
+        Op::Query => cluster.query(key, deadline),
+        Op::Info => cluster.info(deadline),
+        Op::Ping { .. } => cluster.ping(deadline),
+    }
+}
+
+fn run_in_background(cluster: &Arc<Cluster>, submission: Submission<Reply>) {
+    let cluster = cluster.clone();
+    let spawned = std::thread::Builder::new()
+        .name("kunci-etcd-background".into())
+        .spawn(move || {
+            let outcome = execute(&cluster, submission.op, submission.key, submission.deadline);
+            if let Op::Release { token } = submission.op
+                && outcome != Outcome::Released
+            {
+                log::debug!("background release of {token}: {outcome:?}");
+            }
+        });
+    if let Err(error) = spawned {
+        log::warn!("cannot start a background request: {error}");
+    }
+}
+
+/// Schedules the renewals of kept leases ([`KeepAlives`]); each renewal
+/// runs on its own thread and reports back, so a slow member delays no
+/// other lease.
+struct Keeper {
+    cluster: Arc<Cluster>,
+    notes: mpsc::Receiver<Note>,
+    reply: mpsc::Sender<Note>,
+    keep: KeepAlives,
+    mirrors: HashMap<KeepId, Arc<Mirror>>,
+}
+
+impl Keeper {
+    fn run(mut self) {
+        loop {
+            let note = match self.keep.poll_timeout() {
+                Some(at) => {
+                    let left = at.saturating_duration_since(Instant::now());
+                    match self.notes.recv_timeout(left) {
+                        Ok(note) => Some(note),
+                        Err(RecvTimeoutError::Timeout) => None,
+                        Err(RecvTimeoutError::Disconnected) => break,
+                    }
+                }
+                None => match self.notes.recv() {
+                    Ok(note) => Some(note),
+                    Err(_) => break,
+                },
+            };
+            let now = Instant::now();
+            match note {
+                Some(Note::Close) => break,
+                Some(Note::Renewed(id, outcome)) => self.keep.handle_outcome(id, outcome, now),
+                Some(Note::Message(message)) => self.receive(*message, now),
+                None => {}
+            }
+            self.keep.handle_timeout(Instant::now());
+            self.run_steps();
+        }
+        for (_, mirror) in self.mirrors.drain() {
+            mirror.lose(Loss::Expired);
+        }
+    }
+
+    fn receive(&mut self, message: Message, now: Instant) {
+        match message {
+            Message::Keep { id, grant, mirror } => {
+                self.mirrors.insert(id, mirror);
+                self.keep.insert(id, grant, now);
+            }
+            Message::Forget(id) => {
+                self.keep.remove(id);
+                self.mirrors.remove(&id);
+            }
+            Message::Request(submission) => run_in_background(&self.cluster, submission),
+        }
+    }
+
+    fn run_steps(&mut self) {
+        while let Some(step) = self.keep.poll_step() {
+            match step {
+                Step::Renew {
+                    id,
+                    key,
+                    token,
+                    lease_s,
+                } => {
+                    let cluster = self.cluster.clone();
+                    let reply = self.reply.clone();
+                    let spawned = std::thread::Builder::new()
+                        .name("kunci-etcd-renew".into())
+                        .spawn(move || {
+                            let deadline = Instant::now() + TRANSPORT_DEADLINE;
+                            let outcome = cluster.renew(key, token, lease_s, deadline);
+                            let _ = reply.send(Note::Renewed(id, outcome));
+                        });
+                    if let Err(error) = spawned {
+                        log::warn!("cannot start a renewal: {error}");
+                        self.keep
+                            .handle_outcome(id, Outcome::Unavailable, Instant::now());
+                    }
+                }
+                Step::Renewed { id, valid_until } => {
+                    if let Some(mirror) = self.mirrors.get(&id) {
+                        mirror.renewed(valid_until);
+                    }
+                }
+                Step::Lost { id, loss } => {
+                    if let Some(mirror) = self.mirrors.remove(&id) {
+                        mirror.lose(loss);
+                    }
+                }
+                Step::Release { key, token } => run_in_background(
+                    &self.cluster,
+                    Submission {
+                        op: Op::Release { token },
+                        key,
+                        deadline: Instant::now() + TRANSPORT_DEADLINE,
+                        reply: None,
+                    },
+                ),
+            }
+        }
+    }
+}

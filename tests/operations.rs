@@ -1,0 +1,489 @@
+//! What an operator and a user see: help texts, failure messages, `kunci
+//! top`, log lines, systemd readiness and the shipped unit file.
+
+use std::os::unix::net::UnixDatagram;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::util::{TestServer, kunci_bin};
+
+/// Runs `kunci ARGS` with `KUNCI_SERVER` unset unless `env` sets it.
+fn kunci(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(kunci_bin());
+    command
+        .args(args)
+        .env_remove("KUNCI_SERVER")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null());
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command.output().expect("run kunci")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8(output.stdout.clone()).expect("UTF-8 stdout")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8(output.stderr.clone()).expect("UTF-8 stderr")
+}
+
+// Not `\`-continued: that would strip the first line's indent.
+const SERVER_LINES: &str = "  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
+                  several addresses of the same service (default:
+                  $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862)
+  -h, --help      show this help
+";
+
+#[test]
+fn every_client_command_help_ends_with_the_indented_server_lines() {
+    for command in ["acquire", "release", "renew", "query", "info", "ping"] {
+        let output = kunci(&[command, "--help"], &[]);
+        assert_eq!(output.status.code(), Some(0), "{command}");
+        let text = stdout(&output);
+        assert!(
+            text.ends_with(&format!("\n{SERVER_LINES}")),
+            "{command}:\n{text}"
+        );
+        assert!(text.starts_with(&format!("kunci {command} — ")), "{text}");
+    }
+    let top = stdout(&kunci(&["top", "--help"], &[]));
+    assert!(top.ends_with(SERVER_LINES), "{top}");
+}
+
+#[test]
+fn help_command_prints_that_commands_help() {
+    for command in [
+        "serve", "acquire", "release", "renew", "query", "info", "ping", "top", "bench", "run",
+    ] {
+        let by_help = kunci(&["help", command], &[]);
+        let by_flag = kunci(&[command, "--help"], &[]);
+        assert_eq!(by_help.status.code(), Some(0), "help {command}");
+        assert_eq!(stdout(&by_help), stdout(&by_flag), "help {command}");
+        assert!(!stdout(&by_help).contains("Exit status of client commands"));
+    }
+    let unknown = kunci(&["help", "frobnicate"], &[]);
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(
+        stderr(&unknown).starts_with("kunci help: there is no command \"frobnicate\"\n"),
+        "{}",
+        stderr(&unknown)
+    );
+}
+
+#[test]
+fn top_level_help_names_version_server_variable_and_exit_codes() {
+    let output = kunci(&["help"], &[]);
+    assert_eq!(output.status.code(), Some(0));
+    let text = stdout(&output);
+    for needle in [
+        "  kunci --version                           print the version\n",
+        "  kunci top [--interval S]                  watch the server's counters\n",
+        "in $KUNCI_SERVER, else to 127.0.0.1:5862.\n",
+        "Exit status of client commands:\n  0 done            1 timeout (the key is held by another)   2 usage error\n  3 busy (no room on the server, or it is shutting down)\n  4 unavailable (nothing was sent)   5 indeterminate (no answer in time)\n  6 not held / lock lost\n",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
+    }
+    assert_eq!(stdout(&kunci(&["--help"], &[])), text);
+    let version = kunci(&["--version"], &[]);
+    assert_eq!(
+        stdout(&version),
+        format!("kunci {}\n", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
+fn a_held_key_with_wait_0_says_someone_else_holds_it() {
+    let server = TestServer::start(&[]);
+    let addr = server.addr.as_str();
+    let held = kunci(&["acquire", "job", "--server", addr], &[]);
+    assert_eq!(held.status.code(), Some(0), "{}", stderr(&held));
+
+    let output = kunci(&["acquire", "job", "--server", addr], &[]);
+    assert_eq!(output.status.code(), Some(1));
+    assert_eq!(
+        stderr(&output),
+        "kunci acquire: timeout: key \"job\" is held by someone else; nothing was acquired \
+         (--wait 0 tries once; --wait S waits up to S seconds)\n"
+    );
+    assert_eq!(stdout(&output), "");
+
+    let output = kunci(&["acquire", "job", "--wait", "0.2", "--server", addr], &[]);
+    assert_eq!(output.status.code(), Some(1));
+    assert_eq!(
+        stderr(&output),
+        "kunci acquire: timeout: key \"job\" stayed held by someone else for the whole wait \
+         (0.2 s); nothing was acquired\n"
+    );
+}
+
+#[test]
+fn busy_not_held_and_unavailable_say_what_happened_and_what_to_do() {
+    let server = TestServer::start(&["--max-keys", "1"]);
+    let addr = server.addr.as_str();
+    assert_eq!(
+        kunci(&["acquire", "a", "--server", addr], &[])
+            .status
+            .code(),
+        Some(0)
+    );
+    let busy = kunci(&["acquire", "b", "--server", addr], &[]);
+    assert_eq!(busy.status.code(), Some(3));
+    assert_eq!(
+        stderr(&busy),
+        "kunci acquire: busy: the server turned the request away: it is at a capacity limit \
+         (--max-keys, --max-waiters, --max-waiters-per-key, --max-waits-per-conn) or \
+         shutting down; nothing was acquired or queued. Try again later\n"
+    );
+    let not_held = kunci(&["release", "a", "12", "--server", addr], &[]);
+    assert_eq!(not_held.status.code(), Some(6));
+    assert_eq!(
+        stderr(&not_held),
+        "kunci release: not held: token 12 does not hold key \"a\" (its lease ran out, it was \
+         released, or it never held it); nothing changed\n"
+    );
+    let lost = kunci(&["renew", "a", "12", "--server", addr], &[]);
+    assert_eq!(lost.status.code(), Some(6));
+    assert!(
+        stderr(&lost).contains("): the lock is lost; nothing changed\n"),
+        "{}",
+        stderr(&lost)
+    );
+
+    // Nothing listens on the port of a server that has stopped.
+    let gone = server.addr.clone();
+    server.stop();
+    let started = Instant::now();
+    let ping = kunci(&["ping"], &[("KUNCI_SERVER", &gone)]);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(ping.status.code(), Some(4));
+    assert_eq!(
+        stderr(&ping),
+        format!(
+            "kunci ping: unavailable: no server took the request (tried {gone}); nothing was sent, so \
+             nothing changed. Check that kunci serve runs there and lets this host in \
+             (--allow, --max-connections); RUST_LOG=debug shows each attempt\n"
+        )
+    );
+    assert!(!stderr(&ping).contains("lock"));
+}
+
+#[test]
+fn bench_takes_its_server_from_kunci_server() {
+    let server = TestServer::start(&[]);
+    let output = kunci(
+        &[
+            "bench",
+            "pairs",
+            "--connections",
+            "2",
+            "--duration",
+            "0.3",
+            "--warmup",
+            "0",
+            "--json",
+        ],
+        &[("KUNCI_SERVER", &format!("{},127.0.0.1:1", server.addr))],
+    );
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json = stdout(&output);
+    assert!(
+        json.contains(&format!("\"server\":\"{}\"", server.addr)),
+        "{json}"
+    );
+}
+
+#[test]
+fn top_prints_a_header_then_gauges_and_rates_per_interval() {
+    let server = TestServer::start(&[]);
+    let addr = server.addr.as_str();
+    assert_eq!(
+        kunci(&["acquire", "k", "--server", addr], &[])
+            .status
+            .code(),
+        Some(0)
+    );
+    let started = Instant::now();
+    let output = kunci(
+        &["top", "--interval", "0.2", "--count", "3", "--server", addr],
+        &[],
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let text = stdout(&output);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 4, "{text}");
+    assert_eq!(
+        lines[0],
+        "       held       keys    waiters      conns   grants/s timeouts/s     busy/s  expired/s   errors/s"
+    );
+    let columns =
+        |line: &str| -> Vec<String> { line.split_ascii_whitespace().map(str::to_owned).collect() };
+    // held 1, keys 1, no waiters, this one connection; nothing happening.
+    assert_eq!(
+        columns(lines[1]),
+        ["1", "1", "0", "1", "-", "-", "-", "-", "-"]
+    );
+    for line in &lines[2..] {
+        assert_eq!(
+            columns(line),
+            ["1", "1", "0", "1", "0.0", "0.0", "0.0", "0.0", "0.0"]
+        );
+    }
+    let bad = kunci(&["top", "--interval", "0"], &[]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert_eq!(
+        stderr(&bad),
+        "kunci top: --interval: at least 0.01 seconds\n(see kunci top --help)\n"
+    );
+}
+
+/// A pipe (read end, write end), both close-on-exec.
+fn pipe() -> (std::fs::File, std::fs::File) {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two new descriptors into `fds`, which we then
+    // own exactly once each.
+    unsafe {
+        assert_eq!(libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC), 0, "pipe2");
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    }
+}
+
+/// The server's start-up line (the harness may record it just after it
+/// reports the start).
+fn first_log_line(server: &TestServer) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(line) = server.log.lock().expect("log").first() {
+            return line.clone();
+        }
+        assert!(Instant::now() < deadline, "no log line");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Whether `line` starts with an RFC 3339 UTC timestamp with milliseconds.
+fn has_timestamp(line: &str) -> bool {
+    let bytes = line.as_bytes();
+    bytes.len() > 24
+        && bytes[..24].iter().enumerate().all(|(i, b)| match i {
+            4 | 7 => *b == b'-',
+            10 => *b == b'T',
+            13 | 16 => *b == b':',
+            19 => *b == b'.',
+            23 => *b == b'Z',
+            _ => b.is_ascii_digit(),
+        })
+        && bytes[24] == b' '
+}
+
+#[test]
+fn server_logs_carry_utc_timestamps_unless_stderr_is_the_journal() {
+    let server = TestServer::start(&[]);
+    let line = first_log_line(&server);
+    assert!(has_timestamp(&line), "{line}");
+    assert!(
+        line[24..].starts_with(&format!(
+            " INFO  kunci {} listening on ",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{line}"
+    );
+    server.stop();
+
+    // A JOURNAL_STREAM that names another stream (inherited, then stderr
+    // redirected) keeps the timestamps.
+    let server = TestServer::start_with(&[], |command| {
+        command.env("JOURNAL_STREAM", "1:1");
+    });
+    let line = first_log_line(&server);
+    assert!(has_timestamp(&line), "{line}");
+    server.stop();
+
+    // stderr really is the stream JOURNAL_STREAM names: no timestamp, a
+    // syslog priority instead.
+    let (reader, writer) = pipe();
+    let stat = writer.metadata().expect("stat pipe");
+    let journal_stream = {
+        use std::os::unix::fs::MetadataExt;
+        format!("{}:{}", stat.dev(), stat.ino())
+    };
+    let mut child = Command::new(kunci_bin())
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env("JOURNAL_STREAM", &journal_stream)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(writer)
+        .spawn()
+        .expect("spawn kunci serve");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(reader));
+    let first = lines.next().expect("a line").expect("UTF-8");
+    // SAFETY: kill(2) with our own child's pid.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let _ = child.wait();
+    assert!(
+        first.starts_with(&format!(
+            "<6>kunci {} listening on 127.0.0.1:",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{first}"
+    );
+}
+
+#[test]
+fn serve_tells_systemd_it_is_ready_once_listening() {
+    let dir = std::env::temp_dir().join(format!("kunci-notify-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let socket_path = dir.join("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).expect("bind notify socket");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let server = TestServer::start_with(&[], |command| {
+        command.env("NOTIFY_SOCKET", &socket_path);
+    });
+    let mut message = [0u8; 256];
+    let length = socket.recv(&mut message).expect("a readiness datagram");
+    assert_eq!(&message[..length], b"READY=1\n");
+    // Ready means listening: a client is answered at once.
+    assert_eq!(
+        kunci(&["ping", "--server", &server.addr], &[])
+            .status
+            .code(),
+        Some(0)
+    );
+    server.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The shipped unit file.
+fn unit_text() -> String {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/contrib/systemd/kunci.service");
+    std::fs::read_to_string(path).expect("contrib/systemd/kunci.service")
+}
+
+/// The unit's `ExecStart=` command line, continuation lines joined.
+fn exec_start(unit: &str) -> Vec<String> {
+    let joined = unit.replace("\\\n", " ");
+    let line = joined
+        .lines()
+        .find_map(|line| line.strip_prefix("ExecStart="))
+        .expect("an ExecStart= line");
+    line.split_ascii_whitespace().map(str::to_owned).collect()
+}
+
+#[test]
+fn the_unit_file_has_what_the_documentation_promises() {
+    let unit = unit_text();
+    for line in [
+        "Wants=network-online.target",
+        "After=network-online.target",
+        "Type=notify",
+        "StateDirectory=kunci",
+        "RuntimeDirectory=kunci",
+        "DynamicUser=yes",
+        "ProtectSystem=strict",
+        "NoNewPrivileges=yes",
+        "KillSignal=SIGTERM",
+    ] {
+        assert!(unit.lines().any(|l| l == line), "{line:?} missing");
+    }
+    assert!(!unit.lines().any(|l| l.starts_with("ExecReload=")));
+    let command = exec_start(&unit);
+    assert_eq!(command[..2], ["/usr/local/bin/kunci", "serve"]);
+    for flag in [
+        "unix:/run/kunci/kunci.sock",
+        "--state-dir",
+        "/var/lib/kunci",
+    ] {
+        assert!(command.iter().any(|a| a == flag), "{flag} in {command:?}");
+    }
+}
+
+#[test]
+fn the_units_command_line_starts_a_server() {
+    // The same flags, with the directories systemd would create made here.
+    let dir = std::env::temp_dir().join(format!("kunci-unit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("run")).expect("runtime dir");
+    std::fs::create_dir_all(dir.join("state")).expect("state dir");
+    let run = dir.join("run");
+    let state = dir.join("state");
+    let arguments: Vec<String> = exec_start(&unit_text())[2..]
+        .iter()
+        .map(|argument| {
+            argument
+                .replace("/run/kunci", &run.to_string_lossy())
+                .replace("/var/lib/kunci", &state.to_string_lossy())
+                .replace("127.0.0.1:5862", "127.0.0.1:0")
+        })
+        .collect();
+    let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
+    let server = TestServer::start(&arguments);
+    let socket = format!("unix:{}/kunci.sock", run.display());
+    assert_eq!(server.addresses[1], socket);
+    let ping = kunci(&["ping", "--server", &socket], &[]);
+    assert_eq!(ping.status.code(), Some(0), "{}", stderr(&ping));
+    assert!(state.join("kunci.state").exists());
+    server.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_unit_file_passes_systemd_analyze_verify() {
+    if Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: systemd-analyze is not installed");
+        return;
+    }
+    // verify checks that ExecStart's binary exists: point it at this build.
+    let dir = std::env::temp_dir().join(format!("kunci-verify-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let unit = dir.join("kunci.service");
+    std::fs::write(
+        &unit,
+        unit_text().replace("/usr/local/bin/kunci", kunci_bin()),
+    )
+    .expect("write unit");
+    let output = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&unit)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run systemd-analyze");
+    let complaints = String::from_utf8_lossy(&output.stderr).into_owned()
+        + &String::from_utf8_lossy(&output.stdout);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(output.status.success(), "{complaints}");
+    // Unknown keys and bad values are only warnings: there must be none.
+    assert!(
+        !complaints.contains("kunci.service"),
+        "systemd-analyze verify complains:\n{complaints}"
+    );
+}
+
+#[test]
+fn a_refused_client_speaks_in_kunci_lines_not_logger_lines() {
+    let server = TestServer::start(&["--allow", "10.0.0.0/8"]);
+    let output = kunci(&["acquire", "k", "--server", &server.addr], &[]);
+    // Refused at accept (`X 9`): nothing was executed, so never exit 0.
+    assert_ne!(output.status.code(), Some(0));
+    let text = stderr(&output);
+    assert!(!text.is_empty());
+    for line in text.lines() {
+        assert!(line.starts_with("kunci"), "{line:?} in:\n{text}");
+    }
+}
