@@ -14,6 +14,7 @@
 //! - [`client`] — the official client: sessions, deadlines, correlation,
 //!   [`client::Ticket`]; the rules live in a sans-IO engine.
 //! - [`addr`] — server addresses (`HOST:PORT`, `unix:PATH`).
+//! - [`stream`] — the one TCP/Unix stream type the server, client and bench share.
 //! - [`cli`] — the `kunci` subcommands; `main.rs` only calls [`cli::main`].
 
 pub mod addr;
@@ -22,3 +23,4 @@ pub mod client;
 pub mod core;
 pub mod protocol;
 pub mod server;
+pub mod stream;

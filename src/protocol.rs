@@ -66,14 +66,75 @@ pub enum Request<'a> {
 }
 
 impl Request<'_> {
+    /// What ties this request to its answer.
+    pub fn correlation(&self) -> Correlation {
+        match *self {
+            Request::Acquire { owner, .. } => Correlation::Acquire { owner },
+            Request::Release { token, .. } => Correlation::Release { token },
+            Request::Extend { token, .. } => Correlation::Extend { token },
+            Request::Query { .. } => Correlation::Query,
+            Request::Ping { nonce } => Correlation::Ping { nonce },
+            Request::Info => Correlation::Info,
+        }
+    }
+
     /// The identifier an `X` answer to this request carries: the owner of an
     /// acquire, the token of a release or extend, the nonce of a ping.
     pub fn error_id(&self) -> u64 {
-        match *self {
-            Request::Acquire { owner, .. } => owner,
-            Request::Release { token, .. } | Request::Extend { token, .. } => token,
-            Request::Ping { nonce } => nonce,
-            Request::Query { .. } | Request::Info => 0,
+        self.correlation().error_id()
+    }
+}
+
+/// The part of a request its answer is recognised by (spec §2.3, §6): the
+/// op and the id the answer echoes. `A`, `T` and `B` answer an acquire by
+/// `owner`; `R`, `E` and `N` a release or extend by `token`; `P` a ping by
+/// `nonce`; `Q` and `I` carry no id and answer the oldest query or info
+/// request, in order; an `X` carries the request's [`error_id`](Self::error_id).
+/// Every loop that correlates answers (server tests, client, bench) uses
+/// this one rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Correlation {
+    Acquire { owner: u64 },
+    Release { token: u64 },
+    Extend { token: u64 },
+    Query,
+    Ping { nonce: u64 },
+    Info,
+}
+
+impl Correlation {
+    /// The id an `X` answer to the request carries.
+    pub fn error_id(self) -> u64 {
+        match self {
+            Correlation::Acquire { owner } => owner,
+            Correlation::Release { token } | Correlation::Extend { token } => token,
+            Correlation::Ping { nonce } => nonce,
+            Correlation::Query | Correlation::Info => 0,
+        }
+    }
+
+    /// Whether `response` answers the request. A fatal `X` ends the whole
+    /// session rather than answering one request; callers decide on it
+    /// before they correlate.
+    pub fn is_answered_by(self, response: &Response) -> bool {
+        match (response, self) {
+            (
+                Response::Acquired { owner, .. }
+                | Response::Timeout { owner }
+                | Response::Busy { owner },
+                Correlation::Acquire { owner: sent },
+            ) => *owner == sent,
+            (Response::Released { token }, Correlation::Release { token: sent })
+            | (Response::Extended { token }, Correlation::Extend { token: sent })
+            | (
+                Response::NotHeld { token },
+                Correlation::Release { token: sent } | Correlation::Extend { token: sent },
+            ) => *token == sent,
+            (Response::Pong { nonce }, Correlation::Ping { nonce: sent }) => *nonce == sent,
+            (Response::Query { .. }, Correlation::Query)
+            | (Response::Info(_), Correlation::Info) => true,
+            (Response::Error { id, .. }, sent) => *id == sent.error_id(),
+            _ => false,
         }
     }
 }

@@ -131,7 +131,7 @@ pub(super) fn exit_code(error: &Error) -> u8 {
         Error::Timeout => exit::TIMEOUT,
         Error::InvalidArgument(_) => exit::USAGE,
         Error::Busy => exit::BUSY,
-        Error::Unavailable => exit::UNAVAILABLE,
+        Error::Unavailable(_) => exit::UNAVAILABLE,
         Error::Indeterminate => exit::INDETERMINATE,
         Error::NotHeld => exit::NOT_HELD,
     }
@@ -140,7 +140,7 @@ pub(super) fn exit_code(error: &Error) -> u8 {
 /// Reports a failed outcome on stderr and returns its exit code.
 pub(super) fn fail(command: &str, error: Error, servers: &[Address]) -> u8 {
     match error {
-        Error::Unavailable => {
+        Error::Unavailable(crate::client::Unavailable::Unreachable) => {
             let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
             eprintln!(
                 "kunci {command}: {error} (tried {}; RUST_LOG=debug shows why)",

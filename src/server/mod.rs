@@ -28,7 +28,7 @@ use crate::addr::{Address, Network};
 use crate::core::connection::READ_CHUNK;
 use crate::core::endpoint::{Action, Endpoint};
 use crate::core::{ConnId, Core, Limits, Micros};
-pub use listener::Stream;
+use crate::stream::Stream;
 use listener::{Listener, Peer};
 use state::StateDir;
 
