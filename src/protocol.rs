@@ -12,6 +12,7 @@
 //! enforces the size limits itself, so a peer can never make the reader
 //! buffer more than [`REQUEST_FRAME_MAX`] bytes of one frame.
 
+use std::borrow::Cow;
 use std::fmt;
 
 /// Longest variable part (key) a request may carry, in bytes.
@@ -165,8 +166,13 @@ pub enum Response {
     Pong { nonce: u64 },
     /// `I text \n` — server counters as `name=value` pairs.
     Info(String),
-    /// `X code:u8 id:u64 text \n`
-    Error { code: u8, id: u64, text: String },
+    /// `X code:u8 id:u64 text \n`. The server's texts are static, so an
+    /// `X` costs no allocation; a decoded one owns its text.
+    Error {
+        code: u8,
+        id: u64,
+        text: Cow<'static, str>,
+    },
 }
 
 /// The error codes of `X` frames.
@@ -242,7 +248,7 @@ impl ErrorCode {
         Response::Error {
             code: self as u8,
             id,
-            text: self.text().to_owned(),
+            text: Cow::Borrowed(self.text()),
         }
     }
 }
@@ -349,7 +355,7 @@ fn validate_request<'a>(
     header: &[u8],
     payload: &'a [u8],
 ) -> Result<Request<'a>, ErrorCode> {
-    let header_byte = |at: usize| header.get(at).copied().unwrap_or(0);
+    let header_byte = |at: usize| header[at];
     match op {
         b'A' => {
             let key = validate_key(payload)?;
@@ -400,22 +406,20 @@ fn nonzero_lease(lease_s: u8) -> Result<u8, ErrorCode> {
     }
 }
 
-/// Reads a big-endian u64 at `at`; the callers have checked the header
-/// length, and a short slice reads as 0 rather than panicking.
-fn be_u64(bytes: &[u8], at: usize) -> u64 {
-    bytes
-        .get(at..at + 8)
-        .and_then(|b| b.try_into().ok())
-        .map(u64::from_be_bytes)
-        .unwrap_or(0)
+/// Reads a big-endian u64 at `at` of a fixed header. The op's header
+/// length was checked before any field is read, so a short slice is a bug
+/// here, not bad input: it panics rather than read a made-up 0.
+fn be_u64(header: &[u8], at: usize) -> u64 {
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&header[at..at + 8]);
+    u64::from_be_bytes(bytes)
 }
 
-fn be_u32(bytes: &[u8], at: usize) -> u32 {
-    bytes
-        .get(at..at + 4)
-        .and_then(|b| b.try_into().ok())
-        .map(u32::from_be_bytes)
-        .unwrap_or(0)
+/// As [`be_u64`], for a u32.
+fn be_u32(header: &[u8], at: usize) -> u32 {
+    let mut bytes = [0u8; 4];
+    bytes.copy_from_slice(&header[at..at + 4]);
+    u32::from_be_bytes(bytes)
 }
 
 /// Appends the frame for `request` to `out`.
@@ -621,9 +625,9 @@ pub fn decode_response(buf: &[u8]) -> Result<Option<(Response, usize)>, Response
         },
         b'I' => Response::Info(text()),
         _ => Response::Error {
-            code: header.first().copied().unwrap_or(0),
+            code: header[0],
             id: be_u64(header, 1),
-            text: text(),
+            text: Cow::Owned(text()),
         },
     };
     Ok(Some((response, tail_start + text_len + 1)))

@@ -1617,3 +1617,26 @@ fn simulation_of_the_wire_bytes_split_half_closed_stalled_and_reset() {
         assert!(reached.iter().all(|&n| n > 0), "{counts:?}");
     }
 }
+
+/// The `endpoint_streams` fuzz target's script on seeded random inputs, so
+/// its checks run on every `cargo test` (fuzzing needs nightly).
+#[test]
+fn endpoint_scripts_from_random_bytes() {
+    let runs = if cfg!(debug_assertions) {
+        2_000
+    } else {
+        20_000
+    };
+    let runs = env_u64("KUNCI_SCRIPT_RUNS").unwrap_or(runs);
+    let mut rng = Rng::new(0x5c_1217);
+    let mut data = Vec::new();
+    for _ in 0..runs {
+        data.clear();
+        let len = rng.range(0, 2_000);
+        // Mostly command-shaped bytes, so that scripts get far.
+        for _ in 0..len {
+            data.push(rng.next() as u8);
+        }
+        kunci::core::script::run(&data);
+    }
+}

@@ -82,8 +82,8 @@ impl Key {
     }
 
     pub(crate) fn as_str(&self) -> &str {
-        // Built from a `&str` cut at its own length, so this always succeeds.
-        std::str::from_utf8(&self.bytes[..self.len as usize]).unwrap_or_default()
+        std::str::from_utf8(&self.bytes[..self.len as usize])
+            .expect("a Key is copied from a whole `&str`")
     }
 }
 

@@ -213,8 +213,7 @@ impl LockTable {
     /// The key of a live entry.
     pub fn key(&self, index: u32) -> &str {
         let bytes = self.key_bytes(&self.entries[index as usize].key);
-        // Keys are copied from validated `&str`s, so this cannot fail.
-        std::str::from_utf8(bytes).unwrap_or_default()
+        std::str::from_utf8(bytes).expect("keys are stored from validated `&str`s")
     }
 
     fn bucket_of(&self, hash: u64) -> usize {
@@ -226,10 +225,7 @@ impl LockTable {
         if len <= INLINE_KEY_MAX {
             &stored.bytes[..len]
         } else {
-            self.long_keys
-                .get(stored.long_index())
-                .map(|key| &key[..])
-                .unwrap_or_default()
+            &self.long_keys[stored.long_index()][..]
         }
     }
 

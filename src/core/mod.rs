@@ -14,6 +14,8 @@
 pub mod connection;
 pub mod endpoint;
 pub mod lock_table;
+#[doc(hidden)]
+pub mod script;
 pub mod timer_wheel;
 pub mod waiters;
 

@@ -177,7 +177,20 @@ impl Server {
         let wall_start_ms = state::wall_clock_ms();
         let mut core = Core::new(config.limits, first_token);
         if recorded.lease_horizon_ms > wall_start_ms {
+            // No lease of an earlier run can outlast the longest lease plus
+            // the horizon's step; a horizon further out (a clock stepped
+            // back, an edited file) must not keep keys held longer, nor
+            // leave the timer wheel's range.
+            let grace_max = Duration::from_secs(u64::from(u8::MAX)) + state::HORIZON_STEP;
             let grace = Duration::from_millis(recorded.lease_horizon_ms - wall_start_ms);
+            if grace > grace_max {
+                warn!(
+                    "state: the recorded lease horizon is {:.0} s ahead; clamped to {} s",
+                    grace.as_secs_f64(),
+                    grace_max.as_secs()
+                );
+            }
+            let grace = grace.min(grace_max);
             info!(
                 "state: the previous run's leases may last {:.1} s more; until then every key counts as held",
                 grace.as_secs_f64()
