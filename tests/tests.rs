@@ -4,6 +4,7 @@ mod abuse;
 mod bench;
 mod client;
 mod core;
+mod endpoint;
 mod fencing;
 mod protocol;
 mod regression;
