@@ -294,6 +294,12 @@ fn connection_limit_sends_x7_and_closes() {
 
 #[test]
 fn graceful_shutdown_answers_waiters_busy_then_x8() {
+    for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        graceful_shutdown_on(signal);
+    }
+}
+
+fn graceful_shutdown_on(signal: i32) {
     let mut server = TestServer::start(&[]);
     let mut holder = server.peer();
     holder.send(&acquire(0, 30, 1, "down"));
@@ -304,7 +310,7 @@ fn graceful_shutdown_answers_waiters_busy_then_x8() {
     assert_eq!(waiter.recv(), Response::Pong { nonce: 0 });
     let _silent = server.peer();
     let started = Instant::now();
-    server.signal(libc::SIGTERM);
+    server.signal(signal);
     assert_eq!(waiter.recv(), Response::Busy { owner: 2 });
     assert!(matches!(
         waiter.recv(),
@@ -317,7 +323,7 @@ fn graceful_shutdown_answers_waiters_busy_then_x8() {
     ));
     holder.expect_closed();
     let status = server.wait_exit(Duration::from_secs(10)).expect("exit");
-    assert!(status.success(), "{status:?}");
+    assert!(status.success(), "signal {signal}: {status:?}");
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "{:?}",
