@@ -157,3 +157,17 @@ fn a_state_directory_that_cannot_be_written_ends_the_server_with_status_1() {
     let log = server.log.lock().unwrap().join("\n");
     assert!(log.contains("cannot persist"), "{log}");
 }
+
+/// Every input the `endpoint_streams` fuzzer kept as a seed or a
+/// regression (`fuzz/seeds/endpoint_streams/`) still passes its checks.
+#[test]
+fn endpoint_streams_fuzz_seeds_and_regressions_pass() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/endpoint_streams");
+    let mut ran = 0;
+    for entry in std::fs::read_dir(&dir).expect("the seed directory") {
+        let path = entry.expect("an entry").path();
+        kunci::core::script::run(&std::fs::read(&path).expect("a seed"));
+        ran += 1;
+    }
+    assert!(ran > 0, "no seeds in {}", dir.display());
+}

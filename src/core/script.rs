@@ -6,9 +6,9 @@
 //!
 //! Checked after every command: the endpoint's and core's invariants; that
 //! everything written to a peer decodes as response frames (however the
-//! writes were split); that tokens strictly increase; that nothing is
-//! queued for a connection once it stopped being live; that the shell is
-//! never told to act on a socket it does not have.
+//! writes were split); that tokens strictly increase on each connection;
+//! that nothing is queued for a connection once it stopped being live;
+//! that the shell is never told to act on a socket it does not have.
 
 use super::connection::READ_CHUNK;
 use super::endpoint::{Action, Endpoint};
@@ -26,6 +26,10 @@ struct Socket {
     /// Bytes the endpoint may still send since the connection stopped
     /// being live; `None` while live.
     allowance: Option<usize>,
+    /// The last token granted on this connection. Grants go out in token
+    /// order on each connection; across connections the order in which
+    /// peers read them says nothing.
+    last_token: u64,
 }
 
 /// Runs the script in `data`. Panics on any broken rule.
@@ -41,7 +45,6 @@ pub fn run(data: &[u8]) {
     let mut endpoint = Endpoint::new(Core::new(limits, 1), allow);
     let mut sockets: [Socket; CONNECTIONS] = Default::default();
     let mut now: Micros = 0;
-    let mut last_token = 0;
     let mut bytes = data.iter().copied();
     let mut chunk = Vec::with_capacity(READ_CHUNK);
     while let Some(command) = bytes.next() {
@@ -131,8 +134,9 @@ pub fn run(data: &[u8]) {
             {
                 at += len;
                 if let Response::Acquired { token, .. } = response {
-                    assert!(token > last_token, "token {token} after {last_token}");
-                    last_token = token;
+                    let last = socket.last_token;
+                    assert!(token > last, "token {token} after {last}");
+                    socket.last_token = token;
                 }
             }
             socket.received.drain(..at);

@@ -272,6 +272,9 @@ impl Server {
                         }
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
                             self.shell.read(id);
+                            // Answer at once, while the bytes are hot:
+                            // one write per connection per wake-up.
+                            self.shell.flush(id)?;
                         }
                     }
                 }
@@ -281,6 +284,7 @@ impl Server {
                 if let Some(socket) = shell.sockets.get_mut(id) {
                     socket.in_ready = false;
                     shell.read(id);
+                    shell.flush(id)?;
                 }
             }
             let now = shell.now();
