@@ -491,3 +491,23 @@ fn many_pipelined_frames_in_one_burst() {
     assert_eq!(granted_count, 100);
     writer.join().unwrap();
 }
+
+#[test]
+fn limits_beyond_the_internal_bounds_are_a_usage_error_at_start_up() {
+    for (flag, value) in [
+        ("--max-keys", "1073741824"),
+        ("--max-waiters", "1073741824"),
+        ("--max-connections", "4294967295"),
+    ] {
+        let output = std::process::Command::new(util::kunci_bin())
+            .args(["serve", "--listen", "127.0.0.1:0", flag, value])
+            .output()
+            .expect("run kunci serve");
+        assert_eq!(output.status.code(), Some(2), "{flag} {value}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(&format!("{flag} {value} is above")),
+            "{stderr}"
+        );
+    }
+}

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use slab::Slab;
 
-use crate::core::timer_wheel::{TimerId, TimerLinks, TimerStore, TimerWheel};
+use crate::core::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 use crate::protocol::{self, Correlation, ErrorCode, KEY_LEN_MAX, Request, Response};
 
 use super::{KeyStatus, TRANSPORT_DEADLINE, Unavailable};
@@ -366,7 +366,7 @@ impl<R> Engine<R> {
         let timer = self
             .wheel
             .next_tick()
-            .map(|tick| self.epoch + Duration::from_millis(tick));
+            .map(|tick| self.epoch + Duration::from_micros(timer_wheel::tick_start(tick)));
         let demand = !self.unassigned.is_empty();
         let links = self
             .sessions
@@ -910,18 +910,17 @@ impl<R> Engine<R> {
     }
 
     /// The first tick at or after `at` (deadlines round up: never early).
+    /// The rounding is the timer wheel's; nanoseconds round up to whole
+    /// microseconds first, so nothing is lost on the way.
     fn tick_at_or_after(&self, at: Instant) -> u64 {
         let since = at.saturating_duration_since(self.epoch);
-        let ms = since.as_millis() as u64;
-        if since > Duration::from_millis(ms) {
-            ms + 1
-        } else {
-            ms
-        }
+        timer_wheel::tick_at_or_after(since.as_nanos().div_ceil(1_000) as u64)
     }
 
+    /// The tick the clock has reached at `at`.
     fn tick_at_or_before(&self, at: Instant) -> u64 {
-        at.saturating_duration_since(self.epoch).as_millis() as u64
+        let since = at.saturating_duration_since(self.epoch);
+        timer_wheel::tick_reached(since.as_micros() as u64)
     }
 }
 

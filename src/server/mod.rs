@@ -461,6 +461,8 @@ impl Shell {
         }
     }
 
+    /// The wall clock (ms) at core time `at`, rounded up: the state file
+    /// may promise a little late, never early.
     fn wall_ms(&self, at: Micros) -> u64 {
         self.wall_start_ms + at.div_ceil(1_000)
     }
