@@ -126,6 +126,8 @@ struct Shell {
     endpoint: Endpoint,
     sockets: Slab<Socket>,
     clock_start: Instant,
+    /// The clock (µs since `clock_start`) as last read.
+    clock: Micros,
     read_buffer: Box<[u8]>,
     /// Sockets to read before the next poll.
     ready: Vec<usize>,
@@ -204,6 +206,7 @@ impl Server {
             endpoint: Endpoint::new(core, config.allow.clone()),
             sockets: Slab::new(),
             clock_start,
+            clock: 0,
             read_buffer: vec![0; READ_CHUNK].into_boxed_slice(),
             ready: Vec::new(),
             accept_paused_until: None,
@@ -333,8 +336,10 @@ fn micros(duration: Duration) -> Micros {
 }
 
 impl Shell {
-    fn now(&self) -> Micros {
-        micros(self.clock_start.elapsed())
+    /// Reads the clock (and remembers it in `clock`).
+    fn now(&mut self) -> Micros {
+        self.clock = micros(self.clock_start.elapsed());
+        self.clock
     }
 
     fn poll_timeout(&self) -> Option<Duration> {
@@ -345,7 +350,8 @@ impl Shell {
             .into_iter()
             .flatten()
             .min()?;
-        Some(Duration::from_micros(next.saturating_sub(self.now())))
+        let now = micros(self.clock_start.elapsed());
+        Some(Duration::from_micros(next.saturating_sub(now)))
     }
 
     /// Reads socket `id` until it would block, reaches end-of-file, the
@@ -428,8 +434,11 @@ impl Shell {
                     return Ok(());
                 }
                 Ok(n) => {
-                    let now = self.now();
-                    self.endpoint.handle_written(id as ConnId, n, now);
+                    // The clock of the last read or wake-up is recent
+                    // enough for what a write can start (held-back frames
+                    // were read earlier, a linger deadline): no clock read
+                    // per write.
+                    self.endpoint.handle_written(id as ConnId, n, self.clock);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
