@@ -8,19 +8,26 @@
 //! # Layout
 //!
 //! - [`protocol`] — frames: decode, encode, limits, error codes; no IO.
-//! - [`core`] — the sans-IO server: lock table, waiter queues, timer wheel;
-//!   every call takes `now` and queues the responses to send.
-//! - [`server`] — the mio shell: listeners, connections, buffers, signals.
+//! - [`core`] — the sans-IO server: lock table, waiter queues, timer wheel,
+//!   and the endpoint that owns every connection's bytes, phase and
+//!   deadlines; every call takes `now`, outputs are pulled.
+//! - [`server`] — the mio shell: accept, read, write, close, the clock and
+//!   the state directory; a shutdown handle (the binary installs signals).
 //! - [`client`] — the official client: sessions, deadlines, correlation,
 //!   [`client::Ticket`]; the rules live in a sans-IO engine.
 //! - [`metrics`] — Prometheus exposition and its bounded HTTP exchange.
 //! - [`addr`] — server addresses (`HOST:PORT`, `unix:PATH`).
-//! - [`cli`] — the `kunci` subcommands; `main.rs` only calls [`cli::main`].
+//! - [`stream`] — the one TCP/Unix stream type the server, client and bench share.
+//! - `cli` — the `kunci` subcommands (feature `cli`, on by default; without
+//!   it the library builds without the binary's dependencies); `main.rs`
+//!   only calls `cli::main`.
 
 pub mod addr;
+#[cfg(feature = "cli")]
 pub mod cli;
 pub mod client;
 pub mod core;
 pub mod metrics;
 pub mod protocol;
 pub mod server;
+pub mod stream;

@@ -12,6 +12,7 @@
 //! enforces the size limits itself, so a peer can never make the reader
 //! buffer more than [`REQUEST_FRAME_MAX`] bytes of one frame.
 
+use std::borrow::Cow;
 use std::fmt;
 
 /// Longest variable part (key) a request may carry, in bytes.
@@ -66,14 +67,75 @@ pub enum Request<'a> {
 }
 
 impl Request<'_> {
+    /// What ties this request to its answer.
+    pub fn correlation(&self) -> Correlation {
+        match *self {
+            Request::Acquire { owner, .. } => Correlation::Acquire { owner },
+            Request::Release { token, .. } => Correlation::Release { token },
+            Request::Extend { token, .. } => Correlation::Extend { token },
+            Request::Query { .. } => Correlation::Query,
+            Request::Ping { nonce } => Correlation::Ping { nonce },
+            Request::Info => Correlation::Info,
+        }
+    }
+
     /// The identifier an `X` answer to this request carries: the owner of an
     /// acquire, the token of a release or extend, the nonce of a ping.
     pub fn error_id(&self) -> u64 {
-        match *self {
-            Request::Acquire { owner, .. } => owner,
-            Request::Release { token, .. } | Request::Extend { token, .. } => token,
-            Request::Ping { nonce } => nonce,
-            Request::Query { .. } | Request::Info => 0,
+        self.correlation().error_id()
+    }
+}
+
+/// The part of a request its answer is recognised by (spec §2.3, §6): the
+/// op and the id the answer echoes. `A`, `T` and `B` answer an acquire by
+/// `owner`; `R`, `E` and `N` a release or extend by `token`; `P` a ping by
+/// `nonce`; `Q` and `I` carry no id and answer the oldest query or info
+/// request, in order; an `X` carries the request's [`error_id`](Self::error_id).
+/// Every loop that correlates answers (server tests, client, bench) uses
+/// this one rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Correlation {
+    Acquire { owner: u64 },
+    Release { token: u64 },
+    Extend { token: u64 },
+    Query,
+    Ping { nonce: u64 },
+    Info,
+}
+
+impl Correlation {
+    /// The id an `X` answer to the request carries.
+    pub fn error_id(self) -> u64 {
+        match self {
+            Correlation::Acquire { owner } => owner,
+            Correlation::Release { token } | Correlation::Extend { token } => token,
+            Correlation::Ping { nonce } => nonce,
+            Correlation::Query | Correlation::Info => 0,
+        }
+    }
+
+    /// Whether `response` answers the request. A fatal `X` ends the whole
+    /// session rather than answering one request; callers decide on it
+    /// before they correlate.
+    pub fn is_answered_by(self, response: &Response) -> bool {
+        match (response, self) {
+            (
+                Response::Acquired { owner, .. }
+                | Response::Timeout { owner }
+                | Response::Busy { owner },
+                Correlation::Acquire { owner: sent },
+            ) => *owner == sent,
+            (Response::Released { token }, Correlation::Release { token: sent })
+            | (Response::Extended { token }, Correlation::Extend { token: sent })
+            | (
+                Response::NotHeld { token },
+                Correlation::Release { token: sent } | Correlation::Extend { token: sent },
+            ) => *token == sent,
+            (Response::Pong { nonce }, Correlation::Ping { nonce: sent }) => *nonce == sent,
+            (Response::Query { .. }, Correlation::Query)
+            | (Response::Info(_), Correlation::Info) => true,
+            (Response::Error { id, .. }, sent) => *id == sent.error_id(),
+            _ => false,
         }
     }
 }
@@ -104,8 +166,13 @@ pub enum Response {
     Pong { nonce: u64 },
     /// `I text \n` — server counters as `name=value` pairs.
     Info(String),
-    /// `X code:u8 id:u64 text \n`
-    Error { code: u8, id: u64, text: String },
+    /// `X code:u8 id:u64 text \n`. The server's texts are static, so an
+    /// `X` costs no allocation; a decoded one owns its text.
+    Error {
+        code: u8,
+        id: u64,
+        text: Cow<'static, str>,
+    },
 }
 
 /// The error codes of `X` frames.
@@ -181,7 +248,7 @@ impl ErrorCode {
         Response::Error {
             code: self as u8,
             id,
-            text: self.text().to_owned(),
+            text: Cow::Borrowed(self.text()),
         }
     }
 }
@@ -288,7 +355,7 @@ fn validate_request<'a>(
     header: &[u8],
     payload: &'a [u8],
 ) -> Result<Request<'a>, ErrorCode> {
-    let header_byte = |at: usize| header.get(at).copied().unwrap_or(0);
+    let header_byte = |at: usize| header[at];
     match op {
         b'A' => {
             let key = validate_key(payload)?;
@@ -339,22 +406,20 @@ fn nonzero_lease(lease_s: u8) -> Result<u8, ErrorCode> {
     }
 }
 
-/// Reads a big-endian u64 at `at`; the callers have checked the header
-/// length, and a short slice reads as 0 rather than panicking.
-fn be_u64(bytes: &[u8], at: usize) -> u64 {
-    bytes
-        .get(at..at + 8)
-        .and_then(|b| b.try_into().ok())
-        .map(u64::from_be_bytes)
-        .unwrap_or(0)
+/// Reads a big-endian u64 at `at` of a fixed header. The op's header
+/// length was checked before any field is read, so a short slice is a bug
+/// here, not bad input: it panics rather than read a made-up 0.
+fn be_u64(header: &[u8], at: usize) -> u64 {
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&header[at..at + 8]);
+    u64::from_be_bytes(bytes)
 }
 
-fn be_u32(bytes: &[u8], at: usize) -> u32 {
-    bytes
-        .get(at..at + 4)
-        .and_then(|b| b.try_into().ok())
-        .map(u32::from_be_bytes)
-        .unwrap_or(0)
+/// As [`be_u64`], for a u32.
+fn be_u32(header: &[u8], at: usize) -> u32 {
+    let mut bytes = [0u8; 4];
+    bytes.copy_from_slice(&header[at..at + 4]);
+    u32::from_be_bytes(bytes)
 }
 
 /// Appends the frame for `request` to `out`.
@@ -560,9 +625,9 @@ pub fn decode_response(buf: &[u8]) -> Result<Option<(Response, usize)>, Response
         },
         b'I' => Response::Info(text()),
         _ => Response::Error {
-            code: header.first().copied().unwrap_or(0),
+            code: header[0],
             id: be_u64(header, 1),
-            text: text(),
+            text: Cow::Owned(text()),
         },
     };
     Ok(Some((response, tail_start + text_len + 1)))

@@ -197,7 +197,10 @@ fn an_acquire_reaches_the_server_at_most_once_whatever_the_faults() {
                     assert!(
                         matches!(
                             outcome,
-                            Ok(_) | Err(Error::Timeout | Error::Indeterminate | Error::Unavailable)
+                            Ok(_)
+                                | Err(Error::Timeout
+                                    | Error::Indeterminate
+                                    | Error::Unavailable(_))
                         ),
                         "{name}: {outcome:?}"
                     );
@@ -228,7 +231,10 @@ fn unavailable_only_when_nothing_was_sent() {
     let started = Instant::now();
     let outcome = client.acquire("unavailable", 500 * MS, S);
     let elapsed = started.elapsed();
-    assert_eq!(outcome.unwrap_err(), Error::Unavailable);
+    assert_eq!(
+        outcome.unwrap_err(),
+        Error::Unavailable(kunci::client::Unavailable::Unreachable)
+    );
     eprintln!("unavailable after {elapsed:?}");
     let deadline = 500 * MS + TRANSPORT_DEADLINE;
     assert!(elapsed >= deadline, "{elapsed:?}: early");
@@ -770,4 +776,45 @@ fn a_renewal_answered_after_the_loss_is_given_back() {
     assert_eq!(releases, [token]);
     assert_eq!(renewals_of(&proxy, token).len(), 1);
     assert_eq!(kept.release(), Err(Error::NotHeld));
+}
+
+/// Spec §8 rule 4: a session refused at accept (`X 7` at the connection
+/// limit, `X 9` outside `--allow`) executed nothing, so the call ends
+/// `Unavailable` with the reason at its deadline — never `Indeterminate`.
+#[test]
+fn a_refused_session_is_unavailable_with_the_reason() {
+    let full = TestServer::start(&["--max-connections", "1"]);
+    let mut occupant = full.peer();
+    occupant.send(&crate::util::ping(1));
+    assert_eq!(occupant.recv(), Response::Pong { nonce: 1 });
+    let closed = TestServer::start(&["--allow", "10.0.0.0/8"]);
+    let cases = [
+        (
+            full.addr.clone(),
+            kunci::client::Unavailable::ConnectionLimit,
+        ),
+        (closed.addr.clone(), kunci::client::Unavailable::NotAllowed),
+    ];
+    let threads: Vec<_> = cases
+        .into_iter()
+        .map(|(addr, why)| {
+            std::thread::spawn(move || {
+                let client = connect(&[&addr]);
+                let started = Instant::now();
+                let outcome = client.acquire("refused", Duration::ZERO, S);
+                (outcome, why, started.elapsed())
+            })
+        })
+        .collect();
+    for thread in threads {
+        let (outcome, why, elapsed) = thread.join().unwrap();
+        assert_eq!(outcome.unwrap_err(), Error::Unavailable(why));
+        assert!(elapsed >= TRANSPORT_DEADLINE, "{elapsed:?}: early");
+        assert!(elapsed < TRANSPORT_DEADLINE + LATE, "{elapsed:?}: late");
+    }
+    occupant.send(b"I\n");
+    let Response::Info(text) = occupant.recv() else {
+        panic!("expected info");
+    };
+    assert_eq!(crate::util::parse_info(&text)["grants"], "0");
 }

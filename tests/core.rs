@@ -804,7 +804,7 @@ fn invalid_requests_are_answered_with_x_and_their_id_and_ping_echoes() {
             Response::Error {
                 code: 5,
                 id: 0x0a0a,
-                text: ErrorCode::ZeroLease.text().to_owned()
+                text: ErrorCode::ZeroLease.text().into()
             }
         )]
     );
@@ -836,7 +836,7 @@ fn shutdown_answers_every_waiter_busy_then_every_connection_x_8() {
     let x8 = Response::Error {
         code: 8,
         id: 0,
-        text: ErrorCode::ShuttingDown.text().to_owned(),
+        text: ErrorCode::ShuttingDown.text().into(),
     };
     assert_eq!(errors, [(1, x8.clone()), (2, x8.clone()), (3, x8)]);
     assert_eq!(fake.core.waiter_count(), 0);

@@ -79,7 +79,7 @@ fn stress(fenced: bool) -> Run {
                             mine.busy += 1;
                             continue;
                         }
-                        Err(Error::Unavailable) => {
+                        Err(Error::Unavailable(_)) => {
                             mine.unavailable += 1;
                             continue;
                         }

@@ -442,7 +442,7 @@ fn error_codes_are_fatal_exactly_for_1_2_7_8_9_and_have_short_ascii_texts() {
             Response::Error {
                 code: value,
                 id: 42,
-                text: text.to_owned()
+                text: text.into()
             }
         );
     }
@@ -514,7 +514,7 @@ fn response_samples() -> Vec<(Vec<u8>, Response)> {
             Response::Error {
                 code: 3,
                 id: 9,
-                text: "key is empty".to_owned(),
+                text: "key is empty".into(),
             },
         ),
         (
@@ -522,7 +522,7 @@ fn response_samples() -> Vec<(Vec<u8>, Response)> {
             Response::Error {
                 code: 10,
                 id: 0x0a0a_0a0a_0a0a_0a0a,
-                text: String::new(),
+                text: "".into(),
             },
         ),
     ]
@@ -694,7 +694,7 @@ fn response_strategy() -> impl Strategy<Value = Response> {
         (any::<u8>(), any::<u64>(), text).prop_map(|(code, id, text)| Response::Error {
             code,
             id,
-            text
+            text: text.into()
         }),
     ]
 }

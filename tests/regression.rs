@@ -130,3 +130,44 @@ fn ping_then_fin_in_the_same_segment_is_answered_and_closed() {
         "half-closed peers still open"
     );
 }
+
+/// Issue 10: the library called `process::exit` when the state directory
+/// could not be written. Now the event loop returns the error, `kunci
+/// serve` exits 1, and the unix socket file is removed on the way out.
+#[test]
+fn a_state_directory_that_cannot_be_written_ends_the_server_with_status_1() {
+    let dir = util::TempDir::new("unwritable-state");
+    let socket = dir.join("k.sock");
+    let unix = format!("unix:{}", socket.display());
+    let state = dir.join("state");
+    let state_arg = state.display().to_string();
+    let mut server = TestServer::start(&["--listen", &unix, "--state-dir", &state_arg]);
+    // The state file is replaced through this temporary name: a directory
+    // there makes every write fail, even for root.
+    std::fs::create_dir_all(state.join("kunci.state.tmp")).expect("mkdir");
+    let mut peer = Peer::connect(&unix);
+    peer.send(&acquire(0, 30, 1, "k"));
+    // The grant is never sent: it could not be made durable.
+    peer.expect_closed();
+    let status = server
+        .wait_exit(Duration::from_secs(10))
+        .expect("the server did not exit");
+    assert_eq!(status.code(), Some(1), "{status:?}");
+    assert!(!socket.exists(), "the unix socket file was left behind");
+    let log = server.log.lock().unwrap().join("\n");
+    assert!(log.contains("cannot persist"), "{log}");
+}
+
+/// Every input the `endpoint_streams` fuzzer kept as a seed or a
+/// regression (`fuzz/seeds/endpoint_streams/`) still passes its checks.
+#[test]
+fn endpoint_streams_fuzz_seeds_and_regressions_pass() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/endpoint_streams");
+    let mut ran = 0;
+    for entry in std::fs::read_dir(&dir).expect("the seed directory") {
+        let path = entry.expect("an entry").path();
+        kunci::core::script::run(&std::fs::read(&path).expect("a seed"));
+        ran += 1;
+    }
+    assert!(ran > 0, "no seeds in {}", dir.display());
+}

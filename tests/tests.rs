@@ -4,6 +4,7 @@ mod abuse;
 mod bench;
 mod client;
 mod core;
+mod endpoint;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod fencing;

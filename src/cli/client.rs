@@ -162,7 +162,7 @@ pub(super) fn exit_code(error: &Error) -> u8 {
         Error::Timeout => exit::TIMEOUT,
         Error::InvalidArgument(_) => exit::USAGE,
         Error::Busy => exit::BUSY,
-        Error::Unavailable => exit::UNAVAILABLE,
+        Error::Unavailable(_) => exit::UNAVAILABLE,
         Error::Indeterminate => exit::INDETERMINATE,
         Error::NotHeld => exit::NOT_HELD,
     }
@@ -189,7 +189,7 @@ pub(super) fn report(command: &str, error: Error, servers: &[Address], attempt: 
     let outcome = match error {
         Error::Timeout => "timeout",
         Error::Busy => "busy",
-        Error::Unavailable => "unavailable",
+        Error::Unavailable(_) => "unavailable",
         Error::Indeterminate => "indeterminate",
         Error::InvalidArgument(_) => "invalid argument",
         Error::NotHeld => "not held",
@@ -232,7 +232,17 @@ pub(super) fn message(
              (--max-keys, --max-waiters, --max-waiters-per-key, --max-waits-per-conn) \
              or shutting down; nothing was acquired or queued. Try again later"
             .to_owned(),
-        Error::Unavailable => {
+        Error::Unavailable(crate::client::Unavailable::ConnectionLimit) => {
+            "the server is at its connection limit (--max-connections) and refused \
+             the session; nothing was executed. Try again later, or raise its limit"
+                .to_owned()
+        }
+        Error::Unavailable(crate::client::Unavailable::NotAllowed) => {
+            "the server does not allow this host (--allow) and refused the session; \
+             nothing was executed. Add this host's network to its --allow list"
+                .to_owned()
+        }
+        Error::Unavailable(crate::client::Unavailable::Unreachable) => {
             let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
             format!(
                 "no server took the request (tried {}); nothing was sent, so nothing \

@@ -111,6 +111,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
     if !listen.is_empty() {
         config.listen = listen;
     }
+    config.limits.validate()?;
     Ok(Some(config))
 }
 

@@ -27,10 +27,10 @@ use std::time::{Duration, Instant};
 
 use slab::Slab;
 
-use crate::core::timer_wheel::{TimerId, TimerLinks, TimerStore, TimerWheel};
-use crate::protocol::{self, ErrorCode, KEY_LEN_MAX, Request, Response};
+use crate::core::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
+use crate::protocol::{self, Correlation, ErrorCode, KEY_LEN_MAX, Request, Response};
 
-use super::{KeyStatus, TRANSPORT_DEADLINE};
+use super::{KeyStatus, TRANSPORT_DEADLINE, Unavailable};
 
 /// A session: one connection slot, numbered from 0.
 pub(crate) type SessionId = usize;
@@ -82,8 +82,8 @@ impl Key {
     }
 
     pub(crate) fn as_str(&self) -> &str {
-        // Built from a `&str` cut at its own length, so this always succeeds.
-        std::str::from_utf8(&self.bytes[..self.len as usize]).unwrap_or_default()
+        std::str::from_utf8(&self.bytes[..self.len as usize])
+            .expect("a Key is copied from a whole `&str`")
     }
 }
 
@@ -117,6 +117,21 @@ pub(crate) enum Op {
     Info,
 }
 
+impl Op {
+    /// What ties this request to its answer (the rule lives in
+    /// [`protocol::Correlation`]).
+    fn correlation(&self) -> Correlation {
+        match *self {
+            Op::Acquire { owner, .. } => Correlation::Acquire { owner },
+            Op::Release { token } => Correlation::Release { token },
+            Op::Extend { token, .. } => Correlation::Extend { token },
+            Op::Query => Correlation::Query,
+            Op::Ping { nonce } => Correlation::Ping { nonce },
+            Op::Info => Correlation::Info,
+        }
+    }
+}
+
 /// One request as the caller hands it over: what to ask, about which key,
 /// by when (`D`), and where the outcome goes (`None`: nobody waits, as for
 /// a compensating or best-effort release).
@@ -138,7 +153,7 @@ pub(crate) enum Outcome {
     },
     Timeout,
     Busy,
-    Unavailable,
+    Unavailable(Unavailable),
     Indeterminate,
     Released,
     Extended {
@@ -182,6 +197,9 @@ struct Req<R> {
     reply: Option<R>,
     place: Place,
     sent_at: Option<Instant>,
+    /// Why a session that had it refused it (`X 7`, `X 9`): the reason an
+    /// `Unavailable` names if no other session takes it by `D`.
+    refused: Option<Unavailable>,
     timer: TimerLinks,
 }
 
@@ -218,6 +236,9 @@ struct Session {
     input: Vec<u8>,
     /// Set when a request on this session reached `D` unanswered.
     expiring: bool,
+    /// A frame has arrived on this connection: an `X 7` or `X 9` after it
+    /// is not a refusal at accept.
+    heard_from: bool,
 }
 
 impl Session {
@@ -234,6 +255,7 @@ impl Session {
             acquires: 0,
             input: Vec::new(),
             expiring: false,
+            heard_from: false,
         }
     }
 }
@@ -306,6 +328,7 @@ impl<R> Engine<R> {
             reply: submission.reply,
             place: Place::Unassigned,
             sent_at: None,
+            refused: None,
             timer: TimerLinks::UNARMED,
         });
         if let Op::Acquire { owner, .. } = submission.op {
@@ -343,7 +366,7 @@ impl<R> Engine<R> {
         let timer = self
             .wheel
             .next_tick()
-            .map(|tick| self.epoch + Duration::from_millis(tick));
+            .map(|tick| self.epoch + Duration::from_micros(timer_wheel::tick_start(tick)));
         let demand = !self.unassigned.is_empty();
         let links = self
             .sessions
@@ -375,12 +398,14 @@ impl<R> Engine<R> {
             }
             match req.place {
                 Place::Unassigned => {
+                    let why = req.refused.unwrap_or(Unavailable::Unreachable);
                     self.unassigned.retain(|&queued| queued != id);
-                    self.complete(id, Outcome::Unavailable);
+                    self.complete(id, Outcome::Unavailable(why));
                 }
                 Place::Queued(s) => {
+                    let why = req.refused.unwrap_or(Unavailable::Unreachable);
                     self.sessions[s].queue.retain(|&queued| queued != id);
-                    self.complete(id, Outcome::Unavailable);
+                    self.complete(id, Outcome::Unavailable(why));
                 }
                 // A batch only exists between `poll_transmit` and
                 // `transmitted`; treat it as sent to stay on the safe side.
@@ -595,6 +620,9 @@ impl<R> Engine<R> {
                     if !self.handle_response(s, response, now) {
                         return None;
                     }
+                    if let Some(session) = self.sessions.get_mut(s) {
+                        session.heard_from = true;
+                    }
                 }
                 Err(error) => {
                     log::warn!("session {s}: {error}; closing it");
@@ -637,31 +665,31 @@ impl<R> Engine<R> {
                 (id, outcome)
             }
             Response::Error { code, id, ref text } => {
+                let heard_from = self.sessions.get(s).is_some_and(|x| x.heard_from);
+                let refusal = match ErrorCode::from_u8(code) {
+                    Some(ErrorCode::ConnectionLimit) => Some(Unavailable::ConnectionLimit),
+                    Some(ErrorCode::NotAllowed) => Some(Unavailable::NotAllowed),
+                    _ => None,
+                };
+                if let Some(why) = refusal.filter(|_| !heard_from) {
+                    log::debug!("session {s}: refused at accept: {text}");
+                    self.refused(s, why);
+                    return false;
+                }
                 let Some(code) = ErrorCode::from_u8(code).filter(|code| !code.is_fatal()) else {
                     log::warn!("session {s}: server error {code}: {text}; closing it");
                     return false;
                 };
-                let found = self
-                    .sent_acquire(s, id)
-                    .or_else(|| self.sent_other(s, |op| error_id(op) == id));
+                let found = self.sent_acquire(s, id).or_else(|| {
+                    self.sent_other(s, |op| op.correlation().is_answered_by(&response))
+                });
                 let Some(request) = found else {
                     return self.uncorrelated(s, &response);
                 };
                 (request, Outcome::Invalid(code.text()))
             }
             ref other => {
-                let matches = |op: &Op| match (other, op) {
-                    (Response::Released { token }, Op::Release { token: t }) => token == t,
-                    (Response::Extended { token }, Op::Extend { token: t, .. }) => token == t,
-                    (
-                        Response::NotHeld { token },
-                        Op::Release { token: t } | Op::Extend { token: t, .. },
-                    ) => token == t,
-                    (Response::Query { .. }, Op::Query) => true,
-                    (Response::Pong { nonce }, Op::Ping { nonce: n }) => nonce == n,
-                    (Response::Info(_), Op::Info) => true,
-                    _ => false,
-                };
+                let matches = |op: &Op| op.correlation().is_answered_by(other);
                 let Some(id) = self.sent_other(s, matches) else {
                     return self.uncorrelated(s, other);
                 };
@@ -763,6 +791,34 @@ impl<R> Engine<R> {
     /// Forgets session `s`'s connection: possibly-sent requests are
     /// `Indeterminate`, the others go back to the unassigned queue, in
     /// order, ahead of newer requests.
+    /// Session `s`'s first frame was `X 7` or `X 9`: the server executed
+    /// none of its requests (spec §6, §8 rule 4), so each is certainly not
+    /// sent and may move to another session until `D`; if none takes it,
+    /// its `Unavailable` names `why`.
+    fn refused(&mut self, s: SessionId, why: Unavailable) {
+        let mut sent = Vec::new();
+        for (id, req) in self.requests.slab.iter_mut() {
+            match req.place {
+                Place::Sent(at) | Place::Batch(at) | Place::Queued(at) if at == s => {
+                    req.refused = Some(why);
+                    if req.place == Place::Sent(s) {
+                        sent.push(id);
+                    }
+                }
+                _ => {}
+            }
+        }
+        for &id in sent.iter().rev() {
+            self.requests.slab[id].place = Place::Unassigned;
+            self.requests.slab[id].sent_at = None;
+            self.unassigned.push_front(id);
+        }
+        if let Some(session) = self.sessions.get_mut(s) {
+            session.others.clear();
+            session.acquires = 0;
+        }
+    }
+
     fn close(&mut self, s: SessionId, now: Instant) {
         let Some(session) = self.sessions.get_mut(s) else {
             return;
@@ -788,6 +844,7 @@ impl<R> Engine<R> {
         session.out_sent = 0;
         session.batch_at = None;
         session.input.clear();
+        session.heard_from = false;
         for &id in unsent.iter().rev() {
             if let Some(req) = self.requests.slab.get_mut(id) {
                 req.place = Place::Unassigned;
@@ -853,18 +910,17 @@ impl<R> Engine<R> {
     }
 
     /// The first tick at or after `at` (deadlines round up: never early).
+    /// The rounding is the timer wheel's; nanoseconds round up to whole
+    /// microseconds first, so nothing is lost on the way.
     fn tick_at_or_after(&self, at: Instant) -> u64 {
         let since = at.saturating_duration_since(self.epoch);
-        let ms = since.as_millis() as u64;
-        if since > Duration::from_millis(ms) {
-            ms + 1
-        } else {
-            ms
-        }
+        timer_wheel::tick_at_or_after(since.as_nanos().div_ceil(1_000) as u64)
     }
 
+    /// The tick the clock has reached at `at`.
     fn tick_at_or_before(&self, at: Instant) -> u64 {
-        at.saturating_duration_since(self.epoch).as_millis() as u64
+        let since = at.saturating_duration_since(self.epoch);
+        timer_wheel::tick_reached(since.as_micros() as u64)
     }
 }
 
@@ -875,16 +931,6 @@ fn retry_delay(failures: u32) -> Duration {
     RETRY_DELAY_BASE
         .saturating_mul(1 << (failures - 2).min(16))
         .min(RETRY_DELAY_MAX)
-}
-
-/// The id an `X` answer to this request carries (spec §6).
-fn error_id(op: &Op) -> u64 {
-    match *op {
-        Op::Acquire { owner, .. } => owner,
-        Op::Release { token } | Op::Extend { token, .. } => token,
-        Op::Ping { nonce } => nonce,
-        Op::Query | Op::Info => 0,
-    }
 }
 
 /// The wire wait of an acquire written at `now` (rule 3).

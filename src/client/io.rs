@@ -24,6 +24,7 @@ use super::engine::{Action, Engine, Op, Outcome, SessionId, Submission};
 use super::keep_alive::{Grant, KeepAlives, KeepId, Loss, Step};
 use super::kept::Mirror;
 use crate::addr::Address;
+use crate::stream::Stream;
 
 const WAKER: Token = Token(usize::MAX);
 
@@ -142,7 +143,7 @@ impl Shared {
             seq,
         });
         if !self.submit(submission) {
-            return Outcome::Unavailable;
+            return Outcome::Unavailable(super::Unavailable::Unreachable);
         }
         let mut state = lock(&slot.state);
         loop {
@@ -205,51 +206,6 @@ pub(crate) fn start(
         .name("kunci-client".into())
         .spawn(move || shell.run())?;
     Ok(shared)
-}
-
-enum Stream {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-}
-
-impl Stream {
-    fn source(&mut self) -> &mut dyn mio::event::Source {
-        match self {
-            Stream::Tcp(stream) => stream,
-            Stream::Unix(stream) => stream,
-        }
-    }
-
-    /// `Ok(true)` once a non-blocking connect has completed, `Ok(false)`
-    /// while it is still in progress.
-    fn connect_done(&self) -> io::Result<bool> {
-        let (error, peer) = match self {
-            Stream::Tcp(stream) => (stream.take_error()?, stream.peer_addr().map(|_| ())),
-            Stream::Unix(stream) => (stream.take_error()?, stream.peer_addr().map(|_| ())),
-        };
-        if let Some(error) = error {
-            return Err(error);
-        }
-        match peer {
-            Ok(()) => Ok(true),
-            Err(error) if error.kind() == io::ErrorKind::NotConnected => Ok(false),
-            Err(error) => Err(error),
-        }
-    }
-
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(stream) => stream.read(buf),
-            Stream::Unix(stream) => stream.read(buf),
-        }
-    }
-
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(stream) => stream.write(buf),
-            Stream::Unix(stream) => stream.write(buf),
-        }
-    }
 }
 
 struct Conn {
@@ -560,17 +516,13 @@ impl Shell {
 
     fn drop_conn(&mut self, s: SessionId) {
         if let Some(mut conn) = self.conns.get_mut(s).and_then(Option::take) {
-            let _ = self.poll.registry().deregister(conn.stream.source());
+            let _ = self.poll.registry().deregister(&mut conn.stream);
         }
     }
 }
 
 fn register(registry: &Registry, stream: &mut Stream, token: Token) -> io::Result<()> {
-    registry.register(
-        stream.source(),
-        token,
-        Interest::READABLE | Interest::WRITABLE,
-    )
+    registry.register(stream, token, Interest::READABLE | Interest::WRITABLE)
 }
 
 /// One of the addresses `host_port` names, a different one per attempt.

@@ -91,10 +91,11 @@ pub enum Error {
     /// shutting down. Definitive: nothing was acquired or queued. Trying
     /// again later is safe.
     Busy,
-    /// No byte of the request reached any connection before the deadline
-    /// (the servers refused or could not be reached). Definitive: the
-    /// server never saw the request, so nothing changed.
-    Unavailable,
+    /// No server executed the request by the deadline: no byte of it
+    /// reached any connection, or the only sessions that had it were
+    /// refused at accept (`X 7`, `X 9`). Definitive: nothing changed. The
+    /// reason tells which.
+    Unavailable(Unavailable),
     /// The request may have reached the server, but its answer was not
     /// seen in time (no answer by the deadline, the connection died, or a
     /// grant arrived too late to hand over). The key may be held by this
@@ -114,14 +115,33 @@ pub enum Error {
     NotHeld,
 }
 
+/// Why a request was [`Error::Unavailable`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unavailable {
+    /// No server could be reached (connects failed or timed out, or
+    /// sessions died before a byte of the request was written).
+    Unreachable,
+    /// The server refused the session at its connection limit (`X 7`).
+    ConnectionLimit,
+    /// The server refused the session: this client's address is not in
+    /// its `--allow` list (`X 9`).
+    NotAllowed,
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Timeout => f.write_str("timeout: the key stayed held for the whole wait"),
             Error::Busy => f.write_str("busy: the server has no capacity for the request"),
-            Error::Unavailable => {
+            Error::Unavailable(Unavailable::Unreachable) => {
                 f.write_str("unavailable: no server could be reached; nothing was sent")
             }
+            Error::Unavailable(Unavailable::ConnectionLimit) => f.write_str(
+                "unavailable: the server is at its connection limit; nothing was executed",
+            ),
+            Error::Unavailable(Unavailable::NotAllowed) => f.write_str(
+                "unavailable: the server does not allow this client's address; nothing was executed",
+            ),
             Error::Indeterminate => f.write_str(
                 "indeterminate: the request may have reached the server but no answer \
                  came in time; do not assume the lock is held",
@@ -481,7 +501,7 @@ fn outcome_error(outcome: Outcome) -> Error {
     match outcome {
         Outcome::Timeout => Error::Timeout,
         Outcome::Busy => Error::Busy,
-        Outcome::Unavailable => Error::Unavailable,
+        Outcome::Unavailable(why) => Error::Unavailable(why),
         Outcome::NotHeld => Error::NotHeld,
         Outcome::Invalid(why) => Error::InvalidArgument(why),
         // Every other outcome answers a different request: the engine

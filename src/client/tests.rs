@@ -356,7 +356,13 @@ fn unavailable_exactly_at_the_deadline_when_nothing_was_sent() {
     assert_eq!(h.completions(), []);
     h.at(7 * S);
     h.timeout();
-    assert_eq!(h.completions(), [(1, Outcome::Unavailable)]);
+    assert_eq!(
+        h.completions(),
+        [(
+            1,
+            Outcome::Unavailable(crate::client::Unavailable::Unreachable)
+        )]
+    );
     assert!(h.engine.is_idle());
 }
 
@@ -601,4 +607,82 @@ fn a_background_release_needs_no_caller() {
     h.input(0, Response::NotHeld { token: 12 });
     assert_eq!(h.completions(), []);
     assert!(h.engine.is_idle());
+}
+
+/// Spec §6, §8 rule 4: `X 7` or `X 9` as a session's first frame means the
+/// server executed nothing on it — the requests move to another session,
+/// and at `D` they are `Unavailable` naming the reason, never
+/// `Indeterminate`.
+#[test]
+fn a_refusal_at_accept_is_unavailable_with_its_reason_never_indeterminate() {
+    for (code, why) in [
+        (7, Unavailable::ConnectionLimit),
+        (9, Unavailable::NotAllowed),
+    ] {
+        let mut h = Harness::new(1);
+        h.acquire(1, 11, Duration::ZERO);
+        h.other(2, Op::Ping { nonce: 12 });
+        assert_eq!(h.actions(), [Action::Connect(0)]);
+        h.engine.connected(0, h.now);
+        assert_eq!(h.write(0), [a(0, 11), Frame::P { nonce: 12 }]);
+        h.input(
+            0,
+            Response::Error {
+                code,
+                id: 0,
+                text: "refused".into(),
+            },
+        );
+        // Certainly not sent: reconnect at once and send them again.
+        assert_eq!(h.actions(), [Action::Close(0), Action::Connect(0)]);
+        assert_eq!(h.completions(), [], "code {code}");
+        h.at(S);
+        h.engine.connected(0, h.now);
+        assert_eq!(h.write(0), [a(0, 11), Frame::P { nonce: 12 }], "resent");
+        h.input(
+            0,
+            Response::Error {
+                code,
+                id: 0,
+                text: "refused".into(),
+            },
+        );
+        h.at(TRANSPORT_DEADLINE - MS);
+        h.timeout();
+        assert_eq!(h.completions(), [], "code {code}: early");
+        h.at(TRANSPORT_DEADLINE);
+        h.timeout();
+        assert_eq!(
+            h.completions(),
+            [
+                (1, Outcome::Unavailable(why)),
+                (2, Outcome::Unavailable(why))
+            ],
+            "code {code}"
+        );
+    }
+}
+
+/// An `X 7` after other answers is not a refusal at accept: the session's
+/// possibly-sent requests stay `Indeterminate` (rule 5).
+#[test]
+fn an_x7_after_an_answer_is_not_a_refusal() {
+    let mut h = Harness::new(1);
+    h.other(1, Op::Ping { nonce: 1 });
+    h.other(2, Op::Ping { nonce: 2 });
+    h.actions();
+    h.engine.connected(0, h.now);
+    h.write(0);
+    h.input(0, Response::Pong { nonce: 1 });
+    h.input(
+        0,
+        Response::Error {
+            code: 7,
+            id: 0,
+            text: "x".into(),
+        },
+    );
+    let completions = h.completions();
+    assert!(matches!(completions[0], (1, Outcome::Pong { .. })));
+    assert_eq!(completions[1], (2, Outcome::Indeterminate));
 }

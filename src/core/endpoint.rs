@@ -36,9 +36,12 @@ pub const CONN_ID_MAX: u64 = super::timer_wheel::TIMER_ID_MAX as u64;
 const LINGERING_REFUSED_MAX: usize = 256;
 /// How long a graceful shutdown waits for peers to take their last bytes.
 pub const SHUTDOWN_GRACE_US: Micros = 3_000_000;
-/// An emptied output buffer up to this size is kept for the next
-/// connection that needs one, instead of being freed.
-const SPARE_OUTPUT_MAX: usize = 4 * OUTPUT_HIGH_WATER;
+/// Emptied output buffers up to this capacity are kept, up to
+/// [`SPARE_OUTPUTS_MAX`] of them, for the next connections that answer:
+/// a busy server then allocates no output buffer per wake-up, while an
+/// idle connection still owns none.
+const SPARE_OUTPUT_CAPACITY_MAX: usize = 16 * 1024;
+const SPARE_OUTPUTS_MAX: usize = 64;
 
 /// What the shell must do to a connection's socket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,9 +82,9 @@ pub struct Endpoint {
     actions: VecDeque<(ConnId, Action)>,
     refused_lingering: usize,
     shutdown_deadline: Option<Micros>,
-    /// An emptied output buffer, kept so that a busy connection does not
-    /// allocate one per answer.
-    spare_output: Vec<u8>,
+    /// Emptied output buffers, kept so that busy connections do not
+    /// allocate one per wake-up.
+    spare_outputs: Vec<Vec<u8>>,
 }
 
 /// Gives the connection timer wheel the links inside connections.
@@ -110,7 +113,7 @@ impl Endpoint {
             actions: VecDeque::new(),
             refused_lingering: 0,
             shutdown_deadline: None,
-            spare_output: Vec::new(),
+            spare_outputs: Vec::new(),
         }
     }
 
@@ -308,8 +311,10 @@ impl Endpoint {
         let emptied = conn.sent(written);
         let below_low_water = conn.output.len() < OUTPUT_LOW_WATER;
         if let Some(buffer) = emptied {
-            if self.spare_output.capacity() == 0 && buffer.capacity() <= SPARE_OUTPUT_MAX {
-                self.spare_output = buffer;
+            if self.spare_outputs.len() < SPARE_OUTPUTS_MAX
+                && buffer.capacity() <= SPARE_OUTPUT_CAPACITY_MAX
+            {
+                self.spare_outputs.push(buffer);
             }
             self.output_drained(id, now);
         } else if below_low_water && conn.phase == Phase::Backpressured {
@@ -624,7 +629,7 @@ impl Endpoint {
                 continue;
             };
             if conn.output.capacity() == 0 {
-                conn.output = std::mem::take(&mut self.spare_output);
+                conn.output = self.spare_outputs.pop().unwrap_or_default();
             }
             protocol::encode_response(&response, &mut conn.output);
             if !conn.transmit_queued {

@@ -293,8 +293,7 @@ impl LockTable {
     /// The key of a live entry.
     pub fn key(&self, index: u32) -> &str {
         let bytes = key_bytes(&self.long_keys, &self.entries[index as usize].key);
-        // Keys are copied from validated `&str`s, so this cannot fail.
-        std::str::from_utf8(bytes).unwrap_or_default()
+        std::str::from_utf8(bytes).expect("keys are stored from validated `&str`s")
     }
 
     fn store_key(&mut self, key: &str) -> StoredKey {

@@ -15,6 +15,8 @@ pub mod connection;
 pub mod endpoint;
 pub mod key_index;
 pub mod lock_table;
+#[doc(hidden)]
+pub mod script;
 pub mod timer_wheel;
 pub mod wait_histogram;
 pub mod waiters;

@@ -1,15 +1,16 @@
 //! Listening sockets (TCP and Unix) and the streams they accept.
 
-use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
+use std::io;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use mio::event::Source;
-use mio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use mio::net::{TcpListener, UnixListener};
 use mio::{Interest, Registry, Token};
 
 use crate::addr::Address;
+use crate::stream::Stream;
 
 /// Idle time before the kernel probes a silent peer, and the probe
 /// cadence: a peer that vanished without a FIN or RST is gone after about
@@ -157,44 +158,3 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
 }
 
 delegate_source!(Listener, Listener::Tcp(listener) => listener, Listener::Unix { listener, .. } => listener);
-
-/// An accepted connection's socket.
-pub enum Stream {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-}
-
-impl Stream {
-    /// Half-closes the write side, so the peer reads the end of our output
-    /// and then end-of-file.
-    pub fn shutdown_write(&self) {
-        let _ = match self {
-            Stream::Tcp(stream) => stream.shutdown(Shutdown::Write),
-            Stream::Unix(stream) => stream.shutdown(Shutdown::Write),
-        };
-    }
-}
-
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(stream) => stream.read(buf),
-            Stream::Unix(stream) => stream.read(buf),
-        }
-    }
-}
-
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(stream) => stream.write(buf),
-            Stream::Unix(stream) => stream.write(buf),
-        }
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-delegate_source!(Stream, Stream::Tcp(stream) => stream, Stream::Unix(stream) => stream);

@@ -29,7 +29,7 @@ use crate::addr::{Address, Network};
 use crate::core::connection::READ_CHUNK;
 use crate::core::endpoint::{Action, Endpoint};
 use crate::core::{ConnId, Core, Limits, Micros};
-pub use listener::Stream;
+use crate::stream::Stream;
 use listener::{Listener, Peer};
 use scrape::MetricsEndpoint;
 use state::StateDir;
@@ -130,6 +130,8 @@ struct Shell {
     endpoint: Endpoint,
     sockets: Slab<Socket>,
     clock_start: Instant,
+    /// The clock (µs since `clock_start`) as last read.
+    clock: Micros,
     read_buffer: Box<[u8]>,
     /// Sockets to read before the next poll.
     ready: Vec<usize>,
@@ -197,6 +199,7 @@ impl Server {
             endpoint: Endpoint::new(core, config.allow.clone()),
             sockets: Slab::new(),
             clock_start,
+            clock: 0,
             read_buffer: vec![0; READ_CHUNK].into_boxed_slice(),
             ready: Vec::new(),
             accept_paused_until: None,
@@ -273,6 +276,9 @@ impl Server {
                         }
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
                             self.shell.read(id);
+                            // Answer at once, while the bytes are hot:
+                            // one write per connection per wake-up.
+                            self.shell.flush(id)?;
                         }
                     }
                 }
@@ -282,6 +288,7 @@ impl Server {
                 if let Some(socket) = shell.sockets.get_mut(id) {
                     socket.in_ready = false;
                     shell.read(id);
+                    shell.flush(id)?;
                 }
             }
             let now = shell.now();
@@ -337,8 +344,10 @@ fn micros(duration: Duration) -> Micros {
 }
 
 impl Shell {
-    fn now(&self) -> Micros {
-        micros(self.clock_start.elapsed())
+    /// Reads the clock (and remembers it in `clock`).
+    fn now(&mut self) -> Micros {
+        self.clock = micros(self.clock_start.elapsed());
+        self.clock
     }
 
     fn poll_timeout(&self) -> Option<Duration> {
@@ -357,7 +366,8 @@ impl Shell {
         .into_iter()
         .flatten()
         .min()?;
-        Some(Duration::from_micros(next.saturating_sub(self.now())))
+        let now = micros(self.clock_start.elapsed());
+        Some(Duration::from_micros(next.saturating_sub(now)))
     }
 
     /// A readiness event on the metrics listener or one of its scrapes.
@@ -448,8 +458,11 @@ impl Shell {
                     return Ok(());
                 }
                 Ok(n) => {
-                    let now = self.now();
-                    self.endpoint.handle_written(id as ConnId, n, now);
+                    // The clock of the last read or wake-up is recent
+                    // enough for what a write can start (held-back frames
+                    // were read earlier, a linger deadline): no clock read
+                    // per write.
+                    self.endpoint.handle_written(id as ConnId, n, self.clock);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -12,11 +12,12 @@ use log::{debug, warn};
 use mio::{Interest, Registry, Token};
 use slab::Slab;
 
-use super::listener::{Listener, Stream};
+use super::listener::Listener;
 use crate::addr::Address;
 use crate::core::{Core, Micros};
 use crate::metrics::http::Exchange;
 use crate::metrics::{ProcessStats, Snapshot, render};
+use crate::stream::Stream;
 
 /// Scrapes served at once; more are closed at accept. Prometheus sends one
 /// at a time per target.

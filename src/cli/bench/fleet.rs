@@ -11,7 +11,8 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::stats::{Kind, Stats};
 use crate::addr::Address;
-use crate::protocol::{Request, Response, decode_response, encode_request};
+use crate::protocol::{Correlation, Request, Response, decode_response, encode_request};
+use crate::stream::Stream;
 
 /// A request that has been queued and not yet answered.
 #[derive(Clone, Copy, Debug)]
@@ -25,6 +26,18 @@ pub struct Pending {
     /// The workload's own bookkeeping (a slot, a role).
     pub tag: u32,
     pub sent: Instant,
+}
+
+impl Pending {
+    /// What ties it to its answer (the rule is [`Correlation`]'s).
+    fn correlation(&self) -> Correlation {
+        match self.kind {
+            Kind::Acquire => Correlation::Acquire { owner: self.id },
+            Kind::Release => Correlation::Release { token: self.id },
+            Kind::Extend => Correlation::Extend { token: self.id },
+            Kind::Ping => Correlation::Ping { nonce: self.id },
+        }
+    }
 }
 
 /// Key names: a fixed prefix and a 12-digit index, so that with a 5-byte
@@ -137,19 +150,7 @@ impl Wire {
     /// by a scan of the connection's requests in flight.
     fn take(&mut self, conn: usize, reply: &Response) -> Option<Pending> {
         let queue = &mut self.in_flight[conn];
-        let matches = |p: &Pending| match *reply {
-            Response::Acquired { owner, .. }
-            | Response::Timeout { owner }
-            | Response::Busy { owner } => p.kind == Kind::Acquire && p.id == owner,
-            Response::Released { token } => p.kind == Kind::Release && p.id == token,
-            Response::Extended { token } => p.kind == Kind::Extend && p.id == token,
-            Response::NotHeld { token } => {
-                matches!(p.kind, Kind::Release | Kind::Extend) && p.id == token
-            }
-            Response::Pong { nonce } => p.kind == Kind::Ping && p.id == nonce,
-            Response::Error { id, .. } => p.id == id,
-            Response::Query { .. } | Response::Info(_) => false,
-        };
+        let matches = |p: &Pending| p.correlation().is_answered_by(reply);
         let position = queue.iter().position(matches)?;
         let pending = queue.remove(position)?;
         self.in_flight_total -= 1;
@@ -185,54 +186,27 @@ pub trait Workload {
     fn finish(&mut self, _stats: &mut Stats) {}
 }
 
-enum Stream {
-    Tcp(mio::net::TcpStream),
-    Unix(mio::net::UnixStream),
-}
-
-impl Stream {
-    fn connect(address: &Address) -> io::Result<Stream> {
-        match address {
-            Address::Tcp(host_port) => {
-                let target = host_port.to_socket_addrs()?.next().ok_or_else(|| {
-                    io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address")
-                })?;
-                let stream = std::net::TcpStream::connect(target)?;
-                stream.set_nodelay(true)?;
-                stream.set_nonblocking(true)?;
-                Ok(Stream::Tcp(mio::net::TcpStream::from_std(stream)))
-            }
-            Address::Unix(path) => {
-                let stream = std::os::unix::net::UnixStream::connect(path)?;
-                stream.set_nonblocking(true)?;
-                Ok(Stream::Unix(mio::net::UnixStream::from_std(stream)))
-            }
-            Address::Etcd(_) => Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "the connection fleet speaks kunci's protocol, not etcd's",
-            )),
+/// Connects, blocking, then hands the socket to mio non-blocking.
+fn connect(address: &Address) -> io::Result<Stream> {
+    match address {
+        Address::Tcp(host_port) => {
+            let target = host_port.to_socket_addrs()?.next().ok_or_else(|| {
+                io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address")
+            })?;
+            let stream = std::net::TcpStream::connect(target)?;
+            stream.set_nodelay(true)?;
+            stream.set_nonblocking(true)?;
+            Ok(Stream::Tcp(mio::net::TcpStream::from_std(stream)))
         }
-    }
-
-    fn source(&mut self) -> &mut dyn mio::event::Source {
-        match self {
-            Stream::Tcp(s) => s,
-            Stream::Unix(s) => s,
+        Address::Unix(path) => {
+            let stream = std::os::unix::net::UnixStream::connect(path)?;
+            stream.set_nonblocking(true)?;
+            Ok(Stream::Unix(mio::net::UnixStream::from_std(stream)))
         }
-    }
-
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
-        }
-    }
-
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
-        }
+        Address::Etcd(_) => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "the connection fleet speaks kunci's protocol, not etcd's",
+        )),
     }
 }
 
@@ -269,14 +243,14 @@ impl Fleet {
         let poll = Poll::new()?;
         let mut conns = Vec::with_capacity(count);
         for index in 0..count {
-            let mut stream = Stream::connect(address).map_err(|e| {
+            let mut stream = connect(address).map_err(|e| {
                 io::Error::new(
                     e.kind(),
                     format!("connection {} of {count} to {address}: {e}", index + 1),
                 )
             })?;
             poll.registry().register(
-                stream.source(),
+                &mut stream,
                 Token(index),
                 Interest::READABLE | Interest::WRITABLE,
             )?;
@@ -439,7 +413,7 @@ impl Fleet {
             return;
         }
         c.open = false;
-        let _ = self.poll.registry().deregister(c.stream.source());
+        let _ = self.poll.registry().deregister(&mut c.stream);
         self.open -= 1;
         let lost = self.wire.in_flight[conn].len();
         self.wire.in_flight_total -= lost;

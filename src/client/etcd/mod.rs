@@ -17,11 +17,11 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::TRANSPORT_DEADLINE;
 use super::engine::{Op, Outcome, Submission};
 use super::io::{Message, Reply};
 use super::keep_alive::{KeepAlives, KeepId, Loss, Step};
 use super::kept::Mirror;
+use super::{TRANSPORT_DEADLINE, Unavailable};
 use recipe::Cluster;
 
 /// What the keeper thread is told.
@@ -208,8 +208,11 @@ impl Keeper {
                         });
                     if let Err(error) = spawned {
                         log::warn!("cannot start a renewal: {error}");
-                        self.keep
-                            .handle_outcome(id, Outcome::Unavailable, Instant::now());
+                        self.keep.handle_outcome(
+                            id,
+                            Outcome::Unavailable(Unavailable::Unreachable),
+                            Instant::now(),
+                        );
                     }
                 }
                 Step::Renewed { id, valid_until } => {

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use super::http::{Answer, Failure, Members};
 use super::json::{self, JsonValue};
-use crate::client::KeyStatus;
 use crate::client::engine::{Key, Outcome};
+use crate::client::{KeyStatus, Unavailable};
 
 /// The pause before a read that changes nothing is tried again.
 const READ_RETRY_PAUSE: Duration = Duration::from_millis(50);
@@ -41,7 +41,7 @@ enum Fault {
 impl Fault {
     fn outcome(self) -> Outcome {
         match self {
-            Fault::Unsent => Outcome::Unavailable,
+            Fault::Unsent => Outcome::Unavailable(Unavailable::Unreachable),
             Fault::Unknown => Outcome::Indeterminate,
         }
     }

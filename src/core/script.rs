@@ -1,0 +1,159 @@
+//! Drives an [`Endpoint`] with a script decoded from arbitrary bytes, the
+//! way the shell would: accepts, reads of any length, end-of-file, resets,
+//! partial writes, time steps, a shutdown. The `endpoint_streams` fuzz
+//! target and a seeded test share it, so the fuzzer's logic also runs on a
+//! stable toolchain.
+//!
+//! Checked after every command: the endpoint's and core's invariants; that
+//! everything written to a peer decodes as response frames (however the
+//! writes were split); that tokens strictly increase on each connection;
+//! that nothing is queued for a connection once it stopped being live;
+//! that the shell is never told to act on a socket it does not have.
+
+use super::connection::READ_CHUNK;
+use super::endpoint::{Action, Endpoint};
+use super::{ConnId, Core, Limits, Micros};
+use crate::addr::Network;
+use crate::protocol::{self, Response};
+
+const CONNECTIONS: usize = 4;
+
+#[derive(Default)]
+struct Socket {
+    open: bool,
+    /// Written by the server, not yet decoded.
+    received: Vec<u8>,
+    /// Bytes the endpoint may still send since the connection stopped
+    /// being live; `None` while live.
+    allowance: Option<usize>,
+    /// The last token granted on this connection. Grants go out in token
+    /// order on each connection; across connections the order in which
+    /// peers read them says nothing.
+    last_token: u64,
+}
+
+/// Runs the script in `data`. Panics on any broken rule.
+pub fn run(data: &[u8]) {
+    let limits = Limits {
+        max_keys: 8,
+        max_waiters: 8,
+        max_waiters_per_key: 4,
+        max_waits_per_conn: 3,
+        max_connections: 3,
+    };
+    let allow: Vec<Network> = vec!["10.0.0.0/8".parse().expect("a network")];
+    let mut endpoint = Endpoint::new(Core::new(limits, 1), allow);
+    let mut sockets: [Socket; CONNECTIONS] = Default::default();
+    let mut now: Micros = 0;
+    let mut bytes = data.iter().copied();
+    let mut chunk = Vec::with_capacity(READ_CHUNK);
+    while let Some(command) = bytes.next() {
+        let index = usize::from(command & 3);
+        let id = index as ConnId;
+        match command >> 5 {
+            0 => {
+                if !sockets[index].open && !endpoint.is_shutting_down() {
+                    let ip = match command >> 2 & 7 {
+                        0 => None,
+                        1 => Some("192.0.2.1".parse().expect("an address")),
+                        _ => Some("10.0.0.1".parse().expect("an address")),
+                    };
+                    sockets[index] = Socket {
+                        open: true,
+                        ..Socket::default()
+                    };
+                    endpoint.accept(id, ip, now);
+                }
+            }
+            1 | 2 => {
+                let len = usize::from(bytes.next().unwrap_or(0));
+                chunk.clear();
+                chunk.extend(bytes.by_ref().take(len));
+                // Repeated, a few bytes become a flood that meets
+                // backpressure.
+                if command >> 5 == 2 {
+                    let copies = chunk.len().max(1);
+                    let pattern = chunk.clone();
+                    for _ in 0..(4096 / copies) {
+                        chunk.extend_from_slice(&pattern);
+                    }
+                }
+                if sockets[index].open && endpoint.wants_read(id) {
+                    endpoint.handle_read(id, &chunk, now);
+                }
+            }
+            3 => {
+                if sockets[index].open && endpoint.wants_read(id) {
+                    endpoint.handle_eof(id, now);
+                }
+            }
+            4 => {
+                if sockets[index].open {
+                    endpoint.handle_broken(id);
+                }
+            }
+            5 => {
+                let most = usize::from(bytes.next().unwrap_or(0)) * 64 + 1;
+                if let Some(out) = endpoint.transmit(id) {
+                    let n = out.len().min(most);
+                    let socket = &mut sockets[index];
+                    socket.received.extend_from_slice(&out[..n]);
+                    if let Some(allowance) = socket.allowance.as_mut() {
+                        *allowance = allowance.saturating_sub(n);
+                    }
+                    endpoint.handle_written(id, n, now);
+                }
+            }
+            6 => {
+                let step = u64::from(bytes.next().unwrap_or(0));
+                now += step * step * 200;
+                endpoint.handle_timeout(now);
+            }
+            _ => {
+                if command & 16 != 0 {
+                    endpoint.shut_down(now);
+                }
+                if let Some(at) = endpoint.poll_timeout() {
+                    now = now.max(at);
+                }
+                endpoint.handle_timeout(now);
+            }
+        }
+        while let Some((id, action)) = endpoint.poll_action() {
+            let socket = &mut sockets[id as usize];
+            assert!(socket.open, "{action:?} for a socket that is closed");
+            if action == Action::Close {
+                socket.open = false;
+            }
+        }
+        endpoint.check_invariants();
+        for (index, socket) in sockets.iter_mut().enumerate() {
+            let mut at = 0;
+            while let Some((response, len)) = protocol::decode_response(&socket.received[at..])
+                .expect("the server writes only whole, valid frames")
+            {
+                at += len;
+                if let Response::Acquired { token, .. } = response {
+                    let last = socket.last_token;
+                    assert!(token > last, "token {token} after {last}");
+                    socket.last_token = token;
+                }
+            }
+            socket.received.drain(..at);
+            if !socket.open {
+                continue;
+            }
+            let conn = endpoint
+                .connection(index as ConnId)
+                .expect("an open socket has a connection");
+            match (conn.phase().is_live(), socket.allowance) {
+                (true, _) => {}
+                (false, None) => socket.allowance = Some(conn.output_len()),
+                (false, Some(allowance)) => assert!(
+                    conn.output_len() <= allowance,
+                    "output queued after the connection stopped being live"
+                ),
+            }
+        }
+    }
+}
