@@ -10,7 +10,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kunci::client::{Client, Config, Error};
+use kunci::client::{Client, Config, Error, Unavailable};
 
 use crate::util::etcd::{Blackhole, Cluster, etcd_installed};
 use crate::util::{TempDir, kunci_bin};
@@ -154,7 +154,10 @@ fn etcd_every_outcome_of_every_call() {
         }),
     ];
     for call in calls {
-        assert_eq!(call.join().unwrap(), Some(Error::Unavailable));
+        assert_eq!(
+            call.join().unwrap(),
+            Some(Error::Unavailable(Unavailable::Unreachable))
+        );
     }
     assert!(started.elapsed() >= 5 * S - 10 * MS && started.elapsed() < 6 * S);
 }
@@ -430,7 +433,7 @@ fn etcd_kunci_run_keeps_its_lock_while_the_leader_is_killed() {
     let others = client_of(&server);
     while !run.is_finished() {
         match others.acquire("steady", Duration::ZERO, S) {
-            Err(Error::Timeout | Error::Unavailable | Error::Indeterminate) => {}
+            Err(Error::Timeout | Error::Unavailable(_) | Error::Indeterminate) => {}
             Ok(ticket) => {
                 let status = others.query("steady");
                 panic!(

@@ -375,9 +375,12 @@ mod tests {
         let (mut keep, clock, valid_until) = kept(lease);
         keep.handle_timeout(clock.at(S));
         assert_eq!(steps(&mut keep), ["renew 7 kept 42 3"]);
-        for (round, outcome) in [Outcome::Indeterminate, Outcome::Unavailable]
-            .into_iter()
-            .enumerate()
+        for (round, outcome) in [
+            Outcome::Indeterminate,
+            Outcome::Unavailable(crate::client::Unavailable::Unreachable),
+        ]
+        .into_iter()
+        .enumerate()
         {
             let failed = clock.at(S + 500 * MS * (round as u32 + 1));
             keep.handle_outcome(7, outcome, failed);
