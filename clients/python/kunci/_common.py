@@ -75,6 +75,18 @@ class Call(object):
         """Whether somebody waits for this call's outcome."""
         return self.result is None and not self.background and not self.abandoned
 
+    def move_on(self, index):
+        """Readies the call for another address after its ``MOVED`` result
+        from address ``index`` (an ``X 7``/``X 9`` as the session's first
+        frame: nothing executed, rule 4). An address that answered ``X 9``
+        is never tried again by this call."""
+        self.reason = self.result[1]
+        self.tried.add(index)
+        if self.result[2] == P.ERROR_NOT_ALLOWED:
+            self.refusals.add(index)
+        self.result = None
+        self.future = None
+
     def encode(self, now):
         """The frame, with the wire wait computed at ``now`` (rule 3)."""
         op = self.op
@@ -176,6 +188,33 @@ class Pending(object):
         return None
 
 
+def answered_call(session, frame):
+    """The call ``frame`` answers on ``session``, taken out of its pending
+    requests, and ``None``; or ``None`` and why the session must end. A
+    refusal as the session's first frame (``X 7``/``X 9``) also sets
+    ``session.refused``: nothing sent on it was executed."""
+    first = session.frames == 0
+    session.frames += 1
+    if frame[0] == "X" and first and frame[1] in (P.ERROR_CONNECTION_LIMIT, P.ERROR_NOT_ALLOWED):
+        session.refused = (refusal_reason(frame[1]), frame[1])
+        return None, session.refused[0]
+    if frame[0] == "X" and frame[1] not in P.NON_FATAL_ERRORS:
+        return None, "server error %d: %s" % (frame[1], frame[3])
+    call = session.pending.correlate(frame)
+    if call is None:
+        return None, "answer %r matches no request" % (frame,)
+    return call, None
+
+
+def closed_result(session):
+    """The result of a possibly-sent call whose session ended unanswered:
+    moved when the server refused the session before reading anything,
+    else indeterminate."""
+    if session.refused is not None:
+        return (MOVED,) + session.refused
+    return INDETERMINATE
+
+
 def result_of(call, frame, now, compensate):
     """The result ``frame`` gives ``call`` (already correlated), or ``None``
     when nobody gets it. A grant that nobody may take (a background or
@@ -235,6 +274,80 @@ def check_args(check, *values):
         return check(*values)
     except ValueError as error:
         raise InvalidArgument(str(error))
+
+
+def key_text(key):
+    return key if isinstance(key, str) else bytes(key).decode("utf-8")
+
+
+# The calls of the API, their input checked; ``now`` is when the call
+# starts (its deadline counts from there, rule 2).
+
+def acquire_call(key, wait, lease, owner, now):
+    key_bytes = check_args(P.check_key, key)
+    wait = check_args(P.check_wait, wait)
+    lease = check_args(P.check_lease, lease)
+    wait_until = now + wait
+    return Call("A", key_bytes, wait_until + P.TRANSPORT_DEADLINE, owner=owner, lease=lease,
+                wait_until=wait_until if wait > 0 else None)
+
+
+def release_call(key, token, now):
+    key_bytes = check_args(P.check_key, key)
+    token = check_args(P.check_token, token)
+    return Call("R", key_bytes, now + P.TRANSPORT_DEADLINE, token=token)
+
+
+def renew_call(key, token, lease, now):
+    # A ticket passes its key as bytes, already checked.
+    key_bytes = key if isinstance(key, bytes) else check_args(P.check_key, key)
+    token = check_args(P.check_token, token)
+    lease = check_args(P.check_lease, lease)
+    return Call("E", key_bytes, now + P.TRANSPORT_DEADLINE, token=token, lease=lease)
+
+
+def query_call(key, now):
+    return Call("Q", check_args(P.check_key, key), now + P.TRANSPORT_DEADLINE)
+
+
+def info_call(now):
+    return Call("I", b"", now + P.TRANSPORT_DEADLINE)
+
+
+def ping_call(nonce, now):
+    return Call("P", b"", now + P.TRANSPORT_DEADLINE, nonce=nonce)
+
+
+def granted_token(call, result, now, compensate):
+    """The token an acquire hands over, or raises. A grant is handed over
+    only before ``D`` (the hand-over gate, rule 7): one noticed at or after
+    it goes to ``compensate(key, token)`` and the call ends indeterminate."""
+    if result[0] != "A":
+        raise_for(call, result)
+    token = result[1]
+    if now >= call.deadline:
+        compensate(call.key, token)
+        raise_for(call, INDETERMINATE)
+    return token
+
+
+def outcome_of(call, result):
+    """What a release, renew, query, info or ping returns for ``result``;
+    raises for every result that is not the answer to its op. A renew
+    returns ``(valid_until, sent_at)``."""
+    op = call.op
+    if result[0] != op:
+        raise_for(call, result)
+    if op == "E":
+        return P.valid_until(call.sent_at, call.lease), call.sent_at
+    if op == "Q":
+        status = result[1]
+        return None if status == (0, 0, 0, 0) else status
+    if op == "I":
+        return P.parse_info(result[1])
+    if op == "P":
+        return result[1]
+    return None
 
 
 class OwnerIds(object):

@@ -32,8 +32,9 @@ import weakref
 
 from . import _protocol as P
 from ._common import (
-    INDETERMINATE, MOVED, SENT, UNSENT, Call, OwnerIds, Pending, check_args,
-    log, raise_for, refusal_reason, result_of,
+    INDETERMINATE, MOVED, SENT, UNSENT, Call, OwnerIds, Pending, acquire_call,
+    answered_call, check_args, closed_result, granted_token, info_call, key_text,
+    log, outcome_of, ping_call, query_call, release_call, renew_call, result_of,
 )
 from ._errors import Error, Indeterminate, LockLost, NotHeld, Unavailable
 
@@ -169,24 +170,10 @@ class Client(object):
         whole seconds (1..=255). Returns a :class:`Ticket`, or raises
         ``Timeout``, ``Busy``, ``Unavailable``, ``Indeterminate`` or
         ``InvalidArgument``. Returns by ``start + wait + 5 s``."""
-        key_bytes = check_args(P.check_key, key)
-        wait = check_args(P.check_wait, wait)
-        lease = check_args(P.check_lease, lease)
-        start = monotonic()
-        wait_until = start + wait
-        deadline = wait_until + P.TRANSPORT_DEADLINE
-        call = Call("A", key_bytes, deadline, owner=self._ids.next(), lease=lease,
-                    wait_until=wait_until if wait > 0 else None)
+        call = acquire_call(key, wait, lease, self._ids.next(), monotonic())
         result = self._run(call)
-        if result[0] == "A":
-            token = result[1]
-            # The hand-over gate (rule 7): a grant is handed over only
-            # before D.
-            if monotonic() >= deadline:
-                self._release_background(key_bytes, token)
-                raise_for(call, INDETERMINATE)
-            return Ticket(self, _key_text(key), key_bytes, token, lease, call.sent_at)
-        raise_for(call, result)
+        token = granted_token(call, result, monotonic(), self._release_background)
+        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at)
 
     def lock(self, key, wait=0, lease=30, on_lost=None):
         """A context manager that acquires ``key`` on entry (as
@@ -200,12 +187,8 @@ class Client(object):
     def release(self, key, token):
         """Releases grant ``token`` of ``key``. Raises ``NotHeld`` if that
         token is not the key's active grant."""
-        key_bytes = check_args(P.check_key, key)
-        token = check_args(P.check_token, token)
-        call = Call("R", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token)
-        result = self._run(call)
-        if result[0] != "R":
-            raise_for(call, result)
+        call = release_call(key, token, monotonic())
+        outcome_of(call, self._run(call))
 
     def renew(self, key, token, lease=30):
         """Resets grant ``token``'s lease to ``lease`` seconds from now.
@@ -213,40 +196,23 @@ class Client(object):
         return self._renew(key, token, lease)[0]
 
     def _renew(self, key, token, lease):
-        key_bytes = key if isinstance(key, bytes) else check_args(P.check_key, key)
-        token = check_args(P.check_token, token)
-        lease = check_args(P.check_lease, lease)
-        call = Call("E", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token, lease=lease)
-        result = self._run(call)
-        if result[0] != "E":
-            raise_for(call, result)
-        return P.valid_until(call.sent_at, lease), call.sent_at
+        call = renew_call(key, token, lease, monotonic())
+        return outcome_of(call, self._run(call))
 
     def query(self, key):
         """``None`` if ``key`` is free, else a :class:`KeyStatus`."""
-        key_bytes = check_args(P.check_key, key)
-        call = Call("Q", key_bytes, monotonic() + P.TRANSPORT_DEADLINE)
-        result = self._run(call)
-        if result[0] != "Q":
-            raise_for(call, result)
-        status = result[1]
-        return None if status == (0, 0, 0, 0) else status
+        call = query_call(key, monotonic())
+        return outcome_of(call, self._run(call))
 
     def info(self):
         """The server's counters (the ``I`` line) as a dict."""
-        call = Call("I", b"", monotonic() + P.TRANSPORT_DEADLINE)
-        result = self._run(call)
-        if result[0] != "I":
-            raise_for(call, result)
-        return P.parse_info(result[1])
+        call = info_call(monotonic())
+        return outcome_of(call, self._run(call))
 
     def ping(self):
         """The round trip of one ``P``, in seconds."""
-        call = Call("P", b"", monotonic() + P.TRANSPORT_DEADLINE, nonce=self._ids.next())
-        result = self._run(call)
-        if result[0] != "P":
-            raise_for(call, result)
-        return result[1]
+        call = ping_call(self._ids.next(), monotonic())
+        return outcome_of(call, self._run(call))
 
     def close(self):
         """Closes every connection. Calls in progress end ``Indeterminate``
@@ -300,12 +266,7 @@ class Client(object):
             result = call.result
             if result[0] != MOVED:
                 return result
-            # X 7 / X 9 as the session's first frame: nothing executed.
-            call.reason = result[1]
-            call.tried.add(session.index)
-            if result[2] == P.ERROR_NOT_ALLOWED:
-                call.refusals.add(session.index)
-            call.result = None
+            call.move_on(session.index)
 
     def _session_for(self, call):
         """A connected session for ``call``, or ``None`` once its deadline
@@ -615,18 +576,9 @@ class Client(object):
             for frame in frames:
                 if not session.alive:
                     break
-                first = session.frames == 0
-                session.frames += 1
-                if frame[0] == "X" and first and frame[1] in (P.ERROR_CONNECTION_LIMIT, P.ERROR_NOT_ALLOWED):
-                    session.refused = (refusal_reason(frame[1]), frame[1])
-                    self._close_session(session, session.refused[0])
-                    break
-                if frame[0] == "X" and frame[1] not in P.NON_FATAL_ERRORS:
-                    self._close_session(session, "server error %d: %s" % (frame[1], frame[3]))
-                    break
-                call = session.pending.correlate(frame)
+                call, failure = answered_call(session, frame)
                 if call is None:
-                    self._close_session(session, "answer %r matches no request" % (frame,))
+                    self._close_session(session, failure)
                     break
                 self._failures[session.index] = 0
                 result = result_of(call, frame, now, compensate)
@@ -651,10 +603,7 @@ class Client(object):
         for call in session.pending.take_all():
             if call.writing or not call.waiting():
                 continue
-            if session.refused is not None:
-                call.result = (MOVED,) + session.refused
-            else:
-                call.result = INDETERMINATE
+            call.result = closed_result(session)
             self._signal(call)
         if self._pid == os.getpid():
             try:
@@ -796,10 +745,6 @@ def _after_fork_in_child():
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _key_text(key):
-    return key if isinstance(key, str) else bytes(key).decode("utf-8")
 
 
 class Ticket(object):

@@ -22,11 +22,12 @@ import weakref
 
 from . import _protocol as P
 from ._common import (
-    INDETERMINATE, MOVED, SENT, UNSENT, Call, OwnerIds, Pending, check_args,
-    log, raise_for, refusal_reason, result_of,
+    MOVED, SENT, UNSENT, Call, OwnerIds, Pending, acquire_call, answered_call,
+    check_args, closed_result, granted_token, info_call, key_text, log,
+    outcome_of, ping_call, query_call, release_call, renew_call, result_of,
 )
 from ._errors import Error, Indeterminate, LockLost, NotHeld, Unavailable
-from ._sync import CONNECT_TIMEOUT, _RENEW_RETRY, _key_text
+from ._sync import CONNECT_TIMEOUT, _RENEW_RETRY
 
 __all__ = ["Client", "Ticket"]
 
@@ -88,22 +89,10 @@ class Client(object):
 
     async def acquire(self, key, wait=0, lease=30):
         """As :meth:`kunci.Client.acquire`; returns a :class:`Ticket`."""
-        key_bytes = check_args(P.check_key, key)
-        wait = check_args(P.check_wait, wait)
-        lease = check_args(P.check_lease, lease)
-        start = monotonic()
-        wait_until = start + wait
-        deadline = wait_until + P.TRANSPORT_DEADLINE
-        call = Call("A", key_bytes, deadline, owner=self._ids.next(), lease=lease,
-                    wait_until=wait_until if wait > 0 else None)
+        call = acquire_call(key, wait, lease, self._ids.next(), monotonic())
         result = await self._run(call)
-        if result[0] == "A":
-            token = result[1]
-            if monotonic() >= deadline:
-                self._release_background(key_bytes, token)
-                raise_for(call, INDETERMINATE)
-            return Ticket(self, _key_text(key), key_bytes, token, lease, call.sent_at)
-        raise_for(call, result)
+        token = granted_token(call, result, monotonic(), self._release_background)
+        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at)
 
     def lock(self, key, wait=0, lease=30, on_lost=None):
         """``async with client.lock(...) as t:`` — as
@@ -112,48 +101,27 @@ class Client(object):
         return _LockContext(self, key, wait, lease, on_lost)
 
     async def release(self, key, token):
-        key_bytes = check_args(P.check_key, key)
-        token = check_args(P.check_token, token)
-        call = Call("R", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token)
-        result = await self._run(call)
-        if result[0] != "R":
-            raise_for(call, result)
+        call = release_call(key, token, monotonic())
+        outcome_of(call, await self._run(call))
 
     async def renew(self, key, token, lease=30):
         return (await self._renew(key, token, lease))[0]
 
     async def _renew(self, key, token, lease):
-        key_bytes = key if isinstance(key, bytes) else check_args(P.check_key, key)
-        token = check_args(P.check_token, token)
-        lease = check_args(P.check_lease, lease)
-        call = Call("E", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token, lease=lease)
-        result = await self._run(call)
-        if result[0] != "E":
-            raise_for(call, result)
-        return P.valid_until(call.sent_at, lease), call.sent_at
+        call = renew_call(key, token, lease, monotonic())
+        return outcome_of(call, await self._run(call))
 
     async def query(self, key):
-        key_bytes = check_args(P.check_key, key)
-        call = Call("Q", key_bytes, monotonic() + P.TRANSPORT_DEADLINE)
-        result = await self._run(call)
-        if result[0] != "Q":
-            raise_for(call, result)
-        status = result[1]
-        return None if status == (0, 0, 0, 0) else status
+        call = query_call(key, monotonic())
+        return outcome_of(call, await self._run(call))
 
     async def info(self):
-        call = Call("I", b"", monotonic() + P.TRANSPORT_DEADLINE)
-        result = await self._run(call)
-        if result[0] != "I":
-            raise_for(call, result)
-        return P.parse_info(result[1])
+        call = info_call(monotonic())
+        return outcome_of(call, await self._run(call))
 
     async def ping(self):
-        call = Call("P", b"", monotonic() + P.TRANSPORT_DEADLINE, nonce=self._ids.next())
-        result = await self._run(call)
-        if result[0] != "P":
-            raise_for(call, result)
-        return result[1]
+        call = ping_call(self._ids.next(), monotonic())
+        return outcome_of(call, await self._run(call))
 
     async def close(self):
         """Closes every connection (tickets are not released)."""
@@ -208,12 +176,7 @@ class Client(object):
             result = call.result
             if result[0] != MOVED:
                 return result
-            call.reason = result[1]
-            call.tried.add(session.index)
-            if result[2] == P.ERROR_NOT_ALLOWED:
-                call.refusals.add(session.index)
-            call.result = None
-            call.future = None
+            call.move_on(session.index)
 
     async def _session_for(self, call, loop):
         count = len(self._addresses)
@@ -354,18 +317,9 @@ class Client(object):
         for frame in frames:
             if not session.alive:
                 return
-            first = session.frames == 0
-            session.frames += 1
-            if frame[0] == "X" and first and frame[1] in (P.ERROR_CONNECTION_LIMIT, P.ERROR_NOT_ALLOWED):
-                session.refused = (refusal_reason(frame[1]), frame[1])
-                self._close_session(session, session.refused[0])
-                return
-            if frame[0] == "X" and frame[1] not in P.NON_FATAL_ERRORS:
-                self._close_session(session, "server error %d: %s" % (frame[1], frame[3]))
-                return
-            call = session.pending.correlate(frame)
+            call, failure = answered_call(session, frame)
             if call is None:
-                self._close_session(session, "answer %r matches no request" % (frame,))
+                self._close_session(session, failure)
                 return
             self._failures[session.index] = 0
             result = result_of(call, frame, now, self._release_background)
@@ -381,12 +335,8 @@ class Client(object):
             self._sessions[index] = None
         self._note_failure(index, reason)
         for call in session.pending.take_all():
-            if not call.waiting():
-                continue
-            if session.refused is not None:
-                self._complete(call, (MOVED,) + session.refused)
-            else:
-                self._complete(call, INDETERMINATE)
+            if call.waiting():
+                self._complete(call, closed_result(session))
         if session.transport is not None and self._pid == os.getpid():
             session.transport.abort()
 
