@@ -188,6 +188,80 @@ class Pending(object):
         return None
 
 
+class AddressBook(object):
+    """The addresses of one service and what the client knows of each: its
+    session, its failures in a row, when it may be tried again and why it
+    last failed. The time comes from the caller; the sync client calls
+    every method with its lock held."""
+
+    def __init__(self, addresses):
+        count = len(addresses)
+        self.addresses = addresses
+        self.sessions = [None] * count
+        self.failures = [0] * count
+        self.retry_at = [0.0] * count
+        self.last_failure = [None] * count
+        self.preferred = 0
+
+    def live_session(self):
+        """A live session, the preferred address's first; else ``None``."""
+        count = len(self.addresses)
+        first = self.preferred
+        for offset in range(count):
+            session = self.sessions[(first + offset) % count]
+            if session is not None and session.alive:
+                return session
+        return None
+
+    def allowed(self, call):
+        """The addresses ``call`` may still connect to, the preferred one
+        first (none that refused it with ``X 9``). A call with no reason
+        of its own yet takes the last failure among them as its reason."""
+        count = len(self.addresses)
+        first = self.preferred
+        order = [(first + offset) % count for offset in range(count)]
+        allowed = [i for i in order if i not in call.refusals]
+        if call.reason is None:
+            failures = [self.last_failure[i] for i in allowed if self.last_failure[i]]
+            if failures:
+                call.reason = failures[0]
+        return allowed
+
+    def ready(self, allowed, call, now):
+        """Those of ``allowed`` whose retry time has come, the ones
+        ``call`` has not failed on first."""
+        ready = [i for i in allowed if self.retry_at[i] <= now]
+        ready.sort(key=lambda i: i in call.tried)
+        return ready
+
+    def next_try(self, allowed):
+        return min(self.retry_at[i] for i in allowed)
+
+    def connected(self, session):
+        self.sessions[session.index] = session
+        self.preferred = session.index
+
+    def answered(self, index):
+        self.failures[index] = 0
+
+    def note_failure(self, index, reason, now):
+        """One more failure in a row: the address waits longer (backoff)."""
+        self.failures[index] += 1
+        self.retry_at[index] = now + P.retry_delay(self.failures[index])
+        self.last_failure[index] = reason
+
+    def connect_failed(self, index, call, error, now):
+        reason = "cannot connect to %s: %s" % (P.format_address(self.addresses[index]), error)
+        self.note_failure(index, reason, now)
+        call.reason = reason
+        call.tried.add(index)
+
+    def session_ended(self, session, reason, now):
+        if self.sessions[session.index] is session:
+            self.sessions[session.index] = None
+        self.note_failure(session.index, reason, now)
+
+
 def answered_call(session, frame):
     """The call ``frame`` answers on ``session``, taken out of its pending
     requests, and ``None``; or ``None`` and why the session must end. A

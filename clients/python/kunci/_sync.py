@@ -32,7 +32,7 @@ import weakref
 
 from . import _protocol as P
 from ._common import (
-    INDETERMINATE, MOVED, SENT, UNSENT, Call, OwnerIds, Pending, acquire_call,
+    INDETERMINATE, MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, acquire_call,
     answered_call, check_args, closed_result, granted_token, info_call, key_text,
     log, outcome_of, ping_call, query_call, release_call, renew_call, result_of,
 )
@@ -143,15 +143,10 @@ class Client(object):
         _CLIENTS.add(self)
 
     def _init_state(self):
-        count = len(self._addresses)
         self._pid = os.getpid()
         self._mu = threading.Lock()
-        self._sessions = [None] * count
-        self._connect_locks = [threading.Lock() for _ in range(count)]
-        self._failures = [0] * count
-        self._retry_at = [0.0] * count
-        self._last_failure = [None] * count
-        self._preferred = 0
+        self._book = AddressBook(self._addresses)
+        self._connect_locks = [threading.Lock() for _ in self._addresses]
         # Maintenance thread: background releases and timers. Re-entrant:
         # a ticket's finalizer may start the thread while this thread holds
         # the lock (a collection during `_schedule`).
@@ -224,7 +219,7 @@ class Client(object):
             self._closed = True
             if self._pid != os.getpid():
                 return
-            for session in self._sessions:
+            for session in self._book.sessions:
                 if session is not None:
                     self._close_session(session, "the client was closed")
             wake = self._maint_wake
@@ -271,7 +266,7 @@ class Client(object):
     def _session_for(self, call):
         """A connected session for ``call``, or ``None`` once its deadline
         has passed (or every address refused it with ``X 9``)."""
-        count = len(self._addresses)
+        book = self._book
         while True:
             now = monotonic()
             if now >= call.deadline:
@@ -279,22 +274,14 @@ class Client(object):
             with self._mu:
                 if self._closed:
                     raise Error("the client is closed")
-                first = self._preferred
-                for offset in range(count):
-                    session = self._sessions[(first + offset) % count]
-                    if session is not None and session.alive:
-                        return session
-                order = [(first + offset) % count for offset in range(count)]
-                allowed = [i for i in order if i not in call.refusals]
+                session = book.live_session()
+                if session is not None:
+                    return session
+                allowed = book.allowed(call)
                 if not allowed:
                     return None
-                ready = [i for i in allowed if self._retry_at[i] <= now]
-                ready.sort(key=lambda i: i in call.tried)
-                next_try = min(self._retry_at[i] for i in allowed)
-                if call.reason is None:
-                    failures = [self._last_failure[i] for i in allowed if self._last_failure[i]]
-                    if failures:
-                        call.reason = failures[0]
+                ready = book.ready(allowed, call, now)
+                next_try = book.next_try(allowed)
             if not ready:
                 time.sleep(max(0.0, min(next_try, call.deadline) - now))
                 continue
@@ -309,10 +296,10 @@ class Client(object):
             return None
         try:
             with self._mu:
-                session = self._sessions[index]
+                session = self._book.sessions[index]
                 if session is not None and session.alive:
                     return session
-                if self._retry_at[index] > monotonic():
+                if self._book.retry_at[index] > monotonic():
                     return None
             timeout = min(self._connect_timeout, call.deadline - monotonic())
             if timeout <= 0:
@@ -321,27 +308,18 @@ class Client(object):
             try:
                 sock = _connect(address, timeout)
             except (OSError, ValueError) as error:
-                reason = "cannot connect to %s: %s" % (P.format_address(address), error)
                 with self._mu:
-                    self._note_failure(index, reason)
-                call.reason = reason
-                call.tried.add(index)
+                    self._book.connect_failed(index, call, error, monotonic())
                 return None
             session = _Session(index, sock)
             with self._mu:
                 if self._closed:
                     session.close_fds()
                     raise Error("the client is closed")
-                self._sessions[index] = session
-                self._preferred = index
+                self._book.connected(session)
             return session
         finally:
             lock.release()
-
-    def _note_failure(self, index, reason):
-        self._failures[index] += 1
-        self._retry_at[index] = monotonic() + P.retry_delay(self._failures[index])
-        self._last_failure[index] = reason
 
     def _write(self, session, call):
         """Writes ``call``'s frame on ``session``. ``UNSENT``: the socket
@@ -580,7 +558,7 @@ class Client(object):
                 if call is None:
                     self._close_session(session, failure)
                     break
-                self._failures[session.index] = 0
+                self._book.answered(session.index)
                 result = result_of(call, frame, now, compensate)
                 if result is not None and call.result is None:
                     call.result = result
@@ -596,10 +574,7 @@ class Client(object):
         if not session.alive:
             return
         session.alive = False
-        index = session.index
-        if self._sessions[index] is session:
-            self._sessions[index] = None
-        self._note_failure(index, reason)
+        self._book.session_ended(session, reason, monotonic())
         for call in session.pending.take_all():
             if call.writing or not call.waiting():
                 continue
@@ -726,7 +701,7 @@ class Client(object):
         # Only this thread exists in the child. The parent's sockets are
         # closed here without a shutdown (which would end the parent's
         # connections too) and never written to.
-        for session in self._sessions:
+        for session in self._book.sessions:
             if session is not None:
                 session.close_fds()
         if self._maint_wake is not None:

@@ -22,7 +22,7 @@ import weakref
 
 from . import _protocol as P
 from ._common import (
-    MOVED, SENT, UNSENT, Call, OwnerIds, Pending, acquire_call, answered_call,
+    MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, acquire_call, answered_call,
     check_args, closed_result, granted_token, info_call, key_text, log,
     outcome_of, ping_call, query_call, release_call, renew_call, result_of,
 )
@@ -74,15 +74,10 @@ class Client(object):
         _CLIENTS.add(self)
 
     def _init_state(self):
-        count = len(self._addresses)
         self._pid = os.getpid()
         self._loop = None
-        self._sessions = [None] * count
-        self._connecting = [None] * count
-        self._failures = [0] * count
-        self._retry_at = [0.0] * count
-        self._last_failure = [None] * count
-        self._preferred = 0
+        self._book = AddressBook(self._addresses)
+        self._connecting = [None] * len(self._addresses)
         self._tasks = set()
 
     # ----------------------------------------------------------------- API
@@ -130,7 +125,7 @@ class Client(object):
         self._closed = True
         if self._pid != os.getpid():
             return
-        for session in self._sessions:
+        for session in self._book.sessions:
             if session is not None:
                 self._close_session(session, "the client was closed")
         tasks = [task for task in self._tasks if task is not _current_task()]
@@ -150,7 +145,7 @@ class Client(object):
 
     def _bind_loop(self):
         if self._pid != os.getpid():
-            for session in self._sessions:
+            for session in self._book.sessions:
                 if session is not None and session.transport is not None:
                     _forget_transport(session.transport)
             self._init_state()
@@ -179,36 +174,28 @@ class Client(object):
             call.move_on(session.index)
 
     async def _session_for(self, call, loop):
-        count = len(self._addresses)
+        book = self._book
         while True:
             now = monotonic()
             if now >= call.deadline:
                 return None
             if self._closed:
                 raise Error("the client is closed")
-            first = self._preferred
-            for offset in range(count):
-                session = self._sessions[(first + offset) % count]
-                if session is not None and session.alive:
-                    return session
-            order = [(first + offset) % count for offset in range(count)]
-            allowed = [i for i in order if i not in call.refusals]
+            session = book.live_session()
+            if session is not None:
+                return session
+            allowed = book.allowed(call)
             if not allowed:
                 return None
-            if call.reason is None:
-                failures = [self._last_failure[i] for i in allowed if self._last_failure[i]]
-                if failures:
-                    call.reason = failures[0]
             connecting = [self._connecting[i] for i in allowed if self._connecting[i] is not None]
-            ready = [i for i in allowed if self._retry_at[i] <= now and self._connecting[i] is None]
-            ready.sort(key=lambda i: i in call.tried)
+            ready = [i for i in book.ready(allowed, call, now) if self._connecting[i] is None]
             if ready:
                 await self._open(ready[0], call, loop)
                 continue
             if connecting:
                 await asyncio.wait(connecting, timeout=max(0.0, call.deadline - now))
                 continue
-            next_try = min(self._retry_at[i] for i in allowed)
+            next_try = book.next_try(allowed)
             await asyncio.sleep(max(0.0, min(next_try, call.deadline) - now))
 
     async def _open(self, index, call, loop):
@@ -230,18 +217,13 @@ class Client(object):
             except (OSError, asyncio.TimeoutError, ValueError) as error:
                 if session.transport is not None:
                     session.transport.abort()
-                reason = "cannot connect to %s: %s" % (
-                    P.format_address(address), error or "timed out")
-                self._note_failure(index, reason)
-                call.reason = reason
-                call.tried.add(index)
+                self._book.connect_failed(index, call, error or "timed out", monotonic())
                 return
             if self._closed:
                 session.transport.abort()
                 raise Error("the client is closed")
             if session.alive:
-                self._sessions[index] = session
-                self._preferred = index
+                self._book.connected(session)
             else:
                 # Refused (X 7 / X 9) or closed before this call wrote a
                 # byte on it: try the other addresses first.
@@ -254,11 +236,6 @@ class Client(object):
             self._connecting[index] = None
             if not done.done():
                 done.set_result(None)
-
-    def _note_failure(self, index, reason):
-        self._failures[index] += 1
-        self._retry_at[index] = monotonic() + P.retry_delay(self._failures[index])
-        self._last_failure[index] = reason
 
     def _write(self, session, call, loop):
         transport = session.transport
@@ -321,7 +298,7 @@ class Client(object):
             if call is None:
                 self._close_session(session, failure)
                 return
-            self._failures[session.index] = 0
+            self._book.answered(session.index)
             result = result_of(call, frame, now, self._release_background)
             if result is not None and call.result is None:
                 self._complete(call, result)
@@ -330,10 +307,7 @@ class Client(object):
         if not session.alive:
             return
         session.alive = False
-        index = session.index
-        if self._sessions[index] is session:
-            self._sessions[index] = None
-        self._note_failure(index, reason)
+        self._book.session_ended(session, reason, monotonic())
         for call in session.pending.take_all():
             if call.waiting():
                 self._complete(call, closed_result(session))
