@@ -4,9 +4,12 @@ kinds, correlation, key status, fork bookkeeping."""
 import collections
 import logging
 import os
+import time
 
 from . import _protocol as P
-from ._errors import Busy, Indeterminate, InvalidArgument, NotHeld, Timeout, Unavailable
+from ._errors import (
+    Busy, Error, Indeterminate, InvalidArgument, LockLost, NotHeld, Timeout, Unavailable,
+)
 
 log = logging.getLogger("kunci")
 
@@ -28,6 +31,10 @@ UNSENT = 0
 SENT = 1
 
 _U64 = (1 << 64) - 1
+
+# How soon a keep-alive retries a renewal that ended Unavailable or
+# Indeterminate while valid_until is still ahead.
+RENEW_RETRY = 0.05
 
 
 class Call(object):
@@ -443,3 +450,146 @@ class OwnerIds(object):
 
 def current_pid():
     return os.getpid()
+
+
+class TicketBase(object):
+    """The bookkeeping of a granted lock that does not depend on how its
+    client waits: validity, loss, ownership across a fork. A subclass
+    supplies ``renew``, ``release``, ``_declare_lost`` and
+    ``_stop_keepalive``."""
+
+    def __init__(self, client, key, key_bytes, token, lease, sent_at):
+        self._client = client
+        self.key = key
+        self._key_bytes = key_bytes
+        self.token = token
+        self.lease = lease
+        self.valid_until = P.valid_until(sent_at, lease)
+        self._lease_sent_at = sent_at
+        self._pid = os.getpid()
+        self._done = False  # released or detached: the drop does nothing
+        self._lost = False
+        self._keepalive = None
+        self._on_lost = None
+
+    def __repr__(self):
+        return "Ticket(key=%r, token=%d, lease=%d, valid_until=%.3f%s)" % (
+            self.key, self.token, self.lease, self.valid_until, ", lost" if self._lost else "")
+
+    def _foreign(self):
+        return self._pid != os.getpid()
+
+    @property
+    def lost(self):
+        """Whether the lock is known to be lost (a renewal answered ``N``,
+        or ``valid_until`` passed under keep-alive). Always true in a
+        forked child: the lock belongs to the parent."""
+        return self._lost or self._foreign()
+
+    def is_valid(self):
+        """Whether ``valid_until`` is still ahead and no loss is known."""
+        return not self.lost and time.monotonic() < self.valid_until
+
+    def check(self):
+        """Raises :class:`LockLost` unless the lock is still held
+        (``is_valid()``). Call it before each step that relies on the
+        lock; pass ``token`` to the resource all the same."""
+        if self._foreign():
+            raise LockLost("this ticket belongs to process %d" % self._pid)
+        self._raise_if_lost()
+        if self._declare_lost_if_expired():
+            raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
+
+    def detach(self):
+        """Keeps the lock held after this object is dropped; returns the
+        token. The lease still ends unless someone renews it."""
+        self._stop_keepalive()
+        self._done = True
+        return self.token
+
+    def __del__(self):
+        try:
+            if not self._done and not self._foreign():
+                self._done = True
+                self._client._release_background(self._key_bytes, self.token)
+        except Exception:
+            pass
+
+    def _check_owned(self):
+        if self._foreign():
+            raise Error("this ticket belongs to process %d; a forked child never "
+                        "renews or releases its parent's locks" % self._pid)
+
+    def _raise_if_lost(self):
+        if self._lost:
+            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+
+    def _declare_lost_if_expired(self):
+        """Declares the loss once ``valid_until`` has passed (rule 10);
+        whether it has."""
+        if time.monotonic() >= self.valid_until:
+            self._declare_lost("valid_until passed without a successful renewal")
+            return True
+        return False
+
+    def _renewal_lease(self, lease):
+        """The lease a renewal asks for (default: the ticket's), or raises
+        when this ticket may not renew."""
+        self._check_owned()
+        self._raise_if_lost()
+        return self.lease if lease is None else check_args(P.check_lease, lease)
+
+    def _renew_due_at(self):
+        """When a keep-alive renews next: a third into the lease."""
+        return self._lease_sent_at + self.lease / 3.0
+
+    def _renewal_indeterminate(self, started, lease):
+        # The renewal may have set a lease from any instant after
+        # ``started``: keep the earlier of the two bounds.
+        self.valid_until = min(self.valid_until, P.valid_until(started, lease))
+
+    def _renewed(self, sent_at, lease, valid_until):
+        # Renewals may end out of order: the latest sent one counts.
+        if sent_at >= self._lease_sent_at:
+            self._lease_sent_at = sent_at
+            self.lease = lease
+            self.valid_until = valid_until
+
+    def _begin_release(self):
+        """Stops the keep-alive and marks the ticket done before a release;
+        raises when there is nothing this process may release."""
+        self._check_owned()
+        self._stop_keepalive()
+        self._done = True
+        self._raise_if_lost()
+
+    def _release_at_block_end(self):
+        """Leaving a ``with`` block: stops the keep-alive; whether to send
+        a release (not after a known loss, not for a parent's ticket, not
+        twice)."""
+        self._stop_keepalive()
+        if self._foreign() or self._done:
+            return False
+        self._done = True
+        return not self._lost
+
+
+def renewal_retry_in(keepalive, error, now):
+    """After a keep-alive's renewal raised ``error``: the seconds to wait
+    before trying again, or ``None`` to stop renewing (the loss is declared
+    where it is one). A renewal whose outcome is unknown or that reached no
+    server is retried while ``valid_until`` is ahead (rule 10)."""
+    ticket = keepalive.ticket
+    if isinstance(error, (Unavailable, Indeterminate)):
+        if keepalive.stopped:
+            return None
+        left = ticket.valid_until - now
+        if left <= 0:
+            ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
+            return None
+        return min(RENEW_RETRY, left)
+    if isinstance(error, (NotHeld, LockLost)):
+        # renew() declared the loss, or it was known already.
+        return None
+    ticket._declare_lost("renewal failed: %s" % error)
+    return None

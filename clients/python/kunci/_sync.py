@@ -32,11 +32,12 @@ import weakref
 
 from . import _protocol as P
 from ._common import (
-    INDETERMINATE, MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, acquire_call,
-    answered_call, check_args, closed_result, granted_token, info_call, key_text,
-    log, outcome_of, ping_call, query_call, release_call, renew_call, result_of,
+    INDETERMINATE, MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, TicketBase,
+    acquire_call, answered_call, check_args, closed_result, granted_token, info_call,
+    key_text, log, outcome_of, ping_call, query_call, release_call, renew_call,
+    renewal_retry_in, result_of,
 )
-from ._errors import Error, Indeterminate, LockLost, NotHeld, Unavailable
+from ._errors import Error, Indeterminate, NotHeld, Unavailable
 
 monotonic = time.monotonic
 
@@ -52,10 +53,6 @@ _READ_CHUNK = 65536
 
 # How long the maintenance thread stays with nothing to do before it ends.
 _MAINTENANCE_IDLE_EXIT = 5.0
-
-# How soon a keep-alive retries a renewal that ended Unavailable or
-# Indeterminate while valid_until is still ahead.
-_RENEW_RETRY = 0.05
 
 _CLIENTS = weakref.WeakSet()
 
@@ -722,7 +719,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class Ticket(object):
+class Ticket(TicketBase):
     """A granted lock: ``key``, the fencing ``token``, the ``lease`` (whole
     seconds) and ``valid_until``, a ``time.monotonic()`` instant before
     which the server cannot have taken the lock back (the instant just
@@ -736,49 +733,8 @@ class Ticket(object):
     """
 
     def __init__(self, client, key, key_bytes, token, lease, sent_at):
-        self._client = client
-        self.key = key
-        self._key_bytes = key_bytes
-        self.token = token
-        self.lease = lease
-        self.valid_until = P.valid_until(sent_at, lease)
-        self._lease_sent_at = sent_at
-        self._pid = os.getpid()
+        super().__init__(client, key, key_bytes, token, lease, sent_at)
         self._state_lock = threading.Lock()
-        self._done = False  # released or detached: the drop does nothing
-        self._lost = False
-        self._keepalive = None
-        self._on_lost = None
-
-    def __repr__(self):
-        return "Ticket(key=%r, token=%d, lease=%d, valid_until=%.3f%s)" % (
-            self.key, self.token, self.lease, self.valid_until, ", lost" if self._lost else "")
-
-    def _foreign(self):
-        return self._pid != os.getpid()
-
-    @property
-    def lost(self):
-        """Whether the lock is known to be lost (a renewal answered ``N``,
-        or ``valid_until`` passed under keep-alive). Always true in a
-        forked child: the lock belongs to the parent."""
-        return self._lost or self._foreign()
-
-    def is_valid(self):
-        """Whether ``valid_until`` is still ahead and no loss is known."""
-        return not self.lost and monotonic() < self.valid_until
-
-    def check(self):
-        """Raises :class:`LockLost` unless the lock is still held
-        (``is_valid()``). Call it before each step that relies on the
-        lock; pass ``token`` to the resource all the same."""
-        if self._foreign():
-            raise LockLost("this ticket belongs to process %d" % self._pid)
-        if self._lost:
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
-        if monotonic() >= self.valid_until:
-            self._declare_lost("valid_until passed without a successful renewal")
-            raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
 
     def renew(self, lease=None):
         """Resets the lease to ``lease`` seconds (default: the ticket's
@@ -786,10 +742,7 @@ class Ticket(object):
         send instant + lease − margin. ``NotHeld``: the lock is lost.
         ``Indeterminate``: ``valid_until`` keeps the earlier of the two
         bounds."""
-        self._check_owned()
-        if self._lost:
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
-        lease = self.lease if lease is None else check_args(P.check_lease, lease)
+        lease = self._renewal_lease(lease)
         started = monotonic()
         try:
             new_valid_until, sent_at = self._client._renew(self._key_bytes, self.token, lease)
@@ -798,37 +751,22 @@ class Ticket(object):
             raise
         except Indeterminate:
             with self._state_lock:
-                self.valid_until = min(self.valid_until, P.valid_until(started, lease))
+                self._renewal_indeterminate(started, lease)
             raise
         with self._state_lock:
-            if sent_at >= self._lease_sent_at:
-                self._lease_sent_at = sent_at
-                self.lease = lease
-                self.valid_until = new_valid_until
+            self._renewed(sent_at, lease, new_valid_until)
         return self.valid_until
 
     def release(self):
         """Releases the lock (``R`` for exactly this token). ``NotHeld``:
         the lease had already run out. After a known loss it sends nothing
         and raises :class:`LockLost`."""
-        self._check_owned()
-        self._stop_keepalive()
-        if self._lost:
-            self._done = True
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
-        self._done = True
+        self._begin_release()
         try:
             self._client.release(self._key_bytes, self.token)
         except NotHeld:
             self._declare_lost("the release was answered N")
             raise
-
-    def detach(self):
-        """Keeps the lock held after this object is dropped; returns the
-        token. The lease still ends unless someone renews it."""
-        self._stop_keepalive()
-        self._done = True
-        return self.token
 
     def __enter__(self):
         return self
@@ -836,19 +774,6 @@ class Ticket(object):
     def __exit__(self, exc_type, exc, tb):
         _exit_release(self, exc_type)
         return False
-
-    def __del__(self):
-        try:
-            if not self._done and not self._foreign():
-                self._done = True
-                self._client._release_background(self._key_bytes, self.token)
-        except Exception:
-            pass
-
-    def _check_owned(self):
-        if self._foreign():
-            raise Error("this ticket belongs to process %d; a forked child never "
-                        "renews or releases its parent's locks" % self._pid)
 
     def _declare_lost(self, why):
         with self._state_lock:
@@ -882,13 +807,8 @@ def _exit_release(ticket, exc_type):
     """Leaving a ``with`` block: release, unless the lock was lost (then
     nothing is sent and nothing raised) or the ticket is a parent's. A
     failed release raises only if the block itself did not."""
-    ticket._stop_keepalive()
-    if ticket._foreign() or ticket._done:
+    if not ticket._release_at_block_end():
         return
-    if ticket._lost:
-        ticket._done = True
-        return
-    ticket._done = True
     try:
         ticket._client.release(ticket._key_bytes, ticket.token)
     except NotHeld:
@@ -909,7 +829,7 @@ class _KeepAlive(object):
     def start(self):
         ticket = self.ticket
         client = ticket._client
-        client._schedule(ticket._lease_sent_at + ticket.lease / 3.0, self._renew_due)
+        client._schedule(ticket._renew_due_at(), self._renew_due)
         client._schedule(ticket.valid_until, self._check)
 
     def _renew_due(self):
@@ -928,31 +848,20 @@ class _KeepAlive(object):
             # renewal never finds the previous one still marked running.
             self.renewing = False
         if renewed and not self.stopped:
-            ticket._client._schedule(ticket._lease_sent_at + ticket.lease / 3.0, self._renew_due)
+            ticket._client._schedule(ticket._renew_due_at(), self._renew_due)
 
     def _renew_until_done(self):
         """Renews once, retrying while ``valid_until`` is ahead. Whether it
         succeeded."""
-        ticket = self.ticket
         while not self.stopped:
             try:
-                ticket.renew()
-            except NotHeld:
-                return False  # renew() declared the loss
-            except (Unavailable, Indeterminate) as error:
-                if self.stopped:
-                    return False
-                left = ticket.valid_until - monotonic()
-                if left <= 0:
-                    ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
-                    return False
-                time.sleep(min(_RENEW_RETRY, left))
-                continue
-            except LockLost:
-                return False
+                self.ticket.renew()
             except Error as error:
-                ticket._declare_lost("renewal failed: %s" % error)
-                return False
+                retry_in = renewal_retry_in(self, error, monotonic())
+                if retry_in is None:
+                    return False
+                time.sleep(retry_in)
+                continue
             return True
         return False
 
@@ -960,9 +869,7 @@ class _KeepAlive(object):
         if self.stopped:
             return
         ticket = self.ticket
-        if monotonic() >= ticket.valid_until:
-            ticket._declare_lost("valid_until passed without a successful renewal")
-        else:
+        if not ticket._declare_lost_if_expired():
             ticket._client._schedule(ticket.valid_until, self._check)
 
 

@@ -15,19 +15,19 @@ token is released at once, so a grant never goes to nobody.
 """
 
 import asyncio
-import math
 import os
 import time
 import weakref
 
 from . import _protocol as P
 from ._common import (
-    MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, acquire_call, answered_call,
-    check_args, closed_result, granted_token, info_call, key_text, log,
-    outcome_of, ping_call, query_call, release_call, renew_call, result_of,
+    MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, TicketBase,
+    acquire_call, answered_call, check_args, closed_result, granted_token,
+    info_call, key_text, log, outcome_of, ping_call, query_call, release_call,
+    renew_call, renewal_retry_in, result_of,
 )
-from ._errors import Error, Indeterminate, LockLost, NotHeld, Unavailable
-from ._sync import CONNECT_TIMEOUT, _RENEW_RETRY
+from ._errors import Error, Indeterminate, NotHeld, Unavailable
+from ._sync import CONNECT_TIMEOUT
 
 __all__ = ["Client", "Ticket"]
 
@@ -364,52 +364,12 @@ def _forget_transport(transport):
     _INHERITED.append(transport)
 
 
-class Ticket(object):
+class Ticket(TicketBase):
     """As :class:`kunci.Ticket`, with ``renew`` and ``release`` as
     coroutines. Any task may renew or release it."""
 
-    def __init__(self, client, key, key_bytes, token, lease, sent_at):
-        self._client = client
-        self.key = key
-        self._key_bytes = key_bytes
-        self.token = token
-        self.lease = lease
-        self.valid_until = P.valid_until(sent_at, lease)
-        self._lease_sent_at = sent_at
-        self._pid = os.getpid()
-        self._done = False
-        self._lost = False
-        self._keepalive = None
-        self._on_lost = None
-
-    def __repr__(self):
-        return "Ticket(key=%r, token=%d, lease=%d, valid_until=%.3f%s)" % (
-            self.key, self.token, self.lease, self.valid_until, ", lost" if self._lost else "")
-
-    def _foreign(self):
-        return self._pid != os.getpid()
-
-    @property
-    def lost(self):
-        return self._lost or self._foreign()
-
-    def is_valid(self):
-        return not self.lost and monotonic() < self.valid_until
-
-    def check(self):
-        if self._foreign():
-            raise LockLost("this ticket belongs to process %d" % self._pid)
-        if self._lost:
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
-        if monotonic() >= self.valid_until:
-            self._declare_lost("valid_until passed without a successful renewal")
-            raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
-
     async def renew(self, lease=None):
-        self._check_owned()
-        if self._lost:
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
-        lease = self.lease if lease is None else check_args(P.check_lease, lease)
+        lease = self._renewal_lease(lease)
         started = monotonic()
         try:
             new_valid_until, sent_at = await self._client._renew(self._key_bytes, self.token, lease)
@@ -417,30 +377,18 @@ class Ticket(object):
             self._declare_lost("a renewal was answered N")
             raise
         except Indeterminate:
-            self.valid_until = min(self.valid_until, P.valid_until(started, lease))
+            self._renewal_indeterminate(started, lease)
             raise
-        if sent_at >= self._lease_sent_at:
-            self._lease_sent_at = sent_at
-            self.lease = lease
-            self.valid_until = new_valid_until
+        self._renewed(sent_at, lease, new_valid_until)
         return self.valid_until
 
     async def release(self):
-        self._check_owned()
-        self._stop_keepalive()
-        self._done = True
-        if self._lost:
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+        self._begin_release()
         try:
             await self._client.release(self._key_bytes, self.token)
         except NotHeld:
             self._declare_lost("the release was answered N")
             raise
-
-    def detach(self):
-        self._stop_keepalive()
-        self._done = True
-        return self.token
 
     async def __aenter__(self):
         return self
@@ -448,19 +396,6 @@ class Ticket(object):
     async def __aexit__(self, exc_type, exc, tb):
         await _exit_release(self, exc_type)
         return False
-
-    def __del__(self):
-        try:
-            if not self._done and not self._foreign():
-                self._done = True
-                self._client._release_background(self._key_bytes, self.token)
-        except Exception:
-            pass
-
-    def _check_owned(self):
-        if self._foreign():
-            raise Error("this ticket belongs to process %d; a forked child never "
-                        "renews or releases its parent's locks" % self._pid)
 
     def _declare_lost(self, why):
         if self._lost:
@@ -488,11 +423,7 @@ class Ticket(object):
 
 
 async def _exit_release(ticket, exc_type):
-    ticket._stop_keepalive()
-    if ticket._foreign() or ticket._done:
-        return
-    ticket._done = True
-    if ticket._lost:
+    if not ticket._release_at_block_end():
         return
     try:
         await ticket._client.release(ticket._key_bytes, ticket.token)
@@ -533,32 +464,22 @@ class _KeepAlive(object):
     def _check(self):
         if self.stopped:
             return
-        if monotonic() >= self.ticket.valid_until:
-            self.ticket._declare_lost("valid_until passed without a successful renewal")
-        else:
+        if not self.ticket._declare_lost_if_expired():
             self._arm_check()
 
     async def _run(self):
         ticket = self.ticket
         while not self.stopped:
-            await asyncio.sleep(max(0.0, ticket._lease_sent_at + ticket.lease / 3.0 - monotonic()))
+            await asyncio.sleep(max(0.0, ticket._renew_due_at() - monotonic()))
             while not self.stopped:
                 try:
                     await ticket.renew()
-                except NotHeld:
-                    return
-                except (Unavailable, Indeterminate) as error:
-                    left = ticket.valid_until - monotonic()
-                    if left <= 0:
-                        ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
-                        return
-                    await asyncio.sleep(min(_RENEW_RETRY, left))
-                    continue
-                except LockLost:
-                    return
                 except Error as error:
-                    ticket._declare_lost("renewal failed: %s" % error)
-                    return
+                    retry_in = renewal_retry_in(self, error, monotonic())
+                    if retry_in is None:
+                        return
+                    await asyncio.sleep(retry_in)
+                    continue
                 break
 
 
