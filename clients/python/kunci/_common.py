@@ -1,5 +1,8 @@
-"""What the sync and asyncio clients share: the call record, the result
-kinds, correlation, key status, fork bookkeeping."""
+"""What the sync and asyncio clients share, free of I/O: the call record
+and the result kinds, the calls of the API and what they return,
+correlation of answers, what the client knows of each address, ticket
+bookkeeping and the keep-alive's decisions. Only blocking versus awaiting
+stays in the clients."""
 
 import collections
 import logging
