@@ -1,12 +1,18 @@
-"""What the sync and asyncio clients share: the call record, the result
-kinds, correlation, key status, fork bookkeeping."""
+"""What the sync and asyncio clients share, free of I/O: the call record
+and the result kinds, the calls of the API and what they return,
+correlation of answers, what the client knows of each address, ticket
+bookkeeping and the keep-alive's decisions. Only blocking versus awaiting
+stays in the clients."""
 
 import collections
 import logging
 import os
+import time
 
 from . import _protocol as P
-from ._errors import Busy, Indeterminate, InvalidArgument, NotHeld, Timeout, Unavailable
+from ._errors import (
+    Busy, Error, Indeterminate, InvalidArgument, LockLost, NotHeld, Timeout, Unavailable,
+)
 
 log = logging.getLogger("kunci")
 
@@ -28,6 +34,10 @@ UNSENT = 0
 SENT = 1
 
 _U64 = (1 << 64) - 1
+
+# How soon a keep-alive retries a renewal that ended Unavailable or
+# Indeterminate while valid_until is still ahead.
+RENEW_RETRY = 0.05
 
 
 class Call(object):
@@ -74,6 +84,18 @@ class Call(object):
     def waiting(self):
         """Whether somebody waits for this call's outcome."""
         return self.result is None and not self.background and not self.abandoned
+
+    def move_on(self, index):
+        """Readies the call for another address after its ``MOVED`` result
+        from address ``index`` (an ``X 7``/``X 9`` as the session's first
+        frame: nothing executed, rule 4). An address that answered ``X 9``
+        is never tried again by this call."""
+        self.reason = self.result[1]
+        self.tried.add(index)
+        if self.result[2] == P.ERROR_NOT_ALLOWED:
+            self.refusals.add(index)
+        self.result = None
+        self.future = None
 
     def encode(self, now):
         """The frame, with the wire wait computed at ``now`` (rule 3)."""
@@ -176,6 +198,107 @@ class Pending(object):
         return None
 
 
+class AddressBook(object):
+    """The addresses of one service and what the client knows of each: its
+    session, its failures in a row, when it may be tried again and why it
+    last failed. The time comes from the caller; the sync client calls
+    every method with its lock held."""
+
+    def __init__(self, addresses):
+        count = len(addresses)
+        self.addresses = addresses
+        self.sessions = [None] * count
+        self.failures = [0] * count
+        self.retry_at = [0.0] * count
+        self.last_failure = [None] * count
+        self.preferred = 0
+
+    def live_session(self):
+        """A live session, the preferred address's first; else ``None``."""
+        count = len(self.addresses)
+        first = self.preferred
+        for offset in range(count):
+            session = self.sessions[(first + offset) % count]
+            if session is not None and session.alive:
+                return session
+        return None
+
+    def allowed(self, call):
+        """The addresses ``call`` may still connect to, the preferred one
+        first (none that refused it with ``X 9``). A call with no reason
+        of its own yet takes the last failure among them as its reason."""
+        count = len(self.addresses)
+        first = self.preferred
+        order = [(first + offset) % count for offset in range(count)]
+        allowed = [i for i in order if i not in call.refusals]
+        if call.reason is None:
+            failures = [self.last_failure[i] for i in allowed if self.last_failure[i]]
+            if failures:
+                call.reason = failures[0]
+        return allowed
+
+    def ready(self, allowed, call, now):
+        """Those of ``allowed`` whose retry time has come, the ones
+        ``call`` has not failed on first."""
+        ready = [i for i in allowed if self.retry_at[i] <= now]
+        ready.sort(key=lambda i: i in call.tried)
+        return ready
+
+    def next_try(self, allowed):
+        return min(self.retry_at[i] for i in allowed)
+
+    def connected(self, session):
+        self.sessions[session.index] = session
+        self.preferred = session.index
+
+    def answered(self, index):
+        self.failures[index] = 0
+
+    def note_failure(self, index, reason, now):
+        """One more failure in a row: the address waits longer (backoff)."""
+        self.failures[index] += 1
+        self.retry_at[index] = now + P.retry_delay(self.failures[index])
+        self.last_failure[index] = reason
+
+    def connect_failed(self, index, call, error, now):
+        reason = "cannot connect to %s: %s" % (P.format_address(self.addresses[index]), error)
+        self.note_failure(index, reason, now)
+        call.reason = reason
+        call.tried.add(index)
+
+    def session_ended(self, session, reason, now):
+        if self.sessions[session.index] is session:
+            self.sessions[session.index] = None
+        self.note_failure(session.index, reason, now)
+
+
+def answered_call(session, frame):
+    """The call ``frame`` answers on ``session``, taken out of its pending
+    requests, and ``None``; or ``None`` and why the session must end. A
+    refusal as the session's first frame (``X 7``/``X 9``) also sets
+    ``session.refused``: nothing sent on it was executed."""
+    first = session.frames == 0
+    session.frames += 1
+    if frame[0] == "X" and first and frame[1] in (P.ERROR_CONNECTION_LIMIT, P.ERROR_NOT_ALLOWED):
+        session.refused = (refusal_reason(frame[1]), frame[1])
+        return None, session.refused[0]
+    if frame[0] == "X" and frame[1] not in P.NON_FATAL_ERRORS:
+        return None, "server error %d: %s" % (frame[1], frame[3])
+    call = session.pending.correlate(frame)
+    if call is None:
+        return None, "answer %r matches no request" % (frame,)
+    return call, None
+
+
+def closed_result(session):
+    """The result of a possibly-sent call whose session ended unanswered:
+    moved when the server refused the session before reading anything,
+    else indeterminate."""
+    if session.refused is not None:
+        return (MOVED,) + session.refused
+    return INDETERMINATE
+
+
 def result_of(call, frame, now, compensate):
     """The result ``frame`` gives ``call`` (already correlated), or ``None``
     when nobody gets it. A grant that nobody may take (a background or
@@ -237,6 +360,80 @@ def check_args(check, *values):
         raise InvalidArgument(str(error))
 
 
+def key_text(key):
+    return key if isinstance(key, str) else bytes(key).decode("utf-8")
+
+
+# The calls of the API, their input checked; ``now`` is when the call
+# starts (its deadline counts from there, rule 2).
+
+def acquire_call(key, wait, lease, owner, now):
+    key_bytes = check_args(P.check_key, key)
+    wait = check_args(P.check_wait, wait)
+    lease = check_args(P.check_lease, lease)
+    wait_until = now + wait
+    return Call("A", key_bytes, wait_until + P.TRANSPORT_DEADLINE, owner=owner, lease=lease,
+                wait_until=wait_until if wait > 0 else None)
+
+
+def release_call(key, token, now):
+    key_bytes = check_args(P.check_key, key)
+    token = check_args(P.check_token, token)
+    return Call("R", key_bytes, now + P.TRANSPORT_DEADLINE, token=token)
+
+
+def renew_call(key, token, lease, now):
+    # A ticket passes its key as bytes, already checked.
+    key_bytes = key if isinstance(key, bytes) else check_args(P.check_key, key)
+    token = check_args(P.check_token, token)
+    lease = check_args(P.check_lease, lease)
+    return Call("E", key_bytes, now + P.TRANSPORT_DEADLINE, token=token, lease=lease)
+
+
+def query_call(key, now):
+    return Call("Q", check_args(P.check_key, key), now + P.TRANSPORT_DEADLINE)
+
+
+def info_call(now):
+    return Call("I", b"", now + P.TRANSPORT_DEADLINE)
+
+
+def ping_call(nonce, now):
+    return Call("P", b"", now + P.TRANSPORT_DEADLINE, nonce=nonce)
+
+
+def granted_token(call, result, now, compensate):
+    """The token an acquire hands over, or raises. A grant is handed over
+    only before ``D`` (the hand-over gate, rule 7): one noticed at or after
+    it goes to ``compensate(key, token)`` and the call ends indeterminate."""
+    if result[0] != "A":
+        raise_for(call, result)
+    token = result[1]
+    if now >= call.deadline:
+        compensate(call.key, token)
+        raise_for(call, INDETERMINATE)
+    return token
+
+
+def outcome_of(call, result):
+    """What a release, renew, query, info or ping returns for ``result``;
+    raises for every result that is not the answer to its op. A renew
+    returns ``(valid_until, sent_at)``."""
+    op = call.op
+    if result[0] != op:
+        raise_for(call, result)
+    if op == "E":
+        return P.valid_until(call.sent_at, call.lease), call.sent_at
+    if op == "Q":
+        status = result[1]
+        return None if status == (0, 0, 0, 0) else status
+    if op == "I":
+        return P.parse_info(result[1])
+    if op == "P":
+        return result[1]
+    return None
+
+
 class OwnerIds(object):
     """Owner ids and ping nonces unique within one client: a random base
     plus a counter (``next`` on an ``itertools.count`` is atomic under the
@@ -256,3 +453,146 @@ class OwnerIds(object):
 
 def current_pid():
     return os.getpid()
+
+
+class TicketBase(object):
+    """The bookkeeping of a granted lock that does not depend on how its
+    client waits: validity, loss, ownership across a fork. A subclass
+    supplies ``renew``, ``release``, ``_declare_lost`` and
+    ``_stop_keepalive``."""
+
+    def __init__(self, client, key, key_bytes, token, lease, sent_at):
+        self._client = client
+        self.key = key
+        self._key_bytes = key_bytes
+        self.token = token
+        self.lease = lease
+        self.valid_until = P.valid_until(sent_at, lease)
+        self._lease_sent_at = sent_at
+        self._pid = os.getpid()
+        self._done = False  # released or detached: the drop does nothing
+        self._lost = False
+        self._keepalive = None
+        self._on_lost = None
+
+    def __repr__(self):
+        return "Ticket(key=%r, token=%d, lease=%d, valid_until=%.3f%s)" % (
+            self.key, self.token, self.lease, self.valid_until, ", lost" if self._lost else "")
+
+    def _foreign(self):
+        return self._pid != os.getpid()
+
+    @property
+    def lost(self):
+        """Whether the lock is known to be lost (a renewal answered ``N``,
+        or ``valid_until`` passed under keep-alive). Always true in a
+        forked child: the lock belongs to the parent."""
+        return self._lost or self._foreign()
+
+    def is_valid(self):
+        """Whether ``valid_until`` is still ahead and no loss is known."""
+        return not self.lost and time.monotonic() < self.valid_until
+
+    def check(self):
+        """Raises :class:`LockLost` unless the lock is still held
+        (``is_valid()``). Call it before each step that relies on the
+        lock; pass ``token`` to the resource all the same."""
+        if self._foreign():
+            raise LockLost("this ticket belongs to process %d" % self._pid)
+        self._raise_if_lost()
+        if self._declare_lost_if_expired():
+            raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
+
+    def detach(self):
+        """Keeps the lock held after this object is dropped; returns the
+        token. The lease still ends unless someone renews it."""
+        self._stop_keepalive()
+        self._done = True
+        return self.token
+
+    def __del__(self):
+        try:
+            if not self._done and not self._foreign():
+                self._done = True
+                self._client._release_background(self._key_bytes, self.token)
+        except Exception:
+            pass
+
+    def _check_owned(self):
+        if self._foreign():
+            raise Error("this ticket belongs to process %d; a forked child never "
+                        "renews or releases its parent's locks" % self._pid)
+
+    def _raise_if_lost(self):
+        if self._lost:
+            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+
+    def _declare_lost_if_expired(self):
+        """Declares the loss once ``valid_until`` has passed (rule 10);
+        whether it has."""
+        if time.monotonic() >= self.valid_until:
+            self._declare_lost("valid_until passed without a successful renewal")
+            return True
+        return False
+
+    def _renewal_lease(self, lease):
+        """The lease a renewal asks for (default: the ticket's), or raises
+        when this ticket may not renew."""
+        self._check_owned()
+        self._raise_if_lost()
+        return self.lease if lease is None else check_args(P.check_lease, lease)
+
+    def _renew_due_at(self):
+        """When a keep-alive renews next: a third into the lease."""
+        return self._lease_sent_at + self.lease / 3.0
+
+    def _renewal_indeterminate(self, started, lease):
+        # The renewal may have set a lease from any instant after
+        # ``started``: keep the earlier of the two bounds.
+        self.valid_until = min(self.valid_until, P.valid_until(started, lease))
+
+    def _renewed(self, sent_at, lease, valid_until):
+        # Renewals may end out of order: the latest sent one counts.
+        if sent_at >= self._lease_sent_at:
+            self._lease_sent_at = sent_at
+            self.lease = lease
+            self.valid_until = valid_until
+
+    def _begin_release(self):
+        """Stops the keep-alive and marks the ticket done before a release;
+        raises when there is nothing this process may release."""
+        self._check_owned()
+        self._stop_keepalive()
+        self._done = True
+        self._raise_if_lost()
+
+    def _release_at_block_end(self):
+        """Leaving a ``with`` block: stops the keep-alive; whether to send
+        a release (not after a known loss, not for a parent's ticket, not
+        twice)."""
+        self._stop_keepalive()
+        if self._foreign() or self._done:
+            return False
+        self._done = True
+        return not self._lost
+
+
+def renewal_retry_in(keepalive, error, now):
+    """After a keep-alive's renewal raised ``error``: the seconds to wait
+    before trying again, or ``None`` to stop renewing (the loss is declared
+    where it is one). A renewal whose outcome is unknown or that reached no
+    server is retried while ``valid_until`` is ahead (rule 10)."""
+    ticket = keepalive.ticket
+    if isinstance(error, (Unavailable, Indeterminate)):
+        if keepalive.stopped:
+            return None
+        left = ticket.valid_until - now
+        if left <= 0:
+            ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
+            return None
+        return min(RENEW_RETRY, left)
+    if isinstance(error, (NotHeld, LockLost)):
+        # renew() declared the loss, or it was known already.
+        return None
+    ticket._declare_lost("renewal failed: %s" % error)
+    return None

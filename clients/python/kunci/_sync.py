@@ -32,10 +32,12 @@ import weakref
 
 from . import _protocol as P
 from ._common import (
-    INDETERMINATE, MOVED, SENT, UNSENT, Call, OwnerIds, Pending, check_args,
-    log, raise_for, refusal_reason, result_of,
+    INDETERMINATE, MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, TicketBase,
+    acquire_call, answered_call, check_args, closed_result, granted_token, info_call,
+    key_text, log, outcome_of, ping_call, query_call, release_call, renew_call,
+    renewal_retry_in, result_of,
 )
-from ._errors import Error, Indeterminate, LockLost, NotHeld, Unavailable
+from ._errors import Error, Indeterminate, NotHeld, Unavailable
 
 monotonic = time.monotonic
 
@@ -51,10 +53,6 @@ _READ_CHUNK = 65536
 
 # How long the maintenance thread stays with nothing to do before it ends.
 _MAINTENANCE_IDLE_EXIT = 5.0
-
-# How soon a keep-alive retries a renewal that ended Unavailable or
-# Indeterminate while valid_until is still ahead.
-_RENEW_RETRY = 0.05
 
 _CLIENTS = weakref.WeakSet()
 
@@ -142,15 +140,10 @@ class Client(object):
         _CLIENTS.add(self)
 
     def _init_state(self):
-        count = len(self._addresses)
         self._pid = os.getpid()
         self._mu = threading.Lock()
-        self._sessions = [None] * count
-        self._connect_locks = [threading.Lock() for _ in range(count)]
-        self._failures = [0] * count
-        self._retry_at = [0.0] * count
-        self._last_failure = [None] * count
-        self._preferred = 0
+        self._book = AddressBook(self._addresses)
+        self._connect_locks = [threading.Lock() for _ in self._addresses]
         # Maintenance thread: background releases and timers. Re-entrant:
         # a ticket's finalizer may start the thread while this thread holds
         # the lock (a collection during `_schedule`).
@@ -169,24 +162,10 @@ class Client(object):
         whole seconds (1..=255). Returns a :class:`Ticket`, or raises
         ``Timeout``, ``Busy``, ``Unavailable``, ``Indeterminate`` or
         ``InvalidArgument``. Returns by ``start + wait + 5 s``."""
-        key_bytes = check_args(P.check_key, key)
-        wait = check_args(P.check_wait, wait)
-        lease = check_args(P.check_lease, lease)
-        start = monotonic()
-        wait_until = start + wait
-        deadline = wait_until + P.TRANSPORT_DEADLINE
-        call = Call("A", key_bytes, deadline, owner=self._ids.next(), lease=lease,
-                    wait_until=wait_until if wait > 0 else None)
+        call = acquire_call(key, wait, lease, self._ids.next(), monotonic())
         result = self._run(call)
-        if result[0] == "A":
-            token = result[1]
-            # The hand-over gate (rule 7): a grant is handed over only
-            # before D.
-            if monotonic() >= deadline:
-                self._release_background(key_bytes, token)
-                raise_for(call, INDETERMINATE)
-            return Ticket(self, _key_text(key), key_bytes, token, lease, call.sent_at)
-        raise_for(call, result)
+        token = granted_token(call, result, monotonic(), self._release_background)
+        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at)
 
     def lock(self, key, wait=0, lease=30, on_lost=None):
         """A context manager that acquires ``key`` on entry (as
@@ -200,12 +179,8 @@ class Client(object):
     def release(self, key, token):
         """Releases grant ``token`` of ``key``. Raises ``NotHeld`` if that
         token is not the key's active grant."""
-        key_bytes = check_args(P.check_key, key)
-        token = check_args(P.check_token, token)
-        call = Call("R", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token)
-        result = self._run(call)
-        if result[0] != "R":
-            raise_for(call, result)
+        call = release_call(key, token, monotonic())
+        outcome_of(call, self._run(call))
 
     def renew(self, key, token, lease=30):
         """Resets grant ``token``'s lease to ``lease`` seconds from now.
@@ -213,40 +188,23 @@ class Client(object):
         return self._renew(key, token, lease)[0]
 
     def _renew(self, key, token, lease):
-        key_bytes = key if isinstance(key, bytes) else check_args(P.check_key, key)
-        token = check_args(P.check_token, token)
-        lease = check_args(P.check_lease, lease)
-        call = Call("E", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token, lease=lease)
-        result = self._run(call)
-        if result[0] != "E":
-            raise_for(call, result)
-        return P.valid_until(call.sent_at, lease), call.sent_at
+        call = renew_call(key, token, lease, monotonic())
+        return outcome_of(call, self._run(call))
 
     def query(self, key):
         """``None`` if ``key`` is free, else a :class:`KeyStatus`."""
-        key_bytes = check_args(P.check_key, key)
-        call = Call("Q", key_bytes, monotonic() + P.TRANSPORT_DEADLINE)
-        result = self._run(call)
-        if result[0] != "Q":
-            raise_for(call, result)
-        status = result[1]
-        return None if status == (0, 0, 0, 0) else status
+        call = query_call(key, monotonic())
+        return outcome_of(call, self._run(call))
 
     def info(self):
         """The server's counters (the ``I`` line) as a dict."""
-        call = Call("I", b"", monotonic() + P.TRANSPORT_DEADLINE)
-        result = self._run(call)
-        if result[0] != "I":
-            raise_for(call, result)
-        return P.parse_info(result[1])
+        call = info_call(monotonic())
+        return outcome_of(call, self._run(call))
 
     def ping(self):
         """The round trip of one ``P``, in seconds."""
-        call = Call("P", b"", monotonic() + P.TRANSPORT_DEADLINE, nonce=self._ids.next())
-        result = self._run(call)
-        if result[0] != "P":
-            raise_for(call, result)
-        return result[1]
+        call = ping_call(self._ids.next(), monotonic())
+        return outcome_of(call, self._run(call))
 
     def close(self):
         """Closes every connection. Calls in progress end ``Indeterminate``
@@ -258,7 +216,7 @@ class Client(object):
             self._closed = True
             if self._pid != os.getpid():
                 return
-            for session in self._sessions:
+            for session in self._book.sessions:
                 if session is not None:
                     self._close_session(session, "the client was closed")
             wake = self._maint_wake
@@ -300,17 +258,12 @@ class Client(object):
             result = call.result
             if result[0] != MOVED:
                 return result
-            # X 7 / X 9 as the session's first frame: nothing executed.
-            call.reason = result[1]
-            call.tried.add(session.index)
-            if result[2] == P.ERROR_NOT_ALLOWED:
-                call.refusals.add(session.index)
-            call.result = None
+            call.move_on(session.index)
 
     def _session_for(self, call):
         """A connected session for ``call``, or ``None`` once its deadline
         has passed (or every address refused it with ``X 9``)."""
-        count = len(self._addresses)
+        book = self._book
         while True:
             now = monotonic()
             if now >= call.deadline:
@@ -318,22 +271,14 @@ class Client(object):
             with self._mu:
                 if self._closed:
                     raise Error("the client is closed")
-                first = self._preferred
-                for offset in range(count):
-                    session = self._sessions[(first + offset) % count]
-                    if session is not None and session.alive:
-                        return session
-                order = [(first + offset) % count for offset in range(count)]
-                allowed = [i for i in order if i not in call.refusals]
+                session = book.live_session()
+                if session is not None:
+                    return session
+                allowed = book.allowed(call)
                 if not allowed:
                     return None
-                ready = [i for i in allowed if self._retry_at[i] <= now]
-                ready.sort(key=lambda i: i in call.tried)
-                next_try = min(self._retry_at[i] for i in allowed)
-                if call.reason is None:
-                    failures = [self._last_failure[i] for i in allowed if self._last_failure[i]]
-                    if failures:
-                        call.reason = failures[0]
+                ready = book.ready(allowed, call, now)
+                next_try = book.next_try(allowed)
             if not ready:
                 time.sleep(max(0.0, min(next_try, call.deadline) - now))
                 continue
@@ -348,10 +293,10 @@ class Client(object):
             return None
         try:
             with self._mu:
-                session = self._sessions[index]
+                session = self._book.sessions[index]
                 if session is not None and session.alive:
                     return session
-                if self._retry_at[index] > monotonic():
+                if self._book.retry_at[index] > monotonic():
                     return None
             timeout = min(self._connect_timeout, call.deadline - monotonic())
             if timeout <= 0:
@@ -360,27 +305,18 @@ class Client(object):
             try:
                 sock = _connect(address, timeout)
             except (OSError, ValueError) as error:
-                reason = "cannot connect to %s: %s" % (P.format_address(address), error)
                 with self._mu:
-                    self._note_failure(index, reason)
-                call.reason = reason
-                call.tried.add(index)
+                    self._book.connect_failed(index, call, error, monotonic())
                 return None
             session = _Session(index, sock)
             with self._mu:
                 if self._closed:
                     session.close_fds()
                     raise Error("the client is closed")
-                self._sessions[index] = session
-                self._preferred = index
+                self._book.connected(session)
             return session
         finally:
             lock.release()
-
-    def _note_failure(self, index, reason):
-        self._failures[index] += 1
-        self._retry_at[index] = monotonic() + P.retry_delay(self._failures[index])
-        self._last_failure[index] = reason
 
     def _write(self, session, call):
         """Writes ``call``'s frame on ``session``. ``UNSENT``: the socket
@@ -615,20 +551,11 @@ class Client(object):
             for frame in frames:
                 if not session.alive:
                     break
-                first = session.frames == 0
-                session.frames += 1
-                if frame[0] == "X" and first and frame[1] in (P.ERROR_CONNECTION_LIMIT, P.ERROR_NOT_ALLOWED):
-                    session.refused = (refusal_reason(frame[1]), frame[1])
-                    self._close_session(session, session.refused[0])
-                    break
-                if frame[0] == "X" and frame[1] not in P.NON_FATAL_ERRORS:
-                    self._close_session(session, "server error %d: %s" % (frame[1], frame[3]))
-                    break
-                call = session.pending.correlate(frame)
+                call, failure = answered_call(session, frame)
                 if call is None:
-                    self._close_session(session, "answer %r matches no request" % (frame,))
+                    self._close_session(session, failure)
                     break
-                self._failures[session.index] = 0
+                self._book.answered(session.index)
                 result = result_of(call, frame, now, compensate)
                 if result is not None and call.result is None:
                     call.result = result
@@ -644,17 +571,11 @@ class Client(object):
         if not session.alive:
             return
         session.alive = False
-        index = session.index
-        if self._sessions[index] is session:
-            self._sessions[index] = None
-        self._note_failure(index, reason)
+        self._book.session_ended(session, reason, monotonic())
         for call in session.pending.take_all():
             if call.writing or not call.waiting():
                 continue
-            if session.refused is not None:
-                call.result = (MOVED,) + session.refused
-            else:
-                call.result = INDETERMINATE
+            call.result = closed_result(session)
             self._signal(call)
         if self._pid == os.getpid():
             try:
@@ -777,7 +698,7 @@ class Client(object):
         # Only this thread exists in the child. The parent's sockets are
         # closed here without a shutdown (which would end the parent's
         # connections too) and never written to.
-        for session in self._sessions:
+        for session in self._book.sessions:
             if session is not None:
                 session.close_fds()
         if self._maint_wake is not None:
@@ -798,11 +719,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _key_text(key):
-    return key if isinstance(key, str) else bytes(key).decode("utf-8")
-
-
-class Ticket(object):
+class Ticket(TicketBase):
     """A granted lock: ``key``, the fencing ``token``, the ``lease`` (whole
     seconds) and ``valid_until``, a ``time.monotonic()`` instant before
     which the server cannot have taken the lock back (the instant just
@@ -816,49 +733,8 @@ class Ticket(object):
     """
 
     def __init__(self, client, key, key_bytes, token, lease, sent_at):
-        self._client = client
-        self.key = key
-        self._key_bytes = key_bytes
-        self.token = token
-        self.lease = lease
-        self.valid_until = P.valid_until(sent_at, lease)
-        self._lease_sent_at = sent_at
-        self._pid = os.getpid()
+        super().__init__(client, key, key_bytes, token, lease, sent_at)
         self._state_lock = threading.Lock()
-        self._done = False  # released or detached: the drop does nothing
-        self._lost = False
-        self._keepalive = None
-        self._on_lost = None
-
-    def __repr__(self):
-        return "Ticket(key=%r, token=%d, lease=%d, valid_until=%.3f%s)" % (
-            self.key, self.token, self.lease, self.valid_until, ", lost" if self._lost else "")
-
-    def _foreign(self):
-        return self._pid != os.getpid()
-
-    @property
-    def lost(self):
-        """Whether the lock is known to be lost (a renewal answered ``N``,
-        or ``valid_until`` passed under keep-alive). Always true in a
-        forked child: the lock belongs to the parent."""
-        return self._lost or self._foreign()
-
-    def is_valid(self):
-        """Whether ``valid_until`` is still ahead and no loss is known."""
-        return not self.lost and monotonic() < self.valid_until
-
-    def check(self):
-        """Raises :class:`LockLost` unless the lock is still held
-        (``is_valid()``). Call it before each step that relies on the
-        lock; pass ``token`` to the resource all the same."""
-        if self._foreign():
-            raise LockLost("this ticket belongs to process %d" % self._pid)
-        if self._lost:
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
-        if monotonic() >= self.valid_until:
-            self._declare_lost("valid_until passed without a successful renewal")
-            raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
 
     def renew(self, lease=None):
         """Resets the lease to ``lease`` seconds (default: the ticket's
@@ -866,10 +742,7 @@ class Ticket(object):
         send instant + lease − margin. ``NotHeld``: the lock is lost.
         ``Indeterminate``: ``valid_until`` keeps the earlier of the two
         bounds."""
-        self._check_owned()
-        if self._lost:
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
-        lease = self.lease if lease is None else check_args(P.check_lease, lease)
+        lease = self._renewal_lease(lease)
         started = monotonic()
         try:
             new_valid_until, sent_at = self._client._renew(self._key_bytes, self.token, lease)
@@ -878,37 +751,22 @@ class Ticket(object):
             raise
         except Indeterminate:
             with self._state_lock:
-                self.valid_until = min(self.valid_until, P.valid_until(started, lease))
+                self._renewal_indeterminate(started, lease)
             raise
         with self._state_lock:
-            if sent_at >= self._lease_sent_at:
-                self._lease_sent_at = sent_at
-                self.lease = lease
-                self.valid_until = new_valid_until
+            self._renewed(sent_at, lease, new_valid_until)
         return self.valid_until
 
     def release(self):
         """Releases the lock (``R`` for exactly this token). ``NotHeld``:
         the lease had already run out. After a known loss it sends nothing
         and raises :class:`LockLost`."""
-        self._check_owned()
-        self._stop_keepalive()
-        if self._lost:
-            self._done = True
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
-        self._done = True
+        self._begin_release()
         try:
             self._client.release(self._key_bytes, self.token)
         except NotHeld:
             self._declare_lost("the release was answered N")
             raise
-
-    def detach(self):
-        """Keeps the lock held after this object is dropped; returns the
-        token. The lease still ends unless someone renews it."""
-        self._stop_keepalive()
-        self._done = True
-        return self.token
 
     def __enter__(self):
         return self
@@ -916,19 +774,6 @@ class Ticket(object):
     def __exit__(self, exc_type, exc, tb):
         _exit_release(self, exc_type)
         return False
-
-    def __del__(self):
-        try:
-            if not self._done and not self._foreign():
-                self._done = True
-                self._client._release_background(self._key_bytes, self.token)
-        except Exception:
-            pass
-
-    def _check_owned(self):
-        if self._foreign():
-            raise Error("this ticket belongs to process %d; a forked child never "
-                        "renews or releases its parent's locks" % self._pid)
 
     def _declare_lost(self, why):
         with self._state_lock:
@@ -962,13 +807,8 @@ def _exit_release(ticket, exc_type):
     """Leaving a ``with`` block: release, unless the lock was lost (then
     nothing is sent and nothing raised) or the ticket is a parent's. A
     failed release raises only if the block itself did not."""
-    ticket._stop_keepalive()
-    if ticket._foreign() or ticket._done:
+    if not ticket._release_at_block_end():
         return
-    if ticket._lost:
-        ticket._done = True
-        return
-    ticket._done = True
     try:
         ticket._client.release(ticket._key_bytes, ticket.token)
     except NotHeld:
@@ -989,7 +829,7 @@ class _KeepAlive(object):
     def start(self):
         ticket = self.ticket
         client = ticket._client
-        client._schedule(ticket._lease_sent_at + ticket.lease / 3.0, self._renew_due)
+        client._schedule(ticket._renew_due_at(), self._renew_due)
         client._schedule(ticket.valid_until, self._check)
 
     def _renew_due(self):
@@ -1008,31 +848,20 @@ class _KeepAlive(object):
             # renewal never finds the previous one still marked running.
             self.renewing = False
         if renewed and not self.stopped:
-            ticket._client._schedule(ticket._lease_sent_at + ticket.lease / 3.0, self._renew_due)
+            ticket._client._schedule(ticket._renew_due_at(), self._renew_due)
 
     def _renew_until_done(self):
         """Renews once, retrying while ``valid_until`` is ahead. Whether it
         succeeded."""
-        ticket = self.ticket
         while not self.stopped:
             try:
-                ticket.renew()
-            except NotHeld:
-                return False  # renew() declared the loss
-            except (Unavailable, Indeterminate) as error:
-                if self.stopped:
-                    return False
-                left = ticket.valid_until - monotonic()
-                if left <= 0:
-                    ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
-                    return False
-                time.sleep(min(_RENEW_RETRY, left))
-                continue
-            except LockLost:
-                return False
+                self.ticket.renew()
             except Error as error:
-                ticket._declare_lost("renewal failed: %s" % error)
-                return False
+                retry_in = renewal_retry_in(self, error, monotonic())
+                if retry_in is None:
+                    return False
+                time.sleep(retry_in)
+                continue
             return True
         return False
 
@@ -1040,9 +869,7 @@ class _KeepAlive(object):
         if self.stopped:
             return
         ticket = self.ticket
-        if monotonic() >= ticket.valid_until:
-            ticket._declare_lost("valid_until passed without a successful renewal")
-        else:
+        if not ticket._declare_lost_if_expired():
             ticket._client._schedule(ticket.valid_until, self._check)
 
 

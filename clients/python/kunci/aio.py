@@ -15,18 +15,19 @@ token is released at once, so a grant never goes to nobody.
 """
 
 import asyncio
-import math
 import os
 import time
 import weakref
 
 from . import _protocol as P
 from ._common import (
-    INDETERMINATE, MOVED, SENT, UNSENT, Call, OwnerIds, Pending, check_args,
-    log, raise_for, refusal_reason, result_of,
+    MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, TicketBase,
+    acquire_call, answered_call, check_args, closed_result, granted_token,
+    info_call, key_text, log, outcome_of, ping_call, query_call, release_call,
+    renew_call, renewal_retry_in, result_of,
 )
-from ._errors import Error, Indeterminate, LockLost, NotHeld, Unavailable
-from ._sync import CONNECT_TIMEOUT, _RENEW_RETRY, _key_text
+from ._errors import Error, Indeterminate, NotHeld, Unavailable
+from ._sync import CONNECT_TIMEOUT
 
 __all__ = ["Client", "Ticket"]
 
@@ -73,37 +74,20 @@ class Client(object):
         _CLIENTS.add(self)
 
     def _init_state(self):
-        count = len(self._addresses)
         self._pid = os.getpid()
         self._loop = None
-        self._sessions = [None] * count
-        self._connecting = [None] * count
-        self._failures = [0] * count
-        self._retry_at = [0.0] * count
-        self._last_failure = [None] * count
-        self._preferred = 0
+        self._book = AddressBook(self._addresses)
+        self._connecting = [None] * len(self._addresses)
         self._tasks = set()
 
     # ----------------------------------------------------------------- API
 
     async def acquire(self, key, wait=0, lease=30):
         """As :meth:`kunci.Client.acquire`; returns a :class:`Ticket`."""
-        key_bytes = check_args(P.check_key, key)
-        wait = check_args(P.check_wait, wait)
-        lease = check_args(P.check_lease, lease)
-        start = monotonic()
-        wait_until = start + wait
-        deadline = wait_until + P.TRANSPORT_DEADLINE
-        call = Call("A", key_bytes, deadline, owner=self._ids.next(), lease=lease,
-                    wait_until=wait_until if wait > 0 else None)
+        call = acquire_call(key, wait, lease, self._ids.next(), monotonic())
         result = await self._run(call)
-        if result[0] == "A":
-            token = result[1]
-            if monotonic() >= deadline:
-                self._release_background(key_bytes, token)
-                raise_for(call, INDETERMINATE)
-            return Ticket(self, _key_text(key), key_bytes, token, lease, call.sent_at)
-        raise_for(call, result)
+        token = granted_token(call, result, monotonic(), self._release_background)
+        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at)
 
     def lock(self, key, wait=0, lease=30, on_lost=None):
         """``async with client.lock(...) as t:`` — as
@@ -112,48 +96,27 @@ class Client(object):
         return _LockContext(self, key, wait, lease, on_lost)
 
     async def release(self, key, token):
-        key_bytes = check_args(P.check_key, key)
-        token = check_args(P.check_token, token)
-        call = Call("R", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token)
-        result = await self._run(call)
-        if result[0] != "R":
-            raise_for(call, result)
+        call = release_call(key, token, monotonic())
+        outcome_of(call, await self._run(call))
 
     async def renew(self, key, token, lease=30):
         return (await self._renew(key, token, lease))[0]
 
     async def _renew(self, key, token, lease):
-        key_bytes = key if isinstance(key, bytes) else check_args(P.check_key, key)
-        token = check_args(P.check_token, token)
-        lease = check_args(P.check_lease, lease)
-        call = Call("E", key_bytes, monotonic() + P.TRANSPORT_DEADLINE, token=token, lease=lease)
-        result = await self._run(call)
-        if result[0] != "E":
-            raise_for(call, result)
-        return P.valid_until(call.sent_at, lease), call.sent_at
+        call = renew_call(key, token, lease, monotonic())
+        return outcome_of(call, await self._run(call))
 
     async def query(self, key):
-        key_bytes = check_args(P.check_key, key)
-        call = Call("Q", key_bytes, monotonic() + P.TRANSPORT_DEADLINE)
-        result = await self._run(call)
-        if result[0] != "Q":
-            raise_for(call, result)
-        status = result[1]
-        return None if status == (0, 0, 0, 0) else status
+        call = query_call(key, monotonic())
+        return outcome_of(call, await self._run(call))
 
     async def info(self):
-        call = Call("I", b"", monotonic() + P.TRANSPORT_DEADLINE)
-        result = await self._run(call)
-        if result[0] != "I":
-            raise_for(call, result)
-        return P.parse_info(result[1])
+        call = info_call(monotonic())
+        return outcome_of(call, await self._run(call))
 
     async def ping(self):
-        call = Call("P", b"", monotonic() + P.TRANSPORT_DEADLINE, nonce=self._ids.next())
-        result = await self._run(call)
-        if result[0] != "P":
-            raise_for(call, result)
-        return result[1]
+        call = ping_call(self._ids.next(), monotonic())
+        return outcome_of(call, await self._run(call))
 
     async def close(self):
         """Closes every connection (tickets are not released)."""
@@ -162,7 +125,7 @@ class Client(object):
         self._closed = True
         if self._pid != os.getpid():
             return
-        for session in self._sessions:
+        for session in self._book.sessions:
             if session is not None:
                 self._close_session(session, "the client was closed")
         tasks = [task for task in self._tasks if task is not _current_task()]
@@ -182,7 +145,7 @@ class Client(object):
 
     def _bind_loop(self):
         if self._pid != os.getpid():
-            for session in self._sessions:
+            for session in self._book.sessions:
                 if session is not None and session.transport is not None:
                     _forget_transport(session.transport)
             self._init_state()
@@ -208,44 +171,31 @@ class Client(object):
             result = call.result
             if result[0] != MOVED:
                 return result
-            call.reason = result[1]
-            call.tried.add(session.index)
-            if result[2] == P.ERROR_NOT_ALLOWED:
-                call.refusals.add(session.index)
-            call.result = None
-            call.future = None
+            call.move_on(session.index)
 
     async def _session_for(self, call, loop):
-        count = len(self._addresses)
+        book = self._book
         while True:
             now = monotonic()
             if now >= call.deadline:
                 return None
             if self._closed:
                 raise Error("the client is closed")
-            first = self._preferred
-            for offset in range(count):
-                session = self._sessions[(first + offset) % count]
-                if session is not None and session.alive:
-                    return session
-            order = [(first + offset) % count for offset in range(count)]
-            allowed = [i for i in order if i not in call.refusals]
+            session = book.live_session()
+            if session is not None:
+                return session
+            allowed = book.allowed(call)
             if not allowed:
                 return None
-            if call.reason is None:
-                failures = [self._last_failure[i] for i in allowed if self._last_failure[i]]
-                if failures:
-                    call.reason = failures[0]
             connecting = [self._connecting[i] for i in allowed if self._connecting[i] is not None]
-            ready = [i for i in allowed if self._retry_at[i] <= now and self._connecting[i] is None]
-            ready.sort(key=lambda i: i in call.tried)
+            ready = [i for i in book.ready(allowed, call, now) if self._connecting[i] is None]
             if ready:
                 await self._open(ready[0], call, loop)
                 continue
             if connecting:
                 await asyncio.wait(connecting, timeout=max(0.0, call.deadline - now))
                 continue
-            next_try = min(self._retry_at[i] for i in allowed)
+            next_try = book.next_try(allowed)
             await asyncio.sleep(max(0.0, min(next_try, call.deadline) - now))
 
     async def _open(self, index, call, loop):
@@ -267,18 +217,13 @@ class Client(object):
             except (OSError, asyncio.TimeoutError, ValueError) as error:
                 if session.transport is not None:
                     session.transport.abort()
-                reason = "cannot connect to %s: %s" % (
-                    P.format_address(address), error or "timed out")
-                self._note_failure(index, reason)
-                call.reason = reason
-                call.tried.add(index)
+                self._book.connect_failed(index, call, error or "timed out", monotonic())
                 return
             if self._closed:
                 session.transport.abort()
                 raise Error("the client is closed")
             if session.alive:
-                self._sessions[index] = session
-                self._preferred = index
+                self._book.connected(session)
             else:
                 # Refused (X 7 / X 9) or closed before this call wrote a
                 # byte on it: try the other addresses first.
@@ -291,11 +236,6 @@ class Client(object):
             self._connecting[index] = None
             if not done.done():
                 done.set_result(None)
-
-    def _note_failure(self, index, reason):
-        self._failures[index] += 1
-        self._retry_at[index] = monotonic() + P.retry_delay(self._failures[index])
-        self._last_failure[index] = reason
 
     def _write(self, session, call, loop):
         transport = session.transport
@@ -354,20 +294,11 @@ class Client(object):
         for frame in frames:
             if not session.alive:
                 return
-            first = session.frames == 0
-            session.frames += 1
-            if frame[0] == "X" and first and frame[1] in (P.ERROR_CONNECTION_LIMIT, P.ERROR_NOT_ALLOWED):
-                session.refused = (refusal_reason(frame[1]), frame[1])
-                self._close_session(session, session.refused[0])
-                return
-            if frame[0] == "X" and frame[1] not in P.NON_FATAL_ERRORS:
-                self._close_session(session, "server error %d: %s" % (frame[1], frame[3]))
-                return
-            call = session.pending.correlate(frame)
+            call, failure = answered_call(session, frame)
             if call is None:
-                self._close_session(session, "answer %r matches no request" % (frame,))
+                self._close_session(session, failure)
                 return
-            self._failures[session.index] = 0
+            self._book.answered(session.index)
             result = result_of(call, frame, now, self._release_background)
             if result is not None and call.result is None:
                 self._complete(call, result)
@@ -376,17 +307,10 @@ class Client(object):
         if not session.alive:
             return
         session.alive = False
-        index = session.index
-        if self._sessions[index] is session:
-            self._sessions[index] = None
-        self._note_failure(index, reason)
+        self._book.session_ended(session, reason, monotonic())
         for call in session.pending.take_all():
-            if not call.waiting():
-                continue
-            if session.refused is not None:
-                self._complete(call, (MOVED,) + session.refused)
-            else:
-                self._complete(call, INDETERMINATE)
+            if call.waiting():
+                self._complete(call, closed_result(session))
         if session.transport is not None and self._pid == os.getpid():
             session.transport.abort()
 
@@ -440,52 +364,12 @@ def _forget_transport(transport):
     _INHERITED.append(transport)
 
 
-class Ticket(object):
+class Ticket(TicketBase):
     """As :class:`kunci.Ticket`, with ``renew`` and ``release`` as
     coroutines. Any task may renew or release it."""
 
-    def __init__(self, client, key, key_bytes, token, lease, sent_at):
-        self._client = client
-        self.key = key
-        self._key_bytes = key_bytes
-        self.token = token
-        self.lease = lease
-        self.valid_until = P.valid_until(sent_at, lease)
-        self._lease_sent_at = sent_at
-        self._pid = os.getpid()
-        self._done = False
-        self._lost = False
-        self._keepalive = None
-        self._on_lost = None
-
-    def __repr__(self):
-        return "Ticket(key=%r, token=%d, lease=%d, valid_until=%.3f%s)" % (
-            self.key, self.token, self.lease, self.valid_until, ", lost" if self._lost else "")
-
-    def _foreign(self):
-        return self._pid != os.getpid()
-
-    @property
-    def lost(self):
-        return self._lost or self._foreign()
-
-    def is_valid(self):
-        return not self.lost and monotonic() < self.valid_until
-
-    def check(self):
-        if self._foreign():
-            raise LockLost("this ticket belongs to process %d" % self._pid)
-        if self._lost:
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
-        if monotonic() >= self.valid_until:
-            self._declare_lost("valid_until passed without a successful renewal")
-            raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
-
     async def renew(self, lease=None):
-        self._check_owned()
-        if self._lost:
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
-        lease = self.lease if lease is None else check_args(P.check_lease, lease)
+        lease = self._renewal_lease(lease)
         started = monotonic()
         try:
             new_valid_until, sent_at = await self._client._renew(self._key_bytes, self.token, lease)
@@ -493,30 +377,18 @@ class Ticket(object):
             self._declare_lost("a renewal was answered N")
             raise
         except Indeterminate:
-            self.valid_until = min(self.valid_until, P.valid_until(started, lease))
+            self._renewal_indeterminate(started, lease)
             raise
-        if sent_at >= self._lease_sent_at:
-            self._lease_sent_at = sent_at
-            self.lease = lease
-            self.valid_until = new_valid_until
+        self._renewed(sent_at, lease, new_valid_until)
         return self.valid_until
 
     async def release(self):
-        self._check_owned()
-        self._stop_keepalive()
-        self._done = True
-        if self._lost:
-            raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+        self._begin_release()
         try:
             await self._client.release(self._key_bytes, self.token)
         except NotHeld:
             self._declare_lost("the release was answered N")
             raise
-
-    def detach(self):
-        self._stop_keepalive()
-        self._done = True
-        return self.token
 
     async def __aenter__(self):
         return self
@@ -524,19 +396,6 @@ class Ticket(object):
     async def __aexit__(self, exc_type, exc, tb):
         await _exit_release(self, exc_type)
         return False
-
-    def __del__(self):
-        try:
-            if not self._done and not self._foreign():
-                self._done = True
-                self._client._release_background(self._key_bytes, self.token)
-        except Exception:
-            pass
-
-    def _check_owned(self):
-        if self._foreign():
-            raise Error("this ticket belongs to process %d; a forked child never "
-                        "renews or releases its parent's locks" % self._pid)
 
     def _declare_lost(self, why):
         if self._lost:
@@ -564,11 +423,7 @@ class Ticket(object):
 
 
 async def _exit_release(ticket, exc_type):
-    ticket._stop_keepalive()
-    if ticket._foreign() or ticket._done:
-        return
-    ticket._done = True
-    if ticket._lost:
+    if not ticket._release_at_block_end():
         return
     try:
         await ticket._client.release(ticket._key_bytes, ticket.token)
@@ -609,32 +464,22 @@ class _KeepAlive(object):
     def _check(self):
         if self.stopped:
             return
-        if monotonic() >= self.ticket.valid_until:
-            self.ticket._declare_lost("valid_until passed without a successful renewal")
-        else:
+        if not self.ticket._declare_lost_if_expired():
             self._arm_check()
 
     async def _run(self):
         ticket = self.ticket
         while not self.stopped:
-            await asyncio.sleep(max(0.0, ticket._lease_sent_at + ticket.lease / 3.0 - monotonic()))
+            await asyncio.sleep(max(0.0, ticket._renew_due_at() - monotonic()))
             while not self.stopped:
                 try:
                     await ticket.renew()
-                except NotHeld:
-                    return
-                except (Unavailable, Indeterminate) as error:
-                    left = ticket.valid_until - monotonic()
-                    if left <= 0:
-                        ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
-                        return
-                    await asyncio.sleep(min(_RENEW_RETRY, left))
-                    continue
-                except LockLost:
-                    return
                 except Error as error:
-                    ticket._declare_lost("renewal failed: %s" % error)
-                    return
+                    retry_in = renewal_retry_in(self, error, monotonic())
+                    if retry_in is None:
+                        return
+                    await asyncio.sleep(retry_in)
+                    continue
                 break
 
 

@@ -112,6 +112,14 @@ def free_port():
     return port
 
 
+def _recv_or_eof(sock):
+    """What ``sock`` received; a failed read counts as its end (b"")."""
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
+
+
 class Proxy(object):
     """A TCP proxy in front of `upstream` that injects faults. Settings are
     read at each step, so a test may change them while connections run.
@@ -184,8 +192,7 @@ class Proxy(object):
                     data = client.recv(65536)
                     if not data:
                         break
-                    with self.lock:
-                        self.received.append((time.monotonic(), data))
+                    self._record(data)
             except OSError:
                 pass
             client.close()
@@ -204,6 +211,11 @@ class Proxy(object):
         threading.Thread(target=self._pump_up, args=(client, server, state), daemon=True).start()
         self._pump_down(server, client, state)
 
+    def _record(self, data):
+        """Keeps what the client wrote, with when it arrived."""
+        with self.lock:
+            self.received.append((time.monotonic(), data))
+
     def _respond(self, client):
         while True:
             try:
@@ -214,8 +226,7 @@ class Proxy(object):
                 with self.lock:
                     self.closed_by_client += 1
                 return
-            with self.lock:
-                self.received.append((time.monotonic(), data))
+            self._record(data)
             answer = self.responder(data)
             if answer:
                 try:
@@ -231,20 +242,26 @@ class Proxy(object):
             except OSError:
                 pass
 
+    def _forward(self, data, to, client, server, state):
+        """Sends ``data`` on; whether the pump goes on (a failed send ends
+        both sides)."""
+        try:
+            to.sendall(data)
+        except OSError:
+            self._close_both(client, server, state)
+            return False
+        return True
+
     def _pump_up(self, client, server, state):
         while True:
-            try:
-                data = client.recv(65536)
-            except OSError:
-                data = b""
+            data = _recv_or_eof(client)
             if not data:
                 if not state["closed"]:
                     with self.lock:
                         self.closed_by_client += 1
                 self._close_both(client, server, state)
                 return
-            with self.lock:
-                self.received.append((time.monotonic(), data))
+            self._record(data)
             if self.up == "drop":
                 continue
             cut = self.cut_up_after
@@ -259,18 +276,12 @@ class Proxy(object):
                 self._close_both(client, server, state)
                 return
             state["up"] += len(data)
-            try:
-                server.sendall(data)
-            except OSError:
-                self._close_both(client, server, state)
+            if not self._forward(data, server, client, server, state):
                 return
 
     def _pump_down(self, server, client, state):
         while True:
-            try:
-                data = server.recv(65536)
-            except OSError:
-                data = b""
+            data = _recv_or_eof(server)
             if not data:
                 self._close_both(client, server, state)
                 return
@@ -278,10 +289,7 @@ class Proxy(object):
                 time.sleep(self.down_delay)
             if self.down == "drop":
                 continue
-            try:
-                client.sendall(data)
-            except OSError:
-                self._close_both(client, server, state)
+            if not self._forward(data, client, client, server, state):
                 return
 
     def cut_all(self):
