@@ -32,7 +32,9 @@ fn stderr(output: &Output) -> String {
 // Not `\`-continued: that would strip the first line's indent.
 const SERVER_LINES: &str = "  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
                   several addresses of the same service (default:
-                  $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862)
+                  $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862);
+                  etcd://HOST:PORT[,HOST:PORT]... takes the locks on an
+                  etcd cluster instead (docs/ETCD.md)
   -h, --help      show this help
 ";
 
@@ -80,8 +82,8 @@ fn top_level_help_names_version_server_variable_and_exit_codes() {
     for needle in [
         "  kunci --version                           print the version\n",
         "  kunci top [--interval S]                  watch the server's counters\n",
-        "in $KUNCI_SERVER, else to 127.0.0.1:5862.\n",
-        "Exit status of client commands:\n  0 done            1 timeout (the key is held by another)   2 usage error\n  3 busy (no room on the server, or it is shutting down)\n  4 unavailable (nothing was sent)   5 indeterminate (no answer in time)\n  6 not held / lock lost\n",
+        "in $KUNCI_SERVER, else to 127.0.0.1:5862. With etcd://HOST:PORT[,...] they\n",
+        "Exit status of client commands:\n  0 done            1 timeout (the key is held by another)   2 usage error\n  3 busy (no room on the server, or it is shutting down)\n  4 unavailable (nothing was done)   5 indeterminate (no answer in time)\n  6 not held / lock lost\n",
     ] {
         assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
     }

@@ -17,7 +17,9 @@ pub const SERVER_ENV: &str = "KUNCI_SERVER";
 // Not a `\`-continued literal: that would strip the first line's indent.
 const SERVER_HELP: &str = "  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
                   several addresses of the same service (default:
-                  $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862)
+                  $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862);
+                  etcd://HOST:PORT[,HOST:PORT]... takes the locks on an
+                  etcd cluster instead (docs/ETCD.md)
   -h, --help      show this help
 ";
 

@@ -44,12 +44,13 @@ Usage:
 
 Client commands talk to --server ADDR (HOST:PORT or unix:PATH; repeat for
 several addresses of one service), else to the comma-separated addresses
-in $KUNCI_SERVER, else to 127.0.0.1:5862.
+in $KUNCI_SERVER, else to 127.0.0.1:5862. With etcd://HOST:PORT[,...] they
+take their locks on an etcd v3 cluster instead (docs/ETCD.md).
 
 Exit status of client commands:
   0 done            1 timeout (the key is held by another)   2 usage error
   3 busy (no room on the server, or it is shutting down)
-  4 unavailable (nothing was sent)   5 indeterminate (no answer in time)
+  4 unavailable (nothing was done)   5 indeterminate (no answer in time)
   6 not held / lock lost
 ";
 
