@@ -189,11 +189,7 @@ impl Cluster {
                 Err(Failure::Unanswered) => sent = true,
                 Err(Failure::Unsent) => {}
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(if sent { Fault::Unknown } else { Fault::Unsent });
-            }
-            std::thread::sleep(left.min(READ_RETRY_PAUSE));
+            pause_before_retry(deadline, sent)?;
         }
     }
 
@@ -218,11 +214,7 @@ impl Cluster {
                 Err(Failure::Unanswered) => sent = true,
                 Err(Failure::Unsent) => {}
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(if sent { Fault::Unknown } else { Fault::Unsent });
-            }
-            std::thread::sleep(left.min(READ_RETRY_PAUSE));
+            pause_before_retry(deadline, sent)?;
         }
     }
 
@@ -259,11 +251,7 @@ impl Cluster {
             {
                 return Ok((sent_at, id, ttl));
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Fault::Unsent);
-            }
-            std::thread::sleep(left.min(READ_RETRY_PAUSE));
+            pause_before_retry(deadline, false)?;
         }
     }
 
@@ -290,11 +278,7 @@ impl Cluster {
                 Err(Fault::Unknown) => sent = true,
                 Err(Fault::Unsent) => {}
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(if sent { Fault::Unknown } else { Fault::Unsent });
-            }
-            std::thread::sleep(left.min(READ_RETRY_PAUSE));
+            pause_before_retry(deadline, sent)?;
         }
     }
 
@@ -686,6 +670,18 @@ impl Cluster {
             Err(fault) => fault.outcome(),
         }
     }
+}
+
+/// Waits before the next attempt of a repeatable request, or ends it at
+/// `deadline` with the fault its attempts earned: `Unknown` once any of
+/// them may have reached etcd, else `Unsent`.
+fn pause_before_retry(deadline: Instant, sent: bool) -> Result<(), Fault> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(if sent { Fault::Unknown } else { Fault::Unsent });
+    }
+    std::thread::sleep(left.min(READ_RETRY_PAUSE));
+    Ok(())
 }
 
 #[cfg(test)]
