@@ -118,6 +118,16 @@ fn a_held_key_with_wait_0_says_someone_else_holds_it() {
         "kunci acquire: timeout: key \"job\" stayed held by someone else for the whole wait \
          (0.2 s); nothing was acquired\n"
     );
+
+    // `kunci run` says the same, names the key, and exits with its
+    // conflict code.
+    let output = kunci(&["run", "job", "--server", addr, "--", "true"], &[]);
+    assert_eq!(output.status.code(), Some(1));
+    assert_eq!(
+        stderr(&output),
+        "kunci run: timeout: key \"job\" is held by someone else; nothing was acquired \
+         (--wait 0 tries once; --wait S waits up to S seconds)\n"
+    );
 }
 
 #[test]

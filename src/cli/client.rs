@@ -179,11 +179,6 @@ pub(super) struct Attempt<'a> {
     pub token: Option<u64>,
 }
 
-/// Reports a failed outcome on stderr and returns its exit code.
-pub(super) fn fail(command: &str, error: Error, servers: &[Address]) -> u8 {
-    report(command, error, servers, &Attempt::default())
-}
-
 /// Reports a failed outcome of `attempt` on stderr — its name (which the
 /// exit code also tells), what happened and what to do — and returns its
 /// exit code.

@@ -136,19 +136,25 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     let key = &options.positionals[0];
+    let attempt = common::Attempt {
+        key: Some(key),
+        wait: Some(options.wait),
+        token: None,
+    };
     let ticket = match common::acquire(&client, key, &options) {
         Ok(ticket) => ticket,
         Err(Error::Timeout) => {
             if !options.quiet {
-                eprintln!("kunci run: {}", Error::Timeout);
+                let why = common::message("run", &Error::Timeout, &options.servers, &attempt);
+                eprintln!("kunci run: timeout: {why}");
             }
             return options.conflict_exit_code;
         }
-        Err(error) => return common::fail("run", error, &options.servers),
+        Err(error) => return common::report("run", error, &options.servers, &attempt),
     };
     let ticket = match fresh(ticket, options.lease) {
         Ok(ticket) => ticket,
-        Err(error) => return common::fail("run", error, &options.servers),
+        Err(error) => return common::report("run", error, &options.servers, &attempt),
     };
     let token = ticket.token();
     let (events, inbox) = mpsc::channel();
