@@ -25,6 +25,8 @@ pub fn kunci_bin() -> &'static str {
 /// A `kunci serve` child process, killed when dropped.
 pub struct TestServer {
     child: Option<Child>,
+    /// Run by a wrapper, in a process group of its own.
+    wrapped: bool,
     /// The TCP address it listens on (`127.0.0.1:PORT`), if any.
     pub addr: String,
     /// Every address it listens on, as the start-up line names them.
@@ -57,6 +59,9 @@ impl TestServer {
             Some((program, wrapper_args)) => {
                 let mut command = Command::new(program);
                 command.args(wrapper_args).arg(kunci_bin());
+                // A wrapper such as faketime forks the server: its own
+                // process group lets `kill` reach both.
+                std::os::unix::process::CommandExt::process_group(&mut command, 0);
                 command
             }
             None => Command::new(kunci_bin()),
@@ -102,6 +107,7 @@ impl TestServer {
             .unwrap_or_default();
         TestServer {
             child: Some(child),
+            wrapped: !wrapper.is_empty(),
             addr,
             addresses,
             log,
@@ -150,7 +156,16 @@ impl TestServer {
 
     /// SIGKILL: an unclean stop.
     pub fn kill(mut self) {
+        self.kill_now();
+    }
+
+    /// SIGKILL to the server (and to its wrapper's whole group), reaped.
+    fn kill_now(&mut self) {
         if let Some(mut child) = self.child.take() {
+            if self.wrapped {
+                // SAFETY: kill(2) with a plain process-group id.
+                unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+            }
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -180,10 +195,7 @@ impl TestServer {
 
 impl Drop for TestServer {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.kill_now();
     }
 }
 
