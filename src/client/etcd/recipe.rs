@@ -282,6 +282,17 @@ impl Cluster {
         }
     }
 
+    /// The holder's entry of `key` if its token (create revision) is
+    /// `token`; else the outcome that ends the request: `NotHeld`, or what
+    /// the read's fault makes of it.
+    fn held_by(&self, key: Key, token: u64, deadline: Instant) -> Result<Entry, Outcome> {
+        match self.holder(key, deadline) {
+            Ok((Some(entry), _)) if entry.create_revision as u64 == token => Ok(entry),
+            Ok(_) => Err(Outcome::NotHeld),
+            Err(fault) => Err(fault.outcome()),
+        }
+    }
+
     /// The holder of `key` and how many entries its prefix has.
     fn holder(&self, key: Key, deadline: Instant) -> Result<(Option<Entry>, i64), Fault> {
         let (_, value) = self.read(
@@ -529,10 +540,9 @@ impl Cluster {
         token: u64,
         deadline: Instant,
     ) -> Outcome {
-        let entry = match self.holder(key, deadline) {
-            Ok((Some(entry), _)) if entry.create_revision as u64 == token => entry,
-            Ok(_) => return Outcome::NotHeld,
-            Err(fault) => return fault.outcome(),
+        let entry = match self.held_by(key, token, deadline) {
+            Ok(entry) => entry,
+            Err(outcome) => return outcome,
         };
         let txn = format!(
             r#"{{"compare":[{{"key":"{name}","target":"CREATE","result":"EQUAL","create_revision":"{token}"}}],"success":[{{"request_delete_range":{{"key":"{name}"}}}}]}}"#,
@@ -561,10 +571,9 @@ impl Cluster {
         lease_s: u8,
         deadline: Instant,
     ) -> Outcome {
-        let entry = match self.holder(key, deadline) {
-            Ok((Some(entry), _)) if entry.create_revision as u64 == token => entry,
-            Ok(_) => return Outcome::NotHeld,
-            Err(fault) => return fault.outcome(),
+        let entry = match self.held_by(key, token, deadline) {
+            Ok(entry) => entry,
+            Err(outcome) => return outcome,
         };
         let (sent_at, ttl) = match self.keep_alive(entry.lease, deadline) {
             Ok(Some(renewed)) => renewed,
