@@ -809,12 +809,93 @@ fn a_refused_session_is_unavailable_with_the_reason() {
     for thread in threads {
         let (outcome, why, elapsed) = thread.join().unwrap();
         assert_eq!(outcome.unwrap_err(), Error::Unavailable(why));
-        assert!(elapsed >= TRANSPORT_DEADLINE, "{elapsed:?}: early");
-        assert!(elapsed < TRANSPORT_DEADLINE + LATE, "{elapsed:?}: late");
+        if why == kunci::client::Unavailable::NotAllowed {
+            // Rule 4: `X 9` at every address (here the only one) cannot
+            // change within the call: it ends at once.
+            assert!(elapsed < LATE, "{elapsed:?}: late");
+        } else {
+            assert!(elapsed >= TRANSPORT_DEADLINE, "{elapsed:?}: early");
+            assert!(elapsed < TRANSPORT_DEADLINE + LATE, "{elapsed:?}: late");
+        }
     }
     occupant.send(b"I\n");
     let Response::Info(text) = occupant.recv() else {
         panic!("expected info");
     };
     assert_eq!(crate::util::parse_info(&text)["grants"], "0");
+}
+
+/// Issue 18 defect 6 (spec §8 rule 4): `X 9` from every address ends a call
+/// `Unavailable(NotAllowed)` at once; while one address lets the client in,
+/// the request goes there.
+#[test]
+fn not_allowed_at_every_address_is_unavailable_at_once() {
+    let closed = TestServer::start(&["--allow", "10.0.0.0/8"]);
+    let also_closed = TestServer::start(&["--allow", "192.168.0.0/16"]);
+    let open = TestServer::start(&[]);
+    let client = connect(&[&closed.addr, &also_closed.addr]);
+    let started = Instant::now();
+    let outcome = client.acquire("refused", 10 * S, S);
+    let elapsed = started.elapsed();
+    assert_eq!(
+        outcome.unwrap_err(),
+        Error::Unavailable(kunci::client::Unavailable::NotAllowed)
+    );
+    assert!(elapsed < LATE, "{elapsed:?}: waited for the deadline");
+    let client = connect(&[&closed.addr, &open.addr]);
+    let ticket = client.acquire("refused", Duration::ZERO, S).unwrap();
+    ticket.release().unwrap();
+}
+
+/// Issue 18 rule 10 (spec §8): a managed lock whose grant arrived with less
+/// than two thirds of its lease left is renewed once before it is handed
+/// over, so the caller never gets a lock that is already (almost) lost.
+#[test]
+fn a_kept_lock_granted_late_is_renewed_before_it_is_handed_over() {
+    let server = TestServer::start(&[]);
+    let client = connect(&[&server.addr]);
+    let holder = client.acquire("late", Duration::ZERO, 30 * S).unwrap();
+    let waiter = {
+        let client = client.clone();
+        std::thread::spawn(move || client.acquire_kept("late", 10 * S, 3 * S))
+    };
+    eventually("the waiter queues", || {
+        client.query("late").is_ok_and(|status| status.waiters == 1)
+    });
+    // Granted 1.5 s after it was sent: 1.5 s of its 3 s lease is left on
+    // valid_until, less than two thirds.
+    std::thread::sleep(1500 * MS);
+    holder.release().unwrap();
+    let kept = waiter.join().unwrap().unwrap();
+    let handed_over = Instant::now();
+    let left = kept.valid_until().saturating_duration_since(handed_over);
+    assert!(left >= 2 * S, "handed over with {left:?} left");
+    assert!(kept.is_valid());
+    let info = crate::util::parse_info(&client.info().unwrap());
+    assert_eq!(info["extended"], "1");
+    kept.release().unwrap();
+}
+
+/// Rule 10: if that first renewal answers `N`, the acquire ends lock-lost
+/// (`NotHeld`) and nothing is handed over.
+#[test]
+fn a_kept_lock_whose_first_renewal_finds_it_gone_is_not_handed_over() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    // Every answer takes 1.5 s: the grant of a 1 s lease arrives after the
+    // server has already taken it back.
+    proxy.set_faults(Faults {
+        answer_delay: 1500 * MS,
+        ..Faults::default()
+    });
+    let client = connect(&[&proxy.addr]);
+    let outcome = client.acquire_kept("gone", Duration::ZERO, S);
+    assert_eq!(outcome.unwrap_err(), Error::NotHeld);
+    let renewals: Vec<u8> = proxy.frames().iter().map(|frame| frame.op).collect();
+    assert_eq!(
+        renewals,
+        [b'A', b'E'],
+        "one acquire, one renewal, no release"
+    );
+    assert!(connect(&[&server.addr]).query("gone").unwrap().is_free());
 }

@@ -584,3 +584,76 @@ fn sighup_and_sigint_save_the_grants_as_sigterm_does() {
         assert!(lease_ms > 50_000, "signal {signal}: {lease_ms} ms left");
     }
 }
+
+/// Issue 18 defects 3 and 4 (spec §9 `--wait inf`): a planned restart of a
+/// `--state-dir` server costs a queued `kunci run --wait inf` nothing — it
+/// asks again and gets the key when the holder lets go — and neither it
+/// nor the holder's `kunci run` says anything about the restart.
+#[test]
+fn a_planned_restart_is_quiet_and_wait_inf_waits_through_it() {
+    let dir = TempDir::new("wait-inf-restart");
+    let server = start_on(&dir, 0);
+    let port = port_of(&server);
+    let started_file = dir.join("started");
+    let holder_script = format!(
+        "echo $KUNCI_TOKEN > {started}.tmp && mv {started}.tmp {started}; sleep 3",
+        started = started_file.display()
+    );
+    let kunci_run = |args: &[&str]| {
+        std::process::Command::new(crate::util::kunci_bin())
+            .arg("run")
+            .args(args)
+            .env("KUNCI_SERVER", &server.addr)
+            .env_remove("RUST_LOG")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let holder = kunci_run(&["planned", "--lease", "4", "--", "sh", "-c", &holder_script]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let holder_token: u64 = loop {
+        if let Ok(text) = std::fs::read_to_string(&started_file) {
+            break text.trim().parse().unwrap();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the holder's command never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let waiter = kunci_run(&[
+        "planned",
+        "--wait",
+        "inf",
+        "--",
+        "sh",
+        "-c",
+        "echo $KUNCI_TOKEN",
+    ]);
+    // Queued behind the holder.
+    let mut peer = server.peer();
+    while query_key(&mut peer, "planned").3 != 1 {
+        assert!(Instant::now() < deadline, "the waiter never queued");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(peer);
+    assert!(server.stop().success());
+    let restarted = start_on(&dir, port);
+    let holder = holder.wait_with_output().unwrap();
+    let waiter = waiter.wait_with_output().unwrap();
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    assert_eq!(holder.status.code(), Some(0), "{}", text(&holder.stderr));
+    assert_eq!(
+        text(&holder.stderr),
+        "",
+        "the holder warned about the restart"
+    );
+    assert_eq!(waiter.status.code(), Some(0), "{}", text(&waiter.stderr));
+    assert_eq!(text(&waiter.stderr), "");
+    let waiter_token: u64 = text(&waiter.stdout).trim().parse().unwrap();
+    assert!(waiter_token > holder_token);
+    let mut peer = restarted.peer();
+    assert_eq!(query_key(&mut peer, "planned"), (0, 0, 0, 0));
+}

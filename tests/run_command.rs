@@ -179,6 +179,17 @@ fn usage_errors_and_invalid_arguments_exit_2_before_anything_is_sent() {
         &["run", "k", "--wait", "infinity", "--", "true"],
         &["acquire", "k", "-q"],
         &["acquire", "k", "-E", "75"],
+        &["run", "--", "true"],
+        &["run", "--wait", "1", "--", "echo", "hi"],
+        &[
+            "acquire",
+            "k",
+            "--server",
+            "etcd://127.0.0.1:1",
+            "--server",
+            addr,
+        ],
+        &["top", "--server", "etcd://127.0.0.1:1"],
     ] {
         let output = kunci(addr, args);
         assert_eq!(code(&output), 2, "{args:?}: {}", stderr(&output));
@@ -263,6 +274,14 @@ fn run_passes_the_lock_to_the_command_and_its_status_back() {
     );
     assert_eq!(code(&missing), 127);
     assert!(stderr(&missing).contains("cannot start"));
+    assert!(direct(&server).query("run-env").unwrap().is_free());
+    // As a shell: a file that exists but cannot be executed is 126.
+    let dir = TempDir::new("run-not-executable");
+    let plain_file = dir.join("plain");
+    std::fs::write(&plain_file, "echo hi\n").unwrap();
+    let plain_file = plain_file.display().to_string();
+    let not_executable = kunci(&server.addr, &["run", "run-env", "--", &plain_file]);
+    assert_eq!(code(&not_executable), 126, "{}", stderr(&not_executable));
     assert!(direct(&server).query("run-env").unwrap().is_free());
 
     // A held key: the acquire's outcome is the exit code.
@@ -855,7 +874,8 @@ fn run_exits_6_when_the_lease_runs_out_without_an_answered_renewal() {
     // the bound is its send instant + 2 s − 14 ms.
     assert!(elapsed >= 2 * S - 14 * MS, "{elapsed:?}");
     assert!(elapsed < 2 * S + 2 * LATE, "{elapsed:?}");
-    assert_eq!(wait_for_file(&dir.join("got")), "term\n");
+    // The loss comes at `valid_until`, so SIGKILL follows SIGTERM at once:
+    // the command may or may not have run its trap.
     let mut message = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut message).unwrap();
     assert!(
@@ -895,4 +915,161 @@ fn run_started_in_the_background_reads_the_terminal_once_brought_to_the_foregrou
     assert!(status.success(), "{status:?}: {output:?}");
     assert!(output.contains("got hello"), "{output:?}");
     assert!(direct(&server).query("background").unwrap().is_free());
+}
+
+/// Issue 18 defect 5: the KEY comes before `--`; nothing after `--` is
+/// taken for it, and nothing is sent.
+#[test]
+fn run_takes_the_key_only_before_the_double_dash() {
+    let proxy = Proxy::start("127.0.0.1:1");
+    for args in [
+        &["run", "--server", proxy.addr.as_str(), "--", "echo", "hi"][..],
+        &["run", "--", "true"],
+    ] {
+        let output = kunci(&proxy.addr, args);
+        assert_eq!(code(&output), 2, "{args:?}");
+        assert_eq!(
+            stderr(&output),
+            "kunci run: missing KEY: it comes before `--`\n(see kunci run --help)\n",
+            "{args:?}"
+        );
+    }
+    assert_eq!(proxy.accepted(), 0);
+}
+
+/// Issue 18 defect 6: `etcd://` mixed with kunci servers is a usage error,
+/// and `kunci top` says it has nothing to show on etcd.
+#[test]
+fn etcd_mixed_with_kunci_servers_and_top_on_etcd_are_usage_errors() {
+    let mixed = kunci(
+        "127.0.0.1:1",
+        &[
+            "acquire",
+            "k",
+            "--server",
+            "etcd://127.0.0.1:1",
+            "--server",
+            "127.0.0.1:1",
+        ],
+    );
+    assert_eq!(code(&mixed), 2);
+    assert_eq!(
+        stderr(&mixed),
+        "kunci acquire: etcd:// cannot be mixed with kunci server addresses: name one \
+         service, either kunci servers or one etcd cluster\n(see kunci acquire --help)\n"
+    );
+    let mixed_env = kunci("127.0.0.1:1,etcd://127.0.0.1:1", &["query", "k"]);
+    assert_eq!(code(&mixed_env), 2, "{}", stderr(&mixed_env));
+    let top = kunci("etcd://127.0.0.1:1", &["top", "--count", "1"]);
+    assert_eq!(code(&top), 2);
+    assert_eq!(stdout(&top), "");
+    assert!(
+        stderr(&top).starts_with("kunci top: not supported on etcd://"),
+        "{}",
+        stderr(&top)
+    );
+}
+
+/// Issue 18 defect 2 (spec §9): when kunci dies by SIGKILL, CMD's group
+/// gets SIGKILL at the lock's `valid_until` at the latest, even with a
+/// longer `--kill-after`: the key is never granted to another client
+/// while the command still runs. And not before `valid_until`.
+#[test]
+fn run_killed_by_sigkill_stops_the_command_by_the_end_of_its_lease() {
+    let server = TestServer::start(&[]);
+    let dir = TempDir::new("run-sigkill-lease");
+    let pid_file = dir.join("pids");
+    let script = format!(
+        "trap '' TERM; echo $$ > {pids}; while :; do sleep 0.05; done",
+        pids = pid_file.display()
+    );
+    let spawned = Instant::now();
+    let mut child = command(
+        &server.addr,
+        &[
+            "run",
+            "short",
+            "--lease",
+            "3",
+            "--kill-after",
+            "30",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let pid = read_pids(&pid_file, 1)[0];
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let watcher = std::thread::spawn(move || {
+        let deadline = Instant::now() + 10 * S;
+        while !process_gone(pid) && Instant::now() < deadline {
+            std::thread::sleep(MS);
+        }
+        spawned.elapsed()
+    });
+    // The server takes the key back at the end of the lease and grants it.
+    let ticket = direct(&server).acquire("short", 10 * S, 5 * S).unwrap();
+    let granted = spawned.elapsed();
+    assert!(
+        process_gone(pid),
+        "the command still ran when the key was granted to another client ({granted:?})"
+    );
+    let gone = watcher.join().unwrap();
+    // valid_until = the acquire's send instant (after the spawn) + 3 s
+    // − the 16 ms drift margin.
+    assert!(
+        gone >= 3 * S - 16 * MS,
+        "SIGKILL before valid_until: {gone:?}"
+    );
+    assert!(gone <= granted, "{gone:?} {granted:?}");
+    assert!(granted < 3 * S + 2 * LATE, "{granted:?}");
+    ticket.release().unwrap();
+}
+
+/// Issue 18 defect 2 (spec §9): when the lease runs out unrenewed, the
+/// command that ignores SIGTERM gets SIGKILL at once — never later than
+/// the last `valid_until` — not after `--kill-after`.
+#[test]
+fn run_kills_at_valid_until_when_the_lease_runs_out_whatever_kill_after_says() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let dir = TempDir::new("run-unanswered-kill");
+    let started_file = dir.join("started");
+    let script = format!(
+        "trap '' TERM; echo started > {started}; while :; do sleep 0.05; done",
+        started = started_file.display()
+    );
+    let spawned = Instant::now();
+    let mut child = command(
+        &proxy.addr,
+        &[
+            "run",
+            "unanswered-kill",
+            "--lease",
+            "2",
+            "--kill-after",
+            "30",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    wait_for_file(&started_file);
+    proxy.set_faults(Faults {
+        swallow_answers: true,
+        ..Faults::default()
+    });
+    let status = wait_exit(&mut child, 10 * S);
+    let elapsed = spawned.elapsed();
+    assert_eq!(status.code(), Some(6));
+    assert!(elapsed >= 2 * S - 14 * MS, "{elapsed:?}");
+    assert!(elapsed < 2 * S + 2 * LATE, "{elapsed:?}");
 }

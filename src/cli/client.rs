@@ -75,7 +75,22 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         command: Vec::new(),
     };
     let mut parser = lexopt::Parser::from_args(arguments);
-    while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
+    loop {
+        // `--` ends the options; with a command, what follows it is the
+        // command, untouched, and every positional must have come before.
+        if accepts.command
+            && let Some(mut raw) = parser.try_raw_args()
+            && raw.next_if(|argument| argument == "--").is_some()
+        {
+            options.command = raw.collect();
+            if let Some(missing) = accepts.positionals.get(options.positionals.len()) {
+                return Err(format!("missing {missing}: it comes before `--`"));
+            }
+            break;
+        }
+        let Some(argument) = parser.next().map_err(|e| e.to_string())? else {
+            break;
+        };
         match argument {
             Long("server") => options.servers.push(args::address(parser.value())?),
             Long("wait") if accepts.wait => {
@@ -122,7 +137,23 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
     if options.servers.is_empty() {
         options.servers = default_servers()?;
     }
+    check_servers(&options.servers)?;
     Ok(Parsed::Run(options))
+}
+
+/// Refuses a list of addresses no client can serve: `etcd://` mixed with
+/// kunci servers (one service is either).
+pub(super) fn check_servers(servers: &[Address]) -> Result<(), String> {
+    let etcd = servers
+        .iter()
+        .filter(|address| matches!(address, Address::Etcd(_)))
+        .count();
+    if etcd != 0 && etcd != servers.len() {
+        return Err("etcd:// cannot be mixed with kunci server addresses: \
+                    name one service, either kunci servers or one etcd cluster"
+            .into());
+    }
+    Ok(())
 }
 
 /// `$KUNCI_SERVER` (comma-separated), else the default address.
@@ -519,7 +550,8 @@ pub(super) fn with_server_help(help: &str) -> String {
 }
 
 /// Acquires `key` with the options' wait and lease. `--wait inf` queues
-/// with the longest wire wait (255 s) again each time one runs out.
+/// with the longest wire wait (255 s) again each time one runs out, and
+/// waits through a server restart or outage (see [`acquire_until_granted`]).
 pub(super) fn acquire(client: &Client, key: &str, options: &Options) -> Result<Ticket, Error> {
     if options.wait_forever {
         acquire_until_granted(client, key, options.lease, WAIT_MAX)
@@ -528,20 +560,90 @@ pub(super) fn acquire(client: &Client, key: &str, options: &Options) -> Result<T
     }
 }
 
-/// Acquires `key`, waiting `slice` at a time until it is granted or an
-/// outcome other than `Timeout` ends it. Each attempt is a new request at
-/// the tail of the queue: the place is not kept across attempts.
+/// The longest pause between two attempts of `--wait inf` after a restart
+/// or an outage (spec §9).
+const RETRY_PAUSE_MAX: Duration = Duration::from_secs(2);
+/// The first such pause; it doubles up to [`RETRY_PAUSE_MAX`].
+const RETRY_PAUSE_FIRST: Duration = Duration::from_millis(100);
+/// How long after a `Busy` an `X 8` from the same server may still arrive:
+/// a shutting-down server sends the two back to back.
+const SHUTDOWN_NOTICE_WAIT: Duration = Duration::from_millis(200);
+
+/// Acquires `key`, waiting `slice` at a time until it is granted (spec §9
+/// `--wait inf`). Each attempt is a new request at the tail of the queue:
+/// the place is not kept across attempts. `Timeout` queues again at once;
+/// `Busy` from a server that is shutting down (its `X 8` follows the `B`)
+/// and `Unavailable` are tried again after a pause that doubles up to 2 s;
+/// after `Indeterminate` the call's own grant, if the server has one, is
+/// released first (rule 11), then the key is asked for again. Every other
+/// outcome, a `Busy` at a capacity limit included, ends the wait.
 fn acquire_until_granted(
     client: &Client,
     key: &str,
     lease: Duration,
     slice: Duration,
 ) -> Result<Ticket, Error> {
+    let mut pause = RETRY_PAUSE_FIRST;
     loop {
-        match client.acquire(key, slice, lease) {
-            Err(Error::Timeout) => log::debug!("{key}: still held after {slice:?}; queueing again"),
+        let owner = client.fresh_owner();
+        let notices = client.shutdown_notices();
+        match client.acquire_as(owner, key, slice, lease) {
+            Err(Error::Timeout) => {
+                log::debug!("{key}: still held after {slice:?}; queueing again");
+                pause = RETRY_PAUSE_FIRST;
+                continue;
+            }
+            Err(Error::Busy) if !server_shut_down(client, notices) => return Err(Error::Busy),
+            Err(Error::Busy) => log::debug!("{key}: the server is shutting down; asking again"),
+            Err(Error::Unavailable(why)) => {
+                log::debug!("{key}: unavailable ({why:?}); asking again")
+            }
+            Err(Error::Indeterminate) => {
+                log::debug!("{key}: no answer in time; releasing this call's grant if any");
+                release_own_grant(client, key, owner);
+            }
             outcome => return outcome,
         }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(RETRY_PAUSE_MAX);
+    }
+}
+
+/// Whether a server said it is shutting down since the count was
+/// `notices`, waiting a moment for the `X 8` that follows a `B`.
+fn server_shut_down(client: &Client, notices: u64) -> bool {
+    let give_up = std::time::Instant::now() + SHUTDOWN_NOTICE_WAIT;
+    loop {
+        if client.shutdown_notices() != notices {
+            return true;
+        }
+        if std::time::Instant::now() >= give_up {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Spec §8 rule 11: after an `Indeterminate` acquire, makes sure the call
+/// holds nothing: `Q` the key and, if its holder is the call's `owner`,
+/// release that token. Asks until the server answers (quietly, with the
+/// same capped pauses), so that the next attempt never queues behind its
+/// own lost grant.
+fn release_own_grant(client: &Client, key: &str, owner: u64) {
+    let mut pause = RETRY_PAUSE_FIRST;
+    loop {
+        match client.query(key) {
+            Ok(status) if status.owner == owner && status.token != 0 => {
+                match client.release(key, status.token) {
+                    Ok(()) | Err(Error::NotHeld) => return,
+                    Err(error) => log::debug!("{key}: releasing our grant: {error}"),
+                }
+            }
+            Ok(_) | Err(Error::InvalidArgument(_)) => return,
+            Err(error) => log::debug!("{key}: asking who holds it: {error}"),
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(RETRY_PAUSE_MAX);
     }
 }
 

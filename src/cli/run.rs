@@ -21,13 +21,16 @@
 //!   so that the shell sees the job stopped; when continued in the
 //!   foreground, it gives CMD the terminal and continues it.
 //! - A watchdog, forked before anything else while `kunci` has one thread,
-//!   blocks on a pipe whose write end only `kunci` (and CMD until its
-//!   `exec`) holds. CMD's child writes its process group id into the pipe
-//!   before `exec`, so the watchdog knows the group before CMD runs. When
-//!   `kunci` dies, even by SIGKILL, the pipe reaches end-of-file and the
-//!   watchdog sends SIGTERM to the group, then SIGKILL after
-//!   `--kill-after`. `kunci` disarms it when it has stopped the group
-//!   itself.
+//!   reads a pipe whose write end only `kunci` (and CMD until its `exec`)
+//!   holds. CMD's child writes its process group id and the lock's
+//!   `valid_until` into the pipe before `exec`, so the watchdog knows both
+//!   before CMD runs; `kunci` then writes each later `valid_until` a
+//!   renewal confirms. When `kunci` dies, even by SIGKILL, the pipe reaches
+//!   end-of-file and the watchdog sends SIGTERM to the group, then SIGKILL
+//!   after `--kill-after` or at `valid_until`, whichever comes first; if
+//!   `valid_until` passes with no later one written, it does both at once:
+//!   nothing CMD started outlives the lock. `kunci` disarms it when it has
+//!   stopped the group itself.
 
 use std::ffi::OsString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -39,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use super::client::{self as common, Accepts, Parsed};
 use super::exit;
-use crate::client::{Error, KeptLease, Loss, Ticket};
+use crate::client::{Error, KeptLease, Loss};
 
 const HELP: &str = "\
 kunci run — run a command while holding a lock
@@ -47,18 +50,21 @@ kunci run — run a command while holding a lock
 Usage: kunci run KEY [--wait S|inf] [--lease S] [--kill-after S] [-E N] [-q]
                  [--server ADDR]... -- CMD [ARGS]...
 
+KEY comes before `--`; everything after `--` is the command.
+
 Acquires KEY, runs CMD in its own process group with KUNCI_KEY and
 KUNCI_TOKEN (the fencing token) set, renews the lease every lease/3, and
 forwards SIGINT, SIGTERM and SIGHUP to CMD's group. In a terminal, CMD's
 group is the foreground group while it runs, so CMD can read the terminal.
 When CMD ends, whatever it left running in its group is stopped, the lock
 is released and kunci exits with CMD's status (128+N if it died of signal
-N, 127 if it could not be started). If the lock is lost (a renewal finds it
-gone, or the lease runs out unrenewed), CMD's group gets SIGTERM, then
-SIGKILL after --kill-after, and kunci exits 6. If kunci itself dies, even
-by SIGKILL, a watchdog does the same to CMD's group. An acquire that fails
-exits as `kunci acquire` does (1 timeout, 3 busy, 4 unavailable,
-5 indeterminate).
+N, 126 if it cannot be executed, 127 if it is not found). If the lock is
+lost (a renewal finds it gone, or the lease runs out unrenewed), CMD's
+group gets SIGTERM, then SIGKILL after --kill-after or when the lease
+runs out, whichever comes first, and kunci exits 6. If kunci itself dies,
+even by SIGKILL, a watchdog does the same to CMD's group: nothing CMD
+started outlives the lock. An acquire that fails exits as `kunci acquire`
+does (1 timeout, 3 busy, 4 unavailable, 5 indeterminate).
 
 Options:
   --wait S        how long to wait for the key, in seconds, decimals allowed,
@@ -73,8 +79,10 @@ Options:
   -q, --quiet     no message when the key stayed held
 ";
 
-/// Exit status when the command cannot be started (as a shell does).
-const NOT_STARTED: u8 = 127;
+/// Exit status when the command is not found (as a shell does).
+const NOT_FOUND: u8 = 127;
+/// Exit status when the command exists but cannot be executed.
+const NOT_EXECUTABLE: u8 = 126;
 
 /// How often a group that is being stopped is checked for survivors.
 const POLL: Duration = Duration::from_millis(10);
@@ -152,16 +160,28 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
         Err(error) => return common::report("run", error, &options.servers, &attempt),
     };
-    let ticket = match fresh(ticket, options.lease) {
-        Ok(ticket) => ticket,
-        Err(error) => return common::report("run", error, &options.servers, &attempt),
-    };
     let token = ticket.token();
     let (events, inbox) = mpsc::channel();
     let lost = events.clone();
-    let kept = ticket.keep_alive_with(move |loss| {
+    // A grant that arrived after a wait is renewed first (spec §8 rule 10):
+    // CMD never starts under a lease that is already spent.
+    let kept = match ticket.keep_alive_fresh_with(move |loss| {
         let _ = lost.send(Event::Lost(loss));
-    });
+    }) {
+        Ok(kept) => kept,
+        Err(Error::NotHeld) => {
+            eprintln!(
+                "kunci run: lock lost: {key:?} was granted after the wait, but its lease \
+                 ran out before it could be renewed; the command was not started"
+            );
+            watchdog.disarm();
+            return exit::NOT_HELD;
+        }
+        Err(error) => {
+            watchdog.disarm();
+            return common::report("run", error, &options.servers, &attempt);
+        }
+    };
     if let Err(error) = forward_signals() {
         eprintln!("kunci run: cannot handle signals: {error}");
         release(kept);
@@ -177,16 +197,18 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         .process_group(0);
     let watchdog_fd = watchdog.fd();
     let take_terminal = terminal.is_some();
+    let mut confirmed = kept.valid_until();
+    let first_deadline = monotonic_ns(confirmed);
     // SAFETY: between fork and exec the closure only makes
     // async-signal-safe calls (getpid, write, tcsetpgrp, signal).
     unsafe {
         command.pre_exec(move || {
             let group = libc::getpid();
-            // Tell the watchdog which group to stop if kunci dies. The pipe
+            // Tell the watchdog which group to stop, and by when. The pipe
             // is close-on-exec: CMD itself does not keep it open.
-            let bytes = group.to_ne_bytes();
-            let written = libc::write(watchdog_fd, bytes.as_ptr().cast(), bytes.len());
-            if written != bytes.len() as isize {
+            let record = watchdog_record(GROUP, group, first_deadline);
+            let written = libc::write(watchdog_fd, record.as_ptr().cast(), record.len());
+            if written != record.len() as isize {
                 return Err(std::io::Error::last_os_error());
             }
             if take_terminal {
@@ -207,7 +229,13 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             eprintln!("kunci run: cannot start {:?}: {error}", options.command[0]);
             watchdog.disarm();
             release(kept);
-            return NOT_STARTED;
+            // As a shell does: 127 when there is no such command, 126 when
+            // it exists but cannot be executed.
+            return if error.kind() == std::io::ErrorKind::NotFound {
+                NOT_FOUND
+            } else {
+                NOT_EXECUTABLE
+            };
         }
     };
     let group = child.id() as libc::pid_t;
@@ -222,7 +250,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     spawn_reaper(group, events);
 
     let outcome = loop {
-        match inbox.recv() {
+        match inbox.recv_timeout(POLL) {
             Ok(Event::Exited(status)) => break Ok(status),
             Ok(Event::Lost(loss)) => break Err(loss),
             Ok(Event::Stopped) if stdin_is_terminal() => {
@@ -230,10 +258,28 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             }
             // Stopped by someone else's SIGSTOP: theirs to continue.
             Ok(Event::Stopped) => {}
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
             // The reaper never ends, so this cannot happen; if it did, the
             // command could no longer be watched.
-            Err(mpsc::RecvError) => break Err(Loss::Expired),
+            Err(mpsc::RecvTimeoutError::Disconnected) => break Err(Loss::Expired),
         }
+        // Each renewal moves the watchdog's deadline with it.
+        let valid_until = kept.valid_until();
+        if valid_until > confirmed {
+            confirmed = valid_until;
+            watchdog.extend(valid_until);
+        }
+    };
+    // A command that ended just as the lease ran out (the watchdog acts at
+    // the same deadline) ends as a lost lock too: it may not have finished
+    // its work under the lock.
+    let (outcome, reaped) = match outcome {
+        Ok(status) => match kept.lost() {
+            Some(loss) => (Err(loss), true),
+            None if !kept.is_valid() => (Err(Loss::Expired), true),
+            None => (Ok(status), true),
+        },
+        Err(loss) => (Err(loss), false),
     };
     match outcome {
         Ok(status) => {
@@ -243,7 +289,8 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             // Nothing CMD started outlives the lock.
             if group_alive(group) {
                 terminate(group);
-                stop_group(group, Instant::now() + options.kill_after, None);
+                let kill_at = (Instant::now() + options.kill_after).min(kept.valid_until());
+                stop_group(group, kill_at, None);
             }
             watchdog.disarm();
             release(kept);
@@ -252,7 +299,10 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         Err(loss) => {
             eprintln!("kunci run: lock lost: {loss}; stopping the command");
             terminate(group);
-            stop_group(group, Instant::now() + options.kill_after, Some(&inbox));
+            // SIGKILL never later than the last `valid_until` a renewal
+            // confirmed: after it, someone else may hold the lock.
+            let kill_at = (Instant::now() + options.kill_after).min(kept.valid_until());
+            stop_group(group, kill_at, (!reaped).then_some(&inbox));
             if let Some(terminal) = terminal {
                 terminal.restore(group);
             }
@@ -264,35 +314,13 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     }
 }
 
-/// A ticket whose first renewal is not yet due. An acquire that waited in
-/// the queue has a `valid_until` counted from when it was sent, which may
-/// be mostly or wholly spent by the time of the grant: renew such a ticket
-/// before the command starts (nothing has been done under the lock yet).
-fn fresh(mut ticket: Ticket, lease: Duration) -> Result<Ticket, Error> {
-    let left = ticket
-        .valid_until()
-        .saturating_duration_since(Instant::now());
-    if left > lease - lease / 3 {
-        return Ok(ticket);
-    }
-    match ticket.renew(lease) {
-        Ok(()) => Ok(ticket),
-        // The keep-alive retries while the lease is known to run.
-        Err(_) if ticket.is_valid() => Ok(ticket),
-        Err(error) => {
-            // Nothing to release: the grant is gone or unknowable, and the
-            // lease reclaims it.
-            let _ = ticket.into_token();
-            Err(error)
-        }
-    }
-}
-
 /// Waits until `group` is empty, sending SIGKILL at `grace_end` if it is
 /// not. With `inbox`, the command itself has not been reaped yet: wait for
 /// its exit there.
 fn stop_group(group: libc::pid_t, grace_end: Instant, inbox: Option<&mpsc::Receiver<Event>>) {
     let mut killed = false;
+    // Without a grace (the lease has run out) SIGKILL is no news.
+    let has_grace = grace_end > Instant::now();
     if let Some(inbox) = inbox {
         loop {
             let left = grace_end.saturating_duration_since(Instant::now());
@@ -300,7 +328,9 @@ fn stop_group(group: libc::pid_t, grace_end: Instant, inbox: Option<&mpsc::Recei
                 Ok(Event::Exited(_)) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 Ok(Event::Lost(_) | Event::Stopped) => {}
                 Err(mpsc::RecvTimeoutError::Timeout) if !killed => {
-                    eprintln!("kunci run: the command did not stop; killing it");
+                    if has_grace {
+                        eprintln!("kunci run: the command did not stop; killing it");
+                    }
                     signal_group(group, libc::SIGKILL);
                     killed = true;
                 }
@@ -499,8 +529,51 @@ struct Watchdog {
     pipe: OwnedFd,
 }
 
-/// What kunci writes to the watchdog when it no longer needs it.
+/// The watchdog's messages are records of [`RECORD`] bytes: a tag, a
+/// process group (native-endian i32) and a deadline (native-endian u64,
+/// CLOCK_MONOTONIC nanoseconds). Each is one `write` of fewer than
+/// `PIPE_BUF` bytes, so it arrives whole.
+const RECORD: usize = 13;
+/// CMD's group and the lock's `valid_until` (written by CMD's child).
+const GROUP: u8 = b'G';
+/// A later `valid_until` a renewal confirmed.
+const DEADLINE: u8 = b'V';
+/// kunci has dealt with CMD's group itself: exit quietly.
 const DISARM: u8 = b'D';
+
+fn watchdog_record(tag: u8, group: libc::pid_t, deadline_ns: u64) -> [u8; RECORD] {
+    let mut record = [0u8; RECORD];
+    record[0] = tag;
+    record[1..5].copy_from_slice(&group.to_ne_bytes());
+    record[5..].copy_from_slice(&deadline_ns.to_ne_bytes());
+    record
+}
+
+/// CLOCK_MONOTONIC now, in nanoseconds: the clock both processes read.
+fn monotonic_now_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills a local timespec.
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now);
+    }
+    (now.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(now.tv_nsec as u64)
+}
+
+/// `at` on CLOCK_MONOTONIC, never later than it: the clock is read before
+/// `Instant::now()`, so the offset is measured from a later instant.
+fn monotonic_ns(at: Instant) -> u64 {
+    let clock = monotonic_now_ns();
+    let now = Instant::now();
+    match at.checked_duration_since(now) {
+        Some(ahead) => clock.saturating_add(ahead.as_nanos() as u64),
+        None => clock.saturating_sub(now.duration_since(at).as_nanos() as u64),
+    }
+}
 
 impl Watchdog {
     fn start(kill_after: Duration) -> std::io::Result<Watchdog> {
@@ -527,17 +600,29 @@ impl Watchdog {
         self.pipe.as_raw_fd()
     }
 
+    /// A renewal confirmed the lock until `valid_until`.
+    fn extend(&self, valid_until: Instant) {
+        self.send(watchdog_record(DEADLINE, 0, monotonic_ns(valid_until)));
+    }
+
     /// kunci has dealt with CMD's group itself: the watchdog exits quietly.
     fn disarm(self) {
-        // SAFETY: write of one byte from a local to our own pipe.
+        self.send(watchdog_record(DISARM, 0, 0));
+    }
+
+    fn send(&self, record: [u8; RECORD]) {
+        // SAFETY: write from a local to our own pipe. A watchdog that is
+        // gone (it acted at a deadline) makes it fail with EPIPE: nothing
+        // left to tell.
         unsafe {
-            libc::write(self.pipe.as_raw_fd(), [DISARM].as_ptr().cast(), 1);
+            libc::write(self.pipe.as_raw_fd(), record.as_ptr().cast(), RECORD);
         }
     }
 }
 
-/// The watchdog's life: learn the group, wait for kunci to go, then stop
-/// the group. Never returns.
+/// The watchdog's life: learn the group and its deadline, follow the
+/// deadlines kunci writes, and stop the group when kunci goes or the
+/// deadline passes. Never returns.
 fn watch(pipe: RawFd, kill_after: Duration) -> ! {
     // SAFETY: plain system calls on this process's own state and fds.
     unsafe {
@@ -567,29 +652,92 @@ fn watch(pipe: RawFd, kill_after: Duration) -> ! {
                 libc::close(null);
             }
         }
-        let mut group_bytes = [0u8; 4];
-        if !read_exact(pipe, &mut group_bytes) {
-            // kunci went away (or disarmed) before any command started.
-            libc::_exit(0);
-        }
-        let group = libc::pid_t::from_ne_bytes(group_bytes);
-        let mut byte = [0u8; 1];
-        if read_exact(pipe, &mut byte) && byte[0] == DISARM {
-            libc::_exit(0);
-        }
-        // End of file: kunci is gone.
-        libc::kill(-group, libc::SIGTERM);
-        libc::kill(-group, libc::SIGCONT);
-        let grace_end = Instant::now() + kill_after;
-        while Instant::now() < grace_end {
-            if libc::kill(-group, 0) != 0 {
-                libc::_exit(0);
+    }
+    let kill_after_ns = kill_after.as_nanos().min(u128::from(u64::MAX)) as u64;
+    let mut group: libc::pid_t = 0;
+    let mut deadline: Option<u64> = None;
+    loop {
+        if let Some(deadline) = deadline {
+            let now = monotonic_now_ns();
+            if now >= deadline {
+                // The lease ran out with no later `valid_until` written:
+                // someone else may hold the lock now.
+                stop_group_at(group, now);
             }
-            std::thread::sleep(POLL);
+            if !wait_readable(pipe, deadline - now) {
+                continue;
+            }
         }
-        libc::kill(-group, libc::SIGKILL);
+        let mut record = [0u8; RECORD];
+        if !read_exact(pipe, &mut record) {
+            // End of file: kunci is gone.
+            if group == 0 {
+                // SAFETY: leaving the watchdog process.
+                unsafe { libc::_exit(0) }
+            }
+            let now = monotonic_now_ns();
+            let kill_at = now
+                .saturating_add(kill_after_ns)
+                .min(deadline.unwrap_or(u64::MAX));
+            stop_group_at(group, kill_at);
+        }
+        let mut group_bytes = [0u8; 4];
+        group_bytes.copy_from_slice(&record[1..5]);
+        let mut deadline_bytes = [0u8; 8];
+        deadline_bytes.copy_from_slice(&record[5..]);
+        let at = u64::from_ne_bytes(deadline_bytes);
+        match record[0] {
+            GROUP => {
+                group = libc::pid_t::from_ne_bytes(group_bytes);
+                deadline = Some(at);
+            }
+            DEADLINE => deadline = Some(deadline.map_or(at, |known| known.max(at))),
+            // SAFETY: leaving the watchdog process.
+            _ => unsafe { libc::_exit(0) },
+        }
+    }
+}
+
+/// SIGTERM to `group`, then SIGKILL at `kill_at` (CLOCK_MONOTONIC ns) if
+/// any of it is left; then the watchdog exits.
+fn stop_group_at(group: libc::pid_t, kill_at: u64) -> ! {
+    // SAFETY: kill(2) on CMD's group and _exit; nothing else.
+    unsafe {
+        if group > 0 {
+            libc::kill(-group, libc::SIGTERM);
+            libc::kill(-group, libc::SIGCONT);
+            loop {
+                if libc::kill(-group, 0) != 0 {
+                    break;
+                }
+                let now = monotonic_now_ns();
+                if now >= kill_at {
+                    libc::kill(-group, libc::SIGKILL);
+                    break;
+                }
+                std::thread::sleep(POLL.min(Duration::from_nanos(kill_at - now)));
+            }
+        }
         libc::_exit(0)
     }
+}
+
+/// Waits up to `limit_ns` for `pipe` to be readable (or at end of file):
+/// `true` if it is, `false` when the time is up.
+fn wait_readable(pipe: RawFd, limit_ns: u64) -> bool {
+    let mut poll = libc::pollfd {
+        fd: pipe,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let limit = libc::timespec {
+        tv_sec: (limit_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (limit_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: ppoll on one local pollfd with a local timeout.
+    let ready = unsafe { libc::ppoll(&mut poll, 1, &limit, std::ptr::null()) };
+    // An interrupted wait is looked at again by the caller.
+    ready > 0
 }
 
 /// Reads exactly `buf.len()` bytes; `false` at end of file or on an error.

@@ -84,6 +84,18 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
     if options.servers.is_empty() {
         options.servers = common::default_servers()?;
     }
+    common::check_servers(&options.servers)?;
+    if options
+        .servers
+        .iter()
+        .any(|address| matches!(address, Address::Etcd(_)))
+    {
+        return Err(
+            "not supported on etcd://: the counters are a kunci server's \
+                    (etcd's own are in its /metrics)"
+                .into(),
+        );
+    }
     Ok(Some(options))
 }
 

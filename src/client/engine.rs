@@ -200,6 +200,9 @@ struct Req<R> {
     /// Why a session that had it refused it (`X 7`, `X 9`): the reason an
     /// `Unavailable` names if no other session takes it by `D`.
     refused: Option<Unavailable>,
+    /// The engine's refusal count when it was submitted: only refusals
+    /// after it count for this call (rule 4).
+    since: u64,
     timer: TimerLinks,
 }
 
@@ -291,10 +294,29 @@ pub(crate) struct Engine<R> {
     completions: VecDeque<(R, Outcome)>,
     /// The session the next batch of unassigned requests goes to.
     rotation: usize,
+    /// Sessions per server address: session `s` talks to address
+    /// `s / per_server`.
+    per_server: usize,
+    /// Per address: the refusal count when it last refused a session with
+    /// `X 9` (not allowed), until one of its sessions hears anything else.
+    not_allowed_at: Vec<Option<u64>>,
+    /// `X 9` refusals seen so far.
+    refusals: u64,
+    /// `X 8` (server shutting down) frames seen so far.
+    shutdown_notices: u64,
 }
 
 impl<R> Engine<R> {
-    pub(crate) fn new(sessions: usize, connect_timeout: Duration, now: Instant) -> Engine<R> {
+    /// An engine for `servers` addresses with `per_server` sessions each.
+    pub(crate) fn new(
+        servers: usize,
+        per_server: usize,
+        connect_timeout: Duration,
+        now: Instant,
+    ) -> Engine<R> {
+        let servers = servers.max(1);
+        let per_server = per_server.max(1);
+        let sessions = servers * per_server;
         Engine {
             epoch: now,
             connect_timeout,
@@ -303,14 +325,23 @@ impl<R> Engine<R> {
                 spare: TimerLinks::UNARMED,
             },
             wheel: TimerWheel::new(),
-            sessions: (0..sessions.max(1)).map(|_| Session::new(now)).collect(),
+            sessions: (0..sessions).map(|_| Session::new(now)).collect(),
             unassigned: VecDeque::new(),
             owners: HashMap::default(),
             expired: Vec::new(),
             actions: VecDeque::new(),
             completions: VecDeque::new(),
             rotation: 0,
+            per_server,
+            not_allowed_at: vec![None; servers],
+            refusals: 0,
+            shutdown_notices: 0,
         }
+    }
+
+    /// How many times a server said it is shutting down (`X 8`).
+    pub(crate) fn shutdown_notices(&self) -> u64 {
+        self.shutdown_notices
     }
 
     /// No request is pending: nothing would be lost by stopping.
@@ -329,6 +360,7 @@ impl<R> Engine<R> {
             place: Place::Unassigned,
             sent_at: None,
             refused: None,
+            since: self.refusals,
             timer: TimerLinks::UNARMED,
         });
         if let Op::Acquire { owner, .. } = submission.op {
@@ -623,9 +655,16 @@ impl<R> Engine<R> {
                     if let Some(session) = self.sessions.get_mut(s) {
                         session.heard_from = true;
                     }
+                    // It talks to us: its `--allow` lets this client in now.
+                    if let Some(refused) = self.not_allowed_at.get_mut(s / self.per_server) {
+                        *refused = None;
+                    }
                 }
                 Err(error) => {
-                    log::warn!("session {s}: {error}; closing it");
+                    log::debug!("session {s}: undecodable answer: {error}");
+                    log::warn!(
+                        "the server sent an answer this client cannot read ({error}); reconnecting"
+                    );
                     return None;
                 }
             }
@@ -676,8 +715,16 @@ impl<R> Engine<R> {
                     self.refused(s, why);
                     return false;
                 }
+                if ErrorCode::from_u8(code) == Some(ErrorCode::ShuttingDown) {
+                    // A routine stop or restart: the requests it leaves
+                    // open end as the rules say; nothing to warn about.
+                    log::debug!("session {s}: the server is shutting down (X {code})");
+                    self.shutdown_notices += 1;
+                    return false;
+                }
                 let Some(code) = ErrorCode::from_u8(code).filter(|code| !code.is_fatal()) else {
-                    log::warn!("session {s}: server error {code}: {text}; closing it");
+                    log::debug!("session {s}: X {code} {text}");
+                    log::warn!("the server closed the connection: {text}");
                     return false;
                 };
                 let found = self.sent_acquire(s, id).or_else(|| {
@@ -731,7 +778,8 @@ impl<R> Engine<R> {
     }
 
     fn uncorrelated(&self, s: SessionId, response: &Response) -> bool {
-        log::warn!("session {s}: answer {response:?} matches no request; closing it");
+        log::debug!("session {s}: answer {response:?} matches no request");
+        log::warn!("the server sent an answer to no request of this client; reconnecting");
         false
     }
 
@@ -816,6 +864,45 @@ impl<R> Engine<R> {
         if let Some(session) = self.sessions.get_mut(s) {
             session.others.clear();
             session.acquires = 0;
+        }
+        if why == Unavailable::NotAllowed {
+            self.refusals += 1;
+            if let Some(refused) = self.not_allowed_at.get_mut(s / self.per_server) {
+                *refused = Some(self.refusals);
+            }
+            self.end_refused_everywhere();
+        }
+    }
+
+    /// Rule 4: `X 9` cannot change within one call, so a certainly-not-sent
+    /// request that every address has refused with it since the call began
+    /// is `Unavailable` at once instead of waiting for `D`.
+    fn end_refused_everywhere(&mut self) {
+        let refused_since = self
+            .not_allowed_at
+            .iter()
+            .map(|at| at.unwrap_or(0))
+            .min()
+            .unwrap_or(0);
+        let done: Vec<ReqId> = self
+            .requests
+            .slab
+            .iter()
+            .filter(|(_, req)| {
+                matches!(req.place, Place::Unassigned | Place::Queued(_))
+                    && req.since < refused_since
+            })
+            .map(|(id, _)| id)
+            .collect();
+        if done.is_empty() {
+            return;
+        }
+        self.unassigned.retain(|id| !done.contains(id));
+        for session in &mut self.sessions {
+            session.queue.retain(|id| !done.contains(id));
+        }
+        for id in done {
+            self.complete(id, Outcome::Unavailable(Unavailable::NotAllowed));
         }
     }
 

@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -105,6 +105,8 @@ pub(crate) struct Shared {
     closed: AtomicBool,
     /// Cleared when the I/O thread exits.
     running: AtomicBool,
+    /// The engine's count of `X 8` (server shutting down) frames.
+    shutdown_notices: AtomicU64,
 }
 
 impl Shared {
@@ -170,6 +172,11 @@ impl Shared {
         self.closed.store(true, Ordering::Release);
         let _ = self.waker.wake();
     }
+
+    /// How many times a server said it is shutting down (`X 8`).
+    pub(crate) fn shutdown_notices(&self) -> u64 {
+        self.shutdown_notices.load(Ordering::Acquire)
+    }
 }
 
 /// Starts the I/O thread for these addresses, `per_server` sessions each.
@@ -185,10 +192,11 @@ pub(crate) fn start(
         waker,
         closed: AtomicBool::new(false),
         running: AtomicBool::new(true),
+        shutdown_notices: AtomicU64::new(0),
     });
     let per_server = per_server.max(1);
     let sessions = addresses.len() * per_server;
-    let engine = Engine::new(sessions, connect_timeout, Instant::now());
+    let engine = Engine::new(addresses.len(), per_server, connect_timeout, Instant::now());
     let mut shell = Shell {
         poll,
         shared: shared.clone(),
@@ -304,6 +312,9 @@ impl Shell {
             self.engine.expire(Instant::now());
             self.perform_actions();
             self.settle();
+            self.shared
+                .shutdown_notices
+                .store(self.engine.shutdown_notices(), Ordering::Release);
             if self.shared.closed.load(Ordering::Acquire)
                 && self.engine.is_idle()
                 && lock(&self.shared.queue).is_empty()

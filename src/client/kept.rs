@@ -141,6 +141,53 @@ impl Ticket {
         self.keep(Some(Box::new(on_lost)))
     }
 
+    /// A managed lock from a fresh grant (spec §8 rule 10): as
+    /// [`keep_alive_with`](Self::keep_alive_with), but a ticket that has
+    /// less than two thirds of its lease left on
+    /// [`valid_until`](Self::valid_until) — a grant that arrived after a
+    /// wait, whose lease counts from when the request was sent — is renewed
+    /// once first, so that the lease is never handed over already lost.
+    ///
+    /// If that renewal is answered `N` the lock is lost before anything was
+    /// done under it: [`Error::NotHeld`], and nothing is kept. If it reaches
+    /// no verdict (`Unavailable`, `Indeterminate`) while `valid_until` is
+    /// still ahead, the lease is kept and its renewals go on retrying; once
+    /// `valid_until` has passed, that error is returned and nothing is kept
+    /// (the server reclaims the grant at the end of its lease).
+    pub fn keep_alive_fresh_with(
+        mut self,
+        on_lost: impl FnOnce(Loss) + Send + 'static,
+    ) -> Result<KeptLease, Error> {
+        self.renew_if_late()?;
+        Ok(self.keep(Some(Box::new(on_lost))))
+    }
+
+    /// As [`keep_alive_fresh_with`](Self::keep_alive_fresh_with), without a
+    /// callback.
+    pub fn keep_alive_fresh(mut self) -> Result<KeptLease, Error> {
+        self.renew_if_late()?;
+        Ok(self.keep(None))
+    }
+
+    /// Rule 10's first renewal; on an error the ticket is disarmed (there
+    /// is nothing to release: the grant is gone or unknowable).
+    fn renew_if_late(&mut self) -> Result<(), Error> {
+        let lease = self.lease();
+        let left = self.valid_until().saturating_duration_since(Instant::now());
+        if left >= lease - lease / 3 {
+            return Ok(());
+        }
+        match self.renew(lease) {
+            Ok(()) => Ok(()),
+            // The keep-alive retries while the lease is known to run.
+            Err(Error::Unavailable(_) | Error::Indeterminate) if self.is_valid() => Ok(()),
+            Err(error) => {
+                self.disarm();
+                Err(error)
+            }
+        }
+    }
+
     fn keep(self, on_lost: Option<OnLost>) -> KeptLease {
         let client = self.client().clone();
         let (key, token, lease, valid_until) = (

@@ -294,6 +294,14 @@ impl Backend {
         }
     }
 
+    fn shutdown_notices(&self) -> u64 {
+        match self {
+            Backend::Kunci(shared) => shared.shutdown_notices(),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(_) => 0,
+        }
+    }
+
     fn close(&self) {
         match self {
             Backend::Kunci(shared) => shared.close(),
@@ -345,12 +353,24 @@ impl Client {
     /// On success the [`Ticket`] holds the fencing token; dropping it
     /// releases the lock in the background.
     pub fn acquire(&self, key: &str, wait: Duration, lease: Duration) -> Result<Ticket, Error> {
+        self.acquire_as(self.fresh_owner(), key, wait, lease)
+    }
+
+    /// [`acquire`](Self::acquire) with a given owner id (from
+    /// [`fresh_owner`](Self::fresh_owner)), so that the caller can find
+    /// the call's grant after an `Indeterminate` (spec §8 rule 11).
+    pub(crate) fn acquire_as(
+        &self,
+        owner: u64,
+        key: &str,
+        wait: Duration,
+        lease: Duration,
+    ) -> Result<Ticket, Error> {
         let key = Key::new(key).map_err(Error::InvalidArgument)?;
         if wait > WAIT_MAX {
             return Err(Error::InvalidArgument("wait is longer than 255 s"));
         }
         let lease_s = lease_seconds(lease)?;
-        let owner = self.fresh_owner();
         let start = Instant::now();
         let wait_until = start + wait;
         let deadline = wait_until + TRANSPORT_DEADLINE;
@@ -371,6 +391,20 @@ impl Client {
             }
             outcome => Err(outcome_error(outcome)),
         }
+    }
+
+    /// Takes the lock on `key` as [`acquire`](Self::acquire) does and keeps
+    /// its lease alive ([`Ticket::keep_alive_fresh`]): a grant that arrived
+    /// with less than two thirds of its lease left is renewed once before it
+    /// is returned, and if that renewal finds it gone the call fails with
+    /// [`Error::NotHeld`] (the lock was lost before it was handed over).
+    pub fn acquire_kept(
+        &self,
+        key: &str,
+        wait: Duration,
+        lease: Duration,
+    ) -> Result<KeptLease, Error> {
+        self.acquire(key, wait, lease)?.keep_alive_fresh()
     }
 
     /// Releases the grant `token` of `key`.
@@ -458,9 +492,16 @@ impl Client {
         self.inner.next_keep.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// How many times a server of this client said it is shutting down
+    /// (`X 8`); always 0 on etcd. (`kunci run --wait inf` asks.)
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    pub(crate) fn shutdown_notices(&self) -> u64 {
+        self.inner.shared.shutdown_notices()
+    }
+
     /// An owner id no other call of this client uses: a random base plus a
     /// counter, skipping 0.
-    fn fresh_owner(&self) -> u64 {
+    pub(crate) fn fresh_owner(&self) -> u64 {
         loop {
             let n = self.inner.next_owner.fetch_add(1, Ordering::Relaxed);
             let owner = self.inner.owner_base.wrapping_add(n);

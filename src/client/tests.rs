@@ -90,10 +90,15 @@ fn answer(response: Response) -> Vec<u8> {
 }
 
 impl Harness {
-    fn new(sessions: usize) -> Harness {
+    /// `servers` addresses with one session each.
+    fn new(servers: usize) -> Harness {
+        Harness::with_sessions(servers, 1)
+    }
+
+    fn with_sessions(servers: usize, per_server: usize) -> Harness {
         let start = Instant::now();
         Harness {
-            engine: Engine::new(sessions, S, start),
+            engine: Engine::new(servers, per_server, S, start),
             start,
             now: start,
         }
@@ -609,16 +614,13 @@ fn a_background_release_needs_no_caller() {
     assert!(h.engine.is_idle());
 }
 
-/// Spec §6, §8 rule 4: `X 7` or `X 9` as a session's first frame means the
-/// server executed nothing on it — the requests move to another session,
-/// and at `D` they are `Unavailable` naming the reason, never
-/// `Indeterminate`.
+/// Spec §6, §8 rule 4: `X 7` as a session's first frame means the server
+/// executed nothing on it — the requests move to another session, and at
+/// `D` they are `Unavailable` naming the reason, never `Indeterminate`.
 #[test]
 fn a_refusal_at_accept_is_unavailable_with_its_reason_never_indeterminate() {
-    for (code, why) in [
-        (7, Unavailable::ConnectionLimit),
-        (9, Unavailable::NotAllowed),
-    ] {
+    let (code, why) = (7, Unavailable::ConnectionLimit);
+    {
         let mut h = Harness::new(1);
         h.acquire(1, 11, Duration::ZERO);
         h.other(2, Op::Ping { nonce: 12 });
@@ -685,4 +687,74 @@ fn an_x7_after_an_answer_is_not_a_refusal() {
     let completions = h.completions();
     assert!(matches!(completions[0], (1, Outcome::Pong { .. })));
     assert_eq!(completions[1], (2, Outcome::Indeterminate));
+}
+
+fn not_allowed() -> Response {
+    Response::Error {
+        code: 9,
+        id: 0,
+        text: "peer not allowed".into(),
+    }
+}
+
+/// Rule 4: `X 9` cannot change within one call, so once every address has
+/// refused the session with it, the certainly-not-sent requests are
+/// `Unavailable(NotAllowed)` at once, not at `D`. While one address has not
+/// refused, they wait for it.
+#[test]
+fn x9_at_every_address_is_unavailable_at_once() {
+    let mut h = Harness::with_sessions(2, 2);
+    h.acquire(1, 11, 10 * S);
+    h.other(2, Op::Ping { nonce: 12 });
+    assert_eq!(h.actions(), (0..4).map(Action::Connect).collect::<Vec<_>>());
+    // Both sessions of address 0 refuse: address 1 may still take them.
+    for s in [0, 1] {
+        h.engine.connected(s, h.now);
+        h.write(s);
+        h.input(s, not_allowed());
+    }
+    assert_eq!(h.completions(), []);
+    // Address 1 refuses too: every address has said no.
+    h.at(MS);
+    h.engine.connected(2, h.now);
+    assert_eq!(h.write(2), [a(10, 11), Frame::P { nonce: 12 }]);
+    h.input(2, not_allowed());
+    assert_eq!(
+        h.completions(),
+        [
+            (1, Outcome::Unavailable(Unavailable::NotAllowed)),
+            (2, Outcome::Unavailable(Unavailable::NotAllowed)),
+        ]
+    );
+    assert!(h.engine.is_idle());
+    // A refusal seen before a call began does not end that call: the
+    // server's `--allow` may have changed since.
+    h.other(3, Op::Ping { nonce: 13 });
+    assert_eq!(h.completions(), []);
+    // An address that answers is no longer counted as refusing.
+    h.engine.connected(3, h.now);
+    h.write(3);
+    h.input(3, Response::Pong { nonce: 13 });
+    assert!(matches!(h.completions()[..], [(3, Outcome::Pong { .. })]));
+    h.other(4, Op::Ping { nonce: 14 });
+    h.actions();
+    h.engine.connected(0, h.now);
+    h.write(0);
+    h.input(0, not_allowed());
+    assert_eq!(h.completions(), [], "address 1 lets us in");
+}
+
+/// With one address, its `X 9` ends the call at once.
+#[test]
+fn x9_at_the_only_address_is_unavailable_at_once() {
+    let mut h = Harness::new(1);
+    h.acquire(1, 11, Duration::ZERO);
+    h.actions();
+    h.engine.connected(0, h.now);
+    h.write(0);
+    h.input(0, not_allowed());
+    assert_eq!(
+        h.completions(),
+        [(1, Outcome::Unavailable(Unavailable::NotAllowed))]
+    );
 }

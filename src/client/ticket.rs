@@ -124,6 +124,11 @@ impl Ticket {
         self.armed = false;
         self.token
     }
+
+    /// The drop no longer releases the lock.
+    pub(super) fn disarm(&mut self) {
+        self.armed = false;
+    }
 }
 
 impl Drop for Ticket {
