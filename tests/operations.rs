@@ -116,7 +116,13 @@ fn a_held_key_with_wait_0_says_someone_else_holds_it() {
     assert_eq!(
         stderr(&output),
         "kunci acquire: timeout: key \"job\" stayed held by someone else for the whole wait \
-         (0.2 s); nothing was acquired\n"
+         (0.2 s, sent as 1 s: the server counts whole seconds); nothing was acquired\n"
+    );
+    let output = kunci(&["acquire", "job", "--wait", "1", "--server", addr], &[]);
+    assert_eq!(
+        stderr(&output),
+        "kunci acquire: timeout: key \"job\" stayed held by someone else for the whole wait \
+         (1 s); nothing was acquired\n"
     );
 
     // `kunci run` says the same, names the key, and exits with its

@@ -249,6 +249,12 @@ pub(super) fn message(
                 "{key} is held by someone else; nothing was acquired \
                  (--wait 0 tries once; --wait S waits up to S seconds)"
             ),
+            Some(wait) if wait.subsec_nanos() != 0 => format!(
+                "{key} stayed held by someone else for the whole wait ({}, sent as {} s: \
+                 the server counts whole seconds); nothing was acquired",
+                seconds_text(wait),
+                wait.as_secs() + 1
+            ),
             Some(wait) => format!(
                 "{key} stayed held by someone else for the whole wait ({}); \
                  nothing was acquired",
@@ -371,10 +377,12 @@ Prints the token as one decimal number and exits 0, leaving the lock held
 until its lease runs out or `kunci release KEY TOKEN`.
 
 Options:
-  --wait S        how long to wait for the key, in seconds, decimals allowed,
-                  at most 255 (default 0: one immediate attempt); `inf`
+  --wait S        how long to wait for the key, in seconds, at most 255
+                  (default 0: one immediate attempt); decimals are sent
+                  rounded up to whole seconds, so 0.5 may wait 1 s; `inf`
                   waits until acquired, queueing again for 255 s each time
-                  a wait runs out (the place in the queue is not kept)
+                  a wait runs out (the place in the queue is not kept),
+                  and through a server restart or outage
   --lease S       the lease, whole seconds 1..=255 (default 30)
 ",
         run: |client, options| {

@@ -67,10 +67,12 @@ started outlives the lock. An acquire that fails exits as `kunci acquire`
 does (1 timeout, 3 busy, 4 unavailable, 5 indeterminate).
 
 Options:
-  --wait S        how long to wait for the key, in seconds, decimals allowed,
-                  at most 255 (default 0: one immediate attempt); `inf`
+  --wait S        how long to wait for the key, in seconds, at most 255
+                  (default 0: one immediate attempt); decimals are sent
+                  rounded up to whole seconds, so 0.5 may wait 1 s; `inf`
                   waits until acquired, queueing again for 255 s each time
-                  a wait runs out (the place in the queue is not kept)
+                  a wait runs out (the place in the queue is not kept),
+                  and through a server restart or outage
   --lease S       the lease, whole seconds 1..=255 (default 30)
   --kill-after S  how long after SIGTERM CMD's group gets SIGKILL
                   (default 5)
