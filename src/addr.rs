@@ -21,17 +21,40 @@ pub enum Address {
     Etcd(Vec<String>),
 }
 
-/// An address that is neither `HOST:PORT` nor `unix:PATH`.
+/// An address (or an `--allow` network) that does not parse, with the
+/// part that is wrong.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AddressError(pub String);
+pub struct AddressError {
+    /// "address" or "network".
+    kind: &'static str,
+    input: String,
+    problem: String,
+}
+
+impl AddressError {
+    fn address(input: &str, problem: impl Into<String>) -> AddressError {
+        AddressError {
+            kind: "address",
+            input: input.to_owned(),
+            problem: problem.into(),
+        }
+    }
+
+    fn network(input: &str, problem: impl Into<String>) -> AddressError {
+        AddressError {
+            kind: "network",
+            input: input.to_owned(),
+            problem: problem.into(),
+        }
+    }
+}
 
 impl fmt::Display for AddressError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "invalid address {:?}: expected HOST:PORT, unix:PATH, etcd://HOST:PORT[,HOST:PORT...], \
-             or a network such as 10.0.0.0/8",
-            self.0
+            "invalid {} {:?}: {}",
+            self.kind, self.input, self.problem
         )
     }
 }
@@ -44,27 +67,44 @@ impl FromStr for Address {
     fn from_str(text: &str) -> Result<Address, AddressError> {
         if let Some(members) = text.strip_prefix("etcd://") {
             let endpoints: Vec<String> = members.split(',').map(|m| m.trim().to_owned()).collect();
-            if endpoints.iter().any(|endpoint| !is_host_port(endpoint)) {
-                return Err(AddressError(text.to_owned()));
+            for endpoint in &endpoints {
+                host_port_problem(endpoint).map_or(Ok(()), |problem| {
+                    Err(AddressError::address(
+                        text,
+                        format!("etcd member {endpoint:?}: {problem}"),
+                    ))
+                })?;
             }
             return Ok(Address::Etcd(endpoints));
         }
         if let Some(path) = text.strip_prefix("unix:") {
             if path.is_empty() {
-                return Err(AddressError(text.to_owned()));
+                return Err(AddressError::address(text, "no path after unix:"));
             }
             return Ok(Address::Unix(PathBuf::from(path)));
         }
-        if !is_host_port(text) {
-            return Err(AddressError(text.to_owned()));
+        if let Some(problem) = host_port_problem(text) {
+            return Err(AddressError::address(
+                text,
+                format!("{problem} (expected HOST:PORT, unix:PATH or etcd://HOST:PORT[,...])"),
+            ));
         }
         Ok(Address::Tcp(text.to_owned()))
     }
 }
 
-fn is_host_port(text: &str) -> bool {
-    text.rsplit_once(':')
-        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+/// What is wrong with `HOST:PORT`, if anything.
+fn host_port_problem(text: &str) -> Option<String> {
+    let Some((host, port)) = text.rsplit_once(':') else {
+        return Some("no port".to_owned());
+    };
+    if host.is_empty() {
+        return Some("no host before the port".to_owned());
+    }
+    if port.parse::<u16>().is_err() {
+        return Some(format!("port {port:?} is not a number 0..=65535"));
+    }
+    None
 }
 
 impl fmt::Display for Address {
@@ -116,6 +156,31 @@ mod tests {
         ] {
             assert!(bad.parse::<Address>().is_err(), "{bad}");
         }
+        // The message names the part that is wrong.
+        let error = |text: &str| text.parse::<Address>().unwrap_err().to_string();
+        assert_eq!(
+            error("nohost"),
+            "invalid address \"nohost\": no port \
+             (expected HOST:PORT, unix:PATH or etcd://HOST:PORT[,...])"
+        );
+        assert_eq!(
+            error(":5862"),
+            "invalid address \":5862\": no host before the port \
+             (expected HOST:PORT, unix:PATH or etcd://HOST:PORT[,...])"
+        );
+        assert_eq!(
+            error("host:70000"),
+            "invalid address \"host:70000\": port \"70000\" is not a number 0..=65535 \
+             (expected HOST:PORT, unix:PATH or etcd://HOST:PORT[,...])"
+        );
+        assert_eq!(
+            error("unix:"),
+            "invalid address \"unix:\": no path after unix:"
+        );
+        assert_eq!(
+            error("etcd://a:1,b"),
+            "invalid address \"etcd://a:1,b\": etcd member \"b\": no port"
+        );
     }
 }
 
@@ -163,19 +228,28 @@ impl FromStr for Network {
     type Err = AddressError;
 
     fn from_str(text: &str) -> Result<Network, AddressError> {
-        let bad = || AddressError(text.to_owned());
         let (ip, prefix) = match text.split_once('/') {
             Some((ip, prefix)) => (ip, Some(prefix)),
             None => (text, None),
         };
-        let base: std::net::IpAddr = ip.parse().map_err(|_| bad())?;
+        let base: std::net::IpAddr = ip.parse().map_err(|_| {
+            AddressError::network(
+                text,
+                format!("{ip:?} is not an IP address (expected a network such as 10.0.0.0/8)"),
+            )
+        })?;
         let bits = if base.is_ipv4() { 32 } else { 128 };
         let prefix_len = match prefix {
             Some(prefix) => prefix
                 .parse::<u8>()
                 .ok()
                 .filter(|len| u32::from(*len) <= bits)
-                .ok_or_else(bad)?,
+                .ok_or_else(|| {
+                    AddressError::network(
+                        text,
+                        format!("prefix length {prefix:?} is not a number 0..={bits}"),
+                    )
+                })?,
             None => bits as u8,
         };
         Ok(Network { base, prefix_len })
@@ -209,5 +283,19 @@ mod network_tests {
         for bad in ["10.0.0.0/33", "::/129", "nope", "10.0.0.0/"] {
             assert!(bad.parse::<Network>().is_err(), "{bad}");
         }
+        let error = |text: &str| text.parse::<Network>().unwrap_err().to_string();
+        assert_eq!(
+            error("10.0.0.0/33"),
+            "invalid network \"10.0.0.0/33\": prefix length \"33\" is not a number 0..=32"
+        );
+        assert_eq!(
+            error("::/129"),
+            "invalid network \"::/129\": prefix length \"129\" is not a number 0..=128"
+        );
+        assert_eq!(
+            error("nope/8"),
+            "invalid network \"nope/8\": \"nope\" is not an IP address \
+             (expected a network such as 10.0.0.0/8)"
+        );
     }
 }

@@ -505,3 +505,196 @@ fn a_refused_client_speaks_in_kunci_lines_not_logger_lines() {
         assert!(line.starts_with("kunci"), "{line:?} in:\n{text}");
     }
 }
+
+/// Issue 18 "Messages and docs": a usage error is one line that names the
+/// part that is wrong, then one hint line; nothing dumps the whole help.
+#[test]
+fn usage_errors_are_one_line_naming_what_is_wrong_and_one_hint() {
+    let cases: [(&[&str], &str); 9] = [
+        (
+            &["serve", "--allow", "10.0.0.0/33"],
+            "kunci serve: --allow: invalid network \"10.0.0.0/33\": prefix length \"33\" is \
+             not a number 0..=32\n(see kunci serve --help)\n",
+        ),
+        (
+            &["serve", "--listen", "nohost"],
+            "kunci serve: invalid address \"nohost\": no port (expected HOST:PORT, \
+             unix:PATH or etcd://HOST:PORT[,...])\n(see kunci serve --help)\n",
+        ),
+        (
+            &["acquire", "k", "--server", "db:99999"],
+            "kunci acquire: invalid address \"db:99999\": port \"99999\" is not a number \
+             0..=65535 (expected HOST:PORT, unix:PATH or etcd://HOST:PORT[,...])\n\
+             (see kunci acquire --help)\n",
+        ),
+        (
+            &["run", "k", "-E", "300", "--", "true"],
+            "kunci run: --conflict-exit-code: 300 is out of range 0..=255\n\
+             (see kunci run --help)\n",
+        ),
+        (
+            &["serve", "--max-waiters", "many"],
+            "kunci serve: --max-waiters: invalid value \"many\" (a whole number \
+             0..=18446744073709551615)\n(see kunci serve --help)\n",
+        ),
+        (
+            &["frobnicate"],
+            "kunci: there is no command \"frobnicate\"\n(see kunci help)\n",
+        ),
+        (
+            &["help", "frobnicate"],
+            "kunci help: there is no command \"frobnicate\"\n(see kunci help)\n",
+        ),
+        (
+            &["bench", "--bogus"],
+            "kunci bench: invalid option '--bogus'\n(see kunci bench --help)\n",
+        ),
+        (
+            &["top", "--server", "etcd://127.0.0.1:1"],
+            "kunci top: not supported on etcd://: the counters are a kunci server's \
+             (etcd's own are in its /metrics)\n(see kunci top --help)\n",
+        ),
+    ];
+    for (args, expected) in cases {
+        let output = kunci(args, &[]);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        assert_eq!(stderr(&output), expected, "{args:?}");
+        assert_eq!(stdout(&output), "", "{args:?}");
+    }
+    // `kunci help help` is the overview; `kunci help bench` has a title.
+    let help = kunci(&["help", "help"], &[]);
+    assert_eq!(help.status.code(), Some(0));
+    assert_eq!(stdout(&help), stdout(&kunci(&["help"], &[])));
+    let bench = stdout(&kunci(&["help", "bench"], &[]));
+    assert!(bench.starts_with("kunci bench — "), "{bench}");
+    // A state directory that is a file says so.
+    let not_a_dir = kunci(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            "/etc/passwd",
+        ],
+        &[],
+    );
+    assert_eq!(not_a_dir.status.code(), Some(1));
+    assert!(
+        stderr(&not_a_dir).ends_with(
+            "ERROR cannot start: state dir /etc/passwd: not a directory (--state-dir \
+             names a directory, created if missing)\n"
+        ),
+        "{}",
+        stderr(&not_a_dir)
+    );
+}
+
+/// Issue 18: an unreachable etcd member is not a kunci server to check.
+#[test]
+fn an_unreachable_etcd_member_is_named_as_etcd() {
+    let output = kunci(&["query", "k", "--server", "etcd://127.0.0.1:1"], &[]);
+    assert_eq!(output.status.code(), Some(4));
+    let text = stderr(&output);
+    assert!(
+        text.starts_with(
+            "kunci query: unavailable: no etcd member took the request (tried \
+             etcd://127.0.0.1:1); nothing changed. Check that etcd runs there"
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("kunci serve"), "{text}");
+}
+
+/// Issue 18: the start-up line names `--state-dir`, `--allow` and
+/// `--metrics` (a unix socket as one), and a `RUST_LOG` that does not
+/// parse is reported instead of silencing the log.
+#[test]
+fn the_start_up_line_names_every_option_that_shapes_the_server() {
+    let dir = crate::util::TempDir::new("start-up-line");
+    let state = dir.join("state").display().to_string();
+    let metrics = format!("unix:{}", dir.join("metrics.sock").display());
+    let server = TestServer::start_with(
+        &[
+            "--state-dir",
+            &state,
+            "--allow",
+            "127.0.0.0/8",
+            "--allow",
+            "::1",
+            "--metrics",
+            &metrics,
+        ],
+        |command| {
+            command.env("RUST_LOG", "infoo");
+        },
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let log = loop {
+        let log = server.log.lock().expect("log").clone();
+        if log.iter().any(|line| line.contains("listening on")) {
+            break log;
+        }
+        assert!(Instant::now() < deadline, "{log:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(
+        log[0].ends_with(
+            "WARN  RUST_LOG=\"infoo\": \"infoo\" is neither a level (off, error, warn, info, \
+             debug, trace) nor MODULE=LEVEL; logging at info instead"
+        ),
+        "{log:?}"
+    );
+    let line = log
+        .iter()
+        .find(|line| line.contains("listening on"))
+        .unwrap();
+    let sock = dir.join("metrics.sock").display().to_string();
+    assert!(
+        line.ends_with(&format!(
+            "; state dir {state}; allow 127.0.0.0/8 ::1/128; metrics at unix:{sock} \
+             (HTTP: curl --unix-socket {sock} http://localhost/metrics)"
+        )),
+        "{line}"
+    );
+}
+
+/// Issue 18: hitting a limit is logged at `warn`, once per limit per
+/// minute, naming the flag to change.
+#[test]
+fn a_limit_hit_is_logged_once_per_limit_per_minute() {
+    let server = TestServer::start(&["--max-keys", "1"]);
+    let mut peer = server.peer();
+    peer.send(&crate::util::acquire(0, 30, 1, "only"));
+    crate::util::granted(peer.recv(), 1);
+    for owner in 2..6 {
+        peer.send(&crate::util::acquire(
+            0,
+            30,
+            owner,
+            &format!("more-{owner}"),
+        ));
+        assert_eq!(peer.recv(), kunci::protocol::Response::Busy { owner });
+    }
+    let limit_lines = || {
+        let log = server.log.lock().expect("log").clone();
+        log.into_iter()
+            .filter(|line| line.contains("limit reached"))
+            .collect::<Vec<_>>()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while limit_lines().is_empty() {
+        assert!(Instant::now() < deadline, "no limit line");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Time for any more lines to be written.
+    std::thread::sleep(Duration::from_millis(200));
+    let lines = limit_lines();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].ends_with(
+            " WARN  limit reached: --max-keys (1 key in the table): 1 request answered busy \
+             (B); not logged again for this limit within a minute"
+        ),
+        "{lines:?}"
+    );
+}

@@ -657,3 +657,64 @@ fn a_planned_restart_is_quiet_and_wait_inf_waits_through_it() {
     let mut peer = restarted.peer();
     assert_eq!(query_key(&mut peer, "planned"), (0, 0, 0, 0));
 }
+
+/// Issue 18: the crash grace is visible — `kunci query` says the key is
+/// held by the previous run's unknown grant (not `token=0 owner=0`), and a
+/// timeout during the grace says why — and a clean restart logs
+/// "restored 1 grant".
+#[test]
+fn the_crash_grace_is_named_by_query_and_timeout() {
+    let dir = TempDir::new("grace-visible");
+    let server = start_on(&dir, 0);
+    let port = port_of(&server);
+    let mut peer = server.peer();
+    peer.send(&acquire(0, 30, 7, "graced"));
+    granted(peer.recv(), 7);
+    server.kill();
+    let server = start_on(&dir, port);
+    let kunci = |args: &[&str]| {
+        std::process::Command::new(crate::util::kunci_bin())
+            .args(args)
+            .env("KUNCI_SERVER", &server.addr)
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap()
+    };
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    let query = kunci(&["query", "graced"]);
+    assert_eq!(query.status.code(), Some(0));
+    let line = text(&query.stdout);
+    assert!(
+        line.starts_with(
+            "held by an unknown grant of the server's previous run (crash grace) lease_ms="
+        ) && line.ends_with(" waiters=0\n"),
+        "{line}"
+    );
+    let timeout = kunci(&["acquire", "graced"]);
+    assert_eq!(timeout.status.code(), Some(1));
+    let message = text(&timeout.stderr);
+    assert!(
+        message.starts_with("kunci acquire: timeout: key \"graced\" is held by someone else")
+            && message.contains(
+                ". The server restarted after a crash: it counts \"graced\" as held by an \
+                 unknown grant of its previous run for "
+            )
+            && message.ends_with(" more, unless that holder renews or releases it\n"),
+        "{message}"
+    );
+    assert!(server.stop().success());
+    let dir = TempDir::new("restored-one");
+    let server = start_on(&dir, 0);
+    let port = port_of(&server);
+    let mut peer = server.peer();
+    peer.send(&acquire(0, 30, 8, "one"));
+    granted(peer.recv(), 8);
+    assert!(server.stop().success());
+    let server = start_on(&dir, port);
+    let log = server.log.lock().unwrap().clone();
+    assert!(
+        log.iter()
+            .any(|line| line.contains("state: restored 1 grant of the previous run (0 expired")),
+        "{log:?}"
+    );
+}

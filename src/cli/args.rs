@@ -13,14 +13,37 @@ pub fn text(value: Result<OsString, lexopt::Error>) -> Result<String, String> {
         .map_err(|v| format!("not valid UTF-8: {v:?}"))
 }
 
-/// Parses a number of the type the option takes, naming the option on error.
-pub fn number<T: std::str::FromStr>(
+/// An unsigned integer type an option takes, with its range for messages.
+pub trait Integer: std::str::FromStr {
+    const MAX: u64;
+}
+
+macro_rules! integer {
+    ($($t:ty),*) => {$(
+        impl Integer for $t {
+            const MAX: u64 = <$t>::MAX as u64;
+        }
+    )*};
+}
+integer!(u8, u16, u32, u64, usize);
+
+/// Parses a number of the type the option takes, naming the option on
+/// error, and the range when the number is out of it.
+pub fn number<T: Integer>(
     option: &str,
     value: Result<OsString, lexopt::Error>,
 ) -> Result<T, String> {
     let text = text(value)?;
-    text.parse()
-        .map_err(|_| format!("{option}: invalid value {text:?}"))
+    text.parse().map_err(|_| {
+        if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+            format!("{option}: {text} is out of range 0..={}", T::MAX)
+        } else {
+            format!(
+                "{option}: invalid value {text:?} (a whole number 0..={})",
+                T::MAX
+            )
+        }
+    })
 }
 
 /// Parses an address option.

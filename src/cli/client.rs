@@ -276,6 +276,19 @@ pub(super) fn message(
              nothing was executed. Add this host's network to its --allow list"
                 .to_owned()
         }
+        Error::Unavailable(crate::client::Unavailable::Unreachable)
+            if servers
+                .iter()
+                .any(|address| matches!(address, Address::Etcd(_))) =>
+        {
+            let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
+            format!(
+                "no etcd member took the request (tried {}); nothing changed. Check that \
+                 etcd runs there and serves clients on that port (its --listen-client-urls, \
+                 usually :2379); RUST_LOG=debug shows each attempt",
+                servers.join(", ")
+            )
+        }
         Error::Unavailable(crate::client::Unavailable::Unreachable) => {
             let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
             format!(
@@ -313,6 +326,20 @@ pub(super) fn message(
     }
 }
 
+/// After a `Timeout`: if the key is held only by the crash grace of a
+/// restarted server (spec §7.2: `Q` shows token 0 and a lease), a sentence
+/// that says so; else nothing.
+pub(super) fn grace_note(client: &Client, key: &str) -> String {
+    match client.query(key) {
+        Ok(status) if status.token == 0 && status.lease_ms > 0 => format!(
+            ". The server restarted after a crash: it counts {key:?} as held by an unknown \
+             grant of its previous run for {} more, unless that holder renews or releases it",
+            seconds_text(Duration::from_millis(u64::from(status.lease_ms)))
+        ),
+        _ => String::new(),
+    }
+}
+
 /// A duration as the user typed it: `2.5 s`, `1 s`.
 fn seconds_text(duration: Duration) -> String {
     let text = format!("{:.3}", duration.as_secs_f64());
@@ -328,7 +355,9 @@ fn usage_error(command: &str, message: &str) -> u8 {
 /// Starts logging for the client commands: warnings by default, each a
 /// line `kunci: warning: …` like the commands' own messages.
 pub(super) fn init_logging() {
-    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+    let (filter, problem) = super::logging::log_filter("warn");
+    let _ = env_logger::Builder::new()
+        .parse_filters(&filter)
         .format(|out, record| {
             use std::io::Write as _;
             let level = match record.level() {
@@ -341,6 +370,7 @@ pub(super) fn init_logging() {
             writeln!(out, "kunci: {level}: {}", record.args())
         })
         .try_init();
+    super::logging::report_filter_problem(problem, "warn");
 }
 
 struct Command {
@@ -444,7 +474,10 @@ kunci query — show who holds a key
 
 Usage: kunci query KEY [--server ADDR]...
 
-Prints `free`, or `held token=… owner=… lease_ms=… waiters=…`.
+Prints `free`, or `held token=… owner=… lease_ms=… waiters=…`. After the
+server restarted from a crash, a key counts as held until every lease of
+its previous run may have run out: then it prints `held by an unknown
+grant of the server's previous run (crash grace) lease_ms=… waiters=…`.
 
 Options:
 ",
@@ -452,6 +485,13 @@ Options:
             let status = client.query(&options.positionals[0])?;
             Ok(if status.is_free() {
                 "free".into()
+            } else if status.token == 0 {
+                // Spec §7.2: no grant of this run; the crash grace.
+                format!(
+                    "held by an unknown grant of the server's previous run (crash grace) \
+                     lease_ms={} waiters={}",
+                    status.lease_ms, status.waiters
+                )
             } else {
                 format!(
                     "held token={} owner={} lease_ms={} waiters={}",
@@ -530,6 +570,17 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
             // A closed stdout (`kunci acquire k | true`) is not an error.
             let _ = writeln!(std::io::stdout(), "{line}");
             exit::DONE
+        }
+        Err(Error::Timeout) if name == "acquire" => {
+            let key = &options.positionals[0];
+            let attempt = Attempt {
+                key: Some(key),
+                wait: Some(options.wait),
+                token: None,
+            };
+            let why = message(name, &Error::Timeout, &options.servers, &attempt);
+            eprintln!("kunci {name}: timeout: {why}{}", grace_note(&client, key));
+            exit::TIMEOUT
         }
         Err(error) => {
             let attempt = Attempt {

@@ -11,10 +11,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use log::Level;
 
-/// Starts the server's logging: `RUST_LOG`, default `info`.
+/// Starts the server's logging: `RUST_LOG`, default `info`. A `RUST_LOG`
+/// that does not parse is reported (at `warn`) and the default used.
 pub fn init_server() {
     let journal = stderr_is_journal();
-    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+    let (filter, problem) = log_filter("info");
+    let _ = env_logger::Builder::new()
+        .parse_filters(&filter)
         .format(move |out, record| {
             if journal {
                 writeln!(
@@ -34,6 +37,71 @@ pub fn init_server() {
             }
         })
         .try_init();
+    report_filter_problem(problem, "info");
+}
+
+/// The filter to use: `RUST_LOG` if it is valid, else `default`, with
+/// what is wrong with it.
+pub(super) fn log_filter(default: &str) -> (String, Option<String>) {
+    match std::env::var("RUST_LOG") {
+        Ok(value) if value.trim().is_empty() => (default.to_owned(), None),
+        Ok(value) => match filter_problem(&value) {
+            None => (value, None),
+            Some(problem) => (
+                default.to_owned(),
+                Some(format!("RUST_LOG={value:?}: {problem}")),
+            ),
+        },
+        Err(std::env::VarError::NotPresent) => (default.to_owned(), None),
+        Err(std::env::VarError::NotUnicode(_)) => (
+            default.to_owned(),
+            Some("RUST_LOG is not valid UTF-8".to_owned()),
+        ),
+    }
+}
+
+/// Logs, once logging runs, that `RUST_LOG` was not used.
+pub(super) fn report_filter_problem(problem: Option<String>, default: &str) {
+    if let Some(problem) = problem {
+        log::warn!("{problem}; logging at {default} instead");
+    }
+}
+
+/// What is wrong with a `RUST_LOG` value, if anything: each directive is
+/// a level (`off error warn info debug trace`), `MODULE=LEVEL`, or a kunci
+/// module path (`kunci`, `kunci::…`). A bare word that is none of these
+/// (`infoo`) is a typo that would silently log nothing.
+fn filter_problem(value: &str) -> Option<String> {
+    let is_level = |text: &str| text.parse::<log::LevelFilter>().is_ok();
+    let directives = value
+        .split_once('/')
+        .map_or(value, |(directives, _)| directives);
+    for directive in directives.split(',').map(str::trim) {
+        if directive.is_empty() {
+            continue;
+        }
+        match directive.split_once('=') {
+            Some((module, _)) if module.trim().is_empty() => {
+                return Some(format!("{directive:?} names no module before `=`"));
+            }
+            Some((_, level)) if !is_level(level.trim()) => {
+                return Some(format!(
+                    "{level:?} is not a level (off, error, warn, info, debug, trace)"
+                ));
+            }
+            Some(_) => {}
+            None if is_level(directive)
+                || directive == "kunci"
+                || directive.starts_with("kunci::") => {}
+            None => {
+                return Some(format!(
+                    "{directive:?} is neither a level (off, error, warn, info, debug, trace) \
+                     nor MODULE=LEVEL"
+                ));
+            }
+        }
+    }
+    None
 }
 
 /// Whether stderr is the stream systemd connected to the journal: the
@@ -126,6 +194,34 @@ mod tests {
         assert_eq!(
             utc_timestamp(at(946_684_799, 999)),
             "1999-12-31T23:59:59.999Z"
+        );
+    }
+
+    #[test]
+    fn a_log_filter_with_a_typo_is_named() {
+        for good in [
+            "info",
+            "debug",
+            "kunci=debug,mio=warn",
+            "warn,kunci::server=trace",
+            "kunci",
+            "",
+        ] {
+            assert_eq!(filter_problem(good), None, "{good}");
+        }
+        assert_eq!(
+            filter_problem("infoo").as_deref(),
+            Some(
+                "\"infoo\" is neither a level (off, error, warn, info, debug, trace) nor MODULE=LEVEL"
+            )
+        );
+        assert_eq!(
+            filter_problem("kunci=verbose").as_deref(),
+            Some("\"verbose\" is not a level (off, error, warn, info, debug, trace)")
+        );
+        assert_eq!(
+            filter_problem("==").as_deref(),
+            Some("\"==\" names no module before `=`")
         );
     }
 

@@ -86,11 +86,15 @@ pub fn main() -> ExitCode {
                 print!("{USAGE}");
                 exit::DONE
             }
+            Some("help") => {
+                print!("{USAGE}");
+                exit::DONE
+            }
             Some(topic) if is_command(topic) => {
                 dispatch(topic, vec!["--help".into()]).unwrap_or(exit::USAGE)
             }
             Some(topic) => {
-                eprintln!("kunci help: there is no command {topic:?}\n\n{USAGE}");
+                eprintln!("kunci help: there is no command {topic:?}\n(see kunci help)");
                 exit::USAGE
             }
         },
@@ -101,7 +105,7 @@ pub fn main() -> ExitCode {
         _ => match dispatch(name, args) {
             Some(code) => code,
             None => {
-                eprintln!("kunci: there is no command {command:?}\n\n{USAGE}");
+                eprintln!("kunci: there is no command {command:?}\n(see kunci help)");
                 exit::USAGE
             }
         },

@@ -156,7 +156,8 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         Err(Error::Timeout) => {
             if !options.quiet {
                 let why = common::message("run", &Error::Timeout, &options.servers, &attempt);
-                eprintln!("kunci run: timeout: {why}");
+                let grace = common::grace_note(&client, key);
+                eprintln!("kunci run: timeout: {why}{grace}");
             }
             return options.conflict_exit_code;
         }

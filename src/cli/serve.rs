@@ -33,8 +33,10 @@ Options:
   --max-connections N         open connections; one more gets `X 7` and is
                               closed (default {max_connections})
   --metrics ADDR              serve Prometheus metrics at http://ADDR/metrics
-                              (HOST:PORT; default: none). No --allow applies:
-                              bind it to loopback or a management network.
+                              (HOST:PORT, or unix:PATH for HTTP over a unix
+                              socket; default: none). No --allow applies:
+                              bind it to loopback, a management network or a
+                              unix socket.
   --allow CIDR                accept TCP peers only from this network
                               (e.g. 10.0.0.0/8, ::1/128); repeat for several.
                               Others are closed at once and counted as
@@ -133,6 +135,32 @@ fn shut_down_on_signals(server: &Server) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Where the metrics are, as a user reaches them.
+fn metrics_location(address: &crate::addr::Address) -> String {
+    match address {
+        crate::addr::Address::Unix(path) => format!(
+            "metrics at unix:{path} (HTTP: curl --unix-socket {path} http://localhost/metrics)",
+            path = path.display()
+        ),
+        other => format!("metrics at http://{other}/metrics"),
+    }
+}
+
+/// What to do about a state directory that stops the start.
+fn state_dir_hint(error: &str) -> &'static str {
+    if error.contains("another kunci server") {
+        "hint: stop the other server, or give this one a --state-dir of its own"
+    } else if error.contains("cannot write") {
+        "hint: check the free space and the permissions of the state directory"
+    } else if error.contains("cannot create") || error.contains("cannot open") {
+        "hint: check that the directory's parent exists and that this user may write there"
+    } else {
+        "hint: the file was left as it was. Restore it from a backup, or move it aside to \
+         start without it: then every key is free at once although leases of the previous \
+         run may still be running, so keep clients away for 260 s (the longest lease + 5 s)"
+    }
+}
+
 fn positive(option: &str, value: Result<OsString, lexopt::Error>) -> Result<usize, String> {
     let number: usize = args::number(option, value)?;
     if number == 0 {
@@ -154,10 +182,24 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     super::logging::init_server();
+    if let Some(dir) = &config.state_dir
+        && dir.exists()
+        && !dir.is_dir()
+    {
+        error!(
+            "cannot start: state dir {}: not a directory (--state-dir names a directory, \
+             created if missing)",
+            dir.display()
+        );
+        return 1;
+    }
+    let state_dir = config.state_dir.clone();
+    let allow: Vec<String> = config.allow.iter().map(ToString::to_string).collect();
     let server = match Server::bind(config) {
         Ok(server) => server,
         Err(e) if crate::server::state::is_state_dir_error(&e) => {
             error!("cannot start: {e}");
+            error!("{}", state_dir_hint(&e.to_string()));
             return 1;
         }
         Err(e) => {
@@ -167,9 +209,21 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     };
     let limits = server.limits();
     let addresses: Vec<String> = server.addresses().iter().map(ToString::to_string).collect();
+    // One line with everything that shapes the server; the optional parts
+    // only when set, metrics last.
+    let mut options = String::new();
+    if let Some(dir) = &state_dir {
+        options.push_str(&format!("; state dir {}", dir.display()));
+    }
+    if !allow.is_empty() {
+        options.push_str(&format!("; allow {}", allow.join(" ")));
+    }
+    if let Some(address) = server.metrics_address() {
+        options.push_str(&format!("; {}", metrics_location(address)));
+    }
     info!(
         "kunci {} listening on {}; limits: max_keys={} max_waiters={} \
-         max_waiters_per_key={} max_waits_per_conn={} max_connections={}",
+         max_waiters_per_key={} max_waits_per_conn={} max_connections={}{options}",
         env!("CARGO_PKG_VERSION"),
         addresses.join(" "),
         limits.max_keys,
@@ -178,9 +232,6 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         limits.max_waits_per_conn,
         limits.max_connections,
     );
-    if let Some(address) = server.metrics_address() {
-        info!("metrics at http://{address}/metrics");
-    }
     if let Err(e) = shut_down_on_signals(&server) {
         error!("cannot install signal handlers: {e}");
         return 1;

@@ -140,6 +140,92 @@ struct Shell {
     /// the process runs out of descriptors.
     spare_fd: Option<File>,
     metrics: Option<MetricsEndpoint>,
+    limit_log: LimitLog,
+}
+
+/// Logs at `warn` when a capacity limit turns requests away: once per
+/// limit per minute, so that a flood of `B` is one line a minute.
+#[derive(Default)]
+struct LimitLog {
+    /// The core's counters as last seen: `busy`, `X 7` at the connection
+    /// limit, `X 7` for lack of descriptors.
+    seen: [u64; 3],
+    /// When each limit was last logged.
+    logged_at: [Option<Micros>; LIMIT_NAMES.len()],
+}
+
+/// The limits [`LimitLog`] tells apart, by what a user changes.
+const LIMIT_NAMES: [&str; 5] = [
+    "--max-keys",
+    "--max-waiters",
+    "--max-waiters-per-key or --max-waits-per-conn",
+    "--max-connections",
+    "the file descriptor limit (ulimit -n)",
+];
+
+/// How often one limit is logged at most.
+const LIMIT_LOG_EVERY: Micros = 60_000_000;
+
+impl LimitLog {
+    /// Compares the core's counters with what was seen last, and logs
+    /// each limit that was hit since, unless it was logged in the last
+    /// minute. A `B` is put down to the key or waiter limit that is full
+    /// now; when neither is, to the per-key or per-connection limit.
+    fn check(&mut self, core: &crate::core::Core, now: Micros) {
+        let stats = core.stats();
+        let counters = [
+            stats.busy,
+            stats.refused_max_connections,
+            stats.refused_fd_limit,
+        ];
+        if counters == self.seen {
+            return;
+        }
+        let limits = core.limits();
+        let mut hit = Vec::new();
+        if counters[0] > self.seen[0] {
+            let refused = counters[0] - self.seen[0];
+            if core.keys() >= limits.max_keys {
+                let keys = counted(core.keys() as u64, "key");
+                hit.push((0, refused, format!("{keys} in the table")));
+            } else if core.waiter_count() >= limits.max_waiters {
+                let waiters = counted(core.waiter_count() as u64, "waiter");
+                hit.push((1, refused, format!("{waiters} queued")));
+            } else {
+                hit.push((2, refused, "a queue or a connection was full".to_owned()));
+            }
+        }
+        if counters[1] > self.seen[1] {
+            let refused = counters[1] - self.seen[1];
+            let open = counted(core.connections() as u64, "connection");
+            hit.push((3, refused, format!("{open} open")));
+        }
+        if counters[2] > self.seen[2] {
+            hit.push((
+                4,
+                counters[2] - self.seen[2],
+                "no descriptor left".to_owned(),
+            ));
+        }
+        self.seen = counters;
+        for (limit, refused, state) in hit {
+            if self.logged_at[limit].is_some_and(|at| now < at + LIMIT_LOG_EVERY) {
+                continue;
+            }
+            self.logged_at[limit] = Some(now);
+            let (what, answer) = if limit >= 3 {
+                ("connection", "refused with X 7")
+            } else {
+                ("request", "answered busy (B)")
+            };
+            warn!(
+                "limit reached: {} ({state}): {} {answer}; \
+                 not logged again for this limit within a minute",
+                LIMIT_NAMES[limit],
+                counted(refused, what),
+            );
+        }
+    }
 }
 
 impl Server {
@@ -205,6 +291,7 @@ impl Server {
             accept_paused_until: None,
             spare_fd: File::open("/dev/null").ok(),
             metrics,
+            limit_log: LimitLog::default(),
         };
         Ok(Server {
             poll,
@@ -303,6 +390,9 @@ impl Server {
                 }
             }
             shell.flush_all()?;
+            if !shell.endpoint.is_shutting_down() {
+                shell.limit_log.check(shell.endpoint.core(), now);
+            }
             if shell.endpoint.is_shut_down(now) {
                 shell.record_clean_stop(now);
                 info!("shut down");
@@ -524,11 +614,10 @@ impl Shell {
         let started = Instant::now();
         match state.save_clean_stop(core, now) {
             Ok(()) => info!(
-                "state: saved {} grants in {:.0} ms; the state file was written {} times \
-                 in this run",
-                core.held(),
+                "state: saved {} in {:.0} ms; the state file was written {} in this run",
+                counted(core.held() as u64, "grant"),
                 started.elapsed().as_secs_f64() * 1e3,
-                state.writes
+                counted(state.writes, "time"),
             ),
             // The running file still promises its horizon: the next run
             // starts with a grace instead of the grants.
@@ -625,6 +714,15 @@ fn is_out_of_descriptors(error: &io::Error) -> bool {
         error.raw_os_error(),
         Some(libc::EMFILE) | Some(libc::ENFILE)
     )
+}
+
+/// `n` and `noun`, in the plural unless `n` is 1: `1 grant`, `2 grants`.
+pub(crate) fn counted(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
 }
 
 /// Raises the soft descriptor limit towards `wanted` (never above the

@@ -442,8 +442,8 @@ impl StateDir {
         }
         if clean_stop {
             info!(
-                "state: restored {restored} grants of the previous run ({} expired while it was \
-                 down) in {:.0} ms",
+                "state: restored {} of the previous run ({} expired while it was down) in {:.0} ms",
+                super::counted(restored, "grant"),
                 recorded.grant_count() - restored,
                 started.elapsed().as_secs_f64() * 1e3
             );

@@ -25,6 +25,8 @@ use fleet::{Fleet, Workload};
 use stats::{Stats, json_string};
 
 const HELP: &str = "\
+kunci bench — load-test a server and report throughput and latency
+
 Usage: kunci bench [WORKLOAD] [options]
 
 Drives load against a kunci server from one thread and reports requests/s,
@@ -124,14 +126,14 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             return exit::DONE;
         }
         Err(message) => {
-            eprintln!("kunci bench: {message}\n\n{HELP}");
+            eprintln!("kunci bench: {message}\n(see kunci bench --help)");
             return exit::USAGE;
         }
     };
     let run = match Run::plan(options) {
         Ok(run) => run,
         Err(message) => {
-            eprintln!("kunci bench: {message}");
+            eprintln!("kunci bench: {message}\n(see kunci bench --help)");
             return exit::USAGE;
         }
     };
