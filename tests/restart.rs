@@ -644,14 +644,14 @@ fn a_planned_restart_is_quiet_and_wait_inf_waits_through_it() {
     let holder = holder.wait_with_output().unwrap();
     let waiter = waiter.wait_with_output().unwrap();
     let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    assert_eq!(waiter.status.code(), Some(0), "{}", text(&waiter.stderr));
+    assert_eq!(text(&waiter.stderr), "");
     assert_eq!(holder.status.code(), Some(0), "{}", text(&holder.stderr));
     assert_eq!(
         text(&holder.stderr),
         "",
         "the holder warned about the restart"
     );
-    assert_eq!(waiter.status.code(), Some(0), "{}", text(&waiter.stderr));
-    assert_eq!(text(&waiter.stderr), "");
     let waiter_token: u64 = text(&waiter.stdout).trim().parse().unwrap();
     assert!(waiter_token > holder_token);
     let mut peer = restarted.peer();
