@@ -464,6 +464,14 @@ fn a_damaged_state_file_stops_the_start_with_what_is_wrong() {
         assert!(stderr.contains("cannot start: state dir"), "{stderr}");
         assert!(stderr.contains(&file.display().to_string()), "{stderr}");
         assert!(stderr.contains(what), "{what}: {stderr}");
+        // And what to do about it.
+        assert!(
+            stderr.contains(
+                "ERROR hint: the file was left as it was. Restore it from a backup, or move \
+                 it aside to start without it"
+            ),
+            "{stderr}"
+        );
         // Never a silent reset: the file is left as it was.
         assert_eq!(std::fs::read(&file).unwrap(), bytes);
     }
@@ -472,6 +480,7 @@ fn a_damaged_state_file_stops_the_start_with_what_is_wrong() {
     std::fs::write(&not_a_dir, b"").unwrap();
     let stderr = failed_start(&not_a_dir);
     assert!(stderr.contains("state dir"), "{stderr}");
+    assert!(stderr.contains(": not a directory"), "{stderr}");
     assert!(!stderr.contains("cannot listen"), "{stderr}");
 }
 

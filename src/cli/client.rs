@@ -708,6 +708,8 @@ fn release_own_grant(client: &Client, key: &str, owner: u64) {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
     use std::time::Instant;
 
     use super::*;
@@ -760,6 +762,131 @@ mod tests {
                 .unwrap_err(),
             Error::InvalidArgument("key is empty")
         );
+        stop.shut_down();
+        running.join().unwrap().unwrap();
+    }
+
+    /// A server on a free loopback port, running on its own thread.
+    fn start_server(
+        listen: &str,
+    ) -> (
+        Address,
+        crate::server::ShutdownHandle,
+        std::thread::JoinHandle<std::io::Result<()>>,
+    ) {
+        let server = Server::bind(ServerConfig {
+            listen: vec![listen.parse().unwrap()],
+            ..Default::default()
+        })
+        .unwrap();
+        let address = server.addresses()[0].clone();
+        let stop = server.shutdown_handle();
+        (address, stop, std::thread::spawn(move || server.run()))
+    }
+
+    /// A TCP relay to `upstream`: requests pass, answers are dropped while
+    /// `swallow` is set. Returns its address.
+    fn relay(upstream: String, swallow: Arc<AtomicBool>) -> Address {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = std::net::TcpStream::connect(&upstream) else {
+                    continue;
+                };
+                let (mut from_client, mut to_server) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || std::io::copy(&mut from_client, &mut to_server));
+                let (mut from_server, mut to_client) = (server, client);
+                let swallow = swallow.clone();
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 4096];
+                    loop {
+                        match std::io::Read::read(&mut from_server, &mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) if swallow.load(AtomicOrdering::SeqCst) => {}
+                            Ok(n) => {
+                                if std::io::Write::write_all(&mut to_client, &buf[..n]).is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        address.parse().unwrap()
+    }
+
+    /// Spec §9 `--wait inf`, rule 11: after an `Indeterminate` acquire the
+    /// call's own grant is found with `Q` and released, then the key is
+    /// asked for again. Without the clean-up the next attempt would queue
+    /// behind that grant for its whole 30 s lease.
+    #[test]
+    fn waiting_forever_releases_its_own_unseen_grant_after_indeterminate() {
+        let (address, stop, running) = start_server("127.0.0.1:0");
+        let swallow = Arc::new(AtomicBool::new(true));
+        let relayed = relay(address.to_string(), swallow.clone());
+        let client = Client::new([relayed], Config::default()).unwrap();
+        let started = Instant::now();
+        let unswallow = {
+            let swallow = swallow.clone();
+            std::thread::spawn(move || {
+                // Before the first attempt's deadline (1 s wait + 5 s):
+                // its answer is gone by then, later ones pass.
+                std::thread::sleep(Duration::from_millis(5500));
+                swallow.store(false, AtomicOrdering::SeqCst);
+            })
+        };
+        let ticket = acquire_until_granted(
+            &client,
+            "unseen",
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        let waited = started.elapsed();
+        unswallow.join().unwrap();
+        assert!(waited >= Duration::from_secs(6), "{waited:?}");
+        assert!(waited < Duration::from_secs(8), "{waited:?}");
+        let info = client.info().unwrap();
+        for counter in ["grants=2", "released=1", "timeouts=0"] {
+            assert!(
+                info.split(' ').any(|pair| pair == counter),
+                "{counter}: {info}"
+            );
+        }
+        ticket.release().unwrap();
+        stop.shut_down();
+        running.join().unwrap().unwrap();
+    }
+
+    /// Spec §9 `--wait inf`: `Unavailable` (no server at the address yet)
+    /// is tried again after a pause, until the server is there.
+    #[test]
+    fn waiting_forever_waits_through_an_outage() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let listen = format!("127.0.0.1:{port}");
+        let client = Client::new([listen.parse().unwrap()], Config::default()).unwrap();
+        let started = Instant::now();
+        let later = std::thread::spawn(move || {
+            // Past the first attempt's deadline (wait 0 + 5 s).
+            std::thread::sleep(Duration::from_millis(6000));
+            start_server(&listen)
+        });
+        let ticket =
+            acquire_until_granted(&client, "outage", Duration::from_secs(5), Duration::ZERO)
+                .unwrap();
+        let waited = started.elapsed();
+        let (_, stop, running) = later.join().unwrap();
+        assert!(waited >= Duration::from_secs(6), "{waited:?}");
+        assert!(waited < Duration::from_secs(9), "{waited:?}");
+        ticket.release().unwrap();
         stop.shut_down();
         running.join().unwrap().unwrap();
     }
