@@ -1,14 +1,16 @@
 //! `kunci run KEY -- CMD [ARGS]…`: run a command while holding a lock.
 //!
 //! The lock is acquired first, then kept alive by the client's I/O thread
-//! ([`Ticket::keep_alive_with`](crate::client::Ticket::keep_alive_with)),
-//! which reports a loss on this command's event channel. CMD runs in its
-//! own process group with `KUNCI_KEY` and `KUNCI_TOKEN` set; SIGINT,
-//! SIGTERM and SIGHUP are forwarded to the group. When CMD ends, whatever
-//! it left running in its group is stopped, the lock is released, and
-//! `kunci` exits with CMD's status. If the lock is lost the group gets
-//! SIGTERM, then SIGKILL after `--kill-after`, and `kunci` exits 6: the
-//! command must not go on believing it holds the lock.
+//! ([`Ticket::keep_alive_fresh_with`](crate::client::Ticket::keep_alive_fresh_with),
+//! which first renews a grant that arrived late), which reports a loss on
+//! this command's event channel. CMD runs in its own process group with
+//! `KUNCI_KEY` and `KUNCI_TOKEN` set; SIGINT, SIGTERM and SIGHUP are
+//! forwarded to the group. When CMD ends, whatever it left running in its
+//! group is stopped, the lock is released, and `kunci` exits with CMD's
+//! status. If the lock is lost the group gets SIGTERM, then SIGKILL after
+//! `--kill-after` or at the last confirmed `valid_until`, whichever comes
+//! first, and `kunci` exits 6: the command must not go on believing it
+//! holds the lock.
 //!
 //! Two things make that hold in a terminal and when `kunci` is killed:
 //!

@@ -718,7 +718,7 @@ impl<R> Engine<R> {
                 if ErrorCode::from_u8(code) == Some(ErrorCode::ShuttingDown) {
                     // A routine stop or restart: the requests it leaves
                     // open end as the rules say; nothing to warn about.
-                    log::debug!("session {s}: the server is shutting down (X {code})");
+                    log::debug!("the server is shutting down (a restart or a stop); reconnecting");
                     self.shutdown_notices += 1;
                     return false;
                 }

@@ -128,7 +128,9 @@ impl Ticket {
     /// lease was sent, so it is sent at once if that has passed. A ticket
     /// whose [`valid_until`](Self::valid_until) has already passed — an
     /// acquire that waited in the queue for longer than its lease — is
-    /// lost at once: [`renew`](Self::renew) it first.
+    /// lost at once. After an acquire that waited, use
+    /// [`keep_alive_fresh`](Self::keep_alive_fresh), which renews a late
+    /// grant before it hands the lease over (spec §8 rule 10).
     pub fn keep_alive(self) -> KeptLease {
         self.keep(None)
     }
