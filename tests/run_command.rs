@@ -870,9 +870,10 @@ fn run_exits_6_when_the_lease_runs_out_without_an_answered_renewal() {
     let status = wait_exit(&mut child, 10 * S);
     let elapsed = spawned.elapsed();
     assert_eq!(status.code(), Some(6));
-    // Not before valid_until: the acquire was sent after the spawn, and
-    // the bound is its send instant + 2 s − 14 ms.
-    assert!(elapsed >= 2 * S - 14 * MS, "{elapsed:?}");
+    // Not before 100 ms ahead of valid_until (when the group is killed):
+    // the acquire was sent after the spawn, and the bound is its send
+    // instant + 2 s − 14 ms.
+    assert!(elapsed >= 2 * S - 14 * MS - 100 * MS, "{elapsed:?}");
     assert!(elapsed < 2 * S + 2 * LATE, "{elapsed:?}");
     // The loss comes at `valid_until`, so SIGKILL follows SIGTERM at once:
     // the command may or may not have run its trap.
@@ -1020,9 +1021,9 @@ fn run_killed_by_sigkill_stops_the_command_by_the_end_of_its_lease() {
     );
     let gone = watcher.join().unwrap();
     // valid_until = the acquire's send instant (after the spawn) + 3 s
-    // − the 16 ms drift margin.
+    // − the 16 ms drift margin; the SIGKILL comes 100 ms before it.
     assert!(
-        gone >= 3 * S - 16 * MS,
+        gone >= 3 * S - 16 * MS - 100 * MS,
         "SIGKILL before valid_until: {gone:?}"
     );
     assert!(gone <= granted, "{gone:?} {granted:?}");
@@ -1070,6 +1071,8 @@ fn run_kills_at_valid_until_when_the_lease_runs_out_whatever_kill_after_says() {
     let status = wait_exit(&mut child, 10 * S);
     let elapsed = spawned.elapsed();
     assert_eq!(status.code(), Some(6));
-    assert!(elapsed >= 2 * S - 14 * MS, "{elapsed:?}");
+    // The group is killed 100 ms before valid_until (send instant + 2 s
+    // − 14 ms), not after --kill-after.
+    assert!(elapsed >= 2 * S - 14 * MS - 100 * MS, "{elapsed:?}");
     assert!(elapsed < 2 * S + 2 * LATE, "{elapsed:?}");
 }

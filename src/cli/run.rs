@@ -8,9 +8,9 @@
 //! forwarded to the group. When CMD ends, whatever it left running in its
 //! group is stopped, the lock is released, and `kunci` exits with CMD's
 //! status. If the lock is lost the group gets SIGTERM, then SIGKILL after
-//! `--kill-after` or at the last confirmed `valid_until`, whichever comes
-//! first, and `kunci` exits 6: the command must not go on believing it
-//! holds the lock.
+//! `--kill-after` or [`KILL_LEAD`] before the last confirmed `valid_until`,
+//! whichever comes first, and `kunci` exits 6: the command must not go on
+//! believing it holds the lock.
 //!
 //! Two things make that hold in a terminal and when `kunci` is killed:
 //!
@@ -29,9 +29,9 @@
 //!   before CMD runs; `kunci` then writes each later `valid_until` a
 //!   renewal confirms. When `kunci` dies, even by SIGKILL, the pipe reaches
 //!   end-of-file and the watchdog sends SIGTERM to the group, then SIGKILL
-//!   after `--kill-after` or at `valid_until`, whichever comes first; if
-//!   `valid_until` passes with no later one written, it does both at once:
-//!   nothing CMD started outlives the lock. `kunci` disarms it when it has
+//!   after `--kill-after` or [`KILL_LEAD`] before `valid_until`, whichever
+//!   comes first; if that moment comes with no later `valid_until`
+//!   written, it does both at once: nothing CMD started outlives the lock. `kunci` disarms it when it has
 //!   stopped the group itself.
 
 use std::ffi::OsString;
@@ -90,6 +90,18 @@ const NOT_EXECUTABLE: u8 = 126;
 
 /// How often a group that is being stopped is checked for survivors.
 const POLL: Duration = Duration::from_millis(10);
+
+/// How long before `valid_until` the command's group gets its SIGKILL when
+/// the lease runs out unrenewed: room for a busy machine to schedule the
+/// signal before the server, whose lease ends at least the drift margin
+/// after `valid_until`, can grant the key to someone else.
+const KILL_LEAD: Duration = Duration::from_millis(100);
+
+/// The latest moment the command may run under a lease valid until
+/// `valid_until`.
+fn kill_deadline(valid_until: Instant) -> Instant {
+    valid_until.checked_sub(KILL_LEAD).unwrap_or(valid_until)
+}
 
 /// The process group the forwarded signals go to, once the command runs.
 static CHILD_GROUP: AtomicI32 = AtomicI32::new(0);
@@ -203,7 +215,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     let watchdog_fd = watchdog.fd();
     let take_terminal = terminal.is_some();
     let mut confirmed = kept.valid_until();
-    let first_deadline = monotonic_ns(confirmed);
+    let first_deadline = monotonic_ns(kill_deadline(confirmed));
     // SAFETY: between fork and exec the closure only makes
     // async-signal-safe calls (getpid, write, tcsetpgrp, signal).
     unsafe {
@@ -281,7 +293,9 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     let (outcome, reaped) = match outcome {
         Ok(status) => match kept.lost() {
             Some(loss) => (Err(loss), true),
-            None if !kept.is_valid() => (Err(Loss::Expired), true),
+            None if Instant::now() >= kill_deadline(kept.valid_until()) => {
+                (Err(Loss::Expired), true)
+            }
             None => (Ok(status), true),
         },
         Err(loss) => (Err(loss), false),
@@ -294,7 +308,8 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             // Nothing CMD started outlives the lock.
             if group_alive(group) {
                 terminate(group);
-                let kill_at = (Instant::now() + options.kill_after).min(kept.valid_until());
+                let kill_at =
+                    (Instant::now() + options.kill_after).min(kill_deadline(kept.valid_until()));
                 stop_group(group, kill_at, None);
             }
             watchdog.disarm();
@@ -306,7 +321,8 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             terminate(group);
             // SIGKILL never later than the last `valid_until` a renewal
             // confirmed: after it, someone else may hold the lock.
-            let kill_at = (Instant::now() + options.kill_after).min(kept.valid_until());
+            let kill_at =
+                (Instant::now() + options.kill_after).min(kill_deadline(kept.valid_until()));
             stop_group(group, kill_at, (!reaped).then_some(&inbox));
             if let Some(terminal) = terminal {
                 terminal.restore(group);
@@ -607,7 +623,8 @@ impl Watchdog {
 
     /// A renewal confirmed the lock until `valid_until`.
     fn extend(&self, valid_until: Instant) {
-        self.send(watchdog_record(DEADLINE, 0, monotonic_ns(valid_until)));
+        let deadline = monotonic_ns(kill_deadline(valid_until));
+        self.send(watchdog_record(DEADLINE, 0, deadline));
     }
 
     /// kunci has dealt with CMD's group itself: the watchdog exits quietly.
