@@ -11,10 +11,13 @@
 //! Timers run on a 1 ms tick: a deadline rounds *up* to the next tick and
 //! fires once the clock has reached that tick, so nothing happens early.
 
+mod adoption;
 pub mod connection;
 pub mod endpoint;
+mod invariants;
 pub mod key_index;
 pub mod lock_table;
+mod request;
 #[doc(hidden)]
 pub mod script;
 pub mod timer_wheel;
@@ -22,16 +25,16 @@ pub mod wait_histogram;
 pub mod waiters;
 
 use std::collections::HashSet;
-use std::fmt::Write as _;
 
 use crate::protocol::{ErrorCode, Request, RequestError, Response};
 use lock_table::{LockTable, NIL};
 use timer_wheel::{
-    MICROS_PER_TICK, TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached,
-    tick_start,
+    TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
 };
 use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
+
+pub use adoption::{HeldGrant, RestoreError};
 
 /// A connection as the core knows it: the shell's slab index.
 pub type ConnId = u32;
@@ -143,37 +146,6 @@ impl Stats {
 /// A response and the connection it goes to.
 pub type Output = (ConnId, Response);
 
-/// A grant held now (see [`Core::grants`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HeldGrant<'a> {
-    pub key: &'a str,
-    pub token: u64,
-    pub owner: u64,
-    /// When the lease runs out.
-    pub deadline: Micros,
-}
-
-/// Why [`Core::restore_grant`] refused a grant.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RestoreError {
-    /// Token 0, or not below this run's first token.
-    TokenNotFromEarlierRun,
-    /// The key was restored already.
-    DuplicateKey,
-    /// The table cannot grow.
-    TableFull,
-}
-
-impl std::fmt::Display for RestoreError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            RestoreError::TokenNotFromEarlierRun => "token is 0 or not below this run's first",
-            RestoreError::DuplicateKey => "key listed twice",
-            RestoreError::TableFull => "lock table full",
-        })
-    }
-}
-
 #[derive(Clone, Copy, Debug, Default)]
 struct ConnState {
     open: bool,
@@ -205,14 +177,6 @@ pub struct Core {
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
-}
-
-/// How a key held by the unknown grant is represented.
-enum Adoptable {
-    /// An entry with token 0: the unknown grant, with waiters queued.
-    Waited(u32),
-    /// Not in the table: every key during the grace.
-    Untracked,
 }
 
 /// Gives the timer wheel the links embedded in entries and waiters.
@@ -251,69 +215,6 @@ impl Core {
             stats: Stats::default(),
             outbox: Vec::new(),
         }
-    }
-
-    /// Treat every key as held by an unknown grant until `until` (spec §7).
-    pub fn set_grace_until(&mut self, until: Micros) {
-        self.grace_until = until;
-    }
-
-    /// Until when keys count as held by unknown grants (0 = never).
-    pub fn grace_until(&self) -> Micros {
-        self.grace_until
-    }
-
-    /// The latest lease deadline ever armed for a grant of this run: no
-    /// lease this core granted runs past it.
-    pub fn lease_deadline_max(&self) -> Micros {
-        self.lease_deadline_max
-    }
-
-    /// The first token of this run; tokens below it are an earlier run's.
-    pub fn first_token(&self) -> u64 {
-        self.first_token
-    }
-
-    /// Restores a grant an earlier run held at a clean stop (spec §7.1):
-    /// `key` held by `token` (below this run's first token) for `owner`
-    /// until `deadline`. Call before any request, at time 0. Restored keys
-    /// count towards the key limit for new keys, but are restored even
-    /// beyond it: every grant of the earlier run comes back.
-    pub fn restore_grant(
-        &mut self,
-        key: &str,
-        token: u64,
-        owner: u64,
-        deadline: Micros,
-    ) -> Result<(), RestoreError> {
-        debug_assert!(self.wheel.elapsed() == 0 && self.stats == Stats::default());
-        if token == 0 || token >= self.first_token {
-            return Err(RestoreError::TokenNotFromEarlierRun);
-        }
-        let hash = self.table.hash(key);
-        if self.table.find(key, hash).is_some() {
-            return Err(RestoreError::DuplicateKey);
-        }
-        let entry = self
-            .table
-            .insert(key, hash, token, owner)
-            .ok_or(RestoreError::TableFull)?;
-        self.arm_lease_at(entry, deadline.max(1));
-        Ok(())
-    }
-
-    /// Every grant held now, for the snapshot at a clean stop; `deadline`
-    /// is when its lease runs out (on the 1 ms tick).
-    pub fn grants(&self) -> impl Iterator<Item = HeldGrant<'_>> + '_ {
-        self.table.live_indices().filter_map(move |entry| {
-            let held = self.table.get(entry);
-            (held.token != 0).then(|| HeldGrant {
-                key: self.table.key(entry),
-                token: held.token,
-                owner: held.owner,
-                deadline: self.wheel.deadline_of(&held.lease) * MICROS_PER_TICK,
-            })
-        })
     }
 
     /// Keys held by a grant of this run.
@@ -481,9 +382,7 @@ impl Core {
     /// Fires every timer due at `now`: lease expiries hand keys on, wait
     /// deadlines answer `T`.
     pub fn handle_timeout(&mut self, now: Micros) {
-        if now >= self.grace_until && !self.freed_in_grace.is_empty() {
-            self.freed_in_grace = HashSet::default();
-        }
+        self.forget_freed_after_grace(now);
         let now_tick = tick_reached(now);
         loop {
             let mut nodes = TimerNodes {
@@ -538,214 +437,6 @@ impl Core {
         }
     }
 
-    fn acquire(
-        &mut self,
-        conn: ConnId,
-        key: &str,
-        wait_s: u8,
-        lease_s: u8,
-        owner: u64,
-        now: Micros,
-    ) {
-        let hash = self.table.hash(key);
-        let entry = match self.table.find(key, hash) {
-            Some(_) if wait_s == 0 => return self.timeout(conn, owner),
-            Some(entry) => {
-                if !self.can_queue(conn, self.table.get(entry).waiters) {
-                    return self.busy(conn, owner);
-                }
-                entry
-            }
-            None if now >= self.grace_until || self.freed_in_grace.contains(key) => {
-                if self.next_token == u64::MAX {
-                    return self.busy(conn, owner);
-                }
-                let Some(entry) = self.insert_key(key, hash, 0, owner) else {
-                    return self.busy(conn, owner);
-                };
-                return self.grant(entry, conn, owner, lease_s, now);
-            }
-            None if wait_s == 0 => return self.timeout(conn, owner),
-            None => {
-                // The key may still be leased by the previous run: queue
-                // behind an unknown holder whose lease ends at the horizon.
-                if !self.can_queue(conn, NIL) {
-                    return self.busy(conn, owner);
-                }
-                let Some(entry) = self.insert_key(key, hash, 0, 0) else {
-                    return self.busy(conn, owner);
-                };
-                self.unknown_holders += 1;
-                self.arm_lease_at(entry, self.grace_until);
-                entry
-            }
-        };
-        let waiter = {
-            let queue = &mut self.table.get_mut(entry).waiters;
-            let conn_list = &mut self.conns[conn as usize].waiters;
-            self.waiters
-                .push_back(queue, conn_list, conn, entry, owner, lease_s)
-        };
-        self.waiters.get_mut(waiter).enqueued_at = enqueued_at(now);
-        let deadline = now + u64::from(wait_s) * MICROS_PER_S;
-        let mut nodes = TimerNodes {
-            table: &mut self.table,
-            waiters: &mut self.waiters,
-        };
-        self.wheel.arm(
-            &mut nodes,
-            waiter | WAITER_TIMER,
-            tick_at_or_after(deadline),
-        );
-    }
-
-    /// Whether one more waiter fits: in total, on the queue with head
-    /// `queue_head`, and on `conn`.
-    fn can_queue(&self, conn: ConnId, queue_head: u32) -> bool {
-        let Some(state) = self.conns.get(conn as usize).filter(|state| state.open) else {
-            return false;
-        };
-        self.waiters.len() < self.limits.max_waiters
-            && self.waiters.queue_len(queue_head) < self.limits.max_waiters_per_key
-            && state.waiters.len < self.limits.max_waits_per_conn
-    }
-
-    fn insert_key(&mut self, key: &str, hash: u64, token: u64, owner: u64) -> Option<u32> {
-        if self.table.len() >= self.limits.max_keys {
-            return None;
-        }
-        self.table.insert(key, hash, token, owner)
-    }
-
-    fn release(&mut self, conn: ConnId, key: &str, token: u64, now: Micros) {
-        let entry = match self.active_grant(key, token) {
-            Some(entry) => entry,
-            None => match self.adoptable(key, token, now) {
-                Some(Adoptable::Waited(entry)) => {
-                    self.unknown_holders -= 1;
-                    entry
-                }
-                Some(Adoptable::Untracked) => {
-                    self.stats.released += 1;
-                    self.outbox.push((conn, Response::Released { token }));
-                    return self.note_freed(key);
-                }
-                None => {
-                    self.stats.release_not_held += 1;
-                    return self.not_held(conn, token);
-                }
-            },
-        };
-        self.cancel_lease(entry);
-        self.stats.released += 1;
-        self.outbox.push((conn, Response::Released { token }));
-        self.hand_over(entry, now);
-    }
-
-    fn extend(&mut self, conn: ConnId, key: &str, token: u64, lease_s: u8, now: Micros) {
-        let entry = match self.active_grant(key, token) {
-            Some(entry) => entry,
-            None => match self.adoptable(key, token, now) {
-                Some(Adoptable::Waited(entry)) => {
-                    self.unknown_holders -= 1;
-                    let held = self.table.get_mut(entry);
-                    held.token = token;
-                    held.owner = 0;
-                    entry
-                }
-                Some(Adoptable::Untracked) => {
-                    // An earlier run's holders must not lose their keys to
-                    // this run's waiters filling the table, so adoption may
-                    // take it to twice the key limit: that run held at most
-                    // that many, and the bound on memory stays.
-                    let hash = self.table.hash(key);
-                    let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
-                        .then(|| self.table.insert(key, hash, token, 0))
-                        .flatten();
-                    match entry {
-                        Some(entry) => entry,
-                        // No room: nothing changed, and the key stays held
-                        // by the unknown grant until the horizon.
-                        None => {
-                            self.stats.extend_not_held += 1;
-                            return self.not_held(conn, token);
-                        }
-                    }
-                }
-                None => {
-                    self.stats.extend_not_held += 1;
-                    return self.not_held(conn, token);
-                }
-            },
-        };
-        self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
-        self.stats.extended += 1;
-        self.outbox.push((conn, Response::Extended { token }));
-    }
-
-    /// Whether `token` may adopt `key` (spec §7.3): it is an earlier run's
-    /// token and the key is held by the unknown grant — an entry with token
-    /// 0 (waited on), or, during the grace, a key not in the table and not
-    /// known free.
-    fn adoptable(&self, key: &str, token: u64, now: Micros) -> Option<Adoptable> {
-        if token == 0 || token >= self.first_token {
-            return None;
-        }
-        match self.table.find(key, self.table.hash(key)) {
-            Some(entry) => (self.table.get(entry).token == 0).then_some(Adoptable::Waited(entry)),
-            None => (now < self.grace_until && !self.freed_in_grace.contains(key))
-                .then_some(Adoptable::Untracked),
-        }
-    }
-
-    /// Remembers that `key`, not in the table, is free although the grace
-    /// runs. Without room it stays held by the unknown grant until the
-    /// horizon: later than it could be, never too early.
-    fn note_freed(&mut self, key: &str) {
-        if self.freed_in_grace.len() < self.limits.max_keys {
-            self.freed_in_grace.insert(key.into());
-        }
-    }
-
-    fn query(&mut self, conn: ConnId, key: &str, now: Micros) {
-        let response = match self.table.find(key, self.table.hash(key)) {
-            Some(entry) => {
-                let entry = self.table.get(entry);
-                // The tick rounded the true deadline up by less than one
-                // tick: report the earliest deadline that rounds to it, so
-                // a fresh grant never shows more than its lease. An unknown
-                // holder's lease ends exactly at the horizon.
-                let deadline = if entry.token == 0 {
-                    self.grace_until
-                } else {
-                    tick_start(self.wheel.deadline_of(&entry.lease))
-                        .saturating_sub(MICROS_PER_TICK - 1)
-                };
-                Response::Query {
-                    token: entry.token,
-                    owner: entry.owner,
-                    lease_ms: millis_left(deadline, now),
-                    waiters: self.waiters.queue_len(entry.waiters),
-                }
-            }
-            None if now < self.grace_until && !self.freed_in_grace.contains(key) => {
-                Response::Query {
-                    token: 0,
-                    owner: 0,
-                    lease_ms: millis_left(self.grace_until, now),
-                    waiters: 0,
-                }
-            }
-            None => Response::Query {
-                token: 0,
-                owner: 0,
-                lease_ms: 0,
-                waiters: 0,
-            },
-        };
-        self.outbox.push((conn, response));
-    }
-
     /// The entry of `key` if `token` is its active grant. Token 0 (an
     /// unknown holder) never matches.
     fn active_grant(&self, key: &str, token: u64) -> Option<u32> {
@@ -759,10 +450,7 @@ impl Core {
         loop {
             let head = self.table.get(entry).waiters;
             if head == NIL {
-                if now < self.grace_until {
-                    let key: Box<str> = self.table.key(entry).into();
-                    self.note_freed(&key);
-                }
+                self.note_freed_in_grace(entry, now);
                 self.table.remove(entry);
                 return;
             }
@@ -863,134 +551,6 @@ impl Core {
     fn not_held(&mut self, conn: ConnId, token: u64) {
         self.stats.not_held += 1;
         self.outbox.push((conn, Response::NotHeld { token }));
-    }
-
-    /// Asserts the consistency of every internal structure: each key found
-    /// by its own name and leased, each queue and connection list linked and
-    /// counted right, every waiter armed and on an open connection, every
-    /// armed timer accounted for. A bug then fails here rather than in a
-    /// later, unrelated answer; simulations call it after every step.
-    #[doc(hidden)]
-    pub fn check_invariants(&self) {
-        let mut entries = 0;
-        let mut unknown = 0;
-        let mut queued = 0;
-        for entry in self.table.live_indices() {
-            entries += 1;
-            let held = self.table.get(entry);
-            let key = self.table.key(entry);
-            assert_eq!(
-                self.table.find(key, self.table.hash(key)),
-                Some(entry),
-                "key {key:?} not found by name"
-            );
-            assert!(held.lease.is_armed(), "key {key:?} has no lease timer");
-            if held.token == 0 {
-                unknown += 1;
-                assert_ne!(
-                    held.waiters, NIL,
-                    "key {key:?} held by an unknown grant and waited on by nobody"
-                );
-            } else {
-                assert!(
-                    held.token < self.next_token,
-                    "key {key:?} has token {} ≥ next {}",
-                    { held.token },
-                    self.next_token
-                );
-            }
-            let mut length = 0;
-            for waiter in self.waiters.queue(held.waiters) {
-                length += 1;
-                let node = self.waiters.get(waiter);
-                assert_eq!(
-                    node.lock, entry,
-                    "waiter {waiter} of key {key:?} points elsewhere"
-                );
-                assert!(
-                    node.timer.is_armed(),
-                    "waiter {waiter} of key {key:?} has no deadline timer"
-                );
-                assert!(
-                    self.conns[node.conn as usize].open,
-                    "waiter {waiter} on a closed connection"
-                );
-            }
-            assert_eq!(
-                length,
-                self.waiters.queue_len(held.waiters),
-                "queue length of key {key:?}"
-            );
-            queued += length as usize;
-        }
-        assert_eq!(entries, self.table.len(), "live entries vs table length");
-        assert_eq!(unknown, self.unknown_holders, "unknown holders");
-        assert_eq!(queued, self.waiters.len(), "queued waiters vs waiter count");
-        let mut open = 0;
-        let mut listed = 0;
-        for (conn, state) in self.conns.iter().enumerate() {
-            open += usize::from(state.open);
-            let mut length = 0;
-            let mut waiter = state.waiters.head;
-            while waiter != NIL {
-                length += 1;
-                assert_eq!(
-                    self.waiters.get(waiter).conn as usize,
-                    conn,
-                    "waiter {waiter} on the wrong connection list"
-                );
-                assert!(
-                    length <= self.waiters.len(),
-                    "connection {conn}'s waiter list loops"
-                );
-                waiter = self.waiters.next_of_conn(waiter);
-            }
-            assert_eq!(
-                length as u32, state.waiters.len,
-                "waiter count of connection {conn}"
-            );
-            assert!(
-                state.open || length == 0,
-                "closed connection {conn} still has waiters"
-            );
-            listed += length;
-        }
-        assert_eq!(open, self.connections, "open connections");
-        assert_eq!(listed, self.waiters.len(), "waiters on connection lists");
-        assert_eq!(
-            self.wheel.len(),
-            entries + queued,
-            "armed timers vs leases and waiters"
-        );
-    }
-
-    /// The `I` line: `name=value` pairs separated by single spaces.
-    pub fn info_text(&self, now: Micros) -> String {
-        let s = &self.stats;
-        let mut text = String::with_capacity(320);
-        let _ = write!(
-            text,
-            "version={} uptime_s={} connections={} keys={} held={} waiters={} \
-             grants={} timeouts={} busy={} expired={} released={} extended={} \
-             not_held={} errors={} refused={} next_token={}",
-            env!("CARGO_PKG_VERSION"),
-            now / MICROS_PER_S,
-            self.connections,
-            self.table.len(),
-            self.held(),
-            self.waiters.len(),
-            s.grants,
-            s.timeouts,
-            s.busy,
-            s.expired,
-            s.released,
-            s.extended,
-            s.not_held,
-            s.errors,
-            s.refused,
-            self.next_token,
-        );
-        text
     }
 }
 
