@@ -19,10 +19,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::time::Instant;
 
-use kunci::core::timer_wheel::{TimerLinks, TimerStore, TimerWheel};
 use kunci::core::{ConnId, Core, Limits, Micros, Output};
 use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 use kunci::server::state::{Clocks, Recorded, SavedGrant};
+use kunci::timer_wheel::{TimerLinks, TimerStore, TimerWheel};
 
 use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
 use crate::util::model::{Model, same_as_multiset, same_in_order};

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use slab::Slab;
 
-use crate::core::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 use crate::protocol::{self, Correlation, ErrorCode, KEY_LEN_MAX, Request, Response};
+use crate::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 
 use super::{KeyStatus, TRANSPORT_DEADLINE, Unavailable};
 

@@ -6,9 +6,9 @@
 
 use std::collections::HashSet;
 
-use super::timer_wheel::MICROS_PER_TICK;
 use super::{ConnId, Core, Micros, Stats};
 use crate::protocol::Response;
+use crate::timer_wheel::MICROS_PER_TICK;
 
 /// A grant held now (see [`Core::grants`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

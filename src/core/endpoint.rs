@@ -21,15 +21,15 @@ use log::debug;
 use super::connection::{
     Connection, LINGER_US, OUTPUT_HIGH_WATER, OUTPUT_LOW_WATER, PARTIAL_FRAME_TIMEOUT_US, Phase,
 };
-use super::timer_wheel::{
-    TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
-};
 use super::{ConnId, Core, Micros};
 use crate::addr::Network;
 use crate::protocol::{self, Decoded, ErrorCode, RESPONSE_FRAME_MAX};
+use crate::timer_wheel::{
+    TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
+};
 
 /// The largest connection id: ids are the connection timer wheel's ids.
-pub const CONN_ID_MAX: u64 = super::timer_wheel::TIMER_ID_MAX as u64;
+pub const CONN_ID_MAX: u64 = crate::timer_wheel::TIMER_ID_MAX as u64;
 
 /// At most this many connections refused at accept linger at once;
 /// beyond it they are closed right after a best-effort `X 7`/`X 9`.

@@ -13,7 +13,7 @@ use std::hash::BuildHasher as _;
 use slab::Slab;
 
 use super::key_index::KeyIndex;
-use super::timer_wheel::TimerLinks;
+use crate::timer_wheel::TimerLinks;
 
 /// Marks the end of the free list or "no waiters".
 pub const NIL: u32 = u32::MAX;

@@ -20,17 +20,16 @@ pub mod lock_table;
 mod request;
 #[doc(hidden)]
 pub mod script;
-pub mod timer_wheel;
 pub mod wait_histogram;
 pub mod waiters;
 
 use std::collections::HashSet;
 
 use crate::protocol::{ErrorCode, Request, RequestError, Response};
-use lock_table::{LockTable, NIL};
-use timer_wheel::{
+use crate::timer_wheel::{
     TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
 };
+use lock_table::{LockTable, NIL};
 use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
 

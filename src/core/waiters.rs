@@ -5,7 +5,7 @@
 //! node storage has grown.
 
 use super::lock_table::NIL;
-use super::timer_wheel::TimerLinks;
+use crate::timer_wheel::TimerLinks;
 
 /// A queued acquire.
 #[derive(Clone, Debug)]

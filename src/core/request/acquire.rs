@@ -1,8 +1,8 @@
 //! `A` (spec §3, §4, §5): grant at once, time out, queue, or `B`.
 
 use crate::core::lock_table::NIL;
-use crate::core::timer_wheel::tick_at_or_after;
 use crate::core::{ConnId, Core, MICROS_PER_S, Micros, TimerNodes, WAITER_TIMER, enqueued_at};
+use crate::timer_wheel::tick_at_or_after;
 
 impl Core {
     pub(in crate::core) fn acquire(

@@ -1,8 +1,8 @@
 //! `Q` (spec §2.2, §5): who holds a key, for how long, how many wait.
 
-use crate::core::timer_wheel::{MICROS_PER_TICK, tick_start};
 use crate::core::{ConnId, Core, Micros, millis_left};
 use crate::protocol::Response;
+use crate::timer_wheel::{MICROS_PER_TICK, tick_start};
 
 impl Core {
     pub(in crate::core) fn query(&mut self, conn: ConnId, key: &str, now: Micros) {
