@@ -3,6 +3,7 @@
 //! shutdown and the restart grace; then random sequences against the
 //! reference model.
 
+use kunci::core::restart::{CleanStop, Durability};
 use kunci::core::{Core, Limits, Output, RestoreError};
 use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 use kunci::server::state::{self, Clocks, Recorded, SavedGrant};
@@ -990,7 +991,7 @@ fn boot(boot_ms: u64, wall_ms: u64) -> Clocks {
 
 /// A clean stop written at boot time 1,000 ms listing `grants` as (key,
 /// token, owner, lease ms left), restored into a fresh core `downtime_ms`
-/// later, as the server does at start.
+/// later by the server's own policy (`Restart::resume`).
 fn restart_after_clean_stop(grants: &[(&str, u64, u64, u32)], downtime_ms: u64) -> Fake {
     let mut recorded = Recorded::new(true, boot(1_000, 50_000_000), FIRST_TOKEN, 0);
     recorded.set_grants(
@@ -1007,14 +1008,7 @@ fn restart_after_clean_stop(grants: &[(&str, u64, u64, u32)], downtime_ms: u64) 
     let restart = recorded.restart_at(&boot(1_000 + downtime_ms, 50_000_000 - 3_600_000));
     assert_eq!(restart.grace, std::time::Duration::ZERO);
     let mut fake = Fake::with_conns(4);
-    for grant in recorded.grants() {
-        if let Some(left) = restart.lease_left(grant.left_ms) {
-            let deadline = left.as_micros() as u64;
-            fake.core
-                .restore_grant(grant.key, grant.token, grant.owner, deadline)
-                .unwrap();
-        }
-    }
+    restart.resume(&mut fake.core, recorded.grants()).unwrap();
     fake.core.check_invariants();
     fake
 }
@@ -1239,6 +1233,7 @@ fn the_horizon_on_disk_covers_every_lease_and_runs_at_most_5_s_past_the_latest()
     state.resume(&mut fake.core).unwrap();
     let anchor = boot(7_000, 50_000);
     state.anchor(anchor.clone());
+    let mut durability = Durability::new();
     let mut token = 0;
     // A minute of grants and renewals every 100 ms with mixed leases.
     for step in 1..=600u64 {
@@ -1250,16 +1245,12 @@ fn the_horizon_on_disk_covers_every_lease_and_runs_at_most_5_s_past_the_latest()
             fake.release(1, "k", token);
             token = fake.grant(1, "k", lease, step);
         }
-        // The shell covers before any answer leaves.
-        let core = &fake.core;
-        state
-            .cover(
-                core.next_token(),
-                core.lease_deadline_max(),
-                core.grace_until(),
-                fake.now,
-            )
-            .unwrap();
+        // The shell makes the endpoint's promise durable before any
+        // answer leaves (the real policy, as `Endpoint::poll_persist`).
+        if let Some(promise) = durability.needed(&fake.core) {
+            state.write_running(promise, fake.now).unwrap();
+            durability.persisted(promise);
+        }
         let latest = fake.core.lease_deadline_max();
         let horizon = horizon_on_disk(&dir.0, &anchor);
         assert!(
@@ -1273,7 +1264,7 @@ fn the_horizon_on_disk_covers_every_lease_and_runs_at_most_5_s_past_the_latest()
     }
     // The write rate: each write moves the horizon at least 5 s on, and
     // the horizon ends within 30 s (the longest lease) + 5 s of the last
-    // step at 60 s: at most (60 + 35) / 5 writes, plus the one at start.
+    // step at 60 s: at most (60 + 35) / 5 writes, plus the first.
     assert!(
         state.writes <= 1 + 95 / 5,
         "{} writes in a minute",
@@ -1304,7 +1295,9 @@ fn a_clean_stop_saved_and_resumed_restores_every_grant_and_the_remaining_grace()
         fake.run_until(21 * S);
         fake.core.shut_down();
         fake.drain();
-        state.save_clean_stop(&fake.core, fake.now).unwrap();
+        state
+            .save_clean_stop(&CleanStop::of(&fake.core, fake.now))
+            .unwrap();
         assert_eq!((a, b), (FIRST_TOKEN, FIRST_TOKEN + 1));
     }
     let mut state = state::StateDir::open(&dir.0).unwrap();

@@ -19,9 +19,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::time::Instant;
 
+use kunci::core::restart::{CleanStop, Durability};
 use kunci::core::{ConnId, Core, Limits, Micros, Output};
 use kunci::protocol::{ErrorCode, Request, RequestError, Response};
-use kunci::server::state::{Clocks, Recorded, SavedGrant};
+use kunci::server::state::{Clocks, Recorded};
 use kunci::timer_wheel::{TimerLinks, TimerStore, TimerWheel};
 
 use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
@@ -124,6 +125,9 @@ struct Sim {
     stale_tokens: Vec<u64>,
     /// The tick of the last `handle_timeout`.
     fired_tick: u64,
+    /// What the state file promises: the server's own policy, consulted
+    /// after every step as the shell does before any answer leaves.
+    durability: Durability,
     counts: Counts,
 }
 
@@ -238,6 +242,7 @@ impl Sim {
             last_token: 0,
             stale_tokens: Vec::new(),
             fired_tick: 0,
+            durability: Durability::new(),
             counts: Counts::default(),
         }
     }
@@ -733,26 +738,31 @@ impl Sim {
             let want = self.model.shut_down();
             same_as_multiset(&out, &want)?;
             self.observe(&out, None)?;
-            let core = &self.fake.core;
-            // As `StateDir::save_clean_stop`: grants still running, the
-            // time left rounded down; what remains of this run's own grace.
-            recorded.set_grants(
-                core.grants()
-                    .filter(|grant| grant.deadline > now)
-                    .map(|grant| SavedGrant {
-                        key: grant.key,
-                        token: grant.token,
-                        owner: grant.owner,
-                        left_ms: ((grant.deadline - now) / MS) as u32,
-                    }),
-            );
-            recorded.horizon_ms = ms_after(core.grace_until());
+            // What the server's clean stop persists.
+            let stop = CleanStop::of(&self.fake.core, now);
+            recorded.set_grants(stop.grants());
+            recorded.horizon_ms = ms_after(stop.horizon);
             self.counts.clean_restarts += 1;
         } else {
-            // The horizon on disk: somewhere from the latest lease deadline
-            // (or the inherited grace) up to 5 s past it.
+            // The horizon on disk: what the last promise made durable.
+            let Some(promise) = self.durability.on_disk() else {
+                return Err("a run crashed before its first promise was durable".to_owned());
+            };
             let latest = core.lease_deadline_max().max(core.grace_until());
-            recorded.horizon_ms = ms_after(latest + self.rng.below(5 * S));
+            if promise.horizon < latest || promise.horizon > latest + 5 * S {
+                return Err(format!(
+                    "the horizon on disk {} is not within 5 s after the latest lease {latest}",
+                    promise.horizon
+                ));
+            }
+            if promise.token_high_water < core.next_token() {
+                return Err(format!(
+                    "tokens up to {} shown, {} on disk",
+                    core.next_token(),
+                    promise.token_high_water
+                ));
+            }
+            recorded.horizon_ms = ms_after(promise.horizon);
             self.counts.unclean_restarts += 1;
         }
         // The wall clock stepped back an hour meanwhile: the boot-time
@@ -768,21 +778,16 @@ impl Sim {
         let limits = *self.fake.core.limits();
         let mut core = Core::new(limits, first_token);
         let mut model = Model::new(limits, first_token);
-        for grant in recorded.grants() {
-            let Some(left) = restart.lease_left(grant.left_ms) else {
-                continue;
-            };
-            let deadline = left.as_micros() as Micros;
-            let key = grant.key;
-            core.restore_grant(key, grant.token, grant.owner, deadline)
-                .map_err(|e| format!("restore of {key:?}: {e}"))?;
-            model.restore(key, grant.token, grant.owner, tick_of(deadline));
+        // The server's own resume policy, and the same grants and grace
+        // for the model.
+        restart
+            .resume(&mut core, recorded.grants())
+            .map_err(|e| format!("restore: {e}"))?;
+        for (grant, deadline) in restart.restorable(recorded.grants()) {
+            model.restore(grant.key, grant.token, grant.owner, tick_of(deadline));
             self.counts.restored += 1;
         }
-        if !restart.grace.is_zero() {
-            // As `StateDir::resume`: one ms more, never early.
-            let grace = restart.grace.as_micros() as Micros + MS;
-            core.set_grace_until(grace);
+        if let Some(grace) = restart.grace_until() {
             model.grace_until = grace;
         }
         for conn in 0..self.conns {
@@ -792,6 +797,7 @@ impl Sim {
         }
         self.fake = Fake { core, now: 0 };
         self.model = model;
+        self.durability = Durability::new();
         self.fired_tick = 0;
         for attempt in self.attempts.values_mut() {
             if attempt.answers == 0 {
@@ -844,6 +850,9 @@ impl Sim {
 
     fn check(&mut self) -> Result<(), String> {
         self.fake.core.check_invariants();
+        if let Some(promise) = self.durability.needed(&self.fake.core) {
+            self.durability.persisted(promise);
+        }
         let core = &self.fake.core;
         let model = &self.model;
         let gauges = (

@@ -9,7 +9,10 @@
 //! ([`handle_timeout`](Endpoint::handle_timeout)), each with `now`. It
 //! pulls what to do: the bytes to write ([`next_transmit`](Endpoint::next_transmit),
 //! [`transmit`](Endpoint::transmit)), socket actions ([`poll_action`](Endpoint::poll_action))
-//! and when to wake up ([`poll_timeout`](Endpoint::poll_timeout)). Every
+//! and when to wake up ([`poll_timeout`](Endpoint::poll_timeout)). With a
+//! state directory it also says what must be durable first
+//! ([`poll_persist`](Endpoint::poll_persist)): nothing is transmitted until
+//! the shell has made that promise durable. Every
 //! rule about reading, answering, backpressure and closing lives here or
 //! in [`Connection`], where the simulation and the fuzzers reach it.
 
@@ -21,6 +24,7 @@ use log::debug;
 use super::connection::{
     Connection, LINGER_US, OUTPUT_HIGH_WATER, OUTPUT_LOW_WATER, PARTIAL_FRAME_TIMEOUT_US, Phase,
 };
+use super::restart::{Durability, Promise};
 use super::{ConnId, Core, Micros};
 use crate::addr::Network;
 use crate::protocol::{self, Decoded, ErrorCode, RESPONSE_FRAME_MAX};
@@ -85,6 +89,8 @@ pub struct Endpoint {
     /// Emptied output buffers, kept so that busy connections do not
     /// allocate one per wake-up.
     spare_outputs: Vec<Vec<u8>>,
+    /// With a state directory: what the file on disk promises (spec §7).
+    durability: Option<Durability>,
 }
 
 /// Gives the connection timer wheel the links inside connections.
@@ -114,6 +120,31 @@ impl Endpoint {
             refused_lingering: 0,
             shutdown_deadline: None,
             spare_outputs: Vec::new(),
+            durability: None,
+        }
+    }
+
+    /// Makes every answer wait until what it reveals (tokens, leases) is
+    /// durable: from now on [`transmit`](Self::transmit) gives nothing
+    /// while [`poll_persist`](Self::poll_persist) has a promise to make.
+    /// The first promise is due at once (it replaces the earlier run's
+    /// file), so call it before accepting.
+    pub fn require_durability(&mut self) {
+        self.durability = Some(Durability::new());
+    }
+
+    /// The promise the shell must make durable (write and fsync) before it
+    /// transmits anything else, then report with
+    /// [`handle_persisted`](Self::handle_persisted); `None` when the file
+    /// covers everything queued (or there is no state directory).
+    pub fn poll_persist(&self) -> Option<Promise> {
+        self.durability.as_ref()?.needed(&self.core)
+    }
+
+    /// The shell made `promise` durable.
+    pub fn handle_persisted(&mut self, promise: Promise) {
+        if let Some(durability) = self.durability.as_mut() {
+            durability.persisted(promise);
         }
     }
 
@@ -296,9 +327,13 @@ impl Endpoint {
         !self.transmit_queue.is_empty()
     }
 
-    /// The bytes `id` has to send now, if any.
+    /// The bytes `id` has to send now, if any: none while a promise
+    /// waits to be made durable ([`poll_persist`](Self::poll_persist)).
     pub fn transmit(&self, id: ConnId) -> Option<&[u8]> {
         let conn = self.connection(id)?;
+        if self.poll_persist().is_some() {
+            return None;
+        }
         (!conn.output.is_empty()).then_some(&conn.output[..])
     }
 

@@ -18,6 +18,7 @@ mod invariants;
 pub mod key_index;
 pub mod lock_table;
 mod request;
+pub mod restart;
 #[doc(hidden)]
 pub mod script;
 pub mod wait_histogram;

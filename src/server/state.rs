@@ -10,13 +10,12 @@
 //! - after a **clean stop**, every held grant (key, token, owner, lease time
 //!   left), which the next run restores before it accepts a connection.
 //!
-//! While the server runs, the high-water mark and the horizon are raised
-//! *before* any answer that needs them leaves the process (the event loop
-//! calls [`StateDir::cover`] before every write), in steps: [`TOKEN_BLOCK`]
-//! tokens, and a horizon [`HORIZON_STEP`] past the latest lease deadline. So
-//! the horizon never runs more than 5 s past the latest lease deadline
-//! actually armed, and a server with steady grants writes the file at most
-//! once per [`HORIZON_STEP`] (two fsyncs: the file and the directory).
+//! This module is the file format and the file IO only. What to promise
+//! and when, what a clean stop keeps, and what the next run makes of it
+//! (the grace, the leases left) is policy, in [`crate::core::restart`]:
+//! the endpoint yields a [`Promise`] that must be durable before anything
+//! else is transmitted, and the shell writes it here
+//! ([`StateDir::write_running`]: two fsyncs, the file and the directory).
 //!
 //! # Time across a restart
 //!
@@ -60,21 +59,14 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use log::info;
 
+pub use crate::core::restart::{
+    CleanStop, HORIZON_STEP, MAX_GRACE, Promise, Restart, SavedGrant, TOKEN_BLOCK,
+};
 use crate::core::{Core, Micros};
-
-/// Tokens reserved per write of the high-water mark.
-pub const TOKEN_BLOCK: u64 = 1 << 26;
-/// How far past the latest lease deadline the horizon is pushed per write:
-/// the most the grace after a crash can exceed the longest outstanding
-/// lease, and the least time between two writes under steady grants.
-pub const HORIZON_STEP: Duration = Duration::from_secs(5);
-/// No grace after a restart, and no restored lease, lasts longer than the
-/// longest lease plus [`HORIZON_STEP`], whatever the clocks say.
-pub const MAX_GRACE: Duration = Duration::from_secs(255 + 5);
 /// The format this build writes.
 pub const FORMAT_VERSION: u32 = 2;
 
@@ -155,25 +147,11 @@ fn boot_time_ms() -> u64 {
     time.tv_sec as u64 * 1_000 + time.tv_nsec as u64 / 1_000_000
 }
 
-fn micros(duration: Duration) -> Micros {
-    duration.as_micros() as Micros
-}
-
 /// Milliseconds since the Unix epoch, by the wall clock.
 pub fn wall_clock_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |elapsed| elapsed.as_millis() as u64)
-}
-
-/// One grant held at a clean stop, as written and as read back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SavedGrant<'a> {
-    pub key: &'a str,
-    pub token: u64,
-    pub owner: u64,
-    /// Lease time left at the write, ms.
-    pub left_ms: u32,
 }
 
 /// What the previous run left behind.
@@ -195,28 +173,6 @@ pub struct Recorded {
     grant_bytes: Vec<u8>,
 }
 
-/// What the previous run means for this one, at the moment `now`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Restart {
-    /// Every key without a restored grant counts as held for this long.
-    pub grace: Duration,
-    /// The time since the file was written, ms.
-    since_ms: u64,
-}
-
-impl Restart {
-    /// The lease a grant with `left_ms` at the write has left now, or
-    /// `None` when it ran out while the server was down.
-    pub fn lease_left(&self, left_ms: u32) -> Option<Duration> {
-        // Both clock readings are whole ms: one ms less keeps the downtime
-        // from ever counting for the lease.
-        let left = u64::from(left_ms)
-            .saturating_sub(self.since_ms + 1)
-            .min(MAX_GRACE.as_millis() as u64);
-        (left > 0).then(|| Duration::from_millis(left))
-    }
-}
-
 impl Recorded {
     /// A record as this build writes it, without grants (see
     /// [`set_grants`](Self::set_grants)).
@@ -231,17 +187,11 @@ impl Recorded {
         }
     }
 
-    /// The grace and the time since the write, at `now`: the downtime
-    /// counts against every lease, never for it, and nothing lasts longer
-    /// than [`MAX_GRACE`].
+    /// What this record means for a run whose clocks read `now`: the time
+    /// since the write is measured here (on the right clock), the policy
+    /// is [`Restart::new`]'s.
     pub fn restart_at(&self, now: &Clocks) -> Restart {
-        let since_ms = now.since(&self.written);
-        let cap = MAX_GRACE.as_millis() as u64;
-        let grace = self.horizon_ms.saturating_sub(since_ms).min(cap);
-        Restart {
-            grace: Duration::from_millis(grace),
-            since_ms,
-        }
+        Restart::new(self.horizon_ms, now.since(&self.written))
     }
 
     /// How many grants were listed.
@@ -306,10 +256,6 @@ pub struct StateDir {
     /// The clocks at the instant the event loop calls 0 (see
     /// [`anchor`](Self::anchor)).
     anchor: Clocks,
-    /// What the file on disk promises while this run runs, in the event
-    /// loop's µs: tokens below `covered_token` and leases up to
-    /// `covered_horizon`. `None` until the first write of this run.
-    covered: Option<(u64, u64)>,
     /// Writes of the file by this run (each: two fsyncs).
     pub writes: u64,
 }
@@ -373,7 +319,6 @@ impl StateDir {
             _lock: lock,
             recorded,
             anchor: Clocks::default(),
-            covered: None,
             writes: 0,
         })
     }
@@ -401,10 +346,11 @@ impl StateDir {
     }
 
     /// Brings the previous run's state into `core`, whose clock reads 0
-    /// now: restores the grants of a clean stop (less the downtime), sets
-    /// the grace of an unclean one, and replaces the file with one that
-    /// describes this run — so a crash from here on never restores those
-    /// grants again. Call before accepting any connection.
+    /// now, by [`Restart::resume`]'s policy: the grants of a clean stop
+    /// (less the downtime) and the grace of an unclean one. The shell must
+    /// then make the endpoint's first [`Promise`] durable before accepting
+    /// a connection: that replaces the file with one that describes this
+    /// run, so a crash from there on never restores those grants again.
     pub fn resume(&mut self, core: &mut Core) -> io::Result<()> {
         let started = Instant::now();
         let clocks = Clocks::now();
@@ -412,28 +358,13 @@ impl StateDir {
         let recorded = self.take_recorded();
         let (version, clean_stop) = (recorded.version, recorded.clean_stop);
         let restart = recorded.restart_at(&clocks);
-        let mut restored = 0;
-        for grant in recorded.grants() {
-            let Some(left) = restart.lease_left(grant.left_ms) else {
-                continue;
-            };
-            restored += 1;
-            let key = grant.key;
-            core.restore_grant(key, grant.token, grant.owner, micros(left))
-                .map_err(|e| {
-                    state_error(
-                        &self.dir,
-                        format!(
-                            "{}: grant of {key:?}: {e}",
-                            self.dir.join(STATE_FILE).display()
-                        ),
-                    )
-                })?;
-        }
+        let restored = restart.resume(core, recorded.grants()).map_err(|e| {
+            state_error(
+                &self.dir,
+                format!("{}: {e}", self.dir.join(STATE_FILE).display()),
+            )
+        })?;
         if !restart.grace.is_zero() {
-            // The clocks are read in whole ms after the core's instant 0:
-            // one more ms keeps the grace from ending early.
-            core.set_grace_until(micros(restart.grace) + 1_000);
             info!(
                 "state: the previous run stopped uncleanly; its leases may last {:.1} s more: \
                  until then a key counts as held unless its holder renews or releases it",
@@ -450,77 +381,40 @@ impl StateDir {
         } else if version == 1 {
             info!("state: read a version 1 file; writing version {FORMAT_VERSION}");
         }
-        self.cover(
-            core.next_token(),
-            core.lease_deadline_max(),
-            core.grace_until(),
-            0,
-        )
-        .map_err(|e| state_error(&self.dir, format!("cannot write: {e}")))?;
         Ok(())
     }
 
-    /// Records the clean stop of `core` at `now`: its held grants, its next
-    /// token, and what remains of its own grace.
-    pub fn save_clean_stop(&mut self, core: &Core, now: Micros) -> io::Result<()> {
-        let live = |deadline: Micros| deadline > now;
-        let count = core.grants().filter(|grant| live(grant.deadline)).count();
-        let max_left = MAX_GRACE.as_millis() as u64;
-        let mut grants = core
-            .grants()
-            .filter(|grant| live(grant.deadline))
-            .map(|grant| SavedGrant {
-                key: grant.key,
-                token: grant.token,
-                owner: grant.owner,
-                // Rounded down: the lease never grows across the restart.
-                left_ms: ((grant.deadline - now) / 1_000).min(max_left) as u32,
-            });
-        let grace = core.grace_until();
-        let horizon = if grace > now { grace } else { 0 };
-        self.record_clean_stop(core.next_token(), horizon, now, count, &mut grants)
-    }
-
-    /// Makes sure the file covers every token below `next_token`, every
-    /// lease ending by `lease_deadline` and the grace to `grace_until` (µs
-    /// of the event loop; 0 = none), writing it if not. `now` is the event
-    /// loop's time. Returns whether it wrote.
-    pub fn cover(
-        &mut self,
-        next_token: u64,
-        lease_deadline: u64,
-        grace_until: u64,
-        now: u64,
-    ) -> io::Result<bool> {
-        let (covered_token, covered_horizon) = self.covered.unwrap_or((0, 0));
-        let wanted_token = if next_token > covered_token || self.covered.is_none() {
-            next_token.saturating_add(TOKEN_BLOCK)
-        } else {
-            covered_token
-        };
-        // A lease deadline past the horizon moves it HORIZON_STEP beyond
-        // that deadline; the grace inherited from an earlier run is kept as
-        // it is, not stepped, so crash after crash never lengthens it.
-        let wanted_horizon = if lease_deadline.max(grace_until) > covered_horizon {
-            (lease_deadline + HORIZON_STEP.as_micros() as u64).max(grace_until)
-        } else {
-            covered_horizon
-        };
-        if self.covered == Some((wanted_token, wanted_horizon)) {
-            return Ok(false);
-        }
+    /// Makes `promise` durable: the file written while running, at `now`
+    /// (µs of the event loop), promises it.
+    pub fn write_running(&mut self, promise: Promise, now: Micros) -> io::Result<()> {
         let at = self.anchor.plus(now.div_ceil(1_000));
-        let horizon_ms = wanted_horizon.saturating_sub(now).div_ceil(1_000);
+        let horizon_ms = promise.horizon.saturating_sub(now).div_ceil(1_000);
         self.write(
             KIND_RUNNING,
             &at,
-            wanted_token,
+            promise.token_high_water,
             horizon_ms,
             0,
             &mut std::iter::empty(),
-        )?;
-        self.covered = Some((wanted_token, wanted_horizon));
-        Ok(true)
+        )
+    }
+
+    /// Writes this run's first promise, before any connection is
+    /// accepted: it replaces the earlier run's file.
+    pub fn write_first(&mut self, promise: Promise) -> io::Result<()> {
+        self.write_running(promise, 0)
+            .map_err(|e| state_error(&self.dir, format!("cannot write: {e}")))
+    }
+
+    /// Writes the clean stop `stop` (see [`CleanStop`]) durably.
+    pub fn save_clean_stop(&mut self, stop: &CleanStop<'_>) -> io::Result<()> {
+        self.record_clean_stop(
+            stop.next_token,
+            stop.horizon,
+            stop.now(),
+            stop.count,
+            &mut stop.grants(),
+        )
     }
 
     /// Records a clean stop at `now`: tokens from `next_token` on were never
@@ -817,6 +711,8 @@ fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn temp_dir(name: &str) -> PathBuf {
@@ -835,28 +731,18 @@ mod tests {
     }
 
     #[test]
-    fn cover_writes_in_steps_and_survives_reopen() {
-        let dir = temp_dir("cover");
+    fn a_running_promise_is_written_relative_to_its_write_and_survives_reopen() {
+        let dir = temp_dir("running");
         {
             let mut state = StateDir::open(&dir).unwrap();
             assert_eq!(state.take_recorded(), Recorded::default());
             state.anchor(clocks("boot-a", 1_000_000, 50_000_000));
-            // The first call always writes: it replaces the last run's file.
-            assert!(state.cover(100, 0, 0, 0).unwrap());
-            assert!(!state.cover(100, 0, 0, 10).unwrap());
-            // A lease to 5 s: the horizon goes to 10 s.
-            assert!(state.cover(100, 5_000_000, 0, 1_000).unwrap());
-            assert!(!state.cover(100, 10_000_000, 0, 2_000).unwrap());
-            assert!(state.cover(100, 10_000_001, 0, 2_000).unwrap());
-            assert!(!state.cover(100 + TOKEN_BLOCK, 0, 0, 2_000).unwrap());
-            assert!(state.cover(101 + TOKEN_BLOCK, 0, 0, 2_000).unwrap());
-            // An inherited grace is kept exactly, not stepped.
-            assert!(
-                state
-                    .cover(101 + TOKEN_BLOCK, 0, 20_000_000, 2_000)
-                    .unwrap()
-            );
-            assert_eq!(state.writes, 5);
+            let promise = Promise {
+                token_high_water: 101 + 2 * TOKEN_BLOCK,
+                horizon: 20_000_000,
+            };
+            state.write_running(promise, 2_000).unwrap();
+            assert_eq!(state.writes, 1);
             assert!(StateDir::open(&dir).is_err(), "second server got the lock");
         }
         let mut state = StateDir::open(&dir).unwrap();
