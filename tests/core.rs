@@ -1485,6 +1485,9 @@ impl Pair {
                         lease_s,
                         owner,
                         key: keys[key as usize],
+                        limit: 0,
+                        take: 0,
+                        label: "",
                     },
                 )
             }
