@@ -1002,6 +1002,9 @@ fn restart_after_clean_stop(grants: &[(&str, u64, u64, u32)], downtime_ms: u64) 
                 token,
                 owner,
                 left_ms,
+                take: 0,
+                limit: 0,
+                label: "",
             }),
     );
     // The wall clock stepped back an hour meanwhile: it must not matter.
@@ -1168,6 +1171,74 @@ fn adoption_by_release_frees_the_key_and_hands_it_to_the_head_waiter() {
     );
     assert_eq!(fake.release(1, "b", EARLIER), vec![(1, not_held(EARLIER))]);
     fake.core.check_invariants();
+}
+
+/// Spec §7.4: after a run that made a counted grant no adoption may free a
+/// key before the horizon. This core keeps one grant per key, so it cannot
+/// hold several adopted grants: an earlier token's `E` and `R` get `N`,
+/// and every key — waited on or not — stays held until the horizon.
+#[test]
+fn after_a_run_with_counted_grants_no_earlier_token_frees_a_key_before_the_horizon() {
+    let mut fake = Fake::with_conns(3);
+    fake.core.set_grace_until(10 * S);
+    fake.core.set_grace_counted(true);
+    assert!(fake.core.counted_grants());
+    fake.enqueue(2, "waited", 60, 30, 1);
+    fake.set_now(S);
+    for key in ["waited", "untracked"] {
+        assert_eq!(fake.release(1, key, EARLIER), vec![(1, not_held(EARLIER))]);
+        assert_eq!(
+            fake.extend(1, key, 5, EARLIER + 1),
+            vec![(1, not_held(EARLIER + 1))]
+        );
+    }
+    assert_eq!(fake.query("waited"), (0, 0, 9_000, 1));
+    assert_eq!(fake.query("untracked"), (0, 0, 9_000, 0));
+    assert_eq!(
+        fake.acquire(3, "untracked", 0, 30, 2),
+        vec![(3, timeout(2))]
+    );
+    // At the horizon the waiter gets the key, and a new request too.
+    assert_eq!(fake.run_until(10 * S - 1), vec![]);
+    assert_eq!(fake.run_until(10 * S), vec![(2, acquired(1, FIRST_TOKEN))]);
+    assert_eq!(
+        fake.acquire(3, "untracked", 0, 30, 3),
+        vec![(3, acquired(3, FIRST_TOKEN + 1))]
+    );
+    fake.core.check_invariants();
+}
+
+/// The flag travels through the file: a crash of a run whose grace may
+/// hide counted grants leaves a file that says so, and the next run keeps
+/// the horizon for every key; a run without it keeps §7.3's adoption.
+#[test]
+fn the_counted_grants_flag_survives_a_crash_and_governs_the_next_grace() {
+    for counted in [false, true] {
+        let dir = crate::util::TempDir::new("counted");
+        {
+            let mut state = state::StateDir::open(&dir.0).unwrap();
+            let mut fake = Fake::with_conns(1);
+            state.resume(&mut fake.core).unwrap();
+            fake.core.set_grace_until(60 * S);
+            fake.core.set_grace_counted(counted);
+            let promise = Durability::new().needed(&fake.core).unwrap();
+            assert_eq!(promise.counted_grants, counted);
+            state.write_running(promise, 0).unwrap();
+            // Crash: nothing more is written.
+        }
+        let mut state = state::StateDir::open(&dir.0).unwrap();
+        let mut next = Fake::new(Limits::default(), 1);
+        state.resume(&mut next.core).unwrap();
+        assert_eq!(next.core.counted_grants(), counted);
+        let answer = next.extend(0, "k", 5, EARLIER);
+        let expected = if counted {
+            not_held(EARLIER)
+        } else {
+            extended(EARLIER)
+        };
+        assert_eq!(answer, vec![(0, expected)], "counted {counted}");
+        assert!(next.core.grace_until() > 50 * S);
+    }
 }
 
 #[test]

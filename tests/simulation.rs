@@ -745,6 +745,7 @@ impl Sim {
             let stop = CleanStop::of(&self.fake.core, now);
             recorded.set_grants(stop.grants());
             recorded.horizon_ms = ms_after(stop.horizon);
+            recorded.counted_grants = stop.counted_grants;
             self.counts.clean_restarts += 1;
         } else {
             // The horizon on disk: what the last promise made durable.
@@ -766,6 +767,7 @@ impl Sim {
                 ));
             }
             recorded.horizon_ms = ms_after(promise.horizon);
+            recorded.counted_grants = promise.counted_grants;
             self.counts.unclean_restarts += 1;
         }
         // The wall clock stepped back an hour meanwhile: the boot-time

@@ -27,6 +27,9 @@ pub enum RestoreError {
     TokenNotFromEarlierRun,
     /// The key was restored already.
     DuplicateKey,
+    /// A grant with permits or a label (a newer build's): this core
+    /// grants neither.
+    PermitsUnsupported,
     /// The table cannot grow.
     TableFull,
 }
@@ -36,6 +39,9 @@ impl std::fmt::Display for RestoreError {
         f.write_str(match self {
             RestoreError::TokenNotFromEarlierRun => "token is 0 or not below this run's first",
             RestoreError::DuplicateKey => "key listed twice",
+            RestoreError::PermitsUnsupported => {
+                "a grant with permits or a label, which this build does not grant"
+            }
             RestoreError::TableFull => "lock table full",
         })
     }
@@ -53,6 +59,23 @@ impl Core {
     /// Treat every key as held by an unknown grant until `until` (spec §7).
     pub fn set_grace_until(&mut self, until: Micros) {
         self.grace_until = until;
+    }
+
+    /// The grace's unknown grants may include counted grants (spec §7.4:
+    /// the earlier run recorded that it made one). Then no adoption frees
+    /// a key before the horizon. This core grants no permits, so it cannot
+    /// keep several adopted grants on a key: an earlier run's `E` and `R`
+    /// get `N` during such a grace, and every key stays held until the
+    /// horizon — never an overlap, at the cost of the early hand-over.
+    pub fn set_grace_counted(&mut self, counted: bool) {
+        self.grace_counted = counted;
+    }
+
+    /// Whether a lease this core must account for (its own, or the
+    /// grace's unknown grants) may be a counted grant: what the state file
+    /// must record before the answers that depend on it leave (spec §7.4).
+    pub fn counted_grants(&self) -> bool {
+        self.grace_counted
     }
 
     /// Until when keys count as held by unknown grants (0 = never).
@@ -123,7 +146,7 @@ impl Core {
     /// 0 (waited on), or, during the grace, a key not in the table and not
     /// known free.
     fn adoptable(&self, key: &str, token: u64, now: Micros) -> Option<Adoptable> {
-        if token == 0 || token >= self.first_token {
+        if token == 0 || token >= self.first_token || self.grace_counted {
             return None;
         }
         match self.table.find(key, self.table.hash(key)) {

@@ -169,6 +169,9 @@ pub struct Core {
     /// by an adopting `R`, or released or expired after a grant of this
     /// run. Emptied once the grace is over; at most `max_keys` of them.
     freed_in_grace: HashSet<Box<str>, foldhash::fast::RandomState>,
+    /// Whether the grace's unknown grants may include counted grants
+    /// (spec §7.4): then no adoption frees a key before the horizon.
+    grace_counted: bool,
     /// The first token of this run: tokens below it were issued by an
     /// earlier run (spec §7: adoption during the grace).
     first_token: u64,
@@ -209,6 +212,7 @@ impl Core {
             unknown_holders: 0,
             grace_until: 0,
             freed_in_grace: HashSet::default(),
+            grace_counted: false,
             first_token: first_token.max(1),
             lease_deadline_max: 0,
             next_token: first_token.max(1),

@@ -31,11 +31,14 @@ fn micros(duration: Duration) -> Micros {
 /// What the state file must promise while the run goes on, in the core's
 /// µs: no token at or above `token_high_water` has been shown to anyone,
 /// and no lease of this run (nor the grace it inherited) runs past
-/// `horizon` (0 = nothing outstanding).
+/// `horizon` (0 = nothing outstanding); `counted_grants`: a lease up to
+/// the horizon may be a counted grant (spec §7.4), recorded before the
+/// first answer that shows one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Promise {
     pub token_high_water: u64,
     pub horizon: Micros,
+    pub counted_grants: bool,
 }
 
 /// Durability before visibility: which [`Promise`] must be on disk before
@@ -63,23 +66,27 @@ impl Durability {
             core.next_token(),
             core.lease_deadline_max(),
             core.grace_until(),
+            core.counted_grants(),
         )
     }
 
     /// [`needed`](Self::needed) from the figures it depends on: tokens
     /// below `next_token` may be shown, leases run to `lease_deadline`,
-    /// and keys count as held by an earlier run until `grace_until` (µs;
-    /// 0 = none).
+    /// keys count as held by an earlier run until `grace_until` (µs;
+    /// 0 = none), and any of those leases may be a counted grant when
+    /// `counted_grants`. Once recorded, the flag stays for the run.
     pub fn needed_for(
         &self,
         next_token: u64,
         lease_deadline: Micros,
         grace_until: Micros,
+        counted_grants: bool,
     ) -> Option<Promise> {
         // Before the first write the file promises nothing of this run.
         let persisted = self.persisted.unwrap_or(Promise {
             token_high_water: 0,
             horizon: 0,
+            counted_grants: false,
         });
         let token_high_water =
             if next_token > persisted.token_high_water || self.persisted.is_none() {
@@ -95,6 +102,7 @@ impl Durability {
         let wanted = Promise {
             token_high_water,
             horizon,
+            counted_grants: counted_grants || persisted.counted_grants,
         };
         (self.persisted != Some(wanted)).then_some(wanted)
     }
@@ -125,6 +133,12 @@ pub struct SavedGrant<'a> {
     pub owner: u64,
     /// Lease time left at the stop, ms.
     pub left_ms: u32,
+    /// Permits it holds; 0 = all (exclusive).
+    pub take: u16,
+    /// Its key's limit; 0 = none.
+    pub limit: u16,
+    /// Its label (spec §11.1), often empty.
+    pub label: &'a str,
 }
 
 /// What a clean stop at `now` persists (spec §7.1).
@@ -137,6 +151,8 @@ pub struct CleanStop<'c> {
     /// until then (µs of the core's clock; 0 = none): what remains of the
     /// grace this run inherited.
     pub horizon: Micros,
+    /// Whether a lease up to `horizon` may be a counted grant.
+    pub counted_grants: bool,
     /// How many grants [`grants`](Self::grants) lists.
     pub count: usize,
 }
@@ -145,11 +161,13 @@ impl<'c> CleanStop<'c> {
     /// The clean stop of `core` at `now`, once no request can arrive.
     pub fn of(core: &'c Core, now: Micros) -> CleanStop<'c> {
         let grace = core.grace_until();
+        let horizon = if grace > now { grace } else { 0 };
         CleanStop {
             core,
             now,
             next_token: core.next_token(),
-            horizon: if grace > now { grace } else { 0 },
+            horizon,
+            counted_grants: horizon != 0 && core.counted_grants(),
             count: core.grants().filter(|grant| grant.deadline > now).count(),
         }
     }
@@ -173,6 +191,11 @@ impl<'c> CleanStop<'c> {
                 token: grant.token,
                 owner: grant.owner,
                 left_ms: ((grant.deadline - now) / MS).min(max_left) as u32,
+                // This core's grants are exclusive, on keys without a
+                // limit or a label.
+                take: 0,
+                limit: 0,
+                label: "",
             })
     }
 }
@@ -183,6 +206,8 @@ impl<'c> CleanStop<'c> {
 pub struct Restart {
     /// Every key without a restored grant counts as held for this long.
     pub grace: Duration,
+    /// Whether those unknown grants may be counted grants (spec §7.4).
+    pub counted_grants: bool,
     /// The time since the state file was written, ms.
     since_ms: u64,
 }
@@ -203,12 +228,15 @@ impl std::fmt::Display for RestoreFailure {
 impl Restart {
     /// The previous run promised leases up to `horizon_ms` after its
     /// file was written, and `since_ms` have passed since (measured by the
-    /// shell on the right clock): the downtime counts against every lease,
-    /// never for it, and nothing lasts longer than [`MAX_GRACE`].
-    pub fn new(horizon_ms: u64, since_ms: u64) -> Restart {
+    /// shell on the right clock), some of them counted grants when
+    /// `counted_grants`: the downtime counts against every lease, never
+    /// for it, and nothing lasts longer than [`MAX_GRACE`].
+    pub fn new(horizon_ms: u64, since_ms: u64, counted_grants: bool) -> Restart {
         let cap = MAX_GRACE.as_millis() as u64;
+        let grace = Duration::from_millis(horizon_ms.saturating_sub(since_ms).min(cap));
         Restart {
-            grace: Duration::from_millis(horizon_ms.saturating_sub(since_ms).min(cap)),
+            grace,
+            counted_grants: counted_grants && !grace.is_zero(),
             since_ms,
         }
     }
@@ -254,6 +282,12 @@ impl Restart {
     ) -> Result<u64, RestoreFailure> {
         let mut restored = 0;
         for (grant, deadline) in self.restorable(grants) {
+            if grant.take != 0 || grant.limit != 0 || !grant.label.is_empty() {
+                return Err(RestoreFailure {
+                    key: grant.key.to_owned(),
+                    error: RestoreError::PermitsUnsupported,
+                });
+            }
             core.restore_grant(grant.key, grant.token, grant.owner, deadline)
                 .map_err(|error| RestoreFailure {
                     key: grant.key.to_owned(),
@@ -263,6 +297,7 @@ impl Restart {
         }
         if let Some(until) = self.grace_until() {
             core.set_grace_until(until);
+            core.set_grace_counted(self.counted_grants);
         }
         Ok(restored)
     }
@@ -278,37 +313,70 @@ mod tests {
     fn the_promise_rises_in_steps_and_only_when_needed() {
         let mut durability = Durability::new();
         // The first promise is always needed: it replaces the last run's.
-        let first = durability.needed_for(100, 0, 0).unwrap();
+        let first = durability.needed_for(100, 0, 0, false).unwrap();
         assert_eq!(first.token_high_water, 100 + TOKEN_BLOCK);
         durability.persisted(first);
-        assert_eq!(durability.needed_for(100, 0, 0), None);
+        assert_eq!(durability.needed_for(100, 0, 0, false), None);
         // A lease to 5 s: the horizon goes to 10 s, and stays while the
         // leases stay within it.
-        let leased = durability.needed_for(100, 5 * S, 0).unwrap();
+        let leased = durability.needed_for(100, 5 * S, 0, false).unwrap();
         assert_eq!(leased.horizon, 10 * S);
         durability.persisted(leased);
-        assert_eq!(durability.needed_for(100, 10 * S, 0), None);
-        let later = durability.needed_for(100, 10 * S + 1, 0).unwrap();
+        assert_eq!(durability.needed_for(100, 10 * S, 0, false), None);
+        let later = durability.needed_for(100, 10 * S + 1, 0, false).unwrap();
         assert_eq!(later.horizon, 15 * S + 1);
         durability.persisted(later);
         // Tokens: a block at a time.
-        assert_eq!(durability.needed_for(100 + TOKEN_BLOCK, 0, 0), None);
-        let tokens = durability.needed_for(101 + TOKEN_BLOCK, 0, 0).unwrap();
+        assert_eq!(durability.needed_for(100 + TOKEN_BLOCK, 0, 0, false), None);
+        let tokens = durability
+            .needed_for(101 + TOKEN_BLOCK, 0, 0, false)
+            .unwrap();
         assert_eq!(tokens.token_high_water, 101 + 2 * TOKEN_BLOCK);
         durability.persisted(tokens);
         // An inherited grace is kept exactly, not stepped.
-        let grace = durability.needed_for(101 + TOKEN_BLOCK, 0, 20 * S).unwrap();
+        let grace = durability
+            .needed_for(101 + TOKEN_BLOCK, 0, 20 * S, false)
+            .unwrap();
         assert_eq!(grace.horizon, 20 * S);
         assert_eq!(durability.on_disk(), Some(tokens));
     }
 
     #[test]
+    fn counted_grants_are_recorded_before_anything_that_shows_one_and_stay() {
+        let mut durability = Durability::new();
+        let first = durability.needed_for(100, 0, 0, false).unwrap();
+        assert!(!first.counted_grants);
+        durability.persisted(first);
+        // Nothing else changed, yet the flag alone needs a write.
+        let counted = durability.needed_for(100, 0, 0, true).unwrap();
+        assert_eq!(
+            counted,
+            Promise {
+                counted_grants: true,
+                ..first
+            }
+        );
+        durability.persisted(counted);
+        assert_eq!(durability.needed_for(100, 0, 0, true), None);
+        // Once on disk it stays for the run.
+        let leased = durability.needed_for(100, 5 * S, 0, false).unwrap();
+        assert!(leased.counted_grants);
+    }
+
+    #[test]
+    fn counted_unknown_grants_matter_only_while_the_grace_runs() {
+        assert!(Restart::new(6_000, 1_000, true).counted_grants);
+        assert!(!Restart::new(6_000, 6_000, true).counted_grants);
+        assert!(!Restart::new(6_000, 1_000, false).counted_grants);
+    }
+
+    #[test]
     fn the_grace_is_the_horizon_less_the_downtime_and_never_past_the_cap() {
-        let restart = Restart::new(6_000, 1_000);
+        let restart = Restart::new(6_000, 1_000, false);
         assert_eq!(restart.grace, Duration::from_millis(5_000));
         assert_eq!(restart.grace_until(), Some(5_001_000));
-        assert_eq!(Restart::new(6_000, 6_000).grace_until(), None);
-        assert_eq!(Restart::new(u64::MAX, 0).grace, MAX_GRACE);
+        assert_eq!(Restart::new(6_000, 6_000, false).grace_until(), None);
+        assert_eq!(Restart::new(u64::MAX, 0, false).grace, MAX_GRACE);
         // A lease loses one ms more than the downtime, never less.
         assert_eq!(restart.lease_left(1_001), None);
         assert_eq!(restart.lease_left(1_002), Some(Duration::from_millis(1)));

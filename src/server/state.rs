@@ -34,9 +34,9 @@
 //! `LD_PRELOAD` (libfaketime) moves the C library's boot-time clock with the
 //! wall clock, which is exactly the step this must not see.
 //!
-//! # File format, version 2
+//! # File format, version 3
 //!
-//! The ASCII line `kunci-state 2\n`, then, big-endian:
+//! The ASCII line `kunci-state 3\n`, then, big-endian:
 //!
 //! | field | type | meaning |
 //! |---|---|---|
@@ -47,9 +47,14 @@
 //! | written wall ms | u64 | Unix time at the write |
 //! | token high-water mark | u64 | no token ≥ it was issued |
 //! | horizon | u32 | ms after the write; 0 = no lease outstanding |
+//! | flags | u8 | bit 0: a lease up to the horizon may be a counted grant (`take` ≥ 1, spec §7.4); other bits 0 |
 //! | grant count | u64 | 0 unless kind = 2 |
-//! | grants | … | each: token u64, owner u64, lease ms left u32, key length u8, key |
+//! | grants | … | each: token u64, owner u64, lease ms left u32, take u16, key's limit u16, key length u8, key, label length u8, label |
 //! | checksum | u64 | FNV-1a 64 of every byte before it |
+//!
+//! Version 2 is the same without the flags byte and with grants of token,
+//! owner, lease ms left, key length and key only (every grant exclusive,
+//! no limit, no label); it is still read.
 //!
 //! Version 1 (one text line `kunci-state 1 token_high_water=N
 //! lease_horizon_ms=WALL_MS`) is still read: its horizon is wall-clock time,
@@ -68,13 +73,17 @@ pub use crate::core::restart::{
 };
 use crate::core::{Core, Micros};
 /// The format this build writes.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 /// The file name inside the state directory.
 pub const STATE_FILE: &str = "kunci.state";
 const LOCK_FILE: &str = "kunci.lock";
 const KIND_RUNNING: u8 = 1;
 const KIND_CLEAN_STOP: u8 = 2;
+/// Flags bit: a lease up to the horizon may be a counted grant.
+const FLAG_COUNTED_GRANTS: u8 = 1;
+/// The longest label a grant carries (spec §11.1).
+const LABEL_MAX: usize = 128;
 const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 /// The clocks a restart is measured on, read at one moment.
@@ -166,6 +175,9 @@ pub struct Recorded {
     pub token_high_water: u64,
     /// ms after the write until which a lease of that run may still run.
     pub horizon_ms: u64,
+    /// Whether a lease up to the horizon may be a counted grant (spec
+    /// §7.4): then no adoption may free a key before the horizon.
+    pub counted_grants: bool,
     /// How many grants `grant_bytes` holds.
     grant_count: u64,
     /// The grants held at a clean stop, validated, in their file encoding:
@@ -191,7 +203,11 @@ impl Recorded {
     /// since the write is measured here (on the right clock), the policy
     /// is [`Restart::new`]'s.
     pub fn restart_at(&self, now: &Clocks) -> Restart {
-        Restart::new(self.horizon_ms, now.since(&self.written))
+        Restart::new(
+            self.horizon_ms,
+            now.since(&self.written),
+            self.counted_grants,
+        )
     }
 
     /// How many grants were listed.
@@ -205,12 +221,15 @@ impl Recorded {
             bytes: &self.grant_bytes,
             at: 0,
         };
+        let version = self.version;
         // Validated when read: decoding cannot fail here.
-        (0..self.grant_count).map_while(move |index| decode_grant(&mut reader, index).ok())
+        (0..self.grant_count).map_while(move |index| decode_grant(&mut reader, index, version).ok())
     }
 
-    /// Replaces the listed grants (a clean stop's, for tests and tools).
+    /// Replaces the listed grants (a clean stop's, for tests and tools);
+    /// the record is then in this build's version.
     pub fn set_grants<'a>(&mut self, grants: impl IntoIterator<Item = SavedGrant<'a>>) {
+        self.version = FORMAT_VERSION;
         self.grant_bytes.clear();
         self.grant_count = 0;
         for grant in grants {
@@ -220,30 +239,71 @@ impl Recorded {
     }
 }
 
+/// Encodes `grant` in this build's version.
 fn encode_grant(out: &mut Vec<u8>, grant: &SavedGrant<'_>) {
     out.extend_from_slice(&grant.token.to_be_bytes());
     out.extend_from_slice(&grant.owner.to_be_bytes());
     out.extend_from_slice(&grant.left_ms.to_be_bytes());
+    out.extend_from_slice(&grant.take.to_be_bytes());
+    out.extend_from_slice(&grant.limit.to_be_bytes());
     out.push(grant.key.len() as u8);
     out.extend_from_slice(grant.key.as_bytes());
+    out.push(grant.label.len() as u8);
+    out.extend_from_slice(grant.label.as_bytes());
 }
 
-/// Reads grant number `index`, checking everything but its token's range.
-fn decode_grant<'a>(reader: &mut Reader<'a>, index: u64) -> Result<SavedGrant<'a>, String> {
+/// The fewest bytes a grant takes in `version` (a one-byte key, no label).
+fn grant_size_min(version: u32) -> usize {
+    if version >= 3 { 27 } else { 22 }
+}
+
+/// Reads grant number `index` in `version`, checking everything but its
+/// token's range.
+fn decode_grant<'a>(
+    reader: &mut Reader<'a>,
+    index: u64,
+    version: u32,
+) -> Result<SavedGrant<'a>, String> {
     let token = reader.u64("grant token")?;
     let owner = reader.u64("grant owner")?;
     let left_ms = reader.u32("grant lease")?;
+    let (take, limit) = if version >= 3 {
+        (reader.u16("grant take")?, reader.u16("grant limit")?)
+    } else {
+        (0, 0)
+    };
     let key_len = reader.u8("grant key length")?;
     let key = reader.take(key_len.into(), "grant key")?;
     let key = std::str::from_utf8(key).map_err(|_| format!("grant {index}: key not UTF-8"))?;
     if key.is_empty() || key.contains('\n') {
         return Err(format!("grant {index}: invalid key {key:?}"));
     }
+    let label = if version >= 3 {
+        let label_len = reader.u8("grant label length")?;
+        let label = reader.take(label_len.into(), "grant label")?;
+        let label =
+            std::str::from_utf8(label).map_err(|_| format!("grant {index}: label not UTF-8"))?;
+        if label.len() > LABEL_MAX || label.contains('\n') {
+            return Err(format!("grant {index}: invalid label {label:?}"));
+        }
+        label
+    } else {
+        ""
+    };
+    // Spec §10.1: a counted grant takes 1..=limit of its key's permits.
+    if take != 0 && (limit == 0 || take > limit) {
+        return Err(format!(
+            "grant {index} ({key:?}): take {take} does not fit limit {limit}"
+        ));
+    }
     Ok(SavedGrant {
         key,
         token,
         owner,
         left_ms,
+        take,
+        limit,
+        label,
     })
 }
 
@@ -394,6 +454,7 @@ impl StateDir {
             &at,
             promise.token_high_water,
             horizon_ms,
+            promise.counted_grants,
             0,
             &mut std::iter::empty(),
         )
@@ -411,6 +472,7 @@ impl StateDir {
         self.record_clean_stop(
             stop.next_token,
             stop.horizon,
+            stop.counted_grants,
             stop.now(),
             stop.count,
             &mut stop.grants(),
@@ -419,28 +481,41 @@ impl StateDir {
 
     /// Records a clean stop at `now`: tokens from `next_token` on were never
     /// issued; the `count` `grants` were held; keys without a grant may
-    /// still be held by an earlier run's lease until `horizon` (0 = none).
+    /// still be held by an earlier run's lease until `horizon` (0 = none),
+    /// which may be a counted grant when `counted_grants`.
+    #[allow(clippy::too_many_arguments)]
     pub fn record_clean_stop<'a>(
         &mut self,
         next_token: u64,
         horizon: u64,
+        counted_grants: bool,
         now: u64,
         count: usize,
         grants: &mut dyn Iterator<Item = SavedGrant<'a>>,
     ) -> io::Result<()> {
         let at = self.anchor.plus(now.div_ceil(1_000));
         let horizon_ms = horizon.saturating_sub(now).div_ceil(1_000);
-        self.write(KIND_CLEAN_STOP, &at, next_token, horizon_ms, count, grants)
+        self.write(
+            KIND_CLEAN_STOP,
+            &at,
+            next_token,
+            horizon_ms,
+            counted_grants,
+            count,
+            grants,
+        )
     }
 
     /// Replaces the file atomically and durably: write a temporary file,
     /// fsync it, rename it over the old one, fsync the directory.
+    #[allow(clippy::too_many_arguments)]
     fn write<'a>(
         &mut self,
         kind: u8,
         at: &Clocks,
         token_high_water: u64,
         horizon_ms: u64,
+        counted_grants: bool,
         count: usize,
         grants: &mut dyn Iterator<Item = SavedGrant<'a>>,
     ) -> io::Result<()> {
@@ -448,6 +523,11 @@ impl StateDir {
         let file = File::create(&temporary)?;
         let mut out = ChecksumWriter::new(BufWriter::with_capacity(1 << 20, file));
         write_header(&mut out, kind, at, token_high_water, horizon_ms)?;
+        out.write_all(&[if counted_grants {
+            FLAG_COUNTED_GRANTS
+        } else {
+            0
+        }])?;
         out.write_all(&(count as u64).to_be_bytes())?;
         let mut written = 0;
         let mut encoded = Vec::with_capacity(64);
@@ -556,6 +636,12 @@ impl<'a> Reader<'a> {
         Ok(self.take(1, what)?[0])
     }
 
+    fn u16(&mut self, what: &str) -> Result<u16, String> {
+        let mut field = [0; 2];
+        field.copy_from_slice(self.take(2, what)?);
+        Ok(u16::from_be_bytes(field))
+    }
+
     fn u32(&mut self, what: &str) -> Result<u32, String> {
         let mut field = [0; 4];
         field.copy_from_slice(self.take(4, what)?);
@@ -593,7 +679,7 @@ pub fn parse(bytes: &[u8], now: &Clocks) -> Result<Recorded, String> {
         .ok_or("unreadable format version")?;
     match version {
         1 => parse_v1(bytes, now),
-        2 => parse_v2(bytes),
+        2 | 3 => parse_binary(bytes, version),
         _ => Err(format!(
             "format version {version} was written by a newer kunci; this build reads \
              versions 1 to {FORMAT_VERSION} (run the newer build, or remove the file \
@@ -638,7 +724,9 @@ fn parse_v1(bytes: &[u8], now: &Clocks) -> Result<Recorded, String> {
     Ok(recorded)
 }
 
-fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
+/// Versions 2 and 3: binary, with a checksum.
+fn parse_binary(bytes: &[u8], version: u32) -> Result<Recorded, String> {
+    let first_line = format!("kunci-state {version}\n");
     if bytes.len() < 8 {
         return Err("truncated: shorter than its checksum".into());
     }
@@ -647,9 +735,9 @@ fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
     expected.copy_from_slice(checksum);
     let mut reader = Reader {
         bytes: body,
-        at: "kunci-state 2\n".len(),
+        at: first_line.len(),
     };
-    if !body.starts_with(b"kunci-state 2\n") {
+    if !body.starts_with(first_line.as_bytes()) {
         return Err("truncated or damaged: bad first line".into());
     }
     if fnv1a(FNV_OFFSET, body) != u64::from_be_bytes(expected) {
@@ -671,20 +759,24 @@ fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
     };
     let token_high_water = reader.u64("token high-water mark")?;
     let horizon_ms = u64::from(reader.u32("horizon")?);
+    let flags = if version >= 3 { reader.u8("flags")? } else { 0 };
+    if flags & !FLAG_COUNTED_GRANTS != 0 {
+        return Err(format!("unknown flags {flags:#04x}"));
+    }
     let count = reader.u64("grant count")?;
     if kind == KIND_RUNNING && count != 0 {
         return Err(format!("{count} grants in a file written while running"));
     }
-    // Each grant takes at least 22 bytes: a count beyond that is damage,
-    // not a reason to reserve memory.
-    let room = (body.len() - reader.at) / 22;
+    // A count beyond what the bytes can hold is damage, not a reason to
+    // reserve memory.
+    let room = (body.len() - reader.at) / grant_size_min(version);
     if count > room as u64 {
         return Err(format!("{count} grants listed, room for at most {room}"));
     }
     // A key listed twice is caught when the grants are restored.
     let grants_start = reader.at;
     for index in 0..count {
-        let grant = decode_grant(&mut reader, index)?;
+        let grant = decode_grant(&mut reader, index, version)?;
         if grant.token == 0 || grant.token >= token_high_water {
             return Err(format!(
                 "grant {index} ({:?}): token {} not in 1..{token_high_water}",
@@ -699,11 +791,12 @@ fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
         ));
     }
     Ok(Recorded {
-        version: 2,
+        version,
         clean_stop: kind == KIND_CLEAN_STOP,
         written,
         token_high_water,
         horizon_ms,
+        counted_grants: flags & FLAG_COUNTED_GRANTS != 0,
         grant_count: count,
         grant_bytes: body[grants_start..reader.at].to_vec(),
     })
@@ -740,6 +833,7 @@ mod tests {
             let promise = Promise {
                 token_high_water: 101 + 2 * TOKEN_BLOCK,
                 horizon: 20_000_000,
+                counted_grants: true,
             };
             state.write_running(promise, 2_000).unwrap();
             assert_eq!(state.writes, 1);
@@ -747,8 +841,9 @@ mod tests {
         }
         let mut state = StateDir::open(&dir).unwrap();
         let recorded = state.take_recorded();
-        assert_eq!(recorded.version, 2);
+        assert_eq!(recorded.version, 3);
         assert!(!recorded.clean_stop);
+        assert!(recorded.counted_grants);
         assert_eq!(recorded.token_high_water, 101 + 2 * TOKEN_BLOCK);
         // Written at 2 ms (rounded up from 2,000 µs), horizon at 20 s.
         assert_eq!(recorded.written, clocks("boot-a", 1_000_002, 50_000_002));
@@ -768,16 +863,22 @@ mod tests {
                     token: 7,
                     owner: 70,
                     left_ms: 1_000,
+                    take: 0,
+                    limit: 0,
+                    label: "",
                 },
                 SavedGrant {
                     key: "lång/ключ",
                     token: 8,
                     owner: 80,
                     left_ms: 30_000,
+                    take: 2,
+                    limit: 3,
+                    label: "backup@host pid=42 ünïcode",
                 },
             ];
             state
-                .record_clean_stop(9, 0, 5_000_000, 2, &mut grants.into_iter())
+                .record_clean_stop(9, 0, false, 5_000_000, 2, &mut grants.into_iter())
                 .unwrap();
         }
         let mut state = StateDir::open(&dir).unwrap();
@@ -789,18 +890,25 @@ mod tests {
         // (less one ms for the whole-ms clock readings).
         let restart = recorded.restart_at(&clocks("boot-a", 1_007_500, 1));
         assert_eq!(restart.grace, Duration::ZERO);
-        let restored: Vec<(&str, u64, u64, Option<Duration>)> = recorded
+        let restored: Vec<_> = recorded
             .grants()
             .map(|grant| {
                 let left = restart.lease_left(grant.left_ms);
-                (grant.key, grant.token, grant.owner, left)
+                let permits = (grant.take, grant.limit, grant.label);
+                (grant.key, grant.token, grant.owner, left, permits)
             })
             .collect();
         assert_eq!(
             restored,
             vec![
-                ("short", 7, 70, None),
-                ("lång/ключ", 8, 80, Some(Duration::from_millis(27_499)))
+                ("short", 7, 70, None, (0, 0, "")),
+                (
+                    "lång/ключ",
+                    8,
+                    80,
+                    Some(Duration::from_millis(27_499)),
+                    (2, 3, "backup@host pid=42 ünïcode")
+                )
             ]
         );
         let _ = fs::remove_dir_all(&dir);
@@ -884,9 +992,12 @@ mod tests {
                 token: 3,
                 owner: 4,
                 left_ms: 5,
+                take: 1,
+                limit: 2,
+                label: "l",
             };
             state
-                .record_clean_stop(9, 0, 0, 1, &mut std::iter::once(grant))
+                .record_clean_stop(9, 7_000, true, 0, 1, &mut std::iter::once(grant))
                 .unwrap();
         }
         let good = fs::read(dir.join(STATE_FILE)).unwrap();
@@ -906,7 +1017,7 @@ mod tests {
             damaged[flip] ^= 0x40;
             assert!(parse(&damaged, &now).is_err(), "flip at {flip} accepted");
         }
-        let newer = b"kunci-state 3\nwhatever";
+        let newer = b"kunci-state 4\nwhatever";
         assert!(parse(newer, &now).unwrap_err().contains("newer kunci"));
         let junk = b"hello";
         assert!(
@@ -919,6 +1030,115 @@ mod tests {
         let message = StateDir::open(&dir).err().unwrap().to_string();
         assert!(message.starts_with("state dir "), "{message}");
         assert!(message.contains(STATE_FILE), "{message}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// A version 2 file as the previous build wrote it: clean stop, the
+    /// grants as (token, owner, lease ms left, key).
+    fn version_2_file(horizon_ms: u32, grants: &[(u64, u64, u32, &str)]) -> Vec<u8> {
+        let mut body = b"kunci-state 2\n".to_vec();
+        body.push(KIND_CLEAN_STOP);
+        body.push(6);
+        body.extend_from_slice(b"boot-a");
+        body.extend_from_slice(&1_000_000u64.to_be_bytes());
+        body.extend_from_slice(&50_000_000u64.to_be_bytes());
+        body.extend_from_slice(&100u64.to_be_bytes());
+        body.extend_from_slice(&horizon_ms.to_be_bytes());
+        body.extend_from_slice(&(grants.len() as u64).to_be_bytes());
+        for &(token, owner, left_ms, key) in grants {
+            body.extend_from_slice(&token.to_be_bytes());
+            body.extend_from_slice(&owner.to_be_bytes());
+            body.extend_from_slice(&left_ms.to_be_bytes());
+            body.push(key.len() as u8);
+            body.extend_from_slice(key.as_bytes());
+        }
+        let checksum = fnv1a(FNV_OFFSET, &body);
+        body.extend_from_slice(&checksum.to_be_bytes());
+        body
+    }
+
+    #[test]
+    fn version_2_is_read_as_exclusive_grants_without_limit_or_label() {
+        let bytes = version_2_file(4_000, &[(7, 70, 1_000, "a"), (8, 80, 30_000, "b")]);
+        let recorded = parse(&bytes, &Clocks::now()).unwrap();
+        assert_eq!(recorded.version, 2);
+        assert!(recorded.clean_stop);
+        assert!(!recorded.counted_grants);
+        assert_eq!(recorded.token_high_water, 100);
+        assert_eq!(recorded.horizon_ms, 4_000);
+        let grants: Vec<_> = recorded.grants().collect();
+        assert_eq!(
+            grants,
+            vec![
+                SavedGrant {
+                    key: "a",
+                    token: 7,
+                    owner: 70,
+                    left_ms: 1_000,
+                    take: 0,
+                    limit: 0,
+                    label: "",
+                },
+                SavedGrant {
+                    key: "b",
+                    token: 8,
+                    owner: 80,
+                    left_ms: 30_000,
+                    take: 0,
+                    limit: 0,
+                    label: "",
+                },
+            ]
+        );
+        let cut = &bytes[..bytes.len() - 9];
+        assert!(parse(cut, &Clocks::now()).is_err());
+    }
+
+    #[test]
+    fn a_grant_whose_take_does_not_fit_its_limit_or_an_unknown_flag_is_refused() {
+        let dir = temp_dir("take");
+        for (take, limit, fits) in [(1, 0, false), (3, 2, false), (2, 2, true), (0, 5, true)] {
+            {
+                let mut state = StateDir::open(&dir).unwrap();
+                let grant = SavedGrant {
+                    key: "k",
+                    token: 3,
+                    owner: 4,
+                    left_ms: 5,
+                    take,
+                    limit,
+                    label: "",
+                };
+                state
+                    .record_clean_stop(9, 0, false, 0, 1, &mut std::iter::once(grant))
+                    .unwrap();
+            }
+            let bytes = fs::read(dir.join(STATE_FILE)).unwrap();
+            let parsed = parse(&bytes, &Clocks::now());
+            assert_eq!(
+                parsed.is_ok(),
+                fits,
+                "take {take} limit {limit}: {parsed:?}"
+            );
+            // The next open would refuse it.
+            fs::remove_file(dir.join(STATE_FILE)).unwrap();
+        }
+        // The flags byte follows the 4-byte horizon; bit 1 is unknown.
+        let mut state = StateDir::open(&dir).unwrap();
+        state
+            .record_clean_stop(9, 0, false, 0, 0, &mut std::iter::empty())
+            .unwrap();
+        drop(state);
+        let mut bytes = fs::read(dir.join(STATE_FILE)).unwrap();
+        let flags_at =
+            "kunci-state 3\n".len() + 2 + bytes["kunci-state 3\n".len() + 1] as usize + 28;
+        assert_eq!(bytes[flags_at], 0);
+        bytes[flags_at] = 2;
+        let body = bytes.len() - 8;
+        let checksum = fnv1a(FNV_OFFSET, &bytes[..body]);
+        bytes[body..].copy_from_slice(&checksum.to_be_bytes());
+        let error = parse(&bytes, &Clocks::now()).unwrap_err();
+        assert!(error.contains("unknown flags"), "{error}");
         let _ = fs::remove_dir_all(&dir);
     }
 }
