@@ -6,8 +6,9 @@
 
 use std::collections::HashSet;
 
+use super::permits::PERMITS;
 use super::timer_wheel::MICROS_PER_TICK;
-use super::{ConnId, Core, Micros, Stats};
+use super::{ConnId, Core, Micros};
 use crate::protocol::Response;
 
 /// A grant held now (see [`Core::grants`]).
@@ -83,7 +84,8 @@ impl Core {
         owner: u64,
         deadline: Micros,
     ) -> Result<(), RestoreError> {
-        debug_assert!(self.wheel.elapsed() == 0 && self.stats == Stats::default());
+        // Before any request: nothing granted yet (connections may be open).
+        debug_assert!(self.wheel.elapsed() == 0 && self.next_token == self.first_token);
         if token == 0 || token >= self.first_token {
             return Err(RestoreError::TokenNotFromEarlierRun);
         }
@@ -96,19 +98,39 @@ impl Core {
             .insert(key, hash, token, owner)
             .ok_or(RestoreError::TableFull)?;
         self.arm_lease_at(entry, deadline.max(1));
+        self.grants_held += 1;
         Ok(())
     }
 
-    /// Every grant held now, for the snapshot at a clean stop; `deadline`
-    /// is when its lease runs out (on the 1 ms tick).
+    /// What a clean stop saves, one grant per held key; `deadline` is when
+    /// its lease runs out (on the 1 ms tick).
+    ///
+    /// The state file cannot hold permits yet (spec §7.4 is still to do),
+    /// so a key with a limit is saved as held, exclusively, by its grant
+    /// whose lease runs out last: after the restart nothing new is granted
+    /// on it before every lease of that run could have run out (never an
+    /// overlap), but only that token can renew or release it; the others
+    /// get `N`, so their holders learn that the lock is lost.
+    /// [`grants_held`](Self::grants_held) minus this count is how many
+    /// grants are saved that way.
     pub fn grants(&self) -> impl Iterator<Item = HeldGrant<'_>> + '_ {
         self.table.live_indices().filter_map(move |entry| {
             let held = self.table.get(entry);
-            (held.token != 0).then(|| HeldGrant {
+            let (token, owner, lease) = if held.token == PERMITS {
+                let grants = &self.permit_key(entry).grants;
+                let latest = grants
+                    .iter()
+                    .map(|&grant| self.grants.get(grant))
+                    .max_by_key(|grant| self.wheel.deadline_of(&grant.lease))?;
+                (latest.token, latest.owner, latest.lease)
+            } else {
+                (held.token, held.owner, held.lease)
+            };
+            (token != 0).then(|| HeldGrant {
                 key: self.table.key(entry),
-                token: held.token,
-                owner: held.owner,
-                deadline: self.wheel.deadline_of(&held.lease) * MICROS_PER_TICK,
+                token,
+                owner,
+                deadline: self.wheel.deadline_of(&lease) * MICROS_PER_TICK,
             })
         })
     }
@@ -184,6 +206,7 @@ impl Core {
                 let held = self.table.get_mut(entry);
                 held.token = token;
                 held.owner = 0;
+                self.grants_held += 1;
                 Some(entry)
             }
             Some(Adoptable::Untracked) => {
@@ -194,9 +217,11 @@ impl Core {
                 // nothing changed, and the key stays held by the unknown
                 // grant until the horizon.
                 let hash = self.table.hash(key);
-                (self.table.len() < self.limits.max_keys.saturating_mul(2))
+                let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
                     .then(|| self.table.insert(key, hash, token, 0))
-                    .flatten()
+                    .flatten();
+                self.grants_held += usize::from(entry.is_some());
+                entry
             }
             None => None,
         };
