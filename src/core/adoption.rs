@@ -6,7 +6,9 @@
 
 use std::collections::HashSet;
 
-use super::{ConnId, Core, Micros, Stats};
+use super::labels::{self, LabelOf};
+use super::permits::PERMITS;
+use super::{ConnId, Core, Micros};
 use crate::protocol::Response;
 use crate::timer_wheel::MICROS_PER_TICK;
 
@@ -18,6 +20,27 @@ pub struct HeldGrant<'a> {
     pub owner: u64,
     /// When the lease runs out.
     pub deadline: Micros,
+    /// Permits it holds; 0 = all (exclusive).
+    pub take: u16,
+    /// Its key's limit; 0 = none.
+    pub limit: u16,
+    /// Its label (spec §11.1), often empty.
+    pub label: &'a str,
+}
+
+/// A grant of an earlier run to restore (see [`Core::restore_grant`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EarlierGrant<'a> {
+    pub key: &'a str,
+    pub token: u64,
+    pub owner: u64,
+    /// When its lease runs out on this run's clock.
+    pub deadline: Micros,
+    /// Permits it holds; 0 = all (exclusive).
+    pub take: u16,
+    /// Its key's limit; 0 = none.
+    pub limit: u16,
+    pub label: &'a str,
 }
 
 /// Why [`Core::restore_grant`] refused a grant.
@@ -25,11 +48,12 @@ pub struct HeldGrant<'a> {
 pub enum RestoreError {
     /// Token 0, or not below this run's first token.
     TokenNotFromEarlierRun,
-    /// The key was restored already.
+    /// The key was restored already (a key without a limit), or with a
+    /// different limit, or the token was listed already or out of order.
     DuplicateKey,
-    /// A grant with permits or a label (a newer build's): this core
-    /// grants neither.
-    PermitsUnsupported,
+    /// The grant does not fit its key beside the ones restored before it
+    /// (spec §10.3), or takes permits of a key without a limit.
+    DoesNotFit,
     /// The table cannot grow.
     TableFull,
 }
@@ -38,10 +62,10 @@ impl std::fmt::Display for RestoreError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             RestoreError::TokenNotFromEarlierRun => "token is 0 or not below this run's first",
-            RestoreError::DuplicateKey => "key listed twice",
-            RestoreError::PermitsUnsupported => {
-                "a grant with permits or a label, which this build does not grant"
+            RestoreError::DuplicateKey => {
+                "key listed twice, with two limits, or its tokens out of order"
             }
+            RestoreError::DoesNotFit => "its permits do not fit the key's limit",
             RestoreError::TableFull => "lock table full",
         })
     }
@@ -63,19 +87,20 @@ impl Core {
 
     /// The grace's unknown grants may include counted grants (spec §7.4:
     /// the earlier run recorded that it made one). Then no adoption frees
-    /// a key before the horizon. This core grants no permits, so it cannot
-    /// keep several adopted grants on a key: an earlier run's `E` and `R`
-    /// get `N` during such a grace, and every key stays held until the
-    /// horizon — never an overlap, at the cost of the early hand-over.
+    /// a key before the horizon. This core does not keep adopted grants
+    /// beside the unknown grant: an earlier run's `E` and `R` get `N`
+    /// during such a grace, and every key stays held until the horizon —
+    /// never an overlap, at the cost of the holders' locks.
     pub fn set_grace_counted(&mut self, counted: bool) {
         self.grace_counted = counted;
     }
 
-    /// Whether a lease this core must account for (its own, or the
-    /// grace's unknown grants) may be a counted grant: what the state file
-    /// must record before the answers that depend on it leave (spec §7.4).
+    /// Whether a lease this core must account for (its own grants, restored
+    /// or made, or the grace's unknown grants) may be a counted grant: what
+    /// the state file must record before the answers that depend on it
+    /// leave (spec §7.4). Once true it stays true for the run.
     pub fn counted_grants(&self) -> bool {
-        self.grace_counted
+        self.grace_counted || self.counted_grants_made
     }
 
     /// Until when keys count as held by unknown grants (0 = never).
@@ -94,50 +119,117 @@ impl Core {
         self.first_token
     }
 
-    /// Restores a grant an earlier run held at a clean stop (spec §7.1):
-    /// `key` held by `token` (below this run's first token) for `owner`
-    /// until `deadline`. Call before any request, at time 0. Restored keys
+    /// Restores a grant an earlier run held at a clean stop (spec §7.1,
+    /// §7.4): its key, token (below this run's first token), owner, lease
+    /// deadline, take, its key's limit and label. Call before any request,
+    /// at time 0, with the grants of a key in token order. Restored keys
     /// count towards the key limit for new keys, but are restored even
     /// beyond it: every grant of the earlier run comes back.
-    pub fn restore_grant(
-        &mut self,
-        key: &str,
-        token: u64,
-        owner: u64,
-        deadline: Micros,
-    ) -> Result<(), RestoreError> {
-        // Connections may be open already; nothing else may have happened.
-        let before_any_request = Stats {
-            connections_accepted: 0,
-            ..self.stats
-        };
-        debug_assert!(self.wheel.elapsed() == 0 && before_any_request == Stats::default());
+    pub fn restore_grant(&mut self, grant: &EarlierGrant<'_>) -> Result<(), RestoreError> {
+        // Before any request: nothing granted yet (connections may be open).
+        debug_assert!(self.wheel.elapsed() == 0 && self.next_token == self.first_token);
+        let EarlierGrant {
+            key,
+            token,
+            owner,
+            deadline,
+            take,
+            limit,
+            label,
+        } = *grant;
         if token == 0 || token >= self.first_token {
             return Err(RestoreError::TokenNotFromEarlierRun);
         }
-        let hash = self.table.hash(key);
-        if self.table.find(key, hash).is_some() {
-            return Err(RestoreError::DuplicateKey);
+        if take != 0 && (limit == 0 || take > limit) {
+            return Err(RestoreError::DoesNotFit);
         }
-        let entry = self
-            .table
-            .insert(key, hash, token, owner)
-            .ok_or(RestoreError::TableFull)?;
-        self.arm_lease_at(entry, deadline.max(1));
+        let hash = self.table.hash(key);
+        let found = self.table.find(key, hash);
+        if limit == 0 {
+            if found.is_some() {
+                return Err(RestoreError::DuplicateKey);
+            }
+            let entry = self
+                .table
+                .insert(key, hash, token, owner)
+                .ok_or(RestoreError::TableFull)?;
+            self.labels.put(LabelOf::Entry(entry), labels::owned(label));
+            self.arm_lease_at(entry, deadline.max(1));
+            self.grants_held += 1;
+            return Ok(());
+        }
+        let entry = match found {
+            Some(entry) => {
+                if self.table.get(entry).token != PERMITS {
+                    return Err(RestoreError::DuplicateKey);
+                }
+                let permits = self.permit_key(entry);
+                let last = permits.grants.back().map(|&g| self.grants.get(g).token);
+                if permits.limit != limit || last.is_some_and(|last| last >= token) {
+                    return Err(RestoreError::DuplicateKey);
+                }
+                if !permits.fits(take) {
+                    return Err(RestoreError::DoesNotFit);
+                }
+                entry
+            }
+            None => {
+                let entry = self
+                    .table
+                    .insert(key, hash, PERMITS, 0)
+                    .ok_or(RestoreError::TableFull)?;
+                self.new_permit_key(entry, limit);
+                entry
+            }
+        };
+        self.restore_permits(
+            entry,
+            token,
+            owner,
+            take,
+            labels::owned(label),
+            deadline.max(1),
+        );
+        self.grants_held += 1;
+        if take != 0 {
+            self.counted_grants_made = true;
+        }
         Ok(())
     }
 
-    /// Every grant held now, for the snapshot at a clean stop; `deadline`
-    /// is when its lease runs out (on the 1 ms tick).
+    /// Every grant held now, for the snapshot at a clean stop (spec §7.4:
+    /// with its take, its key's limit and its label); `deadline` is when
+    /// its lease runs out (on the 1 ms tick). A key's grants come in token
+    /// order.
     pub fn grants(&self) -> impl Iterator<Item = HeldGrant<'_>> + '_ {
-        self.table.live_indices().filter_map(move |entry| {
+        static NONE: std::collections::VecDeque<u32> = std::collections::VecDeque::new();
+        self.table.live_indices().flat_map(move |entry| {
             let held = self.table.get(entry);
-            (held.token != 0).then(|| HeldGrant {
-                key: self.table.key(entry),
+            let key = self.table.key(entry);
+            let inline = (held.token != 0 && held.token != PERMITS).then(|| HeldGrant {
+                key,
                 token: held.token,
                 owner: held.owner,
-                deadline: self.wheel.deadline_of(&held.lease) * MICROS_PER_TICK,
-            })
+                deadline: self.wheel.deadline_of(&{ held.lease }) * MICROS_PER_TICK,
+                take: 0,
+                limit: 0,
+                label: self.labels.get(LabelOf::Entry(entry)),
+            });
+            let permits = (held.token == PERMITS).then(|| self.permit_key(entry));
+            let limit = permits.map_or(0, |permits| permits.limit);
+            let grants = permits.map_or(&NONE, |permits| &permits.grants);
+            inline.into_iter().chain(grants.iter().map(move |&index| {
+                let grant = self.grants.get(index);
+                HeldGrant {
+                    key,
+                    token: grant.token,
+                    owner: grant.owner,
+                    deadline: self.wheel.deadline_of(&{ grant.lease }) * MICROS_PER_TICK,
+                    take: grant.take,
+                    limit,
+                    label: self.labels.get(LabelOf::Grant(index)),
+                }
+            }))
         })
     }
 
@@ -212,6 +304,7 @@ impl Core {
                 let held = self.table.get_mut(entry);
                 held.token = token;
                 held.owner = 0;
+                self.grants_held += 1;
                 Some(entry)
             }
             Some(Adoptable::Untracked) => {
@@ -222,9 +315,11 @@ impl Core {
                 // nothing changed, and the key stays held by the unknown
                 // grant until the horizon.
                 let hash = self.table.hash(key);
-                (self.table.len() < self.limits.max_keys.saturating_mul(2))
+                let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
                     .then(|| self.table.insert(key, hash, token, 0))
-                    .flatten()
+                    .flatten();
+                self.grants_held += usize::from(entry.is_some());
+                entry
             }
             None => None,
         };

@@ -16,7 +16,9 @@ pub mod connection;
 pub mod endpoint;
 mod invariants;
 pub mod key_index;
+pub mod labels;
 pub mod lock_table;
+pub mod permits;
 mod request;
 pub mod restart;
 #[doc(hidden)]
@@ -30,11 +32,13 @@ use crate::protocol::{ErrorCode, Request, RequestError, Response};
 use crate::timer_wheel::{
     TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
 };
+use labels::{LabelOf, Labels};
 use lock_table::{LockTable, NIL};
+use permits::{Grants, PERMITS, PermitKey};
 use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
 
-pub use adoption::{HeldGrant, RestoreError};
+pub use adoption::{EarlierGrant, HeldGrant, RestoreError};
 
 /// A connection as the core knows it: the shell's slab index.
 pub type ConnId = u32;
@@ -44,8 +48,11 @@ pub type Micros = u64;
 
 const MICROS_PER_S: u64 = 1_000_000;
 
-/// Timer ids with this bit are waiters; without it, lock-table entries.
+/// Timer ids with this bit are waiters; with [`GRANT_TIMER`], grants of
+/// permit keys; with neither, lock-table entries.
 const WAITER_TIMER: TimerId = 1 << 30;
+/// Timer ids with this bit are grants of permit keys.
+const GRANT_TIMER: TimerId = 1 << 31;
 
 /// Capacity limits (spec §4). Every one is a bound on memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +65,9 @@ pub struct Limits {
     pub max_waiters_per_key: u32,
     /// Queued waits one connection may have.
     pub max_waits_per_conn: u32,
+    /// Grants plus queued waiters across all keys (spec §10.8); a server
+    /// that only sees `A` never meets it at `max_keys + max_waiters`.
+    pub max_grants: usize,
     /// Open connections (enforced by the shell).
     pub max_connections: usize,
 }
@@ -69,6 +79,7 @@ impl Default for Limits {
             max_waiters: 1 << 18,
             max_waiters_per_key: 1 << 14,
             max_waits_per_conn: 1 << 12,
+            max_grants: (1 << 20) + (1 << 18),
             max_connections: 1 << 14,
         }
     }
@@ -76,9 +87,10 @@ impl Default for Limits {
 
 impl Limits {
     /// Checks the limits against what the internal structures can index:
-    /// lock-table entries and waiters share one timer wheel (waiters'
-    /// timer ids carry [`WAITER_TIMER`]), and connection ids are the
-    /// connection wheel's timer ids. The error names the flag.
+    /// lock-table entries, waiters and grants share one timer wheel
+    /// (waiters' timer ids carry [`WAITER_TIMER`], grants'
+    /// [`GRANT_TIMER`]), and connection ids are the connection wheel's
+    /// timer ids. The error names the flag.
     pub fn validate(&self) -> Result<(), String> {
         let ids = WAITER_TIMER as usize;
         if self.max_keys >= ids {
@@ -88,6 +100,13 @@ impl Limits {
             return Err(format!(
                 "--max-waiters {} is above {}",
                 self.max_waiters,
+                ids - 1
+            ));
+        }
+        if self.max_grants >= ids {
+            return Err(format!(
+                "--max-grants {} is above {}",
+                self.max_grants,
                 ids - 1
             ));
         }
@@ -128,7 +147,7 @@ pub struct Stats {
     /// ...or because the process had no file descriptor left.
     pub refused_fd_limit: u64,
     /// `X` frames sent, by code (index = code; 0 unused).
-    pub errors_by_code: [u64; 10],
+    pub errors_by_code: [u64; 14],
     /// How long queued acquires waited before their grant or timeout.
     pub acquire_wait: WaitHistogram,
 }
@@ -172,25 +191,41 @@ pub struct Core {
     /// Whether the grace's unknown grants may include counted grants
     /// (spec §7.4): then no adoption frees a key before the horizon.
     grace_counted: bool,
+    /// Whether this run made or restored a counted grant (spec §7.4).
+    counted_grants_made: bool,
     /// The first token of this run: tokens below it were issued by an
     /// earlier run (spec §7: adoption during the grace).
     first_token: u64,
     /// The latest lease deadline armed for a grant of this run.
     lease_deadline_max: Micros,
+    /// The permit state of keys with a limit (spec §10), by the index an
+    /// entry with token [`PERMITS`] keeps in its `owner`.
+    permit_keys: slab::Slab<PermitKey>,
+    /// The grants of permit keys.
+    grants: Grants,
+    /// Live grants of this run or adopted, of every kind: inline ones and
+    /// `grants` (spec §10.9 `grants_held`).
+    grants_held: usize,
+    /// The labels of grants and waiters that have one.
+    labels: Labels,
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
 }
 
-/// Gives the timer wheel the links embedded in entries and waiters.
+/// Gives the timer wheel the links embedded in entries, waiters and
+/// grants.
 struct TimerNodes<'a> {
     table: &'a mut LockTable,
     waiters: &'a mut Waiters,
+    grants: &'a mut Grants,
 }
 
 impl TimerStore for TimerNodes<'_> {
     fn links(&mut self, id: TimerId) -> &mut TimerLinks {
-        if id & WAITER_TIMER != 0 {
+        if id & GRANT_TIMER != 0 {
+            &mut self.grants.get_mut(id & !GRANT_TIMER).lease
+        } else if id & WAITER_TIMER != 0 {
             &mut self.waiters.get_mut(id & !WAITER_TIMER).timer
         } else {
             &mut self.table.get_mut(id).lease
@@ -213,17 +248,28 @@ impl Core {
             grace_until: 0,
             freed_in_grace: HashSet::default(),
             grace_counted: false,
+            counted_grants_made: false,
             first_token: first_token.max(1),
             lease_deadline_max: 0,
+            permit_keys: slab::Slab::new(),
+            grants: Grants::default(),
+            grants_held: 0,
+            labels: Labels::default(),
             next_token: first_token.max(1),
             stats: Stats::default(),
             outbox: Vec::new(),
         }
     }
 
-    /// Keys held by a grant of this run.
+    /// Keys held by a grant of this run (a key with a limit counts once,
+    /// however many grants it has).
     pub fn held(&self) -> usize {
         self.table.len() - self.unknown_holders
+    }
+
+    /// Live grants of every kind (spec §10.9).
+    pub fn grants_held(&self) -> usize {
+        self.grants_held
     }
 
     pub fn limits(&self) -> &Limits {
@@ -293,23 +339,34 @@ impl Core {
         }
     }
 
-    /// A connection closed: its waiters leave their queues unanswered.
-    /// Its grants stay (spec §1).
-    pub fn disconnect(&mut self, conn: ConnId) {
+    /// A connection closed at `now`: its waiters leave their queues
+    /// unanswered (which may let waiters behind them on a key with a limit
+    /// be granted, spec §10.4). Its grants stay (spec §1).
+    pub fn disconnect(&mut self, conn: ConnId, now: Micros) {
         let Some(state) = self.conns.get(conn as usize) else {
             return;
         };
         if !state.open {
             return;
         }
+        // Every waiter of the connection leaves first (newest first, the
+        // list's order), so that none of them is granted by a queue that
+        // moves; then each key they left lets its queue move.
+        let mut left = Vec::new();
         let mut waiter = state.waiters.head;
         while waiter != NIL {
             let next = self.waiters.next_of_conn(waiter);
-            self.remove_waiter(waiter);
+            left.push(self.unlink_waiter(waiter).0);
             waiter = next;
         }
         self.conns[conn as usize].open = false;
         self.connections -= 1;
+        for entry in left {
+            // A key may be left twice, and gone after the first.
+            if self.table.is_live(entry) {
+                self.waiter_left(entry, Some(now));
+            }
+        }
     }
 
     /// Answers a request that the decoder rejected.
@@ -357,27 +414,35 @@ impl Core {
             let mut nodes = TimerNodes {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
+                grants: &mut self.grants,
             };
             let fired = self.wheel.poll(&mut nodes, tick_reached(now));
             debug_assert!(fired.is_none());
         }
         match *request {
-            // `S` with limit 0 and take 0 is an exclusive acquire (spec
-            // §10.1); its label is not kept until holders (`H`) exist.
+            // `A` is `S` with limit 0, take 0 and no label (spec §10.1).
             Request::Acquire {
                 wait_s,
                 lease_s,
                 owner,
                 key,
-                limit: 0,
-                take: 0,
-                ..
-            } => self.acquire(conn, key, wait_s, lease_s, owner, now),
-            // Permits (§10) and listing (§11) are not served by this core
-            // yet. A request that names a limit or counts permits gets `B`:
-            // definitive, nothing granted, queued or changed.
-            Request::Acquire { owner, .. } => self.busy(conn, owner),
-            // `H` and `L` get `X 13` (not permitted), which changes nothing.
+                limit,
+                take,
+                label,
+            } => {
+                let ask = request::Ask {
+                    key,
+                    wait_s,
+                    lease_s,
+                    owner,
+                    limit,
+                    take,
+                    label,
+                };
+                self.acquire(conn, &ask, now)
+            }
+            // Listing (§11) is not served by this core yet: `H` and `L` get
+            // `X 13` (not permitted), which changes nothing.
             Request::Holders { id, .. } | Request::List { id, .. } => {
                 self.send_error(conn, ErrorCode::NotPermitted, id);
             }
@@ -413,20 +478,30 @@ impl Core {
             let mut nodes = TimerNodes {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
+                grants: &mut self.grants,
             };
             let Some(id) = self.wheel.poll(&mut nodes, now_tick) else {
                 break;
             };
-            if id & WAITER_TIMER != 0 {
+            if id & GRANT_TIMER != 0 {
+                let grant = id & !GRANT_TIMER;
+                let entry = self.grants.get(grant).entry;
+                self.end_grant(entry, grant);
+                self.stats.expired += 1;
+                self.scan_permits(entry, now);
+            } else if id & WAITER_TIMER != 0 {
                 let waiter = id & !WAITER_TIMER;
                 let (conn, owner) = {
                     let node = self.waiters.get(waiter);
                     (node.conn, node.owner)
                 };
                 self.observe_wait(waiter, now);
-                self.remove_waiter(waiter);
+                let (entry, _) = self.unlink_waiter(waiter);
                 self.stats.timeouts += 1;
                 self.outbox.push((conn, Response::Timeout { owner }));
+                self.waiter_left(entry, Some(now));
+            } else if self.table.get(id).token == PERMITS {
+                self.unknown_permits_ended(id, now);
             } else {
                 if self.table.get(id).token != 0 {
                     self.stats.expired += 1;
@@ -449,7 +524,9 @@ impl Core {
             while waiter != NIL {
                 let next = self.waiters.next_of_conn(waiter);
                 let owner = self.waiters.get(waiter).owner;
-                self.remove_waiter(waiter);
+                let (entry, _) = self.unlink_waiter(waiter);
+                // Nobody is granted now: every waiter gets `B`.
+                self.waiter_left(entry, None);
                 self.stats.busy += 1;
                 self.outbox.push((conn as ConnId, Response::Busy { owner }));
                 waiter = next;
@@ -462,16 +539,29 @@ impl Core {
         }
     }
 
-    /// The entry of `key` if `token` is its active grant. Token 0 (an
-    /// unknown holder) never matches.
-    fn active_grant(&self, key: &str, token: u64) -> Option<u32> {
+    /// The grant of `key` whose token is `token`, if it is live. Token 0
+    /// (an unknown holder) never matches.
+    fn find_grant(&self, key: &str, token: u64) -> Option<Held> {
         let entry = self.table.find(key, self.table.hash(key))?;
-        (token != 0 && self.table.get(entry).token == token).then_some(entry)
+        let held = self.table.get(entry);
+        if held.token == PERMITS {
+            let permits = self.permit_key(entry);
+            let position = permits.position(&self.grants, token)?;
+            let grant = permits.grants[position];
+            return Some(Held::Listed { entry, grant });
+        }
+        (token != 0 && held.token == token).then_some(Held::Inline(entry))
     }
 
-    /// The key's holder is gone: grant the head waiter, or drop the key
-    /// (remembered as free while the grace runs).
+    /// The key's holder is gone (its grant ended, or the unknown grant's):
+    /// grant the head waiter, or drop the key (remembered as free while the
+    /// grace runs). Only for keys without a limit; see
+    /// [`scan_permits`](Self::scan_permits) for the others.
     fn hand_over(&mut self, entry: u32, now: Micros) {
+        if self.table.get(entry).token != 0 {
+            self.grants_held -= 1;
+            self.labels.take(LabelOf::Entry(entry));
+        }
         loop {
             let head = self.table.get(entry).waiters;
             if head == NIL {
@@ -484,25 +574,48 @@ impl Core {
                 (waiter.conn, waiter.owner, waiter.lease_s)
             };
             self.observe_wait(head, now);
-            self.unlink_waiter(head);
+            let (_, label) = self.unlink_waiter(head);
             if self.next_token == u64::MAX {
                 self.busy(conn, owner);
                 continue;
             }
-            return self.grant(entry, conn, owner, lease_s, now);
+            return self.grant(entry, conn, owner, lease_s, label, now);
         }
     }
 
-    fn grant(&mut self, entry: u32, conn: ConnId, owner: u64, lease_s: u8, now: Micros) {
+    /// Grants `entry` (a key without a limit) to `owner` on `conn`.
+    fn grant(
+        &mut self,
+        entry: u32,
+        conn: ConnId,
+        owner: u64,
+        lease_s: u8,
+        label: Option<Box<str>>,
+        now: Micros,
+    ) {
         let token = self.next_token;
         self.next_token += 1;
         let held = self.table.get_mut(entry);
         held.token = token;
         held.owner = owner;
         self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
+        self.labels.put(LabelOf::Entry(entry), label);
+        self.grants_held += 1;
         self.stats.grants += 1;
         self.outbox
             .push((conn, Response::Acquired { owner, token }));
+    }
+
+    /// The timer wheel and the nodes it links, borrowed together.
+    fn timers(&mut self) -> (&mut TimerWheel, TimerNodes<'_>) {
+        (
+            &mut self.wheel,
+            TimerNodes {
+                table: &mut self.table,
+                waiters: &mut self.waiters,
+                grants: &mut self.grants,
+            },
+        )
     }
 
     fn arm_lease_at(&mut self, entry: u32, deadline: Micros) {
@@ -512,6 +625,7 @@ impl Core {
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
+            grants: &mut self.grants,
         };
         self.wheel
             .arm(&mut nodes, entry, tick_at_or_after(deadline));
@@ -521,17 +635,25 @@ impl Core {
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
+            grants: &mut self.grants,
         };
         self.wheel.cancel(&mut nodes, entry);
     }
 
-    /// Takes a waiter out of its queue and its connection's list, silently.
-    /// A key held only by an unknown grant and waited on by nobody is
-    /// dropped: it means the same as a key that is not in the table.
-    fn remove_waiter(&mut self, waiter: u32) {
-        let entry = self.unlink_waiter(waiter);
+    /// A waiter left `entry`'s queue without a grant (its deadline, its
+    /// connection closed, a shutdown). On a key with a limit the waiters
+    /// behind it may fit now (spec §10.4), unless `now` is `None` (a
+    /// shutdown, which grants nothing). A key held only by an unknown grant
+    /// and waited on by nobody is dropped: it means the same as a key that
+    /// is not in the table.
+    fn waiter_left(&mut self, entry: u32, now: Option<Micros>) {
         let held = self.table.get(entry);
-        if held.token == 0 && held.waiters == NIL {
+        if held.token == PERMITS {
+            match now {
+                Some(now) => self.scan_permits(entry, now),
+                None => self.drop_if_idle(entry, 0),
+            }
+        } else if held.token == 0 && held.waiters == NIL {
             self.cancel_lease(entry);
             self.unknown_holders -= 1;
             self.table.remove(entry);
@@ -539,11 +661,12 @@ impl Core {
     }
 
     /// Takes a waiter out of its queue and its connection's list and
-    /// returns the entry it queued on.
-    fn unlink_waiter(&mut self, waiter: u32) -> u32 {
+    /// returns the entry it queued on and its label.
+    fn unlink_waiter(&mut self, waiter: u32) -> (u32, Option<Box<str>>) {
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
+            grants: &mut self.grants,
         };
         self.wheel.cancel(&mut nodes, waiter | WAITER_TIMER);
         let (conn, entry) = {
@@ -553,7 +676,7 @@ impl Core {
         let queue = &mut self.table.get_mut(entry).waiters;
         let conn_list = &mut self.conns[conn as usize].waiters;
         self.waiters.remove(waiter, queue, conn_list);
-        entry
+        (entry, self.labels.take(LabelOf::Waiter(waiter)))
     }
 
     /// Records how long `waiter` has queued, as it leaves with a grant or
@@ -577,6 +700,14 @@ impl Core {
         self.stats.not_held += 1;
         self.outbox.push((conn, Response::NotHeld { token }));
     }
+}
+
+/// A live grant, as [`Core::find_grant`] finds it.
+enum Held {
+    /// The one grant of a key without a limit, inline in its entry.
+    Inline(u32),
+    /// A grant of a permit key.
+    Listed { entry: u32, grant: u32 },
 }
 
 /// A waiter's enqueue instant as it is kept: microseconds modulo 2³²

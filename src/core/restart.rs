@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use super::{Core, Micros, RestoreError};
+use super::{Core, EarlierGrant, Micros, RestoreError};
 
 /// Tokens reserved per write of the high-water mark.
 pub const TOKEN_BLOCK: u64 = 1 << 26;
@@ -191,11 +191,9 @@ impl<'c> CleanStop<'c> {
                 token: grant.token,
                 owner: grant.owner,
                 left_ms: ((grant.deadline - now) / MS).min(max_left) as u32,
-                // This core's grants are exclusive, on keys without a
-                // limit or a label.
-                take: 0,
-                limit: 0,
-                label: "",
+                take: grant.take,
+                limit: grant.limit,
+                label: grant.label,
             })
     }
 }
@@ -282,13 +280,16 @@ impl Restart {
     ) -> Result<u64, RestoreFailure> {
         let mut restored = 0;
         for (grant, deadline) in self.restorable(grants) {
-            if grant.take != 0 || grant.limit != 0 || !grant.label.is_empty() {
-                return Err(RestoreFailure {
-                    key: grant.key.to_owned(),
-                    error: RestoreError::PermitsUnsupported,
-                });
-            }
-            core.restore_grant(grant.key, grant.token, grant.owner, deadline)
+            let earlier = EarlierGrant {
+                key: grant.key,
+                token: grant.token,
+                owner: grant.owner,
+                deadline,
+                take: grant.take,
+                limit: grant.limit,
+                label: grant.label,
+            };
+            core.restore_grant(&earlier)
                 .map_err(|error| RestoreFailure {
                     key: grant.key.to_owned(),
                     error,

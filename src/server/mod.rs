@@ -425,7 +425,10 @@ impl Shell {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => return self.endpoint.handle_broken(id as ConnId),
+                Err(_) => {
+                    let now = self.now();
+                    return self.endpoint.handle_broken(id as ConnId, now);
+                }
             }
         }
     }
@@ -463,7 +466,8 @@ impl Shell {
             };
             match socket.stream.write(bytes) {
                 Ok(0) => {
-                    self.endpoint.handle_broken(id as ConnId);
+                    let now = self.now();
+                    self.endpoint.handle_broken(id as ConnId, now);
                     return Ok(());
                 }
                 Ok(n) => {
@@ -476,7 +480,8 @@ impl Shell {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
-                    self.endpoint.handle_broken(id as ConnId);
+                    let now = self.now();
+                    self.endpoint.handle_broken(id as ConnId, now);
                     return Ok(());
                 }
             }
@@ -529,11 +534,12 @@ impl Shell {
         };
         let core = self.endpoint.core();
         let started = Instant::now();
-        match state.save_clean_stop(&CleanStop::of(core, now)) {
+        let stop = CleanStop::of(core, now);
+        match state.save_clean_stop(&stop) {
             Ok(()) => info!(
                 "state: saved {} grants in {:.0} ms; the state file was written {} times \
                  in this run",
-                core.held(),
+                stop.count,
                 started.elapsed().as_secs_f64() * 1e3,
                 state.writes
             ),

@@ -1,4 +1,4 @@
-//! `I` (spec §2.2): the server's counters as one text line.
+//! `I` (spec §2.2, §10.9): the server's counters as one text line.
 
 use std::fmt::Write as _;
 
@@ -13,7 +13,7 @@ impl Core {
             text,
             "version={} uptime_s={} connections={} keys={} held={} waiters={} \
              grants={} timeouts={} busy={} expired={} released={} extended={} \
-             not_held={} errors={} refused={} next_token={}",
+             not_held={} errors={} refused={} grants_held={} next_token={}",
             env!("CARGO_PKG_VERSION"),
             now / MICROS_PER_S,
             self.connections,
@@ -29,6 +29,7 @@ impl Core {
             s.not_held,
             s.errors,
             s.refused,
+            self.grants_held,
             self.next_token,
         );
         text

@@ -8,3 +8,5 @@ mod extend;
 mod info;
 mod query;
 mod release;
+
+pub(super) use acquire::Ask;
