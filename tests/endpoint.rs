@@ -340,3 +340,52 @@ fn with_durability_nothing_is_transmitted_until_the_promise_covering_it_is_persi
         Some(41 * S)
     );
 }
+
+/// Spec §7.4 on the wire: the answer to the first counted grant (`take`
+/// ≥ 1) is held back until a promise recording it is durable, even when
+/// the token and the lease are covered already.
+#[test]
+fn the_first_counted_grant_is_answered_only_after_the_flag_is_durable() {
+    let mut wire = Wire::new();
+    wire.endpoint.require_durability();
+    wire.connect(1);
+    wire.send(1, &acquire(0, 30, 7, "k"));
+    let exclusive = wire.endpoint.poll_persist().unwrap();
+    assert!(!exclusive.counted_grants);
+    wire.endpoint.handle_persisted(exclusive);
+    wire.recv(1);
+    let mut shared = Vec::new();
+    protocol::encode_request(
+        &protocol::Request::Acquire {
+            wait_s: 0,
+            lease_s: 5,
+            owner: 8,
+            key: "s",
+            limit: 65_535,
+            take: 1,
+            label: "",
+        },
+        &mut shared,
+    );
+    wire.send(1, &shared);
+    assert_eq!(wire.endpoint.transmit(1), None);
+    let counted = wire
+        .endpoint
+        .poll_persist()
+        .expect("a promise with the flag");
+    assert_eq!(
+        counted,
+        kunci::core::restart::Promise {
+            counted_grants: true,
+            ..exclusive
+        }
+    );
+    wire.endpoint.handle_persisted(counted);
+    assert_eq!(
+        wire.recv(1),
+        frame(Response::Acquired {
+            owner: 8,
+            token: FIRST_TOKEN + 1
+        })
+    );
+}
