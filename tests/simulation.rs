@@ -221,6 +221,11 @@ impl Sim {
             fake.core.set_grace_until(horizon);
             model.grace_until = horizon;
         }
+        // The server writes its first promise before it accepts anything.
+        let mut durability = Durability::new();
+        if let Some(promise) = durability.needed(&fake.core) {
+            durability.persisted(promise);
+        }
         let short = rng.chance(60);
         let restarts = rng.chance(30);
         Sim {
@@ -242,7 +247,7 @@ impl Sim {
             last_token: 0,
             stale_tokens: Vec::new(),
             fired_tick: 0,
-            durability: Durability::new(),
+            durability,
             counts: Counts::default(),
         }
     }
@@ -803,6 +808,9 @@ impl Sim {
         self.fake = Fake { core, now: 0 };
         self.model = model;
         self.durability = Durability::new();
+        if let Some(promise) = self.durability.needed(&self.fake.core) {
+            self.durability.persisted(promise);
+        }
         self.fired_tick = 0;
         for attempt in self.attempts.values_mut() {
             if attempt.answers == 0 {
