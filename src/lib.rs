@@ -8,7 +8,7 @@
 //! # Layout
 //!
 //! - [`protocol`] — frames: decode, encode, limits, error codes; no IO.
-//! - [`core`] — the sans-IO server: lock table, waiter queues, timer wheel,
+//! - [`core`] — the sans-IO server: lock table, waiter queues, leases,
 //!   and the endpoint that owns every connection's bytes, phase and
 //!   deadlines; every call takes `now`, outputs are pulled.
 //! - [`server`] — the mio shell: accept, read, write, close, the clock and
@@ -18,6 +18,8 @@
 //! - [`metrics`] — Prometheus exposition and its bounded HTTP exchange.
 //! - [`addr`] — server addresses (`HOST:PORT`, `unix:PATH`).
 //! - [`stream`] — the one TCP/Unix stream type the server, client and bench share.
+//! - [`timer_wheel`] — the hierarchical timer wheel and the 1 ms tick
+//!   rounding, shared by the core, the endpoint and the client engine.
 //! - `cli` — the `kunci` subcommands (feature `cli`, on by default; without
 //!   it the library builds without the binary's dependencies); `main.rs`
 //!   only calls `cli::main`.
@@ -31,3 +33,4 @@ pub mod metrics;
 pub mod protocol;
 pub mod server;
 pub mod stream;
+pub mod timer_wheel;

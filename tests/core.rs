@@ -3,6 +3,8 @@
 //! shutdown and the restart grace; then random sequences against the
 //! reference model.
 
+use kunci::core::EarlierGrant;
+use kunci::core::restart::{CleanStop, Durability};
 use kunci::core::{Core, Limits, Output, RestoreError};
 use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 use kunci::server::state::{self, Clocks, Recorded, SavedGrant};
@@ -207,7 +209,7 @@ fn holder_connection_closing_changes_nothing() {
     let mut fake = Fake::with_conns(3);
     let token = fake.grant(1, "a", 5, 1);
     fake.enqueue(2, "a", 100, 5, 2);
-    fake.core.disconnect(1);
+    fake.core.disconnect(1, fake.now);
     assert_eq!(fake.drain(), vec![]);
     assert_eq!(fake.query("a"), (token, 1, 5_000, 1));
     // The lease still runs out on time and the key goes to the waiter.
@@ -215,7 +217,7 @@ fn holder_connection_closing_changes_nothing() {
     assert_eq!(fake.run_until(5 * S), vec![(2, acquired(2, token + 1))]);
     // And a grant whose connection is gone is still released by token.
     let token_b = fake.grant(2, "b", 5, 3);
-    fake.core.disconnect(2);
+    fake.core.disconnect(2, fake.now);
     assert_eq!(fake.release(0, "b", token_b), vec![(0, released(token_b))]);
 }
 
@@ -350,7 +352,7 @@ fn waiter_connection_closing_removes_its_waiters_silently() {
     fake.enqueue(2, "a", 100, 30, 5);
     fake.enqueue(2, "b", 100, 30, 6);
     assert_eq!(fake.core.waiter_count(), 4);
-    fake.core.disconnect(2);
+    fake.core.disconnect(2, fake.now);
     assert_eq!(fake.drain(), vec![]);
     assert_eq!(fake.core.waiter_count(), 1);
     assert_eq!(fake.query("a"), (token_a, 1, 10_000, 1));
@@ -377,7 +379,7 @@ fn hand_over_is_fifo_across_connections_timeouts_and_closes() {
         fake.enqueue((owner as u32 - 1) % 4 + 1, "k", wait, 100, owner);
     }
     assert_eq!(fake.run_until(2 * S), vec![(3, timeout(3))]);
-    fake.core.disconnect(4);
+    fake.core.disconnect(4, fake.now);
     let mut order = Vec::new();
     for _ in 0..5 {
         let out = fake.release(0, "k", token);
@@ -449,7 +451,7 @@ fn each_waiter_limit_answers_busy_and_changes_nothing() {
     assert_eq!(fake.acquire(1, "a", 5, 30, 5), vec![(1, busy(5))]);
     fake.enqueue(2, "a", 5, 30, 6);
     // Closing the connection gives its allowance back to a new one there.
-    fake.core.disconnect(1);
+    fake.core.disconnect(1, fake.now);
     fake.core.connect(1);
     fake.enqueue(1, "a", 5, 30, 7);
     fake.enqueue(1, "a", 5, 30, 8);
@@ -586,7 +588,7 @@ fn thousands_of_keys_and_waiters_come_and_go_and_the_table_empties() {
             assert_eq!(out[0], (0, released(tokens[i])));
             assert_eq!(out.len(), if i < 5_000 { 2 } else { 1 });
         }
-        fake.core.disconnect(5);
+        fake.core.disconnect(5, fake.now);
         fake.core.check_invariants();
         let start = fake.now;
         let out = fake.run_until(start + 100 * S);
@@ -759,7 +761,7 @@ fn info_names_every_counter_with_its_value() {
         },
     );
     fake.drain();
-    fake.core.disconnect(3);
+    fake.core.disconnect(3, fake.now);
     let mut small = Fake::new(limits(0, 0, 0, 0), 1);
     assert_eq!(small.acquire(0, "z", 0, 1, 1), vec![(0, busy(1))]);
     assert_eq!(small.info()["busy"], "1");
@@ -826,7 +828,7 @@ fn shutdown_answers_every_waiter_busy_then_every_connection_x_8() {
     fake.enqueue(2, "a", 100, 30, 3);
     fake.enqueue(3, "a", 100, 30, 4);
     fake.enqueue(2, "b", 100, 30, 5);
-    fake.core.disconnect(0);
+    fake.core.disconnect(0, fake.now);
     fake.core.shut_down();
     let out = fake.drain();
     let (busy_part, errors) = out.split_at(3);
@@ -929,7 +931,7 @@ fn grace_query_shows_token_0_and_the_time_left_to_the_horizon() {
     assert_eq!(fake.release(2, "b", 0), vec![(2, not_held(0))]);
     assert_eq!(fake.query("a").3, 1);
     // When the last waiter leaves, the key counts as not in the table.
-    fake.core.disconnect(1);
+    fake.core.disconnect(1, fake.now);
     assert_eq!(fake.core.keys(), 0);
     assert_eq!(fake.query("a"), (0, 0, 8_000, 0));
     assert_eq!(fake.core.poll_timeout(), None);
@@ -990,7 +992,7 @@ fn boot(boot_ms: u64, wall_ms: u64) -> Clocks {
 
 /// A clean stop written at boot time 1,000 ms listing `grants` as (key,
 /// token, owner, lease ms left), restored into a fresh core `downtime_ms`
-/// later, as the server does at start.
+/// later by the server's own policy (`Restart::resume`).
 fn restart_after_clean_stop(grants: &[(&str, u64, u64, u32)], downtime_ms: u64) -> Fake {
     let mut recorded = Recorded::new(true, boot(1_000, 50_000_000), FIRST_TOKEN, 0);
     recorded.set_grants(
@@ -1001,20 +1003,16 @@ fn restart_after_clean_stop(grants: &[(&str, u64, u64, u32)], downtime_ms: u64) 
                 token,
                 owner,
                 left_ms,
+                take: 0,
+                limit: 0,
+                label: "",
             }),
     );
     // The wall clock stepped back an hour meanwhile: it must not matter.
     let restart = recorded.restart_at(&boot(1_000 + downtime_ms, 50_000_000 - 3_600_000));
     assert_eq!(restart.grace, std::time::Duration::ZERO);
     let mut fake = Fake::with_conns(4);
-    for grant in recorded.grants() {
-        if let Some(left) = restart.lease_left(grant.left_ms) {
-            let deadline = left.as_micros() as u64;
-            fake.core
-                .restore_grant(grant.key, grant.token, grant.owner, deadline)
-                .unwrap();
-        }
-    }
+    restart.resume(&mut fake.core, recorded.grants()).unwrap();
     fake.core.check_invariants();
     fake
 }
@@ -1079,21 +1077,209 @@ fn restored_grant_that_expired_during_the_downtime_is_free_and_others_are_free_a
     );
 }
 
+fn earlier(key: &str, token: u64, take: u16, limit: u16) -> EarlierGrant<'_> {
+    EarlierGrant {
+        key,
+        token,
+        owner: 1,
+        deadline: S,
+        take,
+        limit,
+        label: "",
+    }
+}
+
 #[test]
 fn a_restored_grant_is_refused_when_its_token_is_not_an_earlier_runs_or_its_key_repeats() {
     let mut fake = Fake::with_conns(1);
     for token in [0, FIRST_TOKEN, FIRST_TOKEN + 1] {
         assert_eq!(
-            fake.core.restore_grant("a", token, 1, S),
+            fake.core.restore_grant(&earlier("a", token, 0, 0)),
             Err(RestoreError::TokenNotFromEarlierRun)
         );
     }
-    fake.core.restore_grant("a", 1, 1, S).unwrap();
+    fake.core.restore_grant(&earlier("a", 1, 0, 0)).unwrap();
     assert_eq!(
-        fake.core.restore_grant("a", 2, 1, S),
+        fake.core.restore_grant(&earlier("a", 2, 0, 0)),
         Err(RestoreError::DuplicateKey)
     );
+    // Permits: the limit must agree, tokens come in order, and what is
+    // restored must fit (spec §10.3) as it did when it was granted.
+    fake.core.restore_grant(&earlier("s", 10, 1, 3)).unwrap();
+    for (token, take, limit, error) in [
+        (11, 1, 4, RestoreError::DuplicateKey),
+        (9, 1, 3, RestoreError::DuplicateKey),
+        (10, 1, 3, RestoreError::DuplicateKey),
+        (11, 3, 3, RestoreError::DoesNotFit),
+        (11, 0, 3, RestoreError::DoesNotFit),
+        (11, 1, 0, RestoreError::DoesNotFit),
+        (11, 4, 3, RestoreError::DoesNotFit),
+        (11, 1, 1, RestoreError::DuplicateKey),
+    ] {
+        assert_eq!(
+            fake.core.restore_grant(&earlier("s", token, take, limit)),
+            Err(error),
+            "token {token} take {take} limit {limit}"
+        );
+    }
+    assert_eq!(
+        fake.core.restore_grant(&earlier("a", 12, 1, 3)),
+        Err(RestoreError::DuplicateKey)
+    );
+    fake.core.restore_grant(&earlier("s", 11, 2, 3)).unwrap();
+    assert_eq!(fake.core.grants_held(), 3);
     fake.core.check_invariants();
+}
+
+/// Spec §7.4: a clean stop keeps every grant with its take, its label and
+/// its key's limit, and the next run restores them all: the fit rule and
+/// `R`/`E`/`Q` go on as before the restart.
+#[test]
+fn a_clean_stop_keeps_every_permit_with_its_take_label_and_limit() {
+    let mut fake = Fake::with_conns(2);
+    let first = fake.permits(0, "sem", 0, 30, 1, 3, 1, "backup@a pid=1");
+    let [(_, Response::Acquired { token: r1, .. })] = first[..] else {
+        panic!("{first:?}")
+    };
+    let r2 = fake.grant_permits(0, "sem", 60, 2, 3, 2);
+    let w = fake.grant_permits(0, "excl", 20, 3, 5, 0);
+    let plain = fake.grant(0, "plain", 10, 4);
+    fake.set_now(4 * S);
+    fake.core.shut_down();
+    fake.drain();
+    let stop = CleanStop::of(&fake.core, fake.now);
+    assert_eq!(stop.count, 4);
+    assert!(!stop.counted_grants, "no grace left to flag");
+    let mut recorded = Recorded::new(true, boot(1_000, 50_000_000), FIRST_TOKEN + 100, 0);
+    recorded.set_grants(stop.grants());
+    let mut saved: Vec<_> = recorded
+        .grants()
+        .map(|g| (g.key, g.token, g.owner, g.left_ms, g.take, g.limit, g.label))
+        .collect();
+    saved.sort();
+    assert_eq!(
+        saved,
+        vec![
+            ("excl", w, 3, 16_000, 0, 5, ""),
+            ("plain", plain, 4, 6_000, 0, 0, ""),
+            ("sem", r1, 1, 26_000, 1, 3, "backup@a pid=1"),
+            ("sem", r2, 2, 56_000, 2, 3, ""),
+        ]
+    );
+    // Restored 1 s later (boot-time clock) into the next run.
+    let restart = recorded.restart_at(&boot(2_000, 1));
+    let mut next = Fake::new(Limits::default(), 2);
+    next.core = Core::new(Limits::default(), FIRST_TOKEN + 100);
+    next.core.connect(0);
+    next.core.connect(1);
+    assert_eq!(restart.resume(&mut next.core, recorded.grants()), Ok(4));
+    next.core.check_invariants();
+    assert_eq!(next.core.grants_held(), 4);
+    assert!(next.core.counted_grants(), "restored counted grants");
+    // The smallest token shows; 3 of 3 permits are taken.
+    assert_eq!(next.query("sem"), (r1, 1, 24_999, 0));
+    assert_eq!(
+        next.permits(1, "sem", 0, 30, 9, 3, 1, ""),
+        vec![(1, timeout(9))]
+    );
+    assert_eq!(
+        next.permits(1, "sem", 0, 30, 9, 4, 1, ""),
+        vec![(
+            1,
+            Response::Error {
+                code: ErrorCode::LimitMismatch as u8,
+                id: 9,
+                text: "limit mismatch: key limit 3".into(),
+            }
+        )]
+    );
+    assert_eq!(next.release(1, "sem", r1), vec![(1, released(r1))]);
+    let r3 = next.grant_permits(1, "sem", 30, 10, 3, 1);
+    assert_eq!(r3, FIRST_TOKEN + 100);
+    assert_eq!(next.extend(1, "sem", 30, r2), vec![(1, extended(r2))]);
+    assert_eq!(
+        next.permits(1, "excl", 0, 30, 11, 5, 1, ""),
+        vec![(1, timeout(11))]
+    );
+    assert_eq!(next.query("excl"), (w, 3, 14_999, 0));
+    // The restored leases run out when they would have.
+    next.run_until(15 * S);
+    let r4 = next.grant_permits(1, "excl", 30, 12, 5, 5);
+    assert!(r4 > r3);
+    next.core.check_invariants();
+}
+
+/// The overlap of issue 19, exactly: two readers hold a shared lock when
+/// the server crashes; one of them renews and then releases; a writer must
+/// not get the key while the other reader's lease may still run. The
+/// flag that says so is durable before the first reader's grant is
+/// answered.
+#[test]
+fn after_a_crash_two_readers_one_releases_and_the_writer_waits_for_the_other_lease() {
+    let mut fake = Fake::with_conns(3);
+    let mut durability = Durability::new();
+    durability.persisted(durability.needed(&fake.core).unwrap());
+    let reader_1 = fake.grant_permits(0, "rw", 10, 1, 65_535, 1);
+    // The answer above may leave only after a promise with the flag.
+    let promise = durability
+        .needed(&fake.core)
+        .expect("a promise before the answer");
+    assert!(promise.counted_grants);
+    durability.persisted(promise);
+    fake.set_now(S);
+    let reader_2 = fake.grant_permits(1, "rw", 30, 2, 65_535, 1);
+    if let Some(promise) = durability.needed(&fake.core) {
+        durability.persisted(promise);
+    }
+    let on_disk = durability.on_disk().unwrap();
+    // The horizon covers the second reader's lease (to 31 s).
+    assert!(on_disk.horizon >= 31 * S && on_disk.horizon <= 36 * S);
+    // kill -9 at 2 s; the next run starts at once.
+    let crash = 2 * S;
+    let mut recorded = Recorded::new(false, boot(1_000, 50_000_000), on_disk.token_high_water, 0);
+    recorded.horizon_ms = (on_disk.horizon - crash) / MS;
+    recorded.counted_grants = on_disk.counted_grants;
+    let restart = recorded.restart_at(&boot(1_000, 50_000_000));
+    assert!(restart.counted_grants);
+    let mut next = Fake::new(Limits::default(), 3);
+    next.core = Core::new(Limits::default(), on_disk.token_high_water);
+    for conn in 0..3 {
+        next.core.connect(conn);
+    }
+    restart.resume(&mut next.core, recorded.grants()).unwrap();
+    // The first reader renews, then releases: neither frees the key. (This
+    // core keeps no adopted grant beside the unknown grant: both get N,
+    // and the reader knows its lock is gone.)
+    next.set_now(S);
+    assert_eq!(
+        next.extend(0, "rw", 10, reader_1),
+        vec![(0, not_held(reader_1))]
+    );
+    assert_eq!(
+        next.release(0, "rw", reader_1),
+        vec![(0, not_held(reader_1))]
+    );
+    // The writer asks; it must wait until the second reader's lease
+    // (29 s from the restart) can no longer run.
+    next.enqueue_permits(2, "rw", 60, 30, 3, 65_535, 0);
+    assert_eq!(
+        next.permits(2, "rw", 0, 30, 4, 65_535, 0, ""),
+        vec![(2, timeout(4))]
+    );
+    let reader_2_end = 31 * S - crash;
+    assert_eq!(next.run_until(reader_2_end), vec![]);
+    assert_eq!(next.query("rw").0, 0, "held by the unknown grant");
+    // At the horizon the writer gets it.
+    let horizon = next.core.grace_until();
+    assert!(horizon >= reader_2_end);
+    assert_eq!(next.run_until(horizon - 1), vec![]);
+    let out = next.run_until(horizon);
+    assert!(
+        matches!(out[..], [(2, Response::Acquired { owner: 3, .. })]),
+        "{out:?}"
+    );
+    assert!(reader_2 > reader_1);
+    next.core.check_invariants();
 }
 
 #[test]
@@ -1176,6 +1362,74 @@ fn adoption_by_release_frees_the_key_and_hands_it_to_the_head_waiter() {
     fake.core.check_invariants();
 }
 
+/// Spec §7.4: after a run that made a counted grant no adoption may free a
+/// key before the horizon. This core keeps one grant per key, so it cannot
+/// hold several adopted grants: an earlier token's `E` and `R` get `N`,
+/// and every key — waited on or not — stays held until the horizon.
+#[test]
+fn after_a_run_with_counted_grants_no_earlier_token_frees_a_key_before_the_horizon() {
+    let mut fake = Fake::with_conns(3);
+    fake.core.set_grace_until(10 * S);
+    fake.core.set_grace_counted(true);
+    assert!(fake.core.counted_grants());
+    fake.enqueue(2, "waited", 60, 30, 1);
+    fake.set_now(S);
+    for key in ["waited", "untracked"] {
+        assert_eq!(fake.release(1, key, EARLIER), vec![(1, not_held(EARLIER))]);
+        assert_eq!(
+            fake.extend(1, key, 5, EARLIER + 1),
+            vec![(1, not_held(EARLIER + 1))]
+        );
+    }
+    assert_eq!(fake.query("waited"), (0, 0, 9_000, 1));
+    assert_eq!(fake.query("untracked"), (0, 0, 9_000, 0));
+    assert_eq!(
+        fake.acquire(3, "untracked", 0, 30, 2),
+        vec![(3, timeout(2))]
+    );
+    // At the horizon the waiter gets the key, and a new request too.
+    assert_eq!(fake.run_until(10 * S - 1), vec![]);
+    assert_eq!(fake.run_until(10 * S), vec![(2, acquired(1, FIRST_TOKEN))]);
+    assert_eq!(
+        fake.acquire(3, "untracked", 0, 30, 3),
+        vec![(3, acquired(3, FIRST_TOKEN + 1))]
+    );
+    fake.core.check_invariants();
+}
+
+/// The flag travels through the file: a crash of a run whose grace may
+/// hide counted grants leaves a file that says so, and the next run keeps
+/// the horizon for every key; a run without it keeps §7.3's adoption.
+#[test]
+fn the_counted_grants_flag_survives_a_crash_and_governs_the_next_grace() {
+    for counted in [false, true] {
+        let dir = crate::util::TempDir::new("counted");
+        {
+            let mut state = state::StateDir::open(&dir.0).unwrap();
+            let mut fake = Fake::with_conns(1);
+            state.resume(&mut fake.core).unwrap();
+            fake.core.set_grace_until(60 * S);
+            fake.core.set_grace_counted(counted);
+            let promise = Durability::new().needed(&fake.core).unwrap();
+            assert_eq!(promise.counted_grants, counted);
+            state.write_running(promise, 0).unwrap();
+            // Crash: nothing more is written.
+        }
+        let mut state = state::StateDir::open(&dir.0).unwrap();
+        let mut next = Fake::new(Limits::default(), 1);
+        state.resume(&mut next.core).unwrap();
+        assert_eq!(next.core.counted_grants(), counted);
+        let answer = next.extend(0, "k", 5, EARLIER);
+        let expected = if counted {
+            not_held(EARLIER)
+        } else {
+            extended(EARLIER)
+        };
+        assert_eq!(answer, vec![(0, expected)], "counted {counted}");
+        assert!(next.core.grace_until() > 50 * S);
+    }
+}
+
 #[test]
 fn during_the_grace_a_token_not_below_the_first_or_token_0_is_still_not_held() {
     let mut fake = Fake::with_conns(2);
@@ -1239,6 +1493,7 @@ fn the_horizon_on_disk_covers_every_lease_and_runs_at_most_5_s_past_the_latest()
     state.resume(&mut fake.core).unwrap();
     let anchor = boot(7_000, 50_000);
     state.anchor(anchor.clone());
+    let mut durability = Durability::new();
     let mut token = 0;
     // A minute of grants and renewals every 100 ms with mixed leases.
     for step in 1..=600u64 {
@@ -1250,16 +1505,12 @@ fn the_horizon_on_disk_covers_every_lease_and_runs_at_most_5_s_past_the_latest()
             fake.release(1, "k", token);
             token = fake.grant(1, "k", lease, step);
         }
-        // The shell covers before any answer leaves.
-        let core = &fake.core;
-        state
-            .cover(
-                core.next_token(),
-                core.lease_deadline_max(),
-                core.grace_until(),
-                fake.now,
-            )
-            .unwrap();
+        // The shell makes the endpoint's promise durable before any
+        // answer leaves (the real policy, as `Endpoint::poll_persist`).
+        if let Some(promise) = durability.needed(&fake.core) {
+            state.write_running(promise, fake.now).unwrap();
+            durability.persisted(promise);
+        }
         let latest = fake.core.lease_deadline_max();
         let horizon = horizon_on_disk(&dir.0, &anchor);
         assert!(
@@ -1273,7 +1524,7 @@ fn the_horizon_on_disk_covers_every_lease_and_runs_at_most_5_s_past_the_latest()
     }
     // The write rate: each write moves the horizon at least 5 s on, and
     // the horizon ends within 30 s (the longest lease) + 5 s of the last
-    // step at 60 s: at most (60 + 35) / 5 writes, plus the one at start.
+    // step at 60 s: at most (60 + 35) / 5 writes, plus the first.
     assert!(
         state.writes <= 1 + 95 / 5,
         "{} writes in a minute",
@@ -1304,7 +1555,9 @@ fn a_clean_stop_saved_and_resumed_restores_every_grant_and_the_remaining_grace()
         fake.run_until(21 * S);
         fake.core.shut_down();
         fake.drain();
-        state.save_clean_stop(&fake.core, fake.now).unwrap();
+        state
+            .save_clean_stop(&CleanStop::of(&fake.core, fake.now))
+            .unwrap();
         assert_eq!((a, b), (FIRST_TOKEN, FIRST_TOKEN + 1));
     }
     let mut state = state::StateDir::open(&dir.0).unwrap();
@@ -1492,6 +1745,9 @@ impl Pair {
                         lease_s,
                         owner,
                         key: keys[key as usize],
+                        limit: 0,
+                        take: 0,
+                        label: "",
                     },
                 )
             }
@@ -1528,7 +1784,7 @@ impl Pair {
             ),
             Op::Info { conn } => self.request(conn, &Request::Info),
             Op::Reconnect { conn } => {
-                self.fake.core.disconnect(conn);
+                self.fake.core.disconnect(conn, self.fake.now);
                 self.model.disconnect(conn);
                 prop_assert_eq!(self.fake.drain(), vec![]);
                 self.fake.core.connect(conn);
@@ -1601,4 +1857,342 @@ proptest! {
         prop_assert_eq!(pair.fake.core.keys(), 0);
         prop_assert_eq!(pair.fake.core.poll_timeout(), None);
     }
+}
+
+// ---- permits: semaphores and shared locks (spec §10) ---------------------------
+
+fn mismatch(owner: u64, key_limit: u16) -> Response {
+    Response::limit_mismatch(owner, key_limit)
+}
+
+fn grants_held(fake: &mut Fake) -> String {
+    fake.info()["grants_held"].clone()
+}
+
+#[test]
+fn counted_grants_that_fit_are_granted_at_once_and_one_that_does_not_waits_or_times_out() {
+    let mut fake = Fake::with_conns(4);
+    let first = fake.grant_permits(1, "sem", 30, 11, 3, 1);
+    let second = fake.grant_permits(2, "sem", 20, 12, 3, 1);
+    assert_eq!(second, first + 1);
+    // 2 of 3 taken: a take of 2 does not fit; wait 0 times out at once.
+    assert_eq!(
+        fake.permits(3, "sem", 0, 30, 13, 3, 2, ""),
+        vec![(3, timeout(13))]
+    );
+    fake.enqueue_permits(3, "sem", 9, 30, 14, 3, 2);
+    // Q shows the grant with the smallest token; waiters counts the queue.
+    assert_eq!(fake.query("sem"), (first, 11, 30_000, 1));
+    assert_eq!(fake.core.held(), 1);
+    assert_eq!(grants_held(&mut fake), "2");
+    // Releasing one grant frees its permit: 1 + 2 fit now.
+    assert_eq!(
+        fake.release(1, "sem", first),
+        vec![(1, released(first)), (3, acquired(14, second + 1))]
+    );
+    assert_eq!(fake.query("sem"), (second, 12, 20_000, 0));
+    assert_eq!(grants_held(&mut fake), "2");
+    fake.core.check_invariants();
+}
+
+#[test]
+fn an_exclusive_request_waits_behind_counted_grants_and_nobody_overtakes_it() {
+    let mut fake = Fake::with_conns(5);
+    let reader = fake.grant_permits(1, "rw", 30, 1, 65535, 1);
+    // The writer (take 0, all permits) does not fit while a reader holds.
+    assert_eq!(
+        fake.permits(2, "rw", 0, 30, 2, 65535, 0, ""),
+        vec![(2, timeout(2))]
+    );
+    fake.enqueue_permits(2, "rw", 9, 30, 3, 65535, 0);
+    // A reader after the writer would fit, but the queue is not empty.
+    assert_eq!(
+        fake.permits(3, "rw", 0, 30, 4, 65535, 1, ""),
+        vec![(3, timeout(4))]
+    );
+    fake.enqueue_permits(3, "rw", 9, 30, 5, 65535, 1);
+    // A plain `A` (no limit: never a mismatch) is exclusive and queues too.
+    fake.enqueue(4, "rw", 9, 30, 6);
+    assert_eq!(fake.query("rw"), (reader, 1, 30_000, 3));
+    // The reader leaves: the writer alone; the reader behind it waits.
+    assert_eq!(
+        fake.release(1, "rw", reader),
+        vec![(1, released(reader)), (2, acquired(3, reader + 1))]
+    );
+    assert_eq!(fake.query("rw"), (reader + 1, 3, 30_000, 2));
+    // The writer leaves: the reader, then the `A` behind it does not fit.
+    assert_eq!(
+        fake.release(2, "rw", reader + 1),
+        vec![(2, released(reader + 1)), (3, acquired(5, reader + 2))]
+    );
+    assert_eq!(
+        fake.release(3, "rw", reader + 2),
+        vec![(3, released(reader + 2)), (4, acquired(6, reader + 3))]
+    );
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_small_take_behind_a_head_that_does_not_fit_waits_even_when_permits_are_free() {
+    let mut fake = Fake::with_conns(4);
+    let small = fake.grant_permits(1, "sem", 30, 1, 4, 1);
+    // The head wants 4 of 4 (3 are free): it does not fit...
+    fake.enqueue_permits(2, "sem", 9, 30, 2, 4, 4);
+    // ...so a take of 1, which would fit, waits behind it.
+    fake.enqueue_permits(3, "sem", 9, 30, 3, 4, 1);
+    assert_eq!(fake.query("sem"), (small, 1, 30_000, 2));
+    assert_eq!(fake.core.grants_held(), 1);
+    // When the head times out, the scan goes on to the next, which fits.
+    assert_eq!(
+        fake.run_until(9 * S),
+        vec![(2, timeout(2)), (3, acquired(3, small + 1))]
+    );
+    fake.core.check_invariants();
+}
+
+#[test]
+fn one_release_grants_every_waiter_that_fits_in_queue_order_with_increasing_tokens() {
+    let mut fake = Fake::with_conns(6);
+    // An exclusive grant that names the limit (sets it like any other).
+    let writer = fake.grant_permits(0, "sem", 30, 100, 3, 0);
+    for (conn, owner) in [(1, 101), (2, 102), (3, 103)] {
+        fake.enqueue_permits(conn, "sem", 9, 30, owner, 3, 1);
+    }
+    fake.enqueue_permits(4, "sem", 9, 30, 104, 3, 1);
+    fake.set_now(2 * S);
+    assert_eq!(
+        fake.release(0, "sem", writer),
+        vec![
+            (0, released(writer)),
+            (1, acquired(101, writer + 1)),
+            (2, acquired(102, writer + 2)),
+            (3, acquired(103, writer + 3)),
+        ]
+    );
+    // The fourth did not fit and stopped the scan.
+    assert_eq!(fake.query("sem"), (writer + 1, 101, 30_000, 1));
+    assert_eq!(fake.core.grants_held(), 3);
+    assert_eq!(fake.core.stats().grants, 4);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn expiry_of_one_of_several_grants_frees_only_its_permits() {
+    let mut fake = Fake::with_conns(4);
+    let short = fake.grant_permits(1, "sem", 10, 1, 2, 1);
+    let long = fake.grant_permits(2, "sem", 20, 2, 2, 1);
+    fake.enqueue_permits(3, "sem", 30, 5, 3, 2, 1);
+    fake.enqueue_permits(3, "sem", 30, 5, 4, 2, 1);
+    assert_eq!(fake.run_until(10 * S - 1), vec![]);
+    assert_eq!(fake.run_until(10 * S), vec![(3, acquired(3, long + 1))]);
+    assert_eq!(fake.core.stats().expired, 1);
+    // The other grant still holds with its own lease and token.
+    assert_eq!(fake.query("sem"), (long, 2, 10_000, 1));
+    assert_eq!(fake.extend(1, "sem", 10, short), vec![(1, not_held(short))]);
+    assert_eq!(fake.extend(2, "sem", 30, long), vec![(2, extended(long))]);
+    assert_eq!(fake.query("sem"), (long, 2, 30_000, 1));
+    // The next expiry is the hand-over grant's (5 s lease from 10 s).
+    assert_eq!(fake.run_until(15 * S), vec![(3, acquired(4, long + 2))]);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn release_and_extend_act_on_the_exact_token_of_any_grant() {
+    let mut fake = Fake::with_conns(2);
+    let tokens: Vec<u64> = (0..3)
+        .map(|owner| fake.grant_permits(1, "sem", 30, owner, 5, 1))
+        .collect();
+    fake.set_now(S);
+    assert_eq!(
+        fake.extend(1, "sem", 60, tokens[1]),
+        vec![(1, extended(tokens[1]))]
+    );
+    for wrong in [0, tokens[2] + 1, u64::MAX] {
+        assert_eq!(fake.release(1, "sem", wrong), vec![(1, not_held(wrong))]);
+    }
+    assert_eq!(
+        fake.release(1, "sem", tokens[0]),
+        vec![(1, released(tokens[0]))]
+    );
+    assert_eq!(
+        fake.release(1, "sem", tokens[0]),
+        vec![(1, not_held(tokens[0]))]
+    );
+    // The smallest live token is now the renewed one.
+    assert_eq!(fake.query("sem"), (tokens[1], 1, 60_000, 0));
+    assert_eq!(fake.run_until(31 * S), vec![]);
+    assert_eq!(fake.query("sem"), (tokens[1], 1, 30_000, 0));
+    assert_eq!(fake.core.grants_held(), 1);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_different_limit_gets_x_10_naming_the_keys_limit_and_changes_nothing() {
+    let mut fake = Fake::with_conns(3);
+    let token = fake.grant_permits(1, "sem", 30, 1, 3, 1);
+    let before = fake.core.next_token();
+    for (wait_s, take) in [(0, 1), (9, 1), (9, 0), (0, 4)] {
+        assert_eq!(
+            fake.permits(2, "sem", wait_s, 30, 7, 4, take, "x"),
+            vec![(2, mismatch(7, 3))]
+        );
+    }
+    match &mismatch(7, 3) {
+        Response::Error { code, id, text } => {
+            assert_eq!((*code, *id), (ErrorCode::LimitMismatch as u8, 7));
+            assert_eq!(text, "limit mismatch: key limit 3");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fake.core.next_token(), before);
+    assert_eq!(fake.query("sem"), (token, 1, 30_000, 0));
+    assert_eq!(fake.core.stats().errors, 4);
+    assert_eq!(fake.core.waiter_count(), 0);
+    // Limit 0 never mismatches: take 0 without a limit is exclusive.
+    assert_eq!(
+        fake.permits(2, "sem", 0, 30, 8, 0, 0, ""),
+        vec![(2, timeout(8))]
+    );
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_queued_request_sets_the_limit_and_it_goes_when_the_key_leaves_the_table() {
+    let mut fake = Fake::with_conns(3);
+    let plain = fake.grant(1, "k", 30, 1);
+    // The key has no limit; this request queues and sets it to 2.
+    fake.enqueue_permits(2, "k", 9, 30, 2, 2, 1);
+    assert_eq!(
+        fake.permits(2, "k", 9, 30, 3, 5, 1, ""),
+        vec![(2, mismatch(3, 2))]
+    );
+    // The plain grant still holds with its token, owner and lease.
+    assert_eq!(fake.query("k"), (plain, 1, 30_000, 1));
+    assert_eq!(fake.extend(1, "k", 40, plain), vec![(1, extended(plain))]);
+    assert_eq!(
+        fake.release(1, "k", plain),
+        vec![(1, released(plain)), (2, acquired(2, plain + 1))]
+    );
+    assert_eq!(
+        fake.release(2, "k", plain + 1),
+        vec![(2, released(plain + 1))]
+    );
+    assert_eq!(fake.core.keys(), 0);
+    // Gone with the key: any limit is the first again.
+    let again = fake.grant_permits(1, "k", 30, 4, 5, 5);
+    assert_eq!(again, plain + 2);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_request_that_ends_with_t_or_b_sets_no_limit() {
+    let mut fake = Fake::new(limits(10, 10, 0, 10), 3);
+    let plain = fake.grant(1, "k", 30, 1);
+    assert_eq!(
+        fake.permits(2, "k", 0, 30, 2, 2, 1, ""),
+        vec![(2, timeout(2))]
+    );
+    // No room on the key's queue: B, and no limit either.
+    assert_eq!(fake.permits(2, "k", 9, 30, 3, 3, 1, ""), vec![(2, busy(3))]);
+    assert_eq!(
+        fake.permits(2, "k", 0, 30, 4, 4, 1, ""),
+        vec![(2, timeout(4))]
+    );
+    // The key never got a limit: the plain grant frees it, and a new
+    // grant may name any limit.
+    assert_eq!(fake.release(1, "k", plain), vec![(1, released(plain))]);
+    assert_eq!(fake.core.keys(), 0);
+    fake.grant_permits(1, "k", 30, 5, 9, 1);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn max_grants_counts_grants_and_waiters_and_answers_busy_at_once() {
+    let mut fake = Fake::new(
+        Limits {
+            max_grants: 3,
+            ..Limits::default()
+        },
+        3,
+    );
+    let first = fake.grant_permits(1, "sem", 30, 1, 5, 1);
+    fake.grant_permits(1, "sem", 30, 2, 5, 1);
+    fake.enqueue_permits(2, "sem", 9, 30, 3, 5, 5);
+    // 2 grants + 1 waiter: a grant or a waiter more would pass it.
+    assert_eq!(
+        fake.permits(2, "sem", 9, 30, 4, 5, 1, ""),
+        vec![(2, busy(4))]
+    );
+    assert_eq!(fake.acquire(2, "other", 0, 30, 5), vec![(2, busy(5))]);
+    assert_eq!(fake.acquire(2, "sem", 9, 30, 6), vec![(2, busy(6))]);
+    assert_eq!(fake.core.next_token(), first + 2);
+    assert_eq!(fake.core.stats().busy, 3);
+    // A grant leaving makes room for one.
+    assert_eq!(fake.release(1, "sem", first), vec![(1, released(first))]);
+    assert_eq!(fake.grant(2, "other", 30, 7), first + 2);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn the_head_waiter_leaving_lets_the_ones_behind_it_in() {
+    let mut fake = Fake::with_conns(4);
+    let held = fake.grant_permits(1, "sem", 30, 1, 3, 2);
+    fake.enqueue_permits(2, "sem", 9, 30, 2, 3, 2);
+    fake.enqueue_permits(3, "sem", 9, 30, 3, 3, 1);
+    fake.enqueue_permits(3, "sem", 9, 30, 4, 3, 1);
+    fake.set_now(S);
+    // The head's connection closes: the next fits (2 + 1), the one after
+    // it does not (2 + 1 + 1).
+    fake.core.disconnect(2, fake.now);
+    assert_eq!(fake.drain(), vec![(3, acquired(3, held + 1))]);
+    assert_eq!(fake.query("sem"), (held, 1, 29_000, 1));
+    fake.core.check_invariants();
+}
+
+#[test]
+fn labels_travel_with_waiters_and_grants_and_change_no_answer() {
+    let mut fake = Fake::with_conns(3);
+    let label = "alice@host pid=42 backup.sh";
+    assert_eq!(
+        fake.permits(1, "sem", 0, 30, 1, 2, 2, label),
+        vec![(1, acquired(1, FIRST_TOKEN))]
+    );
+    assert_eq!(fake.permits(2, "sem", 9, 30, 2, 2, 1, label), vec![]);
+    assert_eq!(
+        fake.permits(2, "x", 9, 30, 3, 0, 0, label),
+        vec![(2, acquired(3, FIRST_TOKEN + 1))]
+    );
+    fake.core.check_invariants();
+    assert_eq!(
+        fake.release(1, "sem", FIRST_TOKEN),
+        vec![
+            (1, released(FIRST_TOKEN)),
+            (2, acquired(2, FIRST_TOKEN + 2))
+        ]
+    );
+    fake.run_until(40 * S);
+    assert_eq!(fake.core.keys(), 0);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn info_reports_grants_held_of_every_kind() {
+    let mut fake = Fake::with_conns(2);
+    assert_eq!(grants_held(&mut fake), "0");
+    fake.grant(1, "plain", 30, 1);
+    fake.grant_permits(1, "shared", 30, 2, 65535, 1);
+    fake.grant_permits(1, "shared", 30, 3, 65535, 1);
+    fake.grant_permits(1, "shared", 30, 4, 65535, 1);
+    fake.enqueue_permits(1, "shared", 60, 30, 5, 65535, 0);
+    let info = fake.info();
+    assert_eq!(info["grants_held"], "4");
+    assert_eq!(info["held"], "2");
+    assert_eq!(info["keys"], "2");
+    assert_eq!(info["waiters"], "1");
+    assert_eq!(info["grants"], "4");
+    fake.run_until(30 * S);
+    assert_eq!(grants_held(&mut fake), "1");
+    fake.run_until(60 * S);
+    assert_eq!(grants_held(&mut fake), "0");
+    fake.core.check_invariants();
 }

@@ -291,3 +291,101 @@ fn refusals_at_accept_send_x9_and_x7_before_reading() {
     assert_eq!(wire.endpoint.core().stats().refused, 1);
     assert_eq!(wire.endpoint.core().stats().errors, 3);
 }
+
+/// Durability before visibility (spec §7.2): with a state directory no
+/// answer that shows a token or a lease is transmitted until the promise
+/// covering it is durable; a lease inside the promise needs no new one.
+#[test]
+fn with_durability_nothing_is_transmitted_until_the_promise_covering_it_is_persisted() {
+    let mut wire = Wire::new();
+    wire.endpoint.require_durability();
+    // The first promise replaces the earlier run's file: due at once.
+    let first = wire.endpoint.poll_persist().expect("the first promise");
+    assert_eq!(first.token_high_water, FIRST_TOKEN + (1 << 26));
+    assert_eq!(first.horizon, 0);
+    wire.endpoint.handle_persisted(first);
+    assert_eq!(wire.endpoint.poll_persist(), None);
+    wire.connect(1);
+    wire.send(1, &acquire(0, 30, 7, "k"));
+    // A 30 s lease is past the promised horizon: held back until durable.
+    assert_eq!(wire.endpoint.transmit(1), None);
+    let promise = wire
+        .endpoint
+        .poll_persist()
+        .expect("a promise for the lease");
+    assert_eq!(promise.token_high_water, first.token_high_water);
+    assert_eq!(promise.horizon, 35 * S);
+    wire.endpoint.handle_persisted(promise);
+    assert_eq!(
+        wire.recv(1),
+        frame(Response::Acquired {
+            owner: 7,
+            token: FIRST_TOKEN
+        })
+    );
+    // A renewal within the promised horizon goes out at once.
+    wire.at(2 * S);
+    wire.send(1, &extend(30, FIRST_TOKEN, "k"));
+    assert_eq!(wire.endpoint.poll_persist(), None);
+    assert_eq!(
+        wire.recv(1),
+        frame(Response::Extended { token: FIRST_TOKEN })
+    );
+    // One past it needs the next promise first.
+    wire.at(6 * S);
+    wire.send(1, &extend(30, FIRST_TOKEN, "k"));
+    assert_eq!(wire.endpoint.transmit(1), None);
+    assert_eq!(
+        wire.endpoint.poll_persist().map(|p| p.horizon),
+        Some(41 * S)
+    );
+}
+
+/// Spec §7.4 on the wire: the answer to the first counted grant (`take`
+/// ≥ 1) is held back until a promise recording it is durable, even when
+/// the token and the lease are covered already.
+#[test]
+fn the_first_counted_grant_is_answered_only_after_the_flag_is_durable() {
+    let mut wire = Wire::new();
+    wire.endpoint.require_durability();
+    wire.connect(1);
+    wire.send(1, &acquire(0, 30, 7, "k"));
+    let exclusive = wire.endpoint.poll_persist().unwrap();
+    assert!(!exclusive.counted_grants);
+    wire.endpoint.handle_persisted(exclusive);
+    wire.recv(1);
+    let mut shared = Vec::new();
+    protocol::encode_request(
+        &protocol::Request::Acquire {
+            wait_s: 0,
+            lease_s: 5,
+            owner: 8,
+            key: "s",
+            limit: 65_535,
+            take: 1,
+            label: "",
+        },
+        &mut shared,
+    );
+    wire.send(1, &shared);
+    assert_eq!(wire.endpoint.transmit(1), None);
+    let counted = wire
+        .endpoint
+        .poll_persist()
+        .expect("a promise with the flag");
+    assert_eq!(
+        counted,
+        kunci::core::restart::Promise {
+            counted_grants: true,
+            ..exclusive
+        }
+    );
+    wire.endpoint.handle_persisted(counted);
+    assert_eq!(
+        wire.recv(1),
+        frame(Response::Acquired {
+            owner: 8,
+            token: FIRST_TOKEN + 1
+        })
+    );
+}

@@ -727,3 +727,89 @@ fn the_crash_grace_is_named_by_query_and_timeout() {
         "{log:?}"
     );
 }
+
+/// An `S` frame (spec §10): `take` 0 takes every permit.
+fn permits(wait_s: u8, lease_s: u8, owner: u64, take: u16, label: &str, key: &str) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    kunci::protocol::encode_request(
+        &kunci::protocol::Request::Acquire {
+            wait_s,
+            lease_s,
+            owner,
+            key,
+            limit: 65_535,
+            take,
+            label,
+        },
+        &mut bytes,
+    );
+    bytes
+}
+
+/// Spec §7.4 with real processes: a clean stop keeps both readers of a
+/// shared lock, with their takes, and the writer still waits for both.
+#[test]
+fn a_clean_stop_keeps_both_readers_of_a_shared_lock() {
+    let dir = TempDir::new("permits-clean");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    peer.send(&permits(0, 30, 1, 1, "reader one", "rw"));
+    let reader_1 = granted(peer.recv(), 1);
+    peer.send(&permits(0, 30, 2, 1, "", "rw"));
+    let reader_2 = granted(peer.recv(), 2);
+    let port = port_of(&server);
+    assert!(server.stop().success());
+
+    let server = start_on(&dir, port);
+    let mut peer = server.peer();
+    assert_eq!(query_key(&mut peer, "rw").0, reader_1);
+    // A third reader fits beside them; the writer does not.
+    peer.send(&permits(0, 30, 3, 1, "", "rw"));
+    let reader_3 = granted(peer.recv(), 3);
+    assert!(reader_3 > reader_2);
+    peer.send(&permits(0, 30, 4, 0, "", "rw"));
+    assert_eq!(peer.recv(), Response::Timeout { owner: 4 });
+    for token in [reader_1, reader_2, reader_3] {
+        peer.send(&release(token, "rw"));
+        assert_eq!(peer.recv(), Response::Released { token });
+    }
+    peer.send(&permits(0, 30, 5, 0, "", "rw"));
+    granted(peer.recv(), 5);
+}
+
+/// Issue 19's overlap with real processes and `kill -9`: two readers hold
+/// a shared lock at the crash; one releases after the restart; a writer
+/// must not get the key while the other reader's lease may still run.
+/// (Under §7.3 alone the release would free the key at once.)
+#[test]
+fn after_kill_9_a_writer_waits_for_every_reader_lease_though_one_reader_released() {
+    let dir = TempDir::new("permits-kill9");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    peer.send(&permits(0, 2, 1, 1, "", "rw"));
+    let reader_1 = granted(peer.recv(), 1);
+    let reader_2_granted = Instant::now();
+    peer.send(&permits(0, 4, 2, 1, "", "rw"));
+    granted(peer.recv(), 2);
+    let port = port_of(&server);
+    server.kill();
+
+    let server = start_on(&dir, port);
+    let mut peer = server.peer();
+    peer.send(&release(reader_1, "rw"));
+    assert_eq!(peer.recv(), Response::NotHeld { token: reader_1 });
+    let (token, _, lease_ms, _) = query_key(&mut peer, "rw");
+    assert_eq!(token, 0, "held by the unknown grant");
+    assert!(lease_ms > 0);
+    peer.send(&permits(20, 5, 3, 0, "", "rw"));
+    granted(peer.recv(), 3);
+    let waited = reader_2_granted.elapsed();
+    assert!(
+        waited >= Duration::from_secs(4),
+        "the writer overlapped the second reader's lease: granted {waited:?} after it"
+    );
+    assert!(
+        waited < Duration::from_secs(4 + 5 + 5),
+        "granted {waited:?} after the last lease: past the horizon"
+    );
+}

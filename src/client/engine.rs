@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use slab::Slab;
 
-use crate::core::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 use crate::protocol::{self, Correlation, ErrorCode, KEY_LEN_MAX, Request, Response};
+use crate::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 
 use super::{KeyStatus, TRANSPORT_DEADLINE, Unavailable};
 
@@ -1042,6 +1042,9 @@ fn encode<R>(req: &Req<R>, now: Instant, out: &mut Vec<u8>) {
             lease_s,
             owner,
             key,
+            limit: 0,
+            take: 0,
+            label: "",
         },
         Op::Release { token } => Request::Release { token, key },
         Op::Extend { token, lease_s } => Request::Extend {

@@ -17,7 +17,7 @@
 use crate::protocol::REQUEST_FRAME_MAX;
 
 use super::Micros;
-use super::timer_wheel::TimerLinks;
+use crate::timer_wheel::TimerLinks;
 
 /// The most bytes the shell hands to one `handle_read`; with the carried
 /// partial frame, also the most input one connection can hold.

@@ -9,7 +9,10 @@
 //! ([`handle_timeout`](Endpoint::handle_timeout)), each with `now`. It
 //! pulls what to do: the bytes to write ([`next_transmit`](Endpoint::next_transmit),
 //! [`transmit`](Endpoint::transmit)), socket actions ([`poll_action`](Endpoint::poll_action))
-//! and when to wake up ([`poll_timeout`](Endpoint::poll_timeout)). Every
+//! and when to wake up ([`poll_timeout`](Endpoint::poll_timeout)). With a
+//! state directory it also says what must be durable first
+//! ([`poll_persist`](Endpoint::poll_persist)): nothing is transmitted until
+//! the shell has made that promise durable. Every
 //! rule about reading, answering, backpressure and closing lives here or
 //! in [`Connection`], where the simulation and the fuzzers reach it.
 
@@ -21,15 +24,16 @@ use log::debug;
 use super::connection::{
     Connection, LINGER_US, OUTPUT_HIGH_WATER, OUTPUT_LOW_WATER, PARTIAL_FRAME_TIMEOUT_US, Phase,
 };
-use super::timer_wheel::{
-    TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
-};
+use super::restart::{Durability, Promise};
 use super::{ConnId, Core, Micros};
 use crate::addr::Network;
 use crate::protocol::{self, Decoded, ErrorCode, RESPONSE_FRAME_MAX};
+use crate::timer_wheel::{
+    TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
+};
 
 /// The largest connection id: ids are the connection timer wheel's ids.
-pub const CONN_ID_MAX: u64 = super::timer_wheel::TIMER_ID_MAX as u64;
+pub const CONN_ID_MAX: u64 = crate::timer_wheel::TIMER_ID_MAX as u64;
 
 /// At most this many connections refused at accept linger at once;
 /// beyond it they are closed right after a best-effort `X 7`/`X 9`.
@@ -85,6 +89,8 @@ pub struct Endpoint {
     /// Emptied output buffers, kept so that busy connections do not
     /// allocate one per wake-up.
     spare_outputs: Vec<Vec<u8>>,
+    /// With a state directory: what the file on disk promises (spec §7).
+    durability: Option<Durability>,
 }
 
 /// Gives the connection timer wheel the links inside connections.
@@ -114,6 +120,31 @@ impl Endpoint {
             refused_lingering: 0,
             shutdown_deadline: None,
             spare_outputs: Vec::new(),
+            durability: None,
+        }
+    }
+
+    /// Makes every answer wait until what it reveals (tokens, leases) is
+    /// durable: from now on [`transmit`](Self::transmit) gives nothing
+    /// while [`poll_persist`](Self::poll_persist) has a promise to make.
+    /// The first promise is due at once (it replaces the earlier run's
+    /// file), so call it before accepting.
+    pub fn require_durability(&mut self) {
+        self.durability = Some(Durability::new());
+    }
+
+    /// The promise the shell must make durable (write and fsync) before it
+    /// transmits anything else, then report with
+    /// [`handle_persisted`](Self::handle_persisted); `None` when the file
+    /// covers everything queued (or there is no state directory).
+    pub fn poll_persist(&self) -> Option<Promise> {
+        self.durability.as_ref()?.needed(&self.core)
+    }
+
+    /// The shell made `promise` durable.
+    pub fn handle_persisted(&mut self, promise: Promise) {
+        if let Some(durability) = self.durability.as_mut() {
+            durability.persisted(promise);
         }
     }
 
@@ -267,13 +298,13 @@ impl Endpoint {
                 self.begin_close(id, true, now);
             }
             Phase::Flushing { .. } => conn.phase = Phase::Flushing { peer_closed: true },
-            Phase::Lingering => self.close(id),
+            Phase::Lingering => self.close(id, now),
         }
     }
 
     /// Reading or writing `id`'s socket failed: it is gone.
-    pub fn handle_broken(&mut self, id: ConnId) {
-        self.close(id);
+    pub fn handle_broken(&mut self, id: ConnId, now: Micros) {
+        self.close(id, now);
     }
 
     /// The next connection with output to send. The shell writes it with
@@ -296,9 +327,13 @@ impl Endpoint {
         !self.transmit_queue.is_empty()
     }
 
-    /// The bytes `id` has to send now, if any.
+    /// The bytes `id` has to send now, if any: none while a promise
+    /// waits to be made durable ([`poll_persist`](Self::poll_persist)).
     pub fn transmit(&self, id: ConnId) -> Option<&[u8]> {
         let conn = self.connection(id)?;
+        if self.poll_persist().is_some() {
+            return None;
+        }
         (!conn.output.is_empty()).then_some(&conn.output[..])
     }
 
@@ -351,7 +386,7 @@ impl Endpoint {
             if self.connection(id).map(Connection::phase) == Some(Phase::Open) {
                 debug!("connection {id}: frame incomplete for 10 s");
             }
-            self.close(id);
+            self.close(id, now);
         }
     }
 
@@ -551,7 +586,7 @@ impl Endpoint {
         match conn.phase {
             Phase::Open | Phase::Lingering => {}
             Phase::Backpressured => self.resume(id, now),
-            Phase::Flushing { peer_closed: true } => self.close(id),
+            Phase::Flushing { peer_closed: true } => self.close(id, now),
             Phase::Flushing { peer_closed: false } => {
                 conn.phase = Phase::Lingering;
                 self.actions.push_back((id, Action::ShutWrite));
@@ -573,7 +608,10 @@ impl Endpoint {
         conn.phase = Phase::Flushing { peer_closed };
         conn.input = Vec::new();
         let drained = conn.output.is_empty();
-        self.core.disconnect(id);
+        // Waiters behind this connection's on a key with a limit may be
+        // granted now (spec §10.4): their answers go out like any other.
+        self.core.disconnect(id, now);
+        self.route();
         self.arm(id, now + LINGER_US, now);
         if drained {
             self.output_drained(id, now);
@@ -581,7 +619,7 @@ impl Endpoint {
     }
 
     /// Forgets `id` at once and tells the shell to close its socket.
-    fn close(&mut self, id: ConnId) {
+    fn close(&mut self, id: ConnId, now: Micros) {
         if self.connection(id).is_none() {
             return;
         }
@@ -589,7 +627,8 @@ impl Endpoint {
         let conn = self.conns[id as usize].take().expect("checked above");
         self.count -= 1;
         if conn.phase.is_live() {
-            self.core.disconnect(id);
+            self.core.disconnect(id, now);
+            self.route();
         }
         if conn.refused {
             self.refused_lingering -= 1;

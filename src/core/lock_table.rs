@@ -13,7 +13,7 @@ use std::hash::BuildHasher as _;
 use slab::Slab;
 
 use super::key_index::KeyIndex;
-use super::timer_wheel::TimerLinks;
+use crate::timer_wheel::TimerLinks;
 
 /// Marks the end of the free list or "no waiters".
 pub const NIL: u32 = u32::MAX;
@@ -280,6 +280,13 @@ impl LockTable {
     #[doc(hidden)]
     pub fn live_indices(&self) -> impl Iterator<Item = u32> + '_ {
         (0..self.entries.len() as u32).filter(|&index| self.entries[index as usize].key.len != 0)
+    }
+
+    /// Whether `index` is a live entry (not on the free list).
+    pub fn is_live(&self, index: u32) -> bool {
+        self.entries
+            .get(index as usize)
+            .is_some_and(|entry| entry.key.len != 0)
     }
 
     pub fn get(&self, index: u32) -> &LockEntry {

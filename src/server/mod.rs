@@ -28,6 +28,7 @@ use slab::Slab;
 use crate::addr::{Address, Network};
 use crate::core::connection::READ_CHUNK;
 use crate::core::endpoint::{Action, Endpoint};
+use crate::core::restart::CleanStop;
 use crate::core::{ConnId, Core, Limits, Micros};
 use crate::stream::Stream;
 use listener::{Listener, Peer};
@@ -279,10 +280,20 @@ impl Server {
         if let Some(state) = state.as_mut() {
             state.resume(&mut core)?;
         }
+        let mut endpoint = Endpoint::new(core, config.allow.clone());
+        if let Some(state) = state.as_mut() {
+            endpoint.require_durability();
+            // This run's first promise replaces the earlier run's file
+            // before any connection is accepted.
+            if let Some(promise) = endpoint.poll_persist() {
+                state.write_first(promise)?;
+                endpoint.handle_persisted(promise);
+            }
+        }
         let shell = Shell {
             registry: poll.registry().try_clone()?,
             state,
-            endpoint: Endpoint::new(core, config.allow.clone()),
+            endpoint,
             sockets: Slab::new(),
             clock_start,
             clock: 0,
@@ -504,7 +515,10 @@ impl Shell {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => return self.endpoint.handle_broken(id as ConnId),
+                Err(_) => {
+                    let now = self.now();
+                    return self.endpoint.handle_broken(id as ConnId, now);
+                }
             }
         }
     }
@@ -532,9 +546,7 @@ impl Shell {
     /// Writes `id`'s queued output until it is all sent or the socket
     /// would block (its write readiness then brings it back).
     fn flush(&mut self, id: usize) -> io::Result<()> {
-        if self.endpoint.transmit(id as ConnId).is_some() {
-            self.make_durable()?;
-        }
+        self.make_durable()?;
         loop {
             let Some(socket) = self.sockets.get_mut(id) else {
                 return Ok(());
@@ -544,7 +556,8 @@ impl Shell {
             };
             match socket.stream.write(bytes) {
                 Ok(0) => {
-                    self.endpoint.handle_broken(id as ConnId);
+                    let now = self.now();
+                    self.endpoint.handle_broken(id as ConnId, now);
                     return Ok(());
                 }
                 Ok(n) => {
@@ -557,7 +570,8 @@ impl Shell {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
-                    self.endpoint.handle_broken(id as ConnId);
+                    let now = self.now();
+                    self.endpoint.handle_broken(id as ConnId, now);
                     return Ok(());
                 }
             }
@@ -585,24 +599,22 @@ impl Shell {
     }
 
     /// With a state directory: before any answer leaves the process, make
-    /// sure the state file covers every token issued and every lease
-    /// granted, so a crash can never show a token or lease twice. Without
-    /// one this is nothing.
+    /// the endpoint's promise durable (every token issued, every lease
+    /// granted), so a crash can never show a token or lease twice; the
+    /// endpoint transmits nothing until then. Without one this is nothing.
     fn make_durable(&mut self) -> io::Result<()> {
+        let Some(promise) = self.endpoint.poll_persist() else {
+            return Ok(());
+        };
         let Some(state) = self.state.as_mut() else {
             return Ok(());
         };
         let now = micros(self.clock_start.elapsed());
-        let core = self.endpoint.core();
-        state
-            .cover(
-                core.next_token(),
-                core.lease_deadline_max(),
-                core.grace_until(),
-                now,
-            )
-            .map(|_| ())
-            .map_err(|e| io::Error::new(e.kind(), format!("state directory: cannot persist: {e}")))
+        state.write_running(promise, now).map_err(|e| {
+            io::Error::new(e.kind(), format!("state directory: cannot persist: {e}"))
+        })?;
+        self.endpoint.handle_persisted(promise);
+        Ok(())
     }
 
     /// Persists every held grant (spec §7.1) once no request can arrive.
@@ -612,10 +624,11 @@ impl Shell {
         };
         let core = self.endpoint.core();
         let started = Instant::now();
-        match state.save_clean_stop(core, now) {
+        let stop = CleanStop::of(core, now);
+        match state.save_clean_stop(&stop) {
             Ok(()) => info!(
                 "state: saved {} in {:.0} ms; the state file was written {} in this run",
-                counted(core.held() as u64, "grant"),
+                counted(stop.count as u64, "grant"),
                 started.elapsed().as_secs_f64() * 1e3,
                 counted(state.writes, "time"),
             ),

@@ -10,13 +10,12 @@
 //! - after a **clean stop**, every held grant (key, token, owner, lease time
 //!   left), which the next run restores before it accepts a connection.
 //!
-//! While the server runs, the high-water mark and the horizon are raised
-//! *before* any answer that needs them leaves the process (the event loop
-//! calls [`StateDir::cover`] before every write), in steps: [`TOKEN_BLOCK`]
-//! tokens, and a horizon [`HORIZON_STEP`] past the latest lease deadline. So
-//! the horizon never runs more than 5 s past the latest lease deadline
-//! actually armed, and a server with steady grants writes the file at most
-//! once per [`HORIZON_STEP`] (two fsyncs: the file and the directory).
+//! This module is the file format and the file IO only. What to promise
+//! and when, what a clean stop keeps, and what the next run makes of it
+//! (the grace, the leases left) is policy, in [`crate::core::restart`]:
+//! the endpoint yields a [`Promise`] that must be durable before anything
+//! else is transmitted, and the shell writes it here
+//! ([`StateDir::write_running`]: two fsyncs, the file and the directory).
 //!
 //! # Time across a restart
 //!
@@ -35,9 +34,9 @@
 //! `LD_PRELOAD` (libfaketime) moves the C library's boot-time clock with the
 //! wall clock, which is exactly the step this must not see.
 //!
-//! # File format, version 2
+//! # File format, version 3
 //!
-//! The ASCII line `kunci-state 2\n`, then, big-endian:
+//! The ASCII line `kunci-state 3\n`, then, big-endian:
 //!
 //! | field | type | meaning |
 //! |---|---|---|
@@ -48,9 +47,14 @@
 //! | written wall ms | u64 | Unix time at the write |
 //! | token high-water mark | u64 | no token ≥ it was issued |
 //! | horizon | u32 | ms after the write; 0 = no lease outstanding |
+//! | flags | u8 | bit 0: a lease up to the horizon may be a counted grant (`take` ≥ 1, spec §7.4); other bits 0 |
 //! | grant count | u64 | 0 unless kind = 2 |
-//! | grants | … | each: token u64, owner u64, lease ms left u32, key length u8, key |
+//! | grants | … | each: token u64, owner u64, lease ms left u32, take u16, key's limit u16, key length u8, key, label length u8, label |
 //! | checksum | u64 | FNV-1a 64 of every byte before it |
+//!
+//! Version 2 is the same without the flags byte and with grants of token,
+//! owner, lease ms left, key length and key only (every grant exclusive,
+//! no limit, no label); it is still read.
 //!
 //! Version 1 (one text line `kunci-state 1 token_high_water=N
 //! lease_horizon_ms=WALL_MS`) is still read: its horizon is wall-clock time,
@@ -60,29 +64,26 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use log::info;
 
+pub use crate::core::restart::{
+    CleanStop, HORIZON_STEP, MAX_GRACE, Promise, Restart, SavedGrant, TOKEN_BLOCK,
+};
 use crate::core::{Core, Micros};
-
-/// Tokens reserved per write of the high-water mark.
-pub const TOKEN_BLOCK: u64 = 1 << 26;
-/// How far past the latest lease deadline the horizon is pushed per write:
-/// the most the grace after a crash can exceed the longest outstanding
-/// lease, and the least time between two writes under steady grants.
-pub const HORIZON_STEP: Duration = Duration::from_secs(5);
-/// No grace after a restart, and no restored lease, lasts longer than the
-/// longest lease plus [`HORIZON_STEP`], whatever the clocks say.
-pub const MAX_GRACE: Duration = Duration::from_secs(255 + 5);
 /// The format this build writes.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 /// The file name inside the state directory.
 pub const STATE_FILE: &str = "kunci.state";
 const LOCK_FILE: &str = "kunci.lock";
 const KIND_RUNNING: u8 = 1;
 const KIND_CLEAN_STOP: u8 = 2;
+/// Flags bit: a lease up to the horizon may be a counted grant.
+const FLAG_COUNTED_GRANTS: u8 = 1;
+/// The longest label a grant carries (spec §11.1).
+const LABEL_MAX: usize = 128;
 const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 /// The clocks a restart is measured on, read at one moment.
@@ -155,25 +156,11 @@ fn boot_time_ms() -> u64 {
     time.tv_sec as u64 * 1_000 + time.tv_nsec as u64 / 1_000_000
 }
 
-fn micros(duration: Duration) -> Micros {
-    duration.as_micros() as Micros
-}
-
 /// Milliseconds since the Unix epoch, by the wall clock.
 pub fn wall_clock_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |elapsed| elapsed.as_millis() as u64)
-}
-
-/// One grant held at a clean stop, as written and as read back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SavedGrant<'a> {
-    pub key: &'a str,
-    pub token: u64,
-    pub owner: u64,
-    /// Lease time left at the write, ms.
-    pub left_ms: u32,
 }
 
 /// What the previous run left behind.
@@ -188,33 +175,14 @@ pub struct Recorded {
     pub token_high_water: u64,
     /// ms after the write until which a lease of that run may still run.
     pub horizon_ms: u64,
+    /// Whether a lease up to the horizon may be a counted grant (spec
+    /// §7.4): then no adoption may free a key before the horizon.
+    pub counted_grants: bool,
     /// How many grants `grant_bytes` holds.
     grant_count: u64,
     /// The grants held at a clean stop, validated, in their file encoding:
     /// a million grants are read without a million allocations.
     grant_bytes: Vec<u8>,
-}
-
-/// What the previous run means for this one, at the moment `now`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Restart {
-    /// Every key without a restored grant counts as held for this long.
-    pub grace: Duration,
-    /// The time since the file was written, ms.
-    since_ms: u64,
-}
-
-impl Restart {
-    /// The lease a grant with `left_ms` at the write has left now, or
-    /// `None` when it ran out while the server was down.
-    pub fn lease_left(&self, left_ms: u32) -> Option<Duration> {
-        // Both clock readings are whole ms: one ms less keeps the downtime
-        // from ever counting for the lease.
-        let left = u64::from(left_ms)
-            .saturating_sub(self.since_ms + 1)
-            .min(MAX_GRACE.as_millis() as u64);
-        (left > 0).then(|| Duration::from_millis(left))
-    }
 }
 
 impl Recorded {
@@ -231,17 +199,15 @@ impl Recorded {
         }
     }
 
-    /// The grace and the time since the write, at `now`: the downtime
-    /// counts against every lease, never for it, and nothing lasts longer
-    /// than [`MAX_GRACE`].
+    /// What this record means for a run whose clocks read `now`: the time
+    /// since the write is measured here (on the right clock), the policy
+    /// is [`Restart::new`]'s.
     pub fn restart_at(&self, now: &Clocks) -> Restart {
-        let since_ms = now.since(&self.written);
-        let cap = MAX_GRACE.as_millis() as u64;
-        let grace = self.horizon_ms.saturating_sub(since_ms).min(cap);
-        Restart {
-            grace: Duration::from_millis(grace),
-            since_ms,
-        }
+        Restart::new(
+            self.horizon_ms,
+            now.since(&self.written),
+            self.counted_grants,
+        )
     }
 
     /// How many grants were listed.
@@ -255,12 +221,15 @@ impl Recorded {
             bytes: &self.grant_bytes,
             at: 0,
         };
+        let version = self.version;
         // Validated when read: decoding cannot fail here.
-        (0..self.grant_count).map_while(move |index| decode_grant(&mut reader, index).ok())
+        (0..self.grant_count).map_while(move |index| decode_grant(&mut reader, index, version).ok())
     }
 
-    /// Replaces the listed grants (a clean stop's, for tests and tools).
+    /// Replaces the listed grants (a clean stop's, for tests and tools);
+    /// the record is then in this build's version.
     pub fn set_grants<'a>(&mut self, grants: impl IntoIterator<Item = SavedGrant<'a>>) {
+        self.version = FORMAT_VERSION;
         self.grant_bytes.clear();
         self.grant_count = 0;
         for grant in grants {
@@ -270,30 +239,71 @@ impl Recorded {
     }
 }
 
+/// Encodes `grant` in this build's version.
 fn encode_grant(out: &mut Vec<u8>, grant: &SavedGrant<'_>) {
     out.extend_from_slice(&grant.token.to_be_bytes());
     out.extend_from_slice(&grant.owner.to_be_bytes());
     out.extend_from_slice(&grant.left_ms.to_be_bytes());
+    out.extend_from_slice(&grant.take.to_be_bytes());
+    out.extend_from_slice(&grant.limit.to_be_bytes());
     out.push(grant.key.len() as u8);
     out.extend_from_slice(grant.key.as_bytes());
+    out.push(grant.label.len() as u8);
+    out.extend_from_slice(grant.label.as_bytes());
 }
 
-/// Reads grant number `index`, checking everything but its token's range.
-fn decode_grant<'a>(reader: &mut Reader<'a>, index: u64) -> Result<SavedGrant<'a>, String> {
+/// The fewest bytes a grant takes in `version` (a one-byte key, no label).
+fn grant_size_min(version: u32) -> usize {
+    if version >= 3 { 27 } else { 22 }
+}
+
+/// Reads grant number `index` in `version`, checking everything but its
+/// token's range.
+fn decode_grant<'a>(
+    reader: &mut Reader<'a>,
+    index: u64,
+    version: u32,
+) -> Result<SavedGrant<'a>, String> {
     let token = reader.u64("grant token")?;
     let owner = reader.u64("grant owner")?;
     let left_ms = reader.u32("grant lease")?;
+    let (take, limit) = if version >= 3 {
+        (reader.u16("grant take")?, reader.u16("grant limit")?)
+    } else {
+        (0, 0)
+    };
     let key_len = reader.u8("grant key length")?;
     let key = reader.take(key_len.into(), "grant key")?;
     let key = std::str::from_utf8(key).map_err(|_| format!("grant {index}: key not UTF-8"))?;
     if key.is_empty() || key.contains('\n') {
         return Err(format!("grant {index}: invalid key {key:?}"));
     }
+    let label = if version >= 3 {
+        let label_len = reader.u8("grant label length")?;
+        let label = reader.take(label_len.into(), "grant label")?;
+        let label =
+            std::str::from_utf8(label).map_err(|_| format!("grant {index}: label not UTF-8"))?;
+        if label.len() > LABEL_MAX || label.contains('\n') {
+            return Err(format!("grant {index}: invalid label {label:?}"));
+        }
+        label
+    } else {
+        ""
+    };
+    // Spec §10.1: a counted grant takes 1..=limit of its key's permits.
+    if take != 0 && (limit == 0 || take > limit) {
+        return Err(format!(
+            "grant {index} ({key:?}): take {take} does not fit limit {limit}"
+        ));
+    }
     Ok(SavedGrant {
         key,
         token,
         owner,
         left_ms,
+        take,
+        limit,
+        label,
     })
 }
 
@@ -306,10 +316,6 @@ pub struct StateDir {
     /// The clocks at the instant the event loop calls 0 (see
     /// [`anchor`](Self::anchor)).
     anchor: Clocks,
-    /// What the file on disk promises while this run runs, in the event
-    /// loop's µs: tokens below `covered_token` and leases up to
-    /// `covered_horizon`. `None` until the first write of this run.
-    covered: Option<(u64, u64)>,
     /// Writes of the file by this run (each: two fsyncs).
     pub writes: u64,
 }
@@ -373,7 +379,6 @@ impl StateDir {
             _lock: lock,
             recorded,
             anchor: Clocks::default(),
-            covered: None,
             writes: 0,
         })
     }
@@ -401,10 +406,11 @@ impl StateDir {
     }
 
     /// Brings the previous run's state into `core`, whose clock reads 0
-    /// now: restores the grants of a clean stop (less the downtime), sets
-    /// the grace of an unclean one, and replaces the file with one that
-    /// describes this run — so a crash from here on never restores those
-    /// grants again. Call before accepting any connection.
+    /// now, by [`Restart::resume`]'s policy: the grants of a clean stop
+    /// (less the downtime) and the grace of an unclean one. The shell must
+    /// then make the endpoint's first [`Promise`] durable before accepting
+    /// a connection: that replaces the file with one that describes this
+    /// run, so a crash from there on never restores those grants again.
     pub fn resume(&mut self, core: &mut Core) -> io::Result<()> {
         let started = Instant::now();
         let clocks = Clocks::now();
@@ -412,28 +418,13 @@ impl StateDir {
         let recorded = self.take_recorded();
         let (version, clean_stop) = (recorded.version, recorded.clean_stop);
         let restart = recorded.restart_at(&clocks);
-        let mut restored = 0;
-        for grant in recorded.grants() {
-            let Some(left) = restart.lease_left(grant.left_ms) else {
-                continue;
-            };
-            restored += 1;
-            let key = grant.key;
-            core.restore_grant(key, grant.token, grant.owner, micros(left))
-                .map_err(|e| {
-                    state_error(
-                        &self.dir,
-                        format!(
-                            "{}: grant of {key:?}: {e}",
-                            self.dir.join(STATE_FILE).display()
-                        ),
-                    )
-                })?;
-        }
+        let restored = restart.resume(core, recorded.grants()).map_err(|e| {
+            state_error(
+                &self.dir,
+                format!("{}: {e}", self.dir.join(STATE_FILE).display()),
+            )
+        })?;
         if !restart.grace.is_zero() {
-            // The clocks are read in whole ms after the core's instant 0:
-            // one more ms keeps the grace from ending early.
-            core.set_grace_until(micros(restart.grace) + 1_000);
             info!(
                 "state: the previous run stopped uncleanly; its leases may last {:.1} s more: \
                  until then a key counts as held unless its holder renews or releases it",
@@ -450,103 +441,81 @@ impl StateDir {
         } else if version == 1 {
             info!("state: read a version 1 file; writing version {FORMAT_VERSION}");
         }
-        self.cover(
-            core.next_token(),
-            core.lease_deadline_max(),
-            core.grace_until(),
-            0,
-        )
-        .map_err(|e| state_error(&self.dir, format!("cannot write: {e}")))?;
         Ok(())
     }
 
-    /// Records the clean stop of `core` at `now`: its held grants, its next
-    /// token, and what remains of its own grace.
-    pub fn save_clean_stop(&mut self, core: &Core, now: Micros) -> io::Result<()> {
-        let live = |deadline: Micros| deadline > now;
-        let count = core.grants().filter(|grant| live(grant.deadline)).count();
-        let max_left = MAX_GRACE.as_millis() as u64;
-        let mut grants = core
-            .grants()
-            .filter(|grant| live(grant.deadline))
-            .map(|grant| SavedGrant {
-                key: grant.key,
-                token: grant.token,
-                owner: grant.owner,
-                // Rounded down: the lease never grows across the restart.
-                left_ms: ((grant.deadline - now) / 1_000).min(max_left) as u32,
-            });
-        let grace = core.grace_until();
-        let horizon = if grace > now { grace } else { 0 };
-        self.record_clean_stop(core.next_token(), horizon, now, count, &mut grants)
-    }
-
-    /// Makes sure the file covers every token below `next_token`, every
-    /// lease ending by `lease_deadline` and the grace to `grace_until` (µs
-    /// of the event loop; 0 = none), writing it if not. `now` is the event
-    /// loop's time. Returns whether it wrote.
-    pub fn cover(
-        &mut self,
-        next_token: u64,
-        lease_deadline: u64,
-        grace_until: u64,
-        now: u64,
-    ) -> io::Result<bool> {
-        let (covered_token, covered_horizon) = self.covered.unwrap_or((0, 0));
-        let wanted_token = if next_token > covered_token || self.covered.is_none() {
-            next_token.saturating_add(TOKEN_BLOCK)
-        } else {
-            covered_token
-        };
-        // A lease deadline past the horizon moves it HORIZON_STEP beyond
-        // that deadline; the grace inherited from an earlier run is kept as
-        // it is, not stepped, so crash after crash never lengthens it.
-        let wanted_horizon = if lease_deadline.max(grace_until) > covered_horizon {
-            (lease_deadline + HORIZON_STEP.as_micros() as u64).max(grace_until)
-        } else {
-            covered_horizon
-        };
-        if self.covered == Some((wanted_token, wanted_horizon)) {
-            return Ok(false);
-        }
+    /// Makes `promise` durable: the file written while running, at `now`
+    /// (µs of the event loop), promises it.
+    pub fn write_running(&mut self, promise: Promise, now: Micros) -> io::Result<()> {
         let at = self.anchor.plus(now.div_ceil(1_000));
-        let horizon_ms = wanted_horizon.saturating_sub(now).div_ceil(1_000);
+        let horizon_ms = promise.horizon.saturating_sub(now).div_ceil(1_000);
         self.write(
             KIND_RUNNING,
             &at,
-            wanted_token,
+            promise.token_high_water,
             horizon_ms,
+            promise.counted_grants,
             0,
             &mut std::iter::empty(),
-        )?;
-        self.covered = Some((wanted_token, wanted_horizon));
-        Ok(true)
+        )
+    }
+
+    /// Writes this run's first promise, before any connection is
+    /// accepted: it replaces the earlier run's file.
+    pub fn write_first(&mut self, promise: Promise) -> io::Result<()> {
+        self.write_running(promise, 0)
+            .map_err(|e| state_error(&self.dir, format!("cannot write: {e}")))
+    }
+
+    /// Writes the clean stop `stop` (see [`CleanStop`]) durably.
+    pub fn save_clean_stop(&mut self, stop: &CleanStop<'_>) -> io::Result<()> {
+        self.record_clean_stop(
+            stop.next_token,
+            stop.horizon,
+            stop.counted_grants,
+            stop.now(),
+            stop.count,
+            &mut stop.grants(),
+        )
     }
 
     /// Records a clean stop at `now`: tokens from `next_token` on were never
     /// issued; the `count` `grants` were held; keys without a grant may
-    /// still be held by an earlier run's lease until `horizon` (0 = none).
+    /// still be held by an earlier run's lease until `horizon` (0 = none),
+    /// which may be a counted grant when `counted_grants`.
+    #[allow(clippy::too_many_arguments)]
     pub fn record_clean_stop<'a>(
         &mut self,
         next_token: u64,
         horizon: u64,
+        counted_grants: bool,
         now: u64,
         count: usize,
         grants: &mut dyn Iterator<Item = SavedGrant<'a>>,
     ) -> io::Result<()> {
         let at = self.anchor.plus(now.div_ceil(1_000));
         let horizon_ms = horizon.saturating_sub(now).div_ceil(1_000);
-        self.write(KIND_CLEAN_STOP, &at, next_token, horizon_ms, count, grants)
+        self.write(
+            KIND_CLEAN_STOP,
+            &at,
+            next_token,
+            horizon_ms,
+            counted_grants,
+            count,
+            grants,
+        )
     }
 
     /// Replaces the file atomically and durably: write a temporary file,
     /// fsync it, rename it over the old one, fsync the directory.
+    #[allow(clippy::too_many_arguments)]
     fn write<'a>(
         &mut self,
         kind: u8,
         at: &Clocks,
         token_high_water: u64,
         horizon_ms: u64,
+        counted_grants: bool,
         count: usize,
         grants: &mut dyn Iterator<Item = SavedGrant<'a>>,
     ) -> io::Result<()> {
@@ -554,6 +523,11 @@ impl StateDir {
         let file = File::create(&temporary)?;
         let mut out = ChecksumWriter::new(BufWriter::with_capacity(1 << 20, file));
         write_header(&mut out, kind, at, token_high_water, horizon_ms)?;
+        out.write_all(&[if counted_grants {
+            FLAG_COUNTED_GRANTS
+        } else {
+            0
+        }])?;
         out.write_all(&(count as u64).to_be_bytes())?;
         let mut written = 0;
         let mut encoded = Vec::with_capacity(64);
@@ -662,6 +636,12 @@ impl<'a> Reader<'a> {
         Ok(self.take(1, what)?[0])
     }
 
+    fn u16(&mut self, what: &str) -> Result<u16, String> {
+        let mut field = [0; 2];
+        field.copy_from_slice(self.take(2, what)?);
+        Ok(u16::from_be_bytes(field))
+    }
+
     fn u32(&mut self, what: &str) -> Result<u32, String> {
         let mut field = [0; 4];
         field.copy_from_slice(self.take(4, what)?);
@@ -699,7 +679,7 @@ pub fn parse(bytes: &[u8], now: &Clocks) -> Result<Recorded, String> {
         .ok_or("unreadable format version")?;
     match version {
         1 => parse_v1(bytes, now),
-        2 => parse_v2(bytes),
+        2 | 3 => parse_binary(bytes, version),
         _ => Err(format!(
             "format version {version} was written by a newer kunci; this build reads \
              versions 1 to {FORMAT_VERSION} (run the newer build, or remove the file \
@@ -744,7 +724,9 @@ fn parse_v1(bytes: &[u8], now: &Clocks) -> Result<Recorded, String> {
     Ok(recorded)
 }
 
-fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
+/// Versions 2 and 3: binary, with a checksum.
+fn parse_binary(bytes: &[u8], version: u32) -> Result<Recorded, String> {
+    let first_line = format!("kunci-state {version}\n");
     if bytes.len() < 8 {
         return Err("truncated: shorter than its checksum".into());
     }
@@ -753,9 +735,9 @@ fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
     expected.copy_from_slice(checksum);
     let mut reader = Reader {
         bytes: body,
-        at: "kunci-state 2\n".len(),
+        at: first_line.len(),
     };
-    if !body.starts_with(b"kunci-state 2\n") {
+    if !body.starts_with(first_line.as_bytes()) {
         return Err("truncated or damaged: bad first line".into());
     }
     if fnv1a(FNV_OFFSET, body) != u64::from_be_bytes(expected) {
@@ -777,20 +759,24 @@ fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
     };
     let token_high_water = reader.u64("token high-water mark")?;
     let horizon_ms = u64::from(reader.u32("horizon")?);
+    let flags = if version >= 3 { reader.u8("flags")? } else { 0 };
+    if flags & !FLAG_COUNTED_GRANTS != 0 {
+        return Err(format!("unknown flags {flags:#04x}"));
+    }
     let count = reader.u64("grant count")?;
     if kind == KIND_RUNNING && count != 0 {
         return Err(format!("{count} grants in a file written while running"));
     }
-    // Each grant takes at least 22 bytes: a count beyond that is damage,
-    // not a reason to reserve memory.
-    let room = (body.len() - reader.at) / 22;
+    // A count beyond what the bytes can hold is damage, not a reason to
+    // reserve memory.
+    let room = (body.len() - reader.at) / grant_size_min(version);
     if count > room as u64 {
         return Err(format!("{count} grants listed, room for at most {room}"));
     }
     // A key listed twice is caught when the grants are restored.
     let grants_start = reader.at;
     for index in 0..count {
-        let grant = decode_grant(&mut reader, index)?;
+        let grant = decode_grant(&mut reader, index, version)?;
         if grant.token == 0 || grant.token >= token_high_water {
             return Err(format!(
                 "grant {index} ({:?}): token {} not in 1..{token_high_water}",
@@ -805,11 +791,12 @@ fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
         ));
     }
     Ok(Recorded {
-        version: 2,
+        version,
         clean_stop: kind == KIND_CLEAN_STOP,
         written,
         token_high_water,
         horizon_ms,
+        counted_grants: flags & FLAG_COUNTED_GRANTS != 0,
         grant_count: count,
         grant_bytes: body[grants_start..reader.at].to_vec(),
     })
@@ -817,6 +804,8 @@ fn parse_v2(bytes: &[u8]) -> Result<Recorded, String> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn temp_dir(name: &str) -> PathBuf {
@@ -835,34 +824,26 @@ mod tests {
     }
 
     #[test]
-    fn cover_writes_in_steps_and_survives_reopen() {
-        let dir = temp_dir("cover");
+    fn a_running_promise_is_written_relative_to_its_write_and_survives_reopen() {
+        let dir = temp_dir("running");
         {
             let mut state = StateDir::open(&dir).unwrap();
             assert_eq!(state.take_recorded(), Recorded::default());
             state.anchor(clocks("boot-a", 1_000_000, 50_000_000));
-            // The first call always writes: it replaces the last run's file.
-            assert!(state.cover(100, 0, 0, 0).unwrap());
-            assert!(!state.cover(100, 0, 0, 10).unwrap());
-            // A lease to 5 s: the horizon goes to 10 s.
-            assert!(state.cover(100, 5_000_000, 0, 1_000).unwrap());
-            assert!(!state.cover(100, 10_000_000, 0, 2_000).unwrap());
-            assert!(state.cover(100, 10_000_001, 0, 2_000).unwrap());
-            assert!(!state.cover(100 + TOKEN_BLOCK, 0, 0, 2_000).unwrap());
-            assert!(state.cover(101 + TOKEN_BLOCK, 0, 0, 2_000).unwrap());
-            // An inherited grace is kept exactly, not stepped.
-            assert!(
-                state
-                    .cover(101 + TOKEN_BLOCK, 0, 20_000_000, 2_000)
-                    .unwrap()
-            );
-            assert_eq!(state.writes, 5);
+            let promise = Promise {
+                token_high_water: 101 + 2 * TOKEN_BLOCK,
+                horizon: 20_000_000,
+                counted_grants: true,
+            };
+            state.write_running(promise, 2_000).unwrap();
+            assert_eq!(state.writes, 1);
             assert!(StateDir::open(&dir).is_err(), "second server got the lock");
         }
         let mut state = StateDir::open(&dir).unwrap();
         let recorded = state.take_recorded();
-        assert_eq!(recorded.version, 2);
+        assert_eq!(recorded.version, 3);
         assert!(!recorded.clean_stop);
+        assert!(recorded.counted_grants);
         assert_eq!(recorded.token_high_water, 101 + 2 * TOKEN_BLOCK);
         // Written at 2 ms (rounded up from 2,000 µs), horizon at 20 s.
         assert_eq!(recorded.written, clocks("boot-a", 1_000_002, 50_000_002));
@@ -882,16 +863,22 @@ mod tests {
                     token: 7,
                     owner: 70,
                     left_ms: 1_000,
+                    take: 0,
+                    limit: 0,
+                    label: "",
                 },
                 SavedGrant {
                     key: "lång/ключ",
                     token: 8,
                     owner: 80,
                     left_ms: 30_000,
+                    take: 2,
+                    limit: 3,
+                    label: "backup@host pid=42 ünïcode",
                 },
             ];
             state
-                .record_clean_stop(9, 0, 5_000_000, 2, &mut grants.into_iter())
+                .record_clean_stop(9, 0, false, 5_000_000, 2, &mut grants.into_iter())
                 .unwrap();
         }
         let mut state = StateDir::open(&dir).unwrap();
@@ -903,18 +890,25 @@ mod tests {
         // (less one ms for the whole-ms clock readings).
         let restart = recorded.restart_at(&clocks("boot-a", 1_007_500, 1));
         assert_eq!(restart.grace, Duration::ZERO);
-        let restored: Vec<(&str, u64, u64, Option<Duration>)> = recorded
+        let restored: Vec<_> = recorded
             .grants()
             .map(|grant| {
                 let left = restart.lease_left(grant.left_ms);
-                (grant.key, grant.token, grant.owner, left)
+                let permits = (grant.take, grant.limit, grant.label);
+                (grant.key, grant.token, grant.owner, left, permits)
             })
             .collect();
         assert_eq!(
             restored,
             vec![
-                ("short", 7, 70, None),
-                ("lång/ключ", 8, 80, Some(Duration::from_millis(27_499)))
+                ("short", 7, 70, None, (0, 0, "")),
+                (
+                    "lång/ключ",
+                    8,
+                    80,
+                    Some(Duration::from_millis(27_499)),
+                    (2, 3, "backup@host pid=42 ünïcode")
+                )
             ]
         );
         let _ = fs::remove_dir_all(&dir);
@@ -998,9 +992,12 @@ mod tests {
                 token: 3,
                 owner: 4,
                 left_ms: 5,
+                take: 1,
+                limit: 2,
+                label: "l",
             };
             state
-                .record_clean_stop(9, 0, 0, 1, &mut std::iter::once(grant))
+                .record_clean_stop(9, 7_000, true, 0, 1, &mut std::iter::once(grant))
                 .unwrap();
         }
         let good = fs::read(dir.join(STATE_FILE)).unwrap();
@@ -1020,7 +1017,7 @@ mod tests {
             damaged[flip] ^= 0x40;
             assert!(parse(&damaged, &now).is_err(), "flip at {flip} accepted");
         }
-        let newer = b"kunci-state 3\nwhatever";
+        let newer = b"kunci-state 4\nwhatever";
         assert!(parse(newer, &now).unwrap_err().contains("newer kunci"));
         let junk = b"hello";
         assert!(
@@ -1033,6 +1030,115 @@ mod tests {
         let message = StateDir::open(&dir).err().unwrap().to_string();
         assert!(message.starts_with("state dir "), "{message}");
         assert!(message.contains(STATE_FILE), "{message}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// A version 2 file as the previous build wrote it: clean stop, the
+    /// grants as (token, owner, lease ms left, key).
+    fn version_2_file(horizon_ms: u32, grants: &[(u64, u64, u32, &str)]) -> Vec<u8> {
+        let mut body = b"kunci-state 2\n".to_vec();
+        body.push(KIND_CLEAN_STOP);
+        body.push(6);
+        body.extend_from_slice(b"boot-a");
+        body.extend_from_slice(&1_000_000u64.to_be_bytes());
+        body.extend_from_slice(&50_000_000u64.to_be_bytes());
+        body.extend_from_slice(&100u64.to_be_bytes());
+        body.extend_from_slice(&horizon_ms.to_be_bytes());
+        body.extend_from_slice(&(grants.len() as u64).to_be_bytes());
+        for &(token, owner, left_ms, key) in grants {
+            body.extend_from_slice(&token.to_be_bytes());
+            body.extend_from_slice(&owner.to_be_bytes());
+            body.extend_from_slice(&left_ms.to_be_bytes());
+            body.push(key.len() as u8);
+            body.extend_from_slice(key.as_bytes());
+        }
+        let checksum = fnv1a(FNV_OFFSET, &body);
+        body.extend_from_slice(&checksum.to_be_bytes());
+        body
+    }
+
+    #[test]
+    fn version_2_is_read_as_exclusive_grants_without_limit_or_label() {
+        let bytes = version_2_file(4_000, &[(7, 70, 1_000, "a"), (8, 80, 30_000, "b")]);
+        let recorded = parse(&bytes, &Clocks::now()).unwrap();
+        assert_eq!(recorded.version, 2);
+        assert!(recorded.clean_stop);
+        assert!(!recorded.counted_grants);
+        assert_eq!(recorded.token_high_water, 100);
+        assert_eq!(recorded.horizon_ms, 4_000);
+        let grants: Vec<_> = recorded.grants().collect();
+        assert_eq!(
+            grants,
+            vec![
+                SavedGrant {
+                    key: "a",
+                    token: 7,
+                    owner: 70,
+                    left_ms: 1_000,
+                    take: 0,
+                    limit: 0,
+                    label: "",
+                },
+                SavedGrant {
+                    key: "b",
+                    token: 8,
+                    owner: 80,
+                    left_ms: 30_000,
+                    take: 0,
+                    limit: 0,
+                    label: "",
+                },
+            ]
+        );
+        let cut = &bytes[..bytes.len() - 9];
+        assert!(parse(cut, &Clocks::now()).is_err());
+    }
+
+    #[test]
+    fn a_grant_whose_take_does_not_fit_its_limit_or_an_unknown_flag_is_refused() {
+        let dir = temp_dir("take");
+        for (take, limit, fits) in [(1, 0, false), (3, 2, false), (2, 2, true), (0, 5, true)] {
+            {
+                let mut state = StateDir::open(&dir).unwrap();
+                let grant = SavedGrant {
+                    key: "k",
+                    token: 3,
+                    owner: 4,
+                    left_ms: 5,
+                    take,
+                    limit,
+                    label: "",
+                };
+                state
+                    .record_clean_stop(9, 0, false, 0, 1, &mut std::iter::once(grant))
+                    .unwrap();
+            }
+            let bytes = fs::read(dir.join(STATE_FILE)).unwrap();
+            let parsed = parse(&bytes, &Clocks::now());
+            assert_eq!(
+                parsed.is_ok(),
+                fits,
+                "take {take} limit {limit}: {parsed:?}"
+            );
+            // The next open would refuse it.
+            fs::remove_file(dir.join(STATE_FILE)).unwrap();
+        }
+        // The flags byte follows the 4-byte horizon; bit 1 is unknown.
+        let mut state = StateDir::open(&dir).unwrap();
+        state
+            .record_clean_stop(9, 0, false, 0, 0, &mut std::iter::empty())
+            .unwrap();
+        drop(state);
+        let mut bytes = fs::read(dir.join(STATE_FILE)).unwrap();
+        let flags_at =
+            "kunci-state 3\n".len() + 2 + bytes["kunci-state 3\n".len() + 1] as usize + 28;
+        assert_eq!(bytes[flags_at], 0);
+        bytes[flags_at] = 2;
+        let body = bytes.len() - 8;
+        let checksum = fnv1a(FNV_OFFSET, &bytes[..body]);
+        bytes[body..].copy_from_slice(&checksum.to_be_bytes());
+        let error = parse(&bytes, &Clocks::now()).unwrap_err();
+        assert!(error.contains("unknown flags"), "{error}");
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -1,0 +1,354 @@
+//! Restarts (spec §7): grants of an earlier run restored at a clean stop,
+//! the grace after an unclean one (every key counts as held by an unknown
+//! grant until the lease horizon), and adoption of an earlier run's token
+//! by `E`/`R` during it (§7.3). Everything the core decides about an
+//! earlier run lives here; the state file itself is `server::state`'s.
+
+use std::collections::HashSet;
+
+use super::labels::{self, LabelOf};
+use super::permits::PERMITS;
+use super::{ConnId, Core, Micros};
+use crate::protocol::Response;
+use crate::timer_wheel::MICROS_PER_TICK;
+
+/// A grant held now (see [`Core::grants`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldGrant<'a> {
+    pub key: &'a str,
+    pub token: u64,
+    pub owner: u64,
+    /// When the lease runs out.
+    pub deadline: Micros,
+    /// Permits it holds; 0 = all (exclusive).
+    pub take: u16,
+    /// Its key's limit; 0 = none.
+    pub limit: u16,
+    /// Its label (spec §11.1), often empty.
+    pub label: &'a str,
+}
+
+/// A grant of an earlier run to restore (see [`Core::restore_grant`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EarlierGrant<'a> {
+    pub key: &'a str,
+    pub token: u64,
+    pub owner: u64,
+    /// When its lease runs out on this run's clock.
+    pub deadline: Micros,
+    /// Permits it holds; 0 = all (exclusive).
+    pub take: u16,
+    /// Its key's limit; 0 = none.
+    pub limit: u16,
+    pub label: &'a str,
+}
+
+/// Why [`Core::restore_grant`] refused a grant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RestoreError {
+    /// Token 0, or not below this run's first token.
+    TokenNotFromEarlierRun,
+    /// The key was restored already (a key without a limit), or with a
+    /// different limit, or the token was listed already or out of order.
+    DuplicateKey,
+    /// The grant does not fit its key beside the ones restored before it
+    /// (spec §10.3), or takes permits of a key without a limit.
+    DoesNotFit,
+    /// The table cannot grow.
+    TableFull,
+}
+
+impl std::fmt::Display for RestoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RestoreError::TokenNotFromEarlierRun => "token is 0 or not below this run's first",
+            RestoreError::DuplicateKey => {
+                "key listed twice, with two limits, or its tokens out of order"
+            }
+            RestoreError::DoesNotFit => "its permits do not fit the key's limit",
+            RestoreError::TableFull => "lock table full",
+        })
+    }
+}
+
+/// How a key held by the unknown grant is represented.
+enum Adoptable {
+    /// An entry with token 0: the unknown grant, with waiters queued.
+    Waited(u32),
+    /// Not in the table: every key during the grace.
+    Untracked,
+}
+
+impl Core {
+    /// Treat every key as held by an unknown grant until `until` (spec §7).
+    pub fn set_grace_until(&mut self, until: Micros) {
+        self.grace_until = until;
+    }
+
+    /// The grace's unknown grants may include counted grants (spec §7.4:
+    /// the earlier run recorded that it made one). Then no adoption frees
+    /// a key before the horizon. This core does not keep adopted grants
+    /// beside the unknown grant: an earlier run's `E` and `R` get `N`
+    /// during such a grace, and every key stays held until the horizon —
+    /// never an overlap, at the cost of the holders' locks.
+    pub fn set_grace_counted(&mut self, counted: bool) {
+        self.grace_counted = counted;
+    }
+
+    /// Whether a lease this core must account for (its own grants, restored
+    /// or made, or the grace's unknown grants) may be a counted grant: what
+    /// the state file must record before the answers that depend on it
+    /// leave (spec §7.4). Once true it stays true for the run.
+    pub fn counted_grants(&self) -> bool {
+        self.grace_counted || self.counted_grants_made
+    }
+
+    /// Until when keys count as held by unknown grants (0 = never).
+    pub fn grace_until(&self) -> Micros {
+        self.grace_until
+    }
+
+    /// The latest lease deadline ever armed for a grant of this run: no
+    /// lease this core granted runs past it.
+    pub fn lease_deadline_max(&self) -> Micros {
+        self.lease_deadline_max
+    }
+
+    /// The first token of this run; tokens below it are an earlier run's.
+    pub fn first_token(&self) -> u64 {
+        self.first_token
+    }
+
+    /// Restores a grant an earlier run held at a clean stop (spec §7.1,
+    /// §7.4): its key, token (below this run's first token), owner, lease
+    /// deadline, take, its key's limit and label. Call before any request,
+    /// at time 0, with the grants of a key in token order. Restored keys
+    /// count towards the key limit for new keys, but are restored even
+    /// beyond it: every grant of the earlier run comes back.
+    pub fn restore_grant(&mut self, grant: &EarlierGrant<'_>) -> Result<(), RestoreError> {
+        // Before any request: nothing granted yet (connections may be open).
+        debug_assert!(self.wheel.elapsed() == 0 && self.next_token == self.first_token);
+        let EarlierGrant {
+            key,
+            token,
+            owner,
+            deadline,
+            take,
+            limit,
+            label,
+        } = *grant;
+        if token == 0 || token >= self.first_token {
+            return Err(RestoreError::TokenNotFromEarlierRun);
+        }
+        if take != 0 && (limit == 0 || take > limit) {
+            return Err(RestoreError::DoesNotFit);
+        }
+        let hash = self.table.hash(key);
+        let found = self.table.find(key, hash);
+        if limit == 0 {
+            if found.is_some() {
+                return Err(RestoreError::DuplicateKey);
+            }
+            let entry = self
+                .table
+                .insert(key, hash, token, owner)
+                .ok_or(RestoreError::TableFull)?;
+            self.labels.put(LabelOf::Entry(entry), labels::owned(label));
+            self.arm_lease_at(entry, deadline.max(1));
+            self.grants_held += 1;
+            return Ok(());
+        }
+        let entry = match found {
+            Some(entry) => {
+                if self.table.get(entry).token != PERMITS {
+                    return Err(RestoreError::DuplicateKey);
+                }
+                let permits = self.permit_key(entry);
+                let last = permits.grants.back().map(|&g| self.grants.get(g).token);
+                if permits.limit != limit || last.is_some_and(|last| last >= token) {
+                    return Err(RestoreError::DuplicateKey);
+                }
+                if !permits.fits(take) {
+                    return Err(RestoreError::DoesNotFit);
+                }
+                entry
+            }
+            None => {
+                let entry = self
+                    .table
+                    .insert(key, hash, PERMITS, 0)
+                    .ok_or(RestoreError::TableFull)?;
+                self.new_permit_key(entry, limit);
+                entry
+            }
+        };
+        self.restore_permits(
+            entry,
+            token,
+            owner,
+            take,
+            labels::owned(label),
+            deadline.max(1),
+        );
+        self.grants_held += 1;
+        if take != 0 {
+            self.counted_grants_made = true;
+        }
+        Ok(())
+    }
+
+    /// Every grant held now, for the snapshot at a clean stop (spec §7.4:
+    /// with its take, its key's limit and its label); `deadline` is when
+    /// its lease runs out (on the 1 ms tick). A key's grants come in token
+    /// order.
+    pub fn grants(&self) -> impl Iterator<Item = HeldGrant<'_>> + '_ {
+        static NONE: std::collections::VecDeque<u32> = std::collections::VecDeque::new();
+        self.table.live_indices().flat_map(move |entry| {
+            let held = self.table.get(entry);
+            let key = self.table.key(entry);
+            let inline = (held.token != 0 && held.token != PERMITS).then(|| HeldGrant {
+                key,
+                token: held.token,
+                owner: held.owner,
+                deadline: self.wheel.deadline_of(&{ held.lease }) * MICROS_PER_TICK,
+                take: 0,
+                limit: 0,
+                label: self.labels.get(LabelOf::Entry(entry)),
+            });
+            let permits = (held.token == PERMITS).then(|| self.permit_key(entry));
+            let limit = permits.map_or(0, |permits| permits.limit);
+            let grants = permits.map_or(&NONE, |permits| &permits.grants);
+            inline.into_iter().chain(grants.iter().map(move |&index| {
+                let grant = self.grants.get(index);
+                HeldGrant {
+                    key,
+                    token: grant.token,
+                    owner: grant.owner,
+                    deadline: self.wheel.deadline_of(&{ grant.lease }) * MICROS_PER_TICK,
+                    take: grant.take,
+                    limit,
+                    label: self.labels.get(LabelOf::Grant(index)),
+                }
+            }))
+        })
+    }
+
+    /// Whether `token` may adopt `key` (spec §7.3): it is an earlier run's
+    /// token and the key is held by the unknown grant — an entry with token
+    /// 0 (waited on), or, during the grace, a key not in the table and not
+    /// known free.
+    fn adoptable(&self, key: &str, token: u64, now: Micros) -> Option<Adoptable> {
+        if token == 0 || token >= self.first_token || self.grace_counted {
+            return None;
+        }
+        match self.table.find(key, self.table.hash(key)) {
+            Some(entry) => (self.table.get(entry).token == 0).then_some(Adoptable::Waited(entry)),
+            None => (now < self.grace_until && !self.freed_in_grace.contains(key))
+                .then_some(Adoptable::Untracked),
+        }
+    }
+
+    /// Remembers that `key`, not in the table, is free although the grace
+    /// runs. Without room it stays held by the unknown grant until the
+    /// horizon: later than it could be, never too early.
+    fn note_freed(&mut self, key: &str) {
+        if self.freed_in_grace.len() < self.limits.max_keys {
+            self.freed_in_grace.insert(key.into());
+        }
+    }
+
+    /// `R` of a token that is not this run's active grant of `key`: an
+    /// earlier run's token on a key held by the unknown grant frees it
+    /// (spec §7.3). Returns the entry to hand on, or `None` once it has
+    /// answered (`R` for a key not in the table, else `N`).
+    pub(super) fn release_earlier_token(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        token: u64,
+        now: Micros,
+    ) -> Option<u32> {
+        match self.adoptable(key, token, now) {
+            Some(Adoptable::Waited(entry)) => {
+                self.unknown_holders -= 1;
+                Some(entry)
+            }
+            Some(Adoptable::Untracked) => {
+                self.stats.released += 1;
+                self.outbox.push((conn, Response::Released { token }));
+                self.note_freed(key);
+                None
+            }
+            None => {
+                self.stats.release_not_held += 1;
+                self.not_held(conn, token);
+                None
+            }
+        }
+    }
+
+    /// `E` of a token that is not this run's active grant of `key`: an
+    /// earlier run's token on a key held by the unknown grant adopts it
+    /// (spec §7.3): it becomes the key's holder, owner 0. Returns the entry
+    /// whose lease to arm, or `None` once it has answered `N`.
+    pub(super) fn adopt_earlier_token(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        token: u64,
+        now: Micros,
+    ) -> Option<u32> {
+        let entry = match self.adoptable(key, token, now) {
+            Some(Adoptable::Waited(entry)) => {
+                self.unknown_holders -= 1;
+                let held = self.table.get_mut(entry);
+                held.token = token;
+                held.owner = 0;
+                self.grants_held += 1;
+                Some(entry)
+            }
+            Some(Adoptable::Untracked) => {
+                // An earlier run's holders must not lose their keys to
+                // this run's waiters filling the table, so adoption may
+                // take it to twice the key limit: that run held at most
+                // that many, and the bound on memory stays. No room:
+                // nothing changed, and the key stays held by the unknown
+                // grant until the horizon.
+                let hash = self.table.hash(key);
+                let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
+                    .then(|| self.table.insert(key, hash, token, 0))
+                    .flatten();
+                self.grants_held += usize::from(entry.is_some());
+                entry
+            }
+            None => None,
+        };
+        if entry.is_none() {
+            self.stats.extend_not_held += 1;
+            self.not_held(conn, token);
+        }
+        entry
+    }
+
+    /// Whether `key`, not in the table, counts as held by the unknown
+    /// grant: during the grace, unless it is known free.
+    pub(super) fn held_by_unknown_grant(&self, key: &str, now: Micros) -> bool {
+        now < self.grace_until && !self.freed_in_grace.contains(key)
+    }
+
+    /// Drops the keys remembered free once the grace is over.
+    pub(super) fn forget_freed_after_grace(&mut self, now: Micros) {
+        if now >= self.grace_until && !self.freed_in_grace.is_empty() {
+            self.freed_in_grace = HashSet::default();
+        }
+    }
+
+    /// `entry`'s key is about to leave the table free: while the grace
+    /// runs, remember that it is free (not in the table would mean held).
+    pub(super) fn note_freed_in_grace(&mut self, entry: u32, now: Micros) {
+        if now < self.grace_until {
+            let key: Box<str> = self.table.key(entry).into();
+            self.note_freed(&key);
+        }
+    }
+}

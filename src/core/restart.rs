@@ -1,0 +1,390 @@
+//! Restart policy (spec §7), sans-IO: what a run must have made durable
+//! before an answer leaves the process, what a clean stop persists, and
+//! what the next run makes of it — the grace, and which grants come back
+//! with how much lease left. Every function takes `now` (or durations the
+//! shell measured) as an argument; the file format, the clocks and the
+//! writes are `server::state`'s, and the shell obeys what this decides.
+//!
+//! What the core itself does with an earlier run's grants and grace
+//! (adoption by `E`/`R`, keys known free) is in `adoption`.
+
+use std::time::Duration;
+
+use super::{Core, EarlierGrant, Micros, RestoreError};
+
+/// Tokens reserved per write of the high-water mark.
+pub const TOKEN_BLOCK: u64 = 1 << 26;
+/// How far past the latest lease deadline the horizon is pushed per write:
+/// the most the grace after a crash can exceed the longest outstanding
+/// lease, and the least time between two writes under steady grants.
+pub const HORIZON_STEP: Duration = Duration::from_secs(5);
+/// No grace after a restart, and no restored lease, lasts longer than the
+/// longest lease plus [`HORIZON_STEP`], whatever the clocks say.
+pub const MAX_GRACE: Duration = Duration::from_secs(255 + 5);
+
+const MS: Micros = 1_000;
+
+fn micros(duration: Duration) -> Micros {
+    duration.as_micros() as Micros
+}
+
+/// What the state file must promise while the run goes on, in the core's
+/// µs: no token at or above `token_high_water` has been shown to anyone,
+/// and no lease of this run (nor the grace it inherited) runs past
+/// `horizon` (0 = nothing outstanding); `counted_grants`: a lease up to
+/// the horizon may be a counted grant (spec §7.4), recorded before the
+/// first answer that shows one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Promise {
+    pub token_high_water: u64,
+    pub horizon: Micros,
+    pub counted_grants: bool,
+}
+
+/// Durability before visibility: which [`Promise`] must be on disk before
+/// anything the core has decided so far may leave the process. A write
+/// raises the promise in steps — [`TOKEN_BLOCK`] tokens, a horizon
+/// [`HORIZON_STEP`] past the latest lease deadline — so the horizon never
+/// runs more than 5 s past the latest lease armed, and steady grants cost
+/// one write per [`HORIZON_STEP`].
+#[derive(Clone, Debug, Default)]
+pub struct Durability {
+    /// What the file on disk promises; `None` until this run's first
+    /// write (which replaces the earlier run's file whatever it said).
+    persisted: Option<Promise>,
+}
+
+impl Durability {
+    pub fn new() -> Durability {
+        Durability::default()
+    }
+
+    /// The promise to make durable before transmitting anything `core`
+    /// has queued, or `None` when the one on disk covers it.
+    pub fn needed(&self, core: &Core) -> Option<Promise> {
+        self.needed_for(
+            core.next_token(),
+            core.lease_deadline_max(),
+            core.grace_until(),
+            core.counted_grants(),
+        )
+    }
+
+    /// [`needed`](Self::needed) from the figures it depends on: tokens
+    /// below `next_token` may be shown, leases run to `lease_deadline`,
+    /// keys count as held by an earlier run until `grace_until` (µs;
+    /// 0 = none), and any of those leases may be a counted grant when
+    /// `counted_grants`. Once recorded, the flag stays for the run.
+    pub fn needed_for(
+        &self,
+        next_token: u64,
+        lease_deadline: Micros,
+        grace_until: Micros,
+        counted_grants: bool,
+    ) -> Option<Promise> {
+        // Before the first write the file promises nothing of this run.
+        let persisted = self.persisted.unwrap_or(Promise {
+            token_high_water: 0,
+            horizon: 0,
+            counted_grants: false,
+        });
+        let token_high_water =
+            if next_token > persisted.token_high_water || self.persisted.is_none() {
+                next_token.saturating_add(TOKEN_BLOCK)
+            } else {
+                persisted.token_high_water
+            };
+        let horizon = if lease_deadline.max(grace_until) > persisted.horizon {
+            raised_horizon(lease_deadline, grace_until)
+        } else {
+            persisted.horizon
+        };
+        let wanted = Promise {
+            token_high_water,
+            horizon,
+            counted_grants: counted_grants || persisted.counted_grants,
+        };
+        (self.persisted != Some(wanted)).then_some(wanted)
+    }
+
+    /// The shell made `promise` durable.
+    pub fn persisted(&mut self, promise: Promise) {
+        self.persisted = Some(promise);
+    }
+
+    /// What the file on disk promises, if this run wrote it yet.
+    pub fn on_disk(&self) -> Option<Promise> {
+        self.persisted
+    }
+}
+
+/// A lease deadline moves the horizon [`HORIZON_STEP`] beyond it; a grace
+/// inherited from an earlier run is kept as it is, not stepped, so crash
+/// after crash never lengthens it.
+fn raised_horizon(lease_deadline: Micros, grace_until: Micros) -> Micros {
+    (lease_deadline + micros(HORIZON_STEP)).max(grace_until)
+}
+
+/// One grant held at a clean stop, as persisted and as read back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SavedGrant<'a> {
+    pub key: &'a str,
+    pub token: u64,
+    pub owner: u64,
+    /// Lease time left at the stop, ms.
+    pub left_ms: u32,
+    /// Permits it holds; 0 = all (exclusive).
+    pub take: u16,
+    /// Its key's limit; 0 = none.
+    pub limit: u16,
+    /// Its label (spec §11.1), often empty.
+    pub label: &'a str,
+}
+
+/// What a clean stop at `now` persists (spec §7.1).
+pub struct CleanStop<'c> {
+    core: &'c Core,
+    now: Micros,
+    /// Tokens from here on were never issued.
+    pub next_token: u64,
+    /// Keys without a grant may still be held by an earlier run's lease
+    /// until then (µs of the core's clock; 0 = none): what remains of the
+    /// grace this run inherited.
+    pub horizon: Micros,
+    /// Whether a lease up to `horizon` may be a counted grant.
+    pub counted_grants: bool,
+    /// How many grants [`grants`](Self::grants) lists.
+    pub count: usize,
+}
+
+impl<'c> CleanStop<'c> {
+    /// The clean stop of `core` at `now`, once no request can arrive.
+    pub fn of(core: &'c Core, now: Micros) -> CleanStop<'c> {
+        let grace = core.grace_until();
+        let horizon = if grace > now { grace } else { 0 };
+        CleanStop {
+            core,
+            now,
+            next_token: core.next_token(),
+            horizon,
+            counted_grants: horizon != 0 && core.counted_grants(),
+            count: core.grants().filter(|grant| grant.deadline > now).count(),
+        }
+    }
+
+    /// When the stop is (µs of the core's clock).
+    pub fn now(&self) -> Micros {
+        self.now
+    }
+
+    /// Every grant whose lease still runs, with the time left rounded
+    /// down (the lease never grows across the restart) and capped at
+    /// [`MAX_GRACE`].
+    pub fn grants(&self) -> impl Iterator<Item = SavedGrant<'c>> + 'c {
+        let now = self.now;
+        let max_left = MAX_GRACE.as_millis() as u64;
+        self.core
+            .grants()
+            .filter(move |grant| grant.deadline > now)
+            .map(move |grant| SavedGrant {
+                key: grant.key,
+                token: grant.token,
+                owner: grant.owner,
+                left_ms: ((grant.deadline - now) / MS).min(max_left) as u32,
+                take: grant.take,
+                limit: grant.limit,
+                label: grant.label,
+            })
+    }
+}
+
+/// What the previous run means for this one, measured when this run's
+/// clock reads 0.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Restart {
+    /// Every key without a restored grant counts as held for this long.
+    pub grace: Duration,
+    /// Whether those unknown grants may be counted grants (spec §7.4).
+    pub counted_grants: bool,
+    /// The time since the state file was written, ms.
+    since_ms: u64,
+}
+
+/// A grant of the earlier run that [`Restart::resume`] could not restore.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RestoreFailure {
+    pub key: String,
+    pub error: RestoreError,
+}
+
+impl std::fmt::Display for RestoreFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "grant of {:?}: {}", self.key, self.error)
+    }
+}
+
+impl Restart {
+    /// The previous run promised leases up to `horizon_ms` after its
+    /// file was written, and `since_ms` have passed since (measured by the
+    /// shell on the right clock), some of them counted grants when
+    /// `counted_grants`: the downtime counts against every lease, never
+    /// for it, and nothing lasts longer than [`MAX_GRACE`].
+    pub fn new(horizon_ms: u64, since_ms: u64, counted_grants: bool) -> Restart {
+        let cap = MAX_GRACE.as_millis() as u64;
+        let grace = Duration::from_millis(horizon_ms.saturating_sub(since_ms).min(cap));
+        Restart {
+            grace,
+            counted_grants: counted_grants && !grace.is_zero(),
+            since_ms,
+        }
+    }
+
+    /// The lease a grant with `left_ms` at the write has left now, or
+    /// `None` when it ran out while the server was down.
+    pub fn lease_left(&self, left_ms: u32) -> Option<Duration> {
+        // Both clock readings are whole ms: one ms less keeps the downtime
+        // from ever counting for the lease.
+        let left = u64::from(left_ms)
+            .saturating_sub(self.since_ms + 1)
+            .min(MAX_GRACE.as_millis() as u64);
+        (left > 0).then(|| Duration::from_millis(left))
+    }
+
+    /// Until when (core µs) keys count as held by the earlier run's
+    /// unknown grants, if at all. The clocks are read in whole ms after
+    /// the core's instant 0: one more ms keeps the grace from ending early.
+    pub fn grace_until(&self) -> Option<Micros> {
+        (!self.grace.is_zero()).then(|| micros(self.grace) + MS)
+    }
+
+    /// The grants of a clean stop that come back, each with its lease
+    /// deadline on the new run's clock.
+    pub fn restorable<'a>(
+        &self,
+        grants: impl IntoIterator<Item = SavedGrant<'a>>,
+    ) -> impl Iterator<Item = (SavedGrant<'a>, Micros)> {
+        let restart = *self;
+        grants.into_iter().filter_map(move |grant| {
+            let left = restart.lease_left(grant.left_ms)?;
+            Some((grant, micros(left)))
+        })
+    }
+
+    /// Brings the previous run into `core`, whose clock reads 0 and which
+    /// has seen nothing yet: restores the grants of a clean stop (less the
+    /// downtime) and sets the grace. Returns how many grants came back.
+    pub fn resume<'a>(
+        &self,
+        core: &mut Core,
+        grants: impl IntoIterator<Item = SavedGrant<'a>>,
+    ) -> Result<u64, RestoreFailure> {
+        let mut restored = 0;
+        for (grant, deadline) in self.restorable(grants) {
+            let earlier = EarlierGrant {
+                key: grant.key,
+                token: grant.token,
+                owner: grant.owner,
+                deadline,
+                take: grant.take,
+                limit: grant.limit,
+                label: grant.label,
+            };
+            core.restore_grant(&earlier)
+                .map_err(|error| RestoreFailure {
+                    key: grant.key.to_owned(),
+                    error,
+                })?;
+            restored += 1;
+        }
+        if let Some(until) = self.grace_until() {
+            core.set_grace_until(until);
+            core.set_grace_counted(self.counted_grants);
+        }
+        Ok(restored)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Micros = 1_000_000;
+
+    #[test]
+    fn the_promise_rises_in_steps_and_only_when_needed() {
+        let mut durability = Durability::new();
+        // The first promise is always needed: it replaces the last run's.
+        let first = durability.needed_for(100, 0, 0, false).unwrap();
+        assert_eq!(first.token_high_water, 100 + TOKEN_BLOCK);
+        durability.persisted(first);
+        assert_eq!(durability.needed_for(100, 0, 0, false), None);
+        // A lease to 5 s: the horizon goes to 10 s, and stays while the
+        // leases stay within it.
+        let leased = durability.needed_for(100, 5 * S, 0, false).unwrap();
+        assert_eq!(leased.horizon, 10 * S);
+        durability.persisted(leased);
+        assert_eq!(durability.needed_for(100, 10 * S, 0, false), None);
+        let later = durability.needed_for(100, 10 * S + 1, 0, false).unwrap();
+        assert_eq!(later.horizon, 15 * S + 1);
+        durability.persisted(later);
+        // Tokens: a block at a time.
+        assert_eq!(durability.needed_for(100 + TOKEN_BLOCK, 0, 0, false), None);
+        let tokens = durability
+            .needed_for(101 + TOKEN_BLOCK, 0, 0, false)
+            .unwrap();
+        assert_eq!(tokens.token_high_water, 101 + 2 * TOKEN_BLOCK);
+        durability.persisted(tokens);
+        // An inherited grace is kept exactly, not stepped.
+        let grace = durability
+            .needed_for(101 + TOKEN_BLOCK, 0, 20 * S, false)
+            .unwrap();
+        assert_eq!(grace.horizon, 20 * S);
+        assert_eq!(durability.on_disk(), Some(tokens));
+    }
+
+    #[test]
+    fn counted_grants_are_recorded_before_anything_that_shows_one_and_stay() {
+        let mut durability = Durability::new();
+        let first = durability.needed_for(100, 0, 0, false).unwrap();
+        assert!(!first.counted_grants);
+        durability.persisted(first);
+        // Nothing else changed, yet the flag alone needs a write.
+        let counted = durability.needed_for(100, 0, 0, true).unwrap();
+        assert_eq!(
+            counted,
+            Promise {
+                counted_grants: true,
+                ..first
+            }
+        );
+        durability.persisted(counted);
+        assert_eq!(durability.needed_for(100, 0, 0, true), None);
+        // Once on disk it stays for the run.
+        let leased = durability.needed_for(100, 5 * S, 0, false).unwrap();
+        assert!(leased.counted_grants);
+    }
+
+    #[test]
+    fn counted_unknown_grants_matter_only_while_the_grace_runs() {
+        assert!(Restart::new(6_000, 1_000, true).counted_grants);
+        assert!(!Restart::new(6_000, 6_000, true).counted_grants);
+        assert!(!Restart::new(6_000, 1_000, false).counted_grants);
+    }
+
+    #[test]
+    fn the_grace_is_the_horizon_less_the_downtime_and_never_past_the_cap() {
+        let restart = Restart::new(6_000, 1_000, false);
+        assert_eq!(restart.grace, Duration::from_millis(5_000));
+        assert_eq!(restart.grace_until(), Some(5_001_000));
+        assert_eq!(Restart::new(6_000, 6_000, false).grace_until(), None);
+        assert_eq!(Restart::new(u64::MAX, 0, false).grace, MAX_GRACE);
+        // A lease loses one ms more than the downtime, never less.
+        assert_eq!(restart.lease_left(1_001), None);
+        assert_eq!(restart.lease_left(1_002), Some(Duration::from_millis(1)));
+        assert_eq!(
+            restart.lease_left(u32::MAX),
+            Some(MAX_GRACE),
+            "a restored lease is capped"
+        );
+    }
+}
