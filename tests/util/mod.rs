@@ -16,6 +16,7 @@ use kunci::protocol::{self, Request, Response};
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod proxy;
+pub mod scripted;
 
 /// The `kunci` binary under test.
 pub fn kunci_bin() -> &'static str {
