@@ -325,6 +325,11 @@ def parse_address(text):
     """``("unix", path)`` or ``("tcp", (host, port))`` for ``unix:PATH``,
     ``HOST:PORT`` or ``[V6]:PORT``."""
     text = text.strip()
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if not path:
+            raise ValueError("unix: address without a path")
+        return ("unix", path)
     scheme, sep, _ = text.partition("://")
     if sep:
         if scheme.lower() in ("etcd", "etcds"):
@@ -333,11 +338,6 @@ def parse_address(text):
                 "(HOST:PORT or unix:PATH), or the kunci CLI or Rust client for "
                 "etcd:// (docs/ETCD.md)" % text)
         raise ValueError("address %r: the Python client takes HOST:PORT or unix:PATH" % text)
-    if text.startswith("unix:"):
-        path = text[len("unix:"):]
-        if not path:
-            raise ValueError("unix: address without a path")
-        return ("unix", path)
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError("address %r is not HOST:PORT or unix:PATH" % text)
