@@ -3,8 +3,9 @@
 //! loops that exclude each other, a holder that keeps its lock while the
 //! leader is killed, and `Indeterminate` through a silent member.
 //!
-//! Each test starts its own 3-member cluster on loopback (or skips, saying
-//! so on stderr, when `etcd` is not installed).
+//! Each test starts its own 3-member cluster on loopback. Without `etcd`
+//! installed they fail under CI and are skipped, saying so, elsewhere
+//! (`util::require_tool`).
 
 use std::process::{Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
@@ -12,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use kunci::client::{Client, Config, Error, Unavailable};
 
-use crate::util::etcd::{Blackhole, Cluster, etcd_installed};
-use crate::util::{TempDir, kunci_bin};
+use crate::util::etcd::{Blackhole, Cluster};
+use crate::util::{TempDir, kunci_bin, require_tool};
 
 const MS: Duration = Duration::from_millis(1);
 const S: Duration = Duration::from_secs(1);
@@ -44,7 +45,7 @@ fn client_of(address: &str) -> Client {
 
 #[test]
 fn etcd_every_outcome_of_every_call() {
-    if !etcd_installed("etcd_every_outcome_of_every_call") {
+    if !require_tool("etcd", "etcd-server") {
         return;
     }
     let cluster = Cluster::start(3);
@@ -164,7 +165,7 @@ fn etcd_every_outcome_of_every_call() {
 
 #[test]
 fn etcd_cli_commands_and_exit_codes() {
-    if !etcd_installed("etcd_cli_commands_and_exit_codes") {
+    if !require_tool("etcd", "etcd-server") {
         return;
     }
     let cluster = Cluster::start(3);
@@ -291,7 +292,7 @@ fn etcd_cli_commands_and_exit_codes() {
 
 #[test]
 fn etcd_waiters_are_granted_in_fifo_order_and_leases_never_end_early() {
-    if !etcd_installed("etcd_waiters_are_granted_in_fifo_order_and_leases_never_end_early") {
+    if !require_tool("etcd", "etcd-server") {
         return;
     }
     let cluster = Cluster::start(3);
@@ -354,7 +355,7 @@ fn etcd_waiters_are_granted_in_fifo_order_and_leases_never_end_early() {
 
 #[test]
 fn etcd_kunci_run_loops_exclude_each_other_with_increasing_tokens() {
-    if !etcd_installed("etcd_kunci_run_loops_exclude_each_other_with_increasing_tokens") {
+    if !require_tool("etcd", "etcd-server") {
         return;
     }
     let cluster = Cluster::start(3);
@@ -401,7 +402,7 @@ fn etcd_kunci_run_loops_exclude_each_other_with_increasing_tokens() {
 
 #[test]
 fn etcd_kunci_run_keeps_its_lock_while_the_leader_is_killed() {
-    if !etcd_installed("etcd_kunci_run_keeps_its_lock_while_the_leader_is_killed") {
+    if !require_tool("etcd", "etcd-server") {
         return;
     }
     let mut cluster = Cluster::start(3);
@@ -453,7 +454,7 @@ fn etcd_kunci_run_keeps_its_lock_while_the_leader_is_killed() {
 
 #[test]
 fn etcd_indeterminate_through_a_silent_member() {
-    if !etcd_installed("etcd_indeterminate_through_a_silent_member") {
+    if !require_tool("etcd", "etcd-server") {
         return;
     }
     let cluster = Cluster::start(3);
