@@ -2,7 +2,7 @@
 //! `ping`, and the option parsing `run` shares with them.
 
 use std::ffi::OsString;
-use std::io::Write as _;
+use std::io::Write;
 use std::time::Duration;
 
 use super::args;
@@ -39,6 +39,8 @@ pub(super) struct Options {
     pub acquire: AcquireOptions,
     pub kill_after: Duration,
     pub positionals: Vec<String>,
+    /// `who`, `list`: JSON instead of text.
+    pub json: bool,
     /// `run`: the command and its arguments, untouched.
     pub command: Vec<OsString>,
 }
@@ -53,8 +55,13 @@ pub(super) struct Accepts {
     pub conflict: bool,
     /// `--limit`, `--take`, `--shared`, `--exclusive`, `--label`.
     pub permits: bool,
+    /// `--json` (`who`, `list`); such a command does not work in etcd
+    /// mode yet.
+    pub json: bool,
     /// Positional arguments, by name (for messages).
     pub positionals: &'static [&'static str],
+    /// How many of the positionals may be left out (the last ones).
+    pub optional: usize,
     /// Everything after the positionals is a command to run.
     pub command: bool,
 }
@@ -78,6 +85,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         acquire: AcquireOptions::new(),
         kill_after: Duration::from_secs(5),
         positionals: Vec::new(),
+        json: false,
         command: Vec::new(),
     };
     let mut permit_flags = PermitFlags::default();
@@ -104,6 +112,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
                 options.conflict_exit_code = args::number("--conflict-exit-code", parser.value())?
             }
             Short('q') | Long("quiet") if accepts.conflict => options.quiet = true,
+            Long("json") if accepts.json => options.json = true,
             Long(name) if accepts.permits && PermitFlags::is_option(name) => {
                 let name = name.to_owned();
                 permit_flags.take_option(&name, &mut parser)?;
@@ -124,7 +133,8 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
             other => return Err(other.unexpected().to_string()),
         }
     }
-    if let Some(missing) = accepts.positionals.get(options.positionals.len()) {
+    let required = accepts.positionals.len() - accepts.optional;
+    if let Some(missing) = accepts.positionals[..required].get(options.positionals.len()) {
         return Err(format!("missing {missing}"));
     }
     if accepts.command && options.command.is_empty() {
@@ -341,7 +351,15 @@ struct Command {
     name: &'static str,
     accepts: Accepts,
     help: &'static str,
-    run: fn(&Client, &Options) -> Result<String, Error>,
+    /// Writes what the command prints on stdout to its third argument.
+    run: fn(&Client, &Options, &mut dyn Write) -> Result<(), Error>,
+}
+
+/// Prints one line; a closed stdout (`kunci acquire k | true`) is not an
+/// error.
+fn say(out: &mut dyn Write, line: impl std::fmt::Display) -> Result<(), Error> {
+    let _ = writeln!(out, "{line}");
+    Ok(())
 }
 
 const NONE: Accepts = Accepts {
@@ -350,7 +368,9 @@ const NONE: Accepts = Accepts {
     kill_after: false,
     conflict: false,
     permits: false,
+    json: false,
     positionals: &[],
+    optional: 0,
     command: false,
 };
 
@@ -386,9 +406,9 @@ Options:
             "
 "
         ),
-        run: |client, options| {
+        run: |client, options, out| {
             let ticket = acquire(client, &options.positionals[0], options)?;
-            Ok(ticket.into_token().to_string())
+            say(out, ticket.into_token())
         },
     },
     Command {
@@ -406,9 +426,9 @@ Exits 0 when released, 6 when that token is not the key's active grant.
 
 Options:
 ",
-        run: |client, options| {
+        run: |client, options, out| {
             client.release(&options.positionals[0], token(&options.positionals[1])?)?;
-            Ok("released".into())
+            say(out, "released")
         },
     },
     Command {
@@ -428,10 +448,10 @@ Exits 0 when renewed, 6 when that token is not the key's active grant.
 Options:
   --lease S       the new lease from now, whole seconds 1..=255 (default 30)
 ",
-        run: |client, options| {
+        run: |client, options, out| {
             let token = token(&options.positionals[1])?;
             client.renew(&options.positionals[0], token, options.lease)?;
-            Ok("renewed".into())
+            say(out, "renewed")
         },
     },
     Command {
@@ -449,16 +469,74 @@ Prints `free`, or `held token=… owner=… lease_ms=… waiters=…`.
 
 Options:
 ",
-        run: |client, options| {
+        run: |client, options, out| {
             let status = client.query(&options.positionals[0])?;
-            Ok(if status.is_free() {
-                "free".into()
+            if status.is_free() {
+                say(out, "free")
             } else {
-                format!(
-                    "held token={} owner={} lease_ms={} waiters={}",
-                    status.token, status.owner, status.lease_ms, status.waiters
+                say(
+                    out,
+                    format_args!(
+                        "held token={} owner={} lease_ms={} waiters={}",
+                        status.token, status.owner, status.lease_ms, status.waiters
+                    ),
                 )
-            })
+            }
+        },
+    },
+    Command {
+        name: "who",
+        accepts: Accepts {
+            json: true,
+            positionals: &["KEY"],
+            ..NONE
+        },
+        help: "\
+kunci who — show who holds a key and who waits for it
+
+Usage: kunci who KEY [--json] [--server ADDR]...
+
+Prints the key's limit, then its grants (token, owner, permits taken,
+lease left, time held, label) oldest first, then its waiters in queue
+order (owner, permits, wait left, label). A key nobody holds or waits for
+is `free`. Not available on etcd:// yet.
+
+Options:
+  --json          one JSON object: {\"key\", \"limit\", \"grants\": [{\"token\",
+                  \"owner\", \"lease_ms\", \"held_ms\", \"take\", \"label\"}],
+                  \"waiters\": [{\"owner\", \"wait_ms\", \"take\", \"label\"}]};
+                  take 0 is every permit, limit 0 is none
+",
+        run: |client, options, out| {
+            super::who::who(client, &options.positionals[0], options.json, out)
+        },
+    },
+    Command {
+        name: "list",
+        accepts: Accepts {
+            json: true,
+            positionals: &["PREFIX"],
+            optional: 1,
+            ..NONE
+        },
+        help: "\
+kunci list — list the keys the server has
+
+Usage: kunci list [PREFIX] [--json] [--server ADDR]...
+
+Prints one line per key that starts with PREFIX (default: every key):
+the key, its number of grants and of waiters, and its limit of permits.
+The server hands the table out 1000 keys at a time; a key that was there
+for the whole listing is printed at least once, and a key may be printed
+twice when the table grew meanwhile. Not available on etcd:// yet.
+
+Options:
+  --json          one JSON object per line: {\"key\", \"grants\", \"waiters\",
+                  \"limit\"} (limit 0 is none)
+",
+        run: |client, options, out| {
+            let prefix = options.positionals.first().map_or("", String::as_str);
+            super::who::list(client, prefix, options.json, out)
         },
     },
     Command {
@@ -473,7 +551,7 @@ Prints the server's `I` line: name=value pairs separated by spaces.
 
 Options:
 ",
-        run: |client, _| client.info(),
+        run: |client, _, out| say(out, client.info()?),
     },
     Command {
         name: "ping",
@@ -487,9 +565,12 @@ Prints the time from writing a `P` to reading its answer.
 
 Options:
 ",
-        run: |client, _| {
+        run: |client, _, out| {
             let round_trip = client.ping()?;
-            Ok(format!("{:.3} ms", round_trip.as_secs_f64() * 1000.0))
+            say(
+                out,
+                format_args!("{:.3} ms", round_trip.as_secs_f64() * 1000.0),
+            )
         },
     },
 ];
@@ -518,6 +599,20 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
         }
         Err(message) => return usage_error(name, &message),
     };
+    if command.accepts.json
+        && options
+            .servers
+            .iter()
+            .any(|server| matches!(server, Address::Etcd(_)))
+    {
+        return usage_error(
+            name,
+            &format!(
+                "kunci {name} does not work on etcd:// addresses yet; it needs a kunci \
+                 server (--server HOST:PORT or unix:PATH)"
+            ),
+        );
+    }
     init_logging();
     let client = match client(options.servers.clone()) {
         Ok(client) => client,
@@ -526,12 +621,12 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
             return exit::UNAVAILABLE;
         }
     };
-    match (command.run)(&client, &options) {
-        Ok(line) => {
-            // A closed stdout (`kunci acquire k | true`) is not an error.
-            let _ = writeln!(std::io::stdout(), "{line}");
-            exit::DONE
-        }
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let done = (command.run)(&client, &options, &mut out);
+    let _ = out.flush();
+    match done {
+        Ok(()) => exit::DONE,
         Err(error) => {
             let attempt = Attempt {
                 key: command

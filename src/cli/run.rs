@@ -100,7 +100,9 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         kill_after: true,
         conflict: true,
         permits: true,
+        json: false,
         positionals: &["KEY"],
+        optional: 0,
         command: true,
     };
     let options = match common::parse(arguments, accepts) {

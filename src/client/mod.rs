@@ -36,6 +36,7 @@ mod etcd;
 mod io;
 mod keep_alive;
 mod kept;
+mod listing;
 mod permits;
 mod ticket;
 
@@ -49,6 +50,7 @@ use engine::{Key, Op, Outcome, Submission};
 
 pub use keep_alive::Loss;
 pub use kept::KeptLease;
+pub use listing::{Grant, Holders, KeyPage, KeySummary, Keys, Waiter};
 pub use permits::{AcquireOptions, Permits};
 pub use ticket::Ticket;
 
@@ -472,6 +474,66 @@ impl Client {
             Outcome::Query(status) => Ok(status),
             outcome => Err(outcome_error(outcome)),
         }
+    }
+
+    /// Every grant of `key` (token, owner, permits, lease left, time held,
+    /// label) and every waiter in queue order, as the server sees them now
+    /// (spec §11.2). A key that is not in the table has neither.
+    ///
+    /// Like [`query`](Self::query) it ends by `start + 5 s`, and fails
+    /// with [`Error::Unavailable`] or [`Error::Indeterminate`] as every
+    /// call does; then nothing changed on the server either way.
+    pub fn holders(&self, key: &str) -> Result<Holders, Error> {
+        let key = Key::new(key).map_err(Error::InvalidArgument)?;
+        let op = Op::Holders {
+            id: self.fresh_owner(),
+            clean_up_for: None,
+        };
+        match self.call_now(op, key) {
+            Outcome::Holders(holders) => Ok(holders),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    /// One page of the keys in the server's table that start with
+    /// `prefix` (empty: every key): at most `count` (1..=1000) of them,
+    /// and the cursor to continue with. Start with cursor 0 and go on with
+    /// [`KeyPage::next`] until it is 0; [`keys`](Self::keys) does that.
+    /// A page may hold fewer keys than `count`, even none, before the end:
+    /// the server bounds the work of each request (spec §11.3).
+    pub fn list_keys(&self, prefix: &str, cursor: u64, count: u16) -> Result<KeyPage, Error> {
+        let prefix = Key::prefix(prefix).map_err(Error::InvalidArgument)?;
+        if count == 0 || count > crate::protocol::LIST_COUNT_MAX {
+            return Err(Error::InvalidArgument("count must be 1..=1000"));
+        }
+        let op = Op::List {
+            id: self.fresh_owner(),
+            cursor,
+            count,
+        };
+        match self.call_now(op, prefix) {
+            Outcome::Keys(page) => Ok(page),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    /// Every key in the server's table that starts with `prefix`, with its
+    /// numbers of grants and waiters and its limit: an iterator that asks
+    /// for one page of 1,000 keys at a time, following the cursor to the
+    /// end (see [`Keys`]). An invalid prefix is the iterator's only item,
+    /// an [`Error::InvalidArgument`].
+    ///
+    /// ```no_run
+    /// # use kunci::client::{Client, Config};
+    /// # let client = Client::new(["127.0.0.1:5862".parse()?], Config::default())?;
+    /// for key in client.keys("jobs/") {
+    ///     let key = key?;
+    ///     println!("{} held by {} grants, {} waiting", key.key, key.grants, key.waiters);
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn keys(&self, prefix: &str) -> Keys {
+        Keys::new(self.clone(), prefix.to_owned())
     }
 
     /// The server's counters: one line of `name=value` pairs.

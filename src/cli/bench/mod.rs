@@ -9,7 +9,7 @@
 #[cfg(feature = "etcd")]
 mod closed_loop;
 mod fleet;
-mod stats;
+pub(super) mod stats;
 mod workloads;
 
 use std::ffi::OsString;

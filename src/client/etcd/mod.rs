@@ -119,6 +119,12 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: super::engine::Key, deadline: In
         Op::Query => cluster.query(key, deadline),
         Op::Info => cluster.info(deadline),
         Op::Ping { .. } => cluster.ping(deadline),
+        // Spec §11 in etcd mode (labels in the entries, range reads under
+        // the prefix) is not in this recipe yet: refuse rather than answer
+        // something else.
+        Op::Holders { .. } | Op::List { .. } => {
+            Outcome::Invalid("who holds a key and listing keys are not supported in etcd mode yet")
+        }
     }
 }
 
