@@ -22,7 +22,7 @@ use super::io::{Message, Reply};
 use super::keep_alive::{KeepAlives, KeepId, Loss, Step};
 use super::kept::Mirror;
 use super::{TRANSPORT_DEADLINE, Unavailable};
-use recipe::Cluster;
+use recipe::{Claim, Cluster};
 
 /// What the keeper thread is told.
 enum Note {
@@ -105,7 +105,17 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: super::engine::Key, deadline: In
             owner,
             lease_s,
             wait_until,
-        } => cluster.acquire(key, owner, lease_s, wait_until, deadline),
+        } => cluster
+            .acquire(
+                key,
+                owner,
+                &Claim::exclusive(),
+                lease_s,
+                wait_until,
+                deadline,
+            )
+            // An acquire without a limit never mismatches.
+            .unwrap_or(Outcome::Invalid("limit mismatch")),
         Op::Release { token } => cluster.release(key, token, deadline),
         Op::Extend { token, lease_s } => cluster.renew(key, token, lease_s, deadline),
         Op::Query => cluster.query(key, deadline),
