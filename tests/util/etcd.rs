@@ -14,7 +14,8 @@ use kunci::client::{Client, Config};
 use super::TempDir;
 
 /// Whether the `etcd` binary is installed; if not, says so on stderr so
-/// that a skipped test is visible.
+/// that a skipped test is visible. Under `CI=true` a missing `etcd` fails
+/// the test instead: CI must never pass by skipping.
 pub fn etcd_installed(test: &str) -> bool {
     let found = Command::new("etcd")
         .arg("--version")
@@ -22,6 +23,9 @@ pub fn etcd_installed(test: &str) -> bool {
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|status| status.success());
+    if !found && std::env::var("CI").is_ok_and(|ci| ci == "true") {
+        panic!("{test}: `etcd` is not installed, and CI=true forbids skipping");
+    }
     if !found {
         eprintln!("SKIPPED {test}: `etcd` is not installed (apt-get install etcd-server)");
     }

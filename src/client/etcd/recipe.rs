@@ -1036,6 +1036,10 @@ fn pause_before_retry(deadline: Instant, sent: bool) -> Result<(), Fault> {
 }
 
 #[cfg(test)]
+#[path = "cluster_tests.rs"]
+mod cluster_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
