@@ -1492,6 +1492,9 @@ impl Pair {
                         lease_s,
                         owner,
                         key: keys[key as usize],
+                        limit: 0,
+                        take: 0,
+                        label: "",
                     },
                 )
             }

@@ -685,7 +685,8 @@ fn waiting_forever_queues_with_the_longest_wire_wait() {
     let waits: Vec<u8> = proxy
         .frames()
         .iter()
-        .filter(|f| f.op == b'A')
+        // `run` labels its request, so it goes as `S`; `acquire` as `A`.
+        .filter(|f| f.op == b'A' || f.op == b'S')
         .map(|f| f.wait_s)
         .collect();
     assert_eq!(waits, [255, 255]);

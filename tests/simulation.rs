@@ -356,6 +356,9 @@ impl Sim {
                     lease_s,
                     owner,
                     key: &key,
+                    limit: 0,
+                    take: 0,
+                    label: "",
                 };
                 let out = self.request(conn, &request)?;
                 if out.is_empty() {
@@ -1429,6 +1432,9 @@ mod wire {
                             lease_s: self.rng.range(1, 3) as u8,
                             owner,
                             key: &key,
+                            limit: 0,
+                            take: 0,
+                            label: "",
                         };
                         protocol::encode_request(&request, &mut bytes);
                         request.correlation()
@@ -1468,6 +1474,9 @@ mod wire {
                             lease_s: 0,
                             owner,
                             key: &key,
+                            limit: 0,
+                            take: 0,
+                            label: "",
                         };
                         protocol::encode_request(&request, &mut bytes);
                         request.correlation()

@@ -10,6 +10,7 @@ mod etcd;
 mod fencing;
 mod metrics;
 mod operations;
+mod permit_options;
 mod protocol;
 mod regression;
 mod restart;

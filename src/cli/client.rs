@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use super::args;
 use super::exit;
+use super::permits::{self, PermitFlags};
 use crate::addr::{Address, DEFAULT_ADDRESS};
-use crate::client::{Client, Config, Error, Ticket, WAIT_MAX};
+use crate::client::{AcquireOptions, Client, Config, Error, Ticket, WAIT_MAX};
 
 /// The environment variable that names the servers when `--server` is not
 /// given: addresses separated by commas.
@@ -34,6 +35,8 @@ pub(super) struct Options {
     /// `run`: no message on stderr for a timeout (`--quiet`).
     pub quiet: bool,
     pub lease: Duration,
+    /// `acquire`, `run`: the permits and the label to ask with.
+    pub acquire: AcquireOptions,
     pub kill_after: Duration,
     pub positionals: Vec<String>,
     /// `run`: the command and its arguments, untouched.
@@ -48,6 +51,8 @@ pub(super) struct Accepts {
     pub kill_after: bool,
     /// `--conflict-exit-code` and `--quiet`.
     pub conflict: bool,
+    /// `--limit`, `--take`, `--shared`, `--exclusive`, `--label`.
+    pub permits: bool,
     /// Positional arguments, by name (for messages).
     pub positionals: &'static [&'static str],
     /// Everything after the positionals is a command to run.
@@ -70,10 +75,12 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         conflict_exit_code: exit::TIMEOUT,
         quiet: false,
         lease: Duration::from_secs(30),
+        acquire: AcquireOptions::new(),
         kill_after: Duration::from_secs(5),
         positionals: Vec::new(),
         command: Vec::new(),
     };
+    let mut permit_flags = PermitFlags::default();
     let mut parser = lexopt::Parser::from_args(arguments);
     while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
         match argument {
@@ -97,6 +104,10 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
                 options.conflict_exit_code = args::number("--conflict-exit-code", parser.value())?
             }
             Short('q') | Long("quiet") if accepts.conflict => options.quiet = true,
+            Long(name) if accepts.permits && PermitFlags::is_option(name) => {
+                let name = name.to_owned();
+                permit_flags.take_option(&name, &mut parser)?;
+            }
             Short('h') | Long("help") => return Ok(Parsed::Help),
             Value(value) if options.positionals.len() < accepts.positionals.len() => {
                 let text = value
@@ -118,6 +129,13 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
     }
     if accepts.command && options.command.is_empty() {
         return Err("missing the command to run (after --)".into());
+    }
+    if accepts.permits {
+        // `kunci run` labels its grant with who runs what, unless told.
+        let default_label = accepts
+            .command
+            .then(|| permits::run_label(&options.command));
+        options.acquire = permit_flags.options(default_label)?;
     }
     if options.servers.is_empty() {
         options.servers = default_servers()?;
@@ -167,6 +185,7 @@ pub(super) fn exit_code(error: &Error) -> u8 {
         Error::Unavailable(_) => exit::UNAVAILABLE,
         Error::Indeterminate => exit::INDETERMINATE,
         Error::NotHeld => exit::NOT_HELD,
+        Error::LimitMismatch { .. } => exit::USAGE,
     }
 }
 
@@ -190,6 +209,7 @@ pub(super) fn report(command: &str, error: Error, servers: &[Address], attempt: 
         Error::Indeterminate => "indeterminate",
         Error::InvalidArgument(_) => "invalid argument",
         Error::NotHeld => "not held",
+        Error::LimitMismatch { .. } => "limit mismatch",
     };
     eprintln!(
         "kunci {command}: {outcome}: {}",
@@ -273,6 +293,17 @@ pub(super) fn message(
             "{token} does not hold {key} (its lease ran out, it was released, or it \
              never held it); nothing changed"
         ),
+        Error::LimitMismatch {
+            key_limit: Some(limit),
+        } => format!(
+            "{key} has a limit of {limit} permits, not the one this request named; \
+             nothing was acquired or queued. Ask with --limit {limit} (a key keeps its \
+             limit while it has grants or waiters)"
+        ),
+        Error::LimitMismatch { key_limit: None } => format!(
+            "{key} has another limit of permits than the one this request named; \
+             nothing was acquired or queued"
+        ),
     }
 }
 
@@ -318,6 +349,7 @@ const NONE: Accepts = Accepts {
     lease: false,
     kill_after: false,
     conflict: false,
+    permits: false,
     positionals: &[],
     command: false,
 };
@@ -328,13 +360,17 @@ const COMMANDS: &[Command] = &[
         accepts: Accepts {
             wait: true,
             lease: true,
+            permits: true,
             positionals: &["KEY"],
             ..NONE
         },
-        help: "\
+        help: concat!(
+            "\
 kunci acquire — take a lock and print its fencing token
 
-Usage: kunci acquire KEY [--wait S|inf] [--lease S] [--server ADDR]...
+Usage: kunci acquire KEY [--wait S|inf] [--lease S]
+                     [--limit N [--take K] | --shared | --exclusive]
+                     [--label TEXT] [--server ADDR]...
 
 Prints the token as one decimal number and exits 0, leaving the lock held
 until its lease runs out or `kunci release KEY TOKEN`.
@@ -346,6 +382,10 @@ Options:
                   a wait runs out (the place in the queue is not kept)
   --lease S       the lease, whole seconds 1..=255 (default 30)
 ",
+            permits::options_help!(),
+            "
+"
+        ),
         run: |client, options| {
             let ticket = acquire(client, &options.positionals[0], options)?;
             Ok(ticket.into_token().to_string())
@@ -512,19 +552,23 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
     }
 }
 
-/// The help of `kunci run`, with the shared `--server` lines (no final
-/// newline: the caller prints a line).
+/// The help of `kunci run`, with the permit options and the shared
+/// `--server` lines (no final newline: the caller prints a line).
 pub(super) fn with_server_help(help: &str) -> String {
-    format!("{help}{}", SERVER_HELP.trim_end())
+    format!(
+        "{help}{}\n{}",
+        permits::options_help!(),
+        SERVER_HELP.trim_end()
+    )
 }
 
 /// Acquires `key` with the options' wait and lease. `--wait inf` queues
 /// with the longest wire wait (255 s) again each time one runs out.
 pub(super) fn acquire(client: &Client, key: &str, options: &Options) -> Result<Ticket, Error> {
     if options.wait_forever {
-        acquire_until_granted(client, key, options.lease, WAIT_MAX)
+        acquire_until_granted(client, key, options.lease, &options.acquire, WAIT_MAX)
     } else {
-        client.acquire(key, options.wait, options.lease)
+        client.acquire_with(key, options.wait, options.lease, options.acquire.clone())
     }
 }
 
@@ -535,10 +579,11 @@ fn acquire_until_granted(
     client: &Client,
     key: &str,
     lease: Duration,
+    acquire: &AcquireOptions,
     slice: Duration,
 ) -> Result<Ticket, Error> {
     loop {
-        match client.acquire(key, slice, lease) {
+        match client.acquire_with(key, slice, lease, acquire.clone()) {
             Err(Error::Timeout) => log::debug!("{key}: still held after {slice:?}; queueing again"),
             outcome => return outcome,
         }
@@ -578,6 +623,7 @@ mod tests {
             &client,
             "forever",
             Duration::from_secs(5),
+            &AcquireOptions::new(),
             Duration::from_secs(1),
         )
         .unwrap();
@@ -595,8 +641,14 @@ mod tests {
         ticket.release().unwrap();
         // Other outcomes end the wait at once.
         assert_eq!(
-            acquire_until_granted(&client, "", Duration::from_secs(5), Duration::from_secs(1))
-                .unwrap_err(),
+            acquire_until_granted(
+                &client,
+                "",
+                Duration::from_secs(5),
+                &AcquireOptions::new(),
+                Duration::from_secs(1)
+            )
+            .unwrap_err(),
             Error::InvalidArgument("key is empty")
         );
         stop.shut_down();

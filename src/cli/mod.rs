@@ -5,6 +5,7 @@ pub mod args;
 mod bench;
 mod client;
 mod logging;
+mod permits;
 mod run;
 mod serve;
 mod top;
@@ -29,6 +30,7 @@ kunci — a small, exact, fast lock server
 Usage:
   kunci serve [--listen ADDR]... [options]  run the server
   kunci acquire KEY [--wait S] [--lease S]  take a lock, print its token
+        [--limit N [--take K] | --shared | --exclusive] [--label TEXT]
   kunci release KEY TOKEN                   release a lock
   kunci renew KEY TOKEN [--lease S]         extend a lock's lease
   kunci query KEY                           show who holds a key

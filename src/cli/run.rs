@@ -99,6 +99,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         lease: true,
         kill_after: true,
         conflict: true,
+        permits: true,
         positionals: &["KEY"],
         command: true,
     };

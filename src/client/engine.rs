@@ -30,6 +30,7 @@ use slab::Slab;
 use crate::core::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 use crate::protocol::{self, Correlation, ErrorCode, KEY_LEN_MAX, Request, Response};
 
+use super::permits::{Label, Permits};
 use super::{KeyStatus, TRANSPORT_DEADLINE, Unavailable};
 
 /// A session: one connection slot, numbered from 0.
@@ -96,12 +97,15 @@ impl std::fmt::Debug for Key {
 /// What a request asks the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
-    /// `A`. `wait_until` is `Dw`, or `None` for an original `wait = 0`,
-    /// which stays 0 on the wire.
+    /// `A`, or `S` when it asks for permits or carries a label (the
+    /// protocol encoder decides). `wait_until` is `Dw`, or `None` for an
+    /// original `wait = 0`, which stays 0 on the wire.
     Acquire {
         owner: u64,
         lease_s: u8,
         wait_until: Option<Instant>,
+        permits: Permits,
+        label: Label,
     },
     Release {
         token: u64,
@@ -167,6 +171,11 @@ pub(crate) enum Outcome {
     Info(String),
     /// A non-fatal `X`: the server found the request invalid.
     Invalid(&'static str),
+    /// `X 10`: the acquire named a limit other than the key's, which the
+    /// error's text names (`None` if it did not say it as the spec wants).
+    LimitMismatch {
+        key_limit: Option<u16>,
+    },
 }
 
 /// What the engine asks the I/O layer to do.
@@ -686,7 +695,13 @@ impl<R> Engine<R> {
                 let Some(request) = found else {
                     return self.uncorrelated(s, &response);
                 };
-                (request, Outcome::Invalid(code.text()))
+                let outcome = match code {
+                    ErrorCode::LimitMismatch => Outcome::LimitMismatch {
+                        key_limit: protocol::parse_limit_mismatch(text),
+                    },
+                    code => Outcome::Invalid(code.text()),
+                };
+                (request, outcome)
             }
             ref other => {
                 let matches = |op: &Op| op.correlation().is_answered_by(other);
@@ -950,12 +965,20 @@ fn encode<R>(req: &Req<R>, now: Instant, out: &mut Vec<u8>) {
             owner,
             lease_s,
             wait_until,
-        } => Request::Acquire {
-            wait_s: wire_wait_s(wait_until, now),
-            lease_s,
-            owner,
-            key,
-        },
+            permits,
+            ref label,
+        } => {
+            let (limit, take) = permits.wire();
+            Request::Acquire {
+                wait_s: wire_wait_s(wait_until, now),
+                lease_s,
+                owner,
+                key,
+                limit,
+                take,
+                label: label.as_str(),
+            }
+        }
         Op::Release { token } => Request::Release { token, key },
         Op::Extend { token, lease_s } => Request::Extend {
             lease_s,

@@ -21,6 +21,9 @@
 //! one it has already seen. `docs/CLIENT.md` explains every outcome and how
 //! to use the token.
 //!
+//! A lock is exclusive unless [`Client::acquire_with`] asks for other
+//! [`Permits`]: a shared lock, or some permits of a semaphore (spec §10).
+//!
 //! To hold a lock for longer than one lease, [`Ticket::keep_alive`] hands
 //! the ticket to the client's I/O thread, which renews it every lease/3 and
 //! reports a loss at once ([`KeptLease`]).
@@ -33,6 +36,7 @@ mod etcd;
 mod io;
 mod keep_alive;
 mod kept;
+mod permits;
 mod ticket;
 
 use std::fmt;
@@ -45,6 +49,7 @@ use engine::{Key, Op, Outcome, Submission};
 
 pub use keep_alive::Loss;
 pub use kept::KeptLease;
+pub use permits::{AcquireOptions, Permits};
 pub use ticket::Ticket;
 
 /// The transport deadline: how long past its wait a call may take (spec
@@ -113,6 +118,12 @@ pub enum Error {
     /// (its lease ran out, it was released, or it never existed). Nothing
     /// changed. A holder that gets this has lost the lock.
     NotHeld,
+    /// The server answered `X 10`: the acquire named a limit other than
+    /// the one the key has now (set by the first request that named one,
+    /// and kept while the key has grants or waiters). Definitive: nothing
+    /// was acquired or queued. `key_limit` is the key's limit, as the
+    /// server's message names it.
+    LimitMismatch { key_limit: Option<u16> },
 }
 
 /// Why a request was [`Error::Unavailable`].
@@ -148,6 +159,15 @@ impl fmt::Display for Error {
             ),
             Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
             Error::NotHeld => f.write_str("not held: that token is not the key's active grant"),
+            Error::LimitMismatch {
+                key_limit: Some(limit),
+            } => write!(
+                f,
+                "limit mismatch: the key has a limit of {limit} permits; nothing was acquired"
+            ),
+            Error::LimitMismatch { key_limit: None } => f.write_str(
+                "limit mismatch: the key has another limit of permits; nothing was acquired",
+            ),
         }
     }
 }
@@ -345,11 +365,50 @@ impl Client {
     /// On success the [`Ticket`] holds the fencing token; dropping it
     /// releases the lock in the background.
     pub fn acquire(&self, key: &str, wait: Duration, lease: Duration) -> Result<Ticket, Error> {
+        self.acquire_with(key, wait, lease, AcquireOptions::new())
+    }
+
+    /// As [`acquire`](Self::acquire), asking for the [`Permits`] and with
+    /// the label that `options` give (a [`Permits`] alone will do).
+    ///
+    /// Everything is checked before anything is sent
+    /// ([`Error::InvalidArgument`]): a `take` needs a limit and may not
+    /// pass it, and a label is at most 128 bytes without a newline. A
+    /// limit other than the key's ends [`Error::LimitMismatch`]. The ticket
+    /// holds its own grant, with its own token and lease, whatever other
+    /// grants share the key.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use kunci::client::{AcquireOptions, Client, Config, Permits};
+    /// # let client = Client::new(["127.0.0.1:5862".parse()?], Config::default())?;
+    /// // At most three backups at once.
+    /// let wait = Duration::from_secs(60);
+    /// let lease = Duration::from_secs(30);
+    /// let options = AcquireOptions::new()
+    ///     .permits(Permits::limit(3))
+    ///     .label("backup of db1");
+    /// let ticket = client.acquire_with("backups", wait, lease, options)?;
+    /// // Many readers or one writer.
+    /// let reader = client.acquire_with("catalog", wait, lease, Permits::shared())?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn acquire_with(
+        &self,
+        key: &str,
+        wait: Duration,
+        lease: Duration,
+        options: impl Into<AcquireOptions>,
+    ) -> Result<Ticket, Error> {
+        let options = options.into();
         let key = Key::new(key).map_err(Error::InvalidArgument)?;
         if wait > WAIT_MAX {
             return Err(Error::InvalidArgument("wait is longer than 255 s"));
         }
         let lease_s = lease_seconds(lease)?;
+        let permits = options.get_permits();
+        permits.check().map_err(Error::InvalidArgument)?;
+        let label = permits::Label::new(options.get_label()).map_err(Error::InvalidArgument)?;
         let owner = self.fresh_owner();
         let start = Instant::now();
         let wait_until = start + wait;
@@ -358,6 +417,8 @@ impl Client {
             owner,
             lease_s,
             wait_until: (!wait.is_zero()).then_some(wait_until),
+            permits,
+            label,
         };
         match self.call(op, key, deadline) {
             Outcome::Acquired { token, sent_at } => {
@@ -367,7 +428,14 @@ impl Client {
                     self.release_in_background(key, token);
                     return Err(Error::Indeterminate);
                 }
-                Ok(Ticket::new(self.clone(), key, token, lease, sent_at))
+                Ok(Ticket::new(
+                    self.clone(),
+                    key,
+                    token,
+                    permits,
+                    lease,
+                    sent_at,
+                ))
             }
             outcome => Err(outcome_error(outcome)),
         }
@@ -504,6 +572,7 @@ fn outcome_error(outcome: Outcome) -> Error {
         Outcome::Unavailable(why) => Error::Unavailable(why),
         Outcome::NotHeld => Error::NotHeld,
         Outcome::Invalid(why) => Error::InvalidArgument(why),
+        Outcome::LimitMismatch { key_limit } => Error::LimitMismatch { key_limit },
         // Every other outcome answers a different request: the engine
         // correlates by op, so it cannot come here; treat it as unknown.
         _ => Error::Indeterminate,

@@ -457,12 +457,33 @@ impl Core {
             debug_assert!(fired.is_none());
         }
         match *request {
+            // `S` with limit 0 and take 0 is an exclusive acquire (spec
+            // §10.1); its label is not kept until holders (`H`) exist.
             Request::Acquire {
                 wait_s,
                 lease_s,
                 owner,
                 key,
+                limit: 0,
+                take: 0,
+                ..
             } => self.acquire(conn, key, wait_s, lease_s, owner, now),
+            // Permits (§10) and listing (§11) are not served by this core
+            // yet. A request that names a limit or counts permits gets `B`:
+            // definitive, nothing granted, queued or changed.
+            Request::Acquire { owner, .. } => self.busy(conn, owner),
+            // `H` and `L` get `X 13` (not permitted), which changes nothing.
+            Request::Holders { id, .. } | Request::List { id, .. } => {
+                self.send_error(conn, ErrorCode::NotPermitted, id);
+            }
+            // Without `--auth` (this core has none), `U` is answered with
+            // an empty name (spec §12.2).
+            Request::Authenticate { .. } => self.outbox.push((
+                conn,
+                Response::Authenticated {
+                    name: String::new(),
+                },
+            )),
             Request::Release { token, key } => self.release(conn, key, token, now),
             Request::Extend {
                 lease_s,

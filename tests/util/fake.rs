@@ -77,6 +77,9 @@ impl Fake {
                 lease_s,
                 owner,
                 key,
+                limit: 0,
+                take: 0,
+                label: "",
             },
         )
     }

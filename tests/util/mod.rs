@@ -15,6 +15,7 @@ use kunci::protocol::{self, Request, Response};
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod proxy;
+pub mod scripted;
 mod temp;
 
 pub use temp::TempDir;
@@ -348,6 +349,9 @@ pub fn acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Vec<u8> {
         lease_s,
         owner,
         key,
+        limit: 0,
+        take: 0,
+        label: "",
     })
 }
 

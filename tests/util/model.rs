@@ -180,11 +180,30 @@ impl Model {
     /// The answers to `request` from `conn` at `now`, in order.
     pub fn request(&mut self, conn: ConnId, request: &Request<'_>, now: Micros) -> Vec<Output> {
         match *request {
+            // The core serves permits (§10) and holders/listing (§11) in
+            // a later change; until then it answers as below.
+            Request::Acquire {
+                owner, limit, take, ..
+            } if limit != 0 || take != 0 => {
+                self.counters.busy += 1;
+                vec![(conn, Response::Busy { owner })]
+            }
+            Request::Holders { id, .. } | Request::List { id, .. } => {
+                self.counters.errors += 1;
+                vec![(conn, ErrorCode::NotPermitted.response(id))]
+            }
+            Request::Authenticate { .. } => vec![(
+                conn,
+                Response::Authenticated {
+                    name: String::new(),
+                },
+            )],
             Request::Acquire {
                 wait_s,
                 lease_s,
                 owner,
                 key,
+                ..
             } => {
                 let waiters = self.waiters();
                 let queued_by_conn = self.conns[&conn];

@@ -22,7 +22,7 @@ use super::io::{Message, Reply};
 use super::keep_alive::{KeepAlives, KeepId, Loss, Step};
 use super::kept::Mirror;
 use super::{TRANSPORT_DEADLINE, Unavailable};
-use recipe::{Claim, Cluster};
+use recipe::{Claim, Cluster, LimitMismatch};
 
 /// What the keeper thread is told.
 enum Note {
@@ -105,17 +105,22 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: super::engine::Key, deadline: In
             owner,
             lease_s,
             wait_until,
-        } => cluster
-            .acquire(
-                key,
-                owner,
-                &Claim::exclusive(),
-                lease_s,
-                wait_until,
-                deadline,
-            )
-            // An acquire without a limit never mismatches.
-            .unwrap_or(Outcome::Invalid("limit mismatch")),
+            permits,
+            label,
+        } => {
+            let (limit, take) = permits.wire();
+            let claim = Claim {
+                limit,
+                take,
+                label: label.as_str().to_owned(),
+            };
+            match cluster.acquire(key, owner, &claim, lease_s, wait_until, deadline) {
+                Ok(outcome) => outcome,
+                Err(LimitMismatch { limit }) => Outcome::LimitMismatch {
+                    key_limit: Some(limit),
+                },
+            }
+        }
         Op::Release { token } => cluster.release(key, token, deadline),
         Op::Extend { token, lease_s } => cluster.renew(key, token, lease_s, deadline),
         Op::Query => cluster.query(key, deadline),

@@ -101,7 +101,8 @@ impl Entry {
 const LABEL_LEN_MAX: usize = 128;
 
 /// What one acquire asks for (spec §10.1): `limit` 0 names no limit,
-/// `take` 0 takes every permit (exclusive), `label` says who asks.
+/// `take` 0 takes every permit (exclusive), `label` says who asks. The
+/// default is `A`'s: no limit, exclusive, no label.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Claim {
     pub(crate) limit: u16,
@@ -110,11 +111,6 @@ pub(crate) struct Claim {
 }
 
 impl Claim {
-    /// `A`: no limit, exclusive, no label.
-    pub(crate) fn exclusive() -> Claim {
-        Claim::default()
-    }
-
     /// Why the claim is invalid (spec §10.1, §11.1), if it is.
     fn invalid(&self) -> Option<&'static str> {
         if self.take > self.limit {
@@ -1095,7 +1091,7 @@ mod tests {
 
     #[test]
     fn a_plain_acquire_writes_the_value_every_version_wrote() {
-        assert_eq!(Claim::exclusive().value(42), "42");
+        assert_eq!(Claim::default().value(42), "42");
         assert_eq!(claim(0, 0, "").value(u64::MAX), u64::MAX.to_string());
         assert_eq!(claim(5, 0, "").value(7), "7 5 0");
         assert_eq!(claim(3, 2, "").value(7), "7 3 2");
@@ -1146,7 +1142,7 @@ mod tests {
         assert_eq!(claim(2, 2, &"é".repeat(64)).invalid(), None);
         assert!(claim(2, 2, &"a".repeat(129)).invalid().is_some());
         assert!(claim(2, 2, "a\nb").invalid().is_some());
-        assert_eq!(Claim::exclusive().invalid(), None);
+        assert_eq!(Claim::default().invalid(), None);
     }
 
     #[test]
