@@ -21,9 +21,8 @@ use super::engine::{Op, Outcome, Submission};
 use super::io::{Message, Reply};
 use super::keep_alive::{KeepAlives, KeepId, Loss, Step};
 use super::kept::Mirror;
-use super::permits::Permits;
 use super::{TRANSPORT_DEADLINE, Unavailable};
-use recipe::Cluster;
+use recipe::{Claim, Cluster, LimitMismatch};
 
 /// What the keeper thread is told.
 enum Note {
@@ -102,18 +101,26 @@ impl Shared {
 
 fn execute(cluster: &Arc<Cluster>, op: Op, key: super::engine::Key, deadline: Instant) -> Outcome {
     match op {
-        // Permits (spec §10.10) are not in this etcd recipe yet: it serves
-        // exclusive locks only, and says so rather than take a lock of
-        // another kind. A label is informational and not stored here.
-        Op::Acquire { permits, .. } if permits != Permits::exclusive() => {
-            Outcome::Invalid("permits other than exclusive are not supported in etcd mode yet")
-        }
         Op::Acquire {
             owner,
             lease_s,
             wait_until,
-            ..
-        } => cluster.acquire(key, owner, lease_s, wait_until, deadline),
+            permits,
+            label,
+        } => {
+            let (limit, take) = permits.wire();
+            let claim = Claim {
+                limit,
+                take,
+                label: label.as_str().to_owned(),
+            };
+            match cluster.acquire(key, owner, &claim, lease_s, wait_until, deadline) {
+                Ok(outcome) => outcome,
+                Err(LimitMismatch { limit }) => Outcome::LimitMismatch {
+                    key_limit: Some(limit),
+                },
+            }
+        }
         Op::Release { token } => cluster.release(key, token, deadline),
         Op::Extend { token, lease_s } => cluster.renew(key, token, lease_s, deadline),
         Op::Query => cluster.query(key, deadline),
