@@ -55,8 +55,7 @@ pub(super) struct Accepts {
     pub conflict: bool,
     /// `--limit`, `--take`, `--shared`, `--exclusive`, `--label`.
     pub permits: bool,
-    /// `--json` (`who`, `list`); such a command does not work in etcd
-    /// mode yet.
+    /// `--json` (`who`, `list`).
     pub json: bool,
     /// Positional arguments, by name (for messages).
     pub positionals: &'static [&'static str],
@@ -499,7 +498,8 @@ Usage: kunci who KEY [--json] [--server ADDR]...
 Prints the key's limit, then its grants (token, owner, permits taken,
 lease left, time held, label) oldest first, then its waiters in queue
 order (owner, permits, wait left, label). A key nobody holds or waits for
-is `free`. Not available on etcd:// yet.
+is `free`. On etcd:// the time held and the wait left are unknown and
+shown as 0, and the lease left is in whole seconds (docs/ETCD.md).
 
 Options:
   --json          one JSON object: {\"key\", \"limit\", \"grants\": [{\"token\",
@@ -528,7 +528,8 @@ Prints one line per key that starts with PREFIX (default: every key):
 the key, its number of grants and of waiters, and its limit of permits.
 The server hands the table out 1000 keys at a time; a key that was there
 for the whole listing is printed at least once, and a key may be printed
-twice when the table grew meanwhile. Not available on etcd:// yet.
+twice when the table grew meanwhile. On etcd:// it reads every kunci
+entry of the cluster, 1000 at a time (docs/ETCD.md).
 
 Options:
   --json          one JSON object per line: {\"key\", \"grants\", \"waiters\",
@@ -599,20 +600,6 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
         }
         Err(message) => return usage_error(name, &message),
     };
-    if command.accepts.json
-        && options
-            .servers
-            .iter()
-            .any(|server| matches!(server, Address::Etcd(_)))
-    {
-        return usage_error(
-            name,
-            &format!(
-                "kunci {name} does not work on etcd:// addresses yet; it needs a kunci \
-                 server (--server HOST:PORT or unix:PATH)"
-            ),
-        );
-    }
     init_logging();
     let client = match client(options.servers.clone()) {
         Ok(client) => client,

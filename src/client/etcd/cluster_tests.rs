@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use super::super::http::Members;
 use super::{Claim, Cluster, LimitMismatch, entries, prefix, range_body};
-use crate::client::KeyStatus;
 use crate::client::engine::{Key, Outcome};
+use crate::client::{Grant, Holders, KeyPage, KeyStatus, KeySummary, Waiter};
 
 #[path = "../../../tests/util/temp.rs"]
 mod temp;
@@ -396,4 +396,272 @@ fn etcd_an_expired_permit_frees_only_its_own_take() {
     );
     release(&recipe, "exp", long);
     release(&recipe, "exp", next);
+}
+
+/// An acquire with this exact claim: a fresh owner, returned with the
+/// outcome.
+fn acquire_claim(
+    recipe: &Arc<Cluster>,
+    name: &str,
+    claim: &Claim,
+    wait: Duration,
+    lease_s: u8,
+) -> (u64, Outcome) {
+    let owner = OWNER.fetch_add(1, Ordering::Relaxed);
+    let wait_until = Instant::now() + wait;
+    let outcome = recipe
+        .acquire(
+            key(name),
+            owner,
+            claim,
+            lease_s,
+            (!wait.is_zero()).then_some(wait_until),
+            wait_until + 5 * S,
+        )
+        .expect("no limit mismatch");
+    (owner, outcome)
+}
+
+fn who(recipe: &Arc<Cluster>, name: &str) -> Holders {
+    match recipe.holders(key(name), Instant::now() + 5 * S) {
+        Outcome::Holders(holders) => holders,
+        other => panic!("holders of {name}: {other:?}"),
+    }
+}
+
+#[test]
+fn etcd_who_lists_grants_in_token_order_then_waiters_in_queue_order_with_their_labels() {
+    if !tool::require_tool("etcd", "etcd-server") {
+        return;
+    }
+    let cluster = etcd::Cluster::start(3);
+    let recipe = recipe(&cluster);
+    let claim = |take: u16, label: &str| Claim {
+        limit: 3,
+        take,
+        label: label.to_owned(),
+    };
+    // Labels come back byte for byte: UTF-8, runs of spaces, a trailing
+    // space, digits that look like fields.
+    let labels = [
+        "alice@host pid=7 backup  --full ",
+        "bob ütf-8 ✓ 1 2 3",
+        "",
+        "dave",
+    ];
+    let (first_owner, first) =
+        acquire_claim(&recipe, "who", &claim(1, labels[0]), Duration::ZERO, 30);
+    let (second_owner, second) =
+        acquire_claim(&recipe, "who", &claim(2, labels[1]), Duration::ZERO, 30);
+    let (Outcome::Acquired { token: first, .. }, Outcome::Acquired { token: second, .. }) =
+        (&first, &second)
+    else {
+        panic!("both fit: {first:?} {second:?}");
+    };
+    let (first, second) = (*first, *second);
+    // Two waiters, queued in this order: a counted one without a label,
+    // then an exclusive one (`A` with a label).
+    let (owners, queued): (Vec<_>, Vec<_>) = [
+        (claim(1, labels[2]), 1u32),
+        (
+            Claim {
+                limit: 0,
+                take: 0,
+                label: labels[3].into(),
+            },
+            2,
+        ),
+    ]
+    .into_iter()
+    .map(|(claim, position)| {
+        let owner = OWNER.fetch_add(1, Ordering::Relaxed);
+        let recipe_for_waiter = recipe.clone();
+        let handle = std::thread::spawn(move || {
+            let wait_until = Instant::now() + 3 * S;
+            recipe_for_waiter.acquire(
+                key("who"),
+                owner,
+                &claim,
+                30,
+                Some(wait_until),
+                wait_until + 5 * S,
+            )
+        });
+        until_queued(&recipe, "who", position);
+        (owner, handle)
+    })
+    .unzip();
+
+    let seen = who(&recipe, "who");
+    let lease_left: Vec<_> = seen.grants.iter().map(|grant| grant.lease_left).collect();
+    for left in &lease_left {
+        // etcd reports whole seconds, rounded down.
+        assert!((28 * S..=30 * S).contains(left), "lease left {left:?}");
+        assert_eq!(left.subsec_nanos(), 0);
+    }
+    assert_eq!(
+        seen,
+        Holders {
+            grants: vec![
+                Grant {
+                    token: first,
+                    owner: first_owner,
+                    take: 1,
+                    lease_left: lease_left[0],
+                    held_for: Duration::ZERO,
+                    label: labels[0].into(),
+                },
+                Grant {
+                    token: second,
+                    owner: second_owner,
+                    take: 2,
+                    lease_left: lease_left[1],
+                    held_for: Duration::ZERO,
+                    label: labels[1].into(),
+                },
+            ],
+            waiters: vec![
+                Waiter {
+                    owner: owners[0],
+                    take: 1,
+                    wait_left: Duration::ZERO,
+                    label: String::new(),
+                },
+                Waiter {
+                    owner: owners[1],
+                    take: 0,
+                    wait_left: Duration::ZERO,
+                    label: labels[3].into(),
+                },
+            ],
+            left_out: 0,
+        }
+    );
+    for handle in queued {
+        assert_eq!(handle.join().unwrap(), Ok(Outcome::Timeout));
+    }
+    release(&recipe, "who", first);
+    release(&recipe, "who", second);
+    assert_eq!(who(&recipe, "who"), Holders::default());
+}
+
+#[test]
+fn etcd_who_never_lists_a_grant_whose_lease_ran_out() {
+    if !tool::require_tool("etcd", "etcd-server") {
+        return;
+    }
+    let cluster = etcd::Cluster::start(3);
+    let recipe = recipe(&cluster);
+    let claim = Claim {
+        label: "forgotten".into(),
+        ..Claim::default()
+    };
+    let (owner, outcome) = acquire_claim(&recipe, "expiring", &claim, Duration::ZERO, 2);
+    let answered = Instant::now();
+    let Outcome::Acquired { token, .. } = outcome else {
+        panic!("free key: {outcome:?}");
+    };
+    let seen = who(&recipe, "expiring");
+    assert_eq!(seen.grants.len(), 1);
+    assert_eq!((seen.grants[0].token, seen.grants[0].owner), (token, owner));
+    // Nobody renews it. The lease started before the answer, so from
+    // `answered + 2 s` on it has run out: no look may list it as held,
+    // whether or not etcd has deleted the entry yet.
+    std::thread::sleep((answered + 2 * S).saturating_duration_since(Instant::now()));
+    let mut looks = 0;
+    while Instant::now() < answered + 4 * S {
+        let seen = who(&recipe, "expiring");
+        assert!(
+            seen.grants.is_empty(),
+            "an expired lease is listed as held: {seen:?}"
+        );
+        looks += 1;
+    }
+    assert!(looks >= 10, "only {looks} looks");
+}
+
+/// Every key of a listing that starts with `prefix`, `count` entries per
+/// page, following the cursor; and how many pages it took.
+fn list_all(recipe: &Arc<Cluster>, prefix_text: &str, count: u16) -> (Vec<KeySummary>, usize) {
+    let prefix_key = if prefix_text.is_empty() {
+        Key::EMPTY
+    } else {
+        key(prefix_text)
+    };
+    let (mut keys, mut pages, mut cursor) = (Vec::new(), 0, 0);
+    loop {
+        let outcome = recipe.list(prefix_key, cursor, count, Instant::now() + 5 * S);
+        let Outcome::Keys(KeyPage { keys: page, next }) = outcome else {
+            panic!("list {prefix_text:?} from {cursor}: {outcome:?}");
+        };
+        assert!(page.len() <= usize::from(count));
+        keys.extend(page);
+        pages += 1;
+        if next == 0 {
+            return (keys, pages);
+        }
+        assert!(pages < 1000, "the listing does not end");
+        cursor = next;
+    }
+}
+
+#[test]
+fn etcd_list_pages_through_more_keys_than_one_page_each_once() {
+    if !tool::require_tool("etcd", "etcd-server") {
+        return;
+    }
+    let cluster = etcd::Cluster::start(3);
+    let recipe = recipe(&cluster);
+    // 23 plain keys under `pg/`, keys elsewhere, and one key with three
+    // entries (two grants of a semaphore of 2 and a waiter), which a page
+    // of fewer entries than that must not cut.
+    let mut expected = Vec::new();
+    for index in 0..23 {
+        let name = format!("pg/{index}");
+        granted(acquire(&recipe, &name, WRITER, Duration::ZERO, 30));
+        expected.push(KeySummary {
+            key: name,
+            grants: 1,
+            waiters: 0,
+            limit: 0,
+        });
+    }
+    for name in ["other/1", "pg", "p"] {
+        granted(acquire(&recipe, name, WRITER, Duration::ZERO, 30));
+    }
+    let semaphore = (2, 1);
+    granted(acquire(&recipe, "pg/sem", semaphore, Duration::ZERO, 30));
+    granted(acquire(&recipe, "pg/sem", semaphore, Duration::ZERO, 30));
+    let recipe_for_waiter = recipe.clone();
+    let waiting =
+        std::thread::spawn(move || acquire(&recipe_for_waiter, "pg/sem", semaphore, 4 * S, 30));
+    until_queued(&recipe, "pg/sem", 1);
+    expected.push(KeySummary {
+        key: "pg/sem".into(),
+        grants: 2,
+        waiters: 1,
+        limit: 2,
+    });
+    expected.sort_by(|a, b| a.key.cmp(&b.key));
+
+    for count in [1, 7, 1000] {
+        let (mut keys, pages) = list_all(&recipe, "pg/", count);
+        keys.sort_by(|a, b| a.key.cmp(&b.key));
+        assert_eq!(keys, expected, "count {count}");
+        if count < 1000 {
+            assert!(
+                pages > 24 / usize::from(count),
+                "count {count}: {pages} pages"
+            );
+        } else {
+            assert_eq!(pages, 1);
+        }
+    }
+    let (every, _) = list_all(&recipe, "", 5);
+    assert_eq!(every.len(), expected.len() + 3);
+    assert_eq!(
+        recipe.list(Key::EMPTY, 123_456, 10, Instant::now() + 5 * S),
+        Outcome::Invalid("unknown or forgotten listing cursor")
+    );
+    assert_eq!(waiting.join().unwrap(), Ok(Outcome::Timeout));
 }

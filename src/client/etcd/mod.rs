@@ -126,12 +126,10 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: super::engine::Key, deadline: In
         Op::Query => cluster.query(key, deadline),
         Op::Info => cluster.info(deadline),
         Op::Ping { .. } => cluster.ping(deadline),
-        // Spec §11 in etcd mode (labels in the entries, range reads under
-        // the prefix) is not in this recipe yet: refuse rather than answer
-        // something else.
-        Op::Holders { .. } | Op::List { .. } => {
-            Outcome::Invalid("who holds a key and listing keys are not supported in etcd mode yet")
-        }
+        // Rule 11's clean-up never comes here: an etcd acquire that ends
+        // `Indeterminate` has already revoked its own lease.
+        Op::Holders { .. } => cluster.holders(key, deadline),
+        Op::List { cursor, count, .. } => cluster.list(key, cursor, count, deadline),
     }
 }
 

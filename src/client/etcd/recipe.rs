@@ -10,12 +10,15 @@
 //! and only as many as must go before it can fit ([`Verdict::Waits`]).
 //! Every failure path removes the caller's entry by revoking its lease.
 
+use std::collections::BTreeMap;
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::http::{Answer, Failure, Members};
 use super::json::{self, JsonValue};
 use crate::client::engine::{Key, Outcome};
-use crate::client::{KeyStatus, Unavailable};
+use crate::client::listing::HOLDERS_MAX;
+use crate::client::{Grant, Holders, KeyPage, KeyStatus, KeySummary, Unavailable, Waiter};
 
 /// The pause before a read that changes nothing is tried again.
 const READ_RETRY_PAUSE: Duration = Duration::from_millis(50);
@@ -94,6 +97,11 @@ impl Entry {
 
     fn slot(&self) -> Slot {
         decode(&self.value).1
+    }
+
+    /// The label its acquire stored (empty when none), byte for byte.
+    fn label(&self) -> String {
+        decode_label(&self.value).to_owned()
     }
 }
 
@@ -184,6 +192,29 @@ fn decode(value: &[u8]) -> (u64, Slot) {
     match (owner, limit.parse::<u16>(), take.parse::<u16>()) {
         (Some(_), Ok(limit), Ok(take)) if take <= limit => (owner_or_0, Slot { limit, take }),
         _ => (owner_or_0, Slot::EXCLUSIVE),
+    }
+}
+
+/// The label of an entry's value ([`Claim::value`]): the rest after
+/// `OWNER LIMIT TAKE `, when those three are valid; else empty. Peer
+/// input: never panics.
+fn decode_label(value: &[u8]) -> &str {
+    let Ok(text) = std::str::from_utf8(value) else {
+        return "";
+    };
+    let mut fields = text.splitn(4, ' ');
+    let valid = fields
+        .next()
+        .is_some_and(|owner| owner.parse::<u64>().is_ok())
+        && fields
+            .next()
+            .is_some_and(|limit| limit.parse::<u16>().is_ok())
+        && fields
+            .next()
+            .is_some_and(|take| take.parse::<u16>().is_ok());
+    match fields.next() {
+        Some(label) if valid => label,
+        _ => "",
     }
 }
 
@@ -319,9 +350,53 @@ fn range_body(prefix: &str, limit: i64, order: &str, max_create_revision: i64) -
     )
 }
 
+/// Where every kunci key's entries live: the prefix [`prefix`] puts
+/// before `LEN:KEY/`, and the first key after all of them.
+const ROOT: &str = "kunci/";
+const ROOT_END: &str = "kunci0";
+
+/// The kunci key an entry's name belongs to (`kunci/LEN:KEY/LEASEID`
+/// gives `KEY`), and the name's end of its prefix; `None` for a name
+/// kunci did not write.
+fn key_of(name: &[u8]) -> Option<&str> {
+    let rest = name.strip_prefix(ROOT.as_bytes())?;
+    let colon = rest.iter().position(|byte| *byte == b':')?;
+    let len: usize = std::str::from_utf8(&rest[..colon]).ok()?.parse().ok()?;
+    let key = rest.get(colon + 1..colon + 1 + len)?;
+    if rest.get(colon + 1 + len) != Some(&b'/') {
+        return None;
+    }
+    std::str::from_utf8(key).ok()
+}
+
+/// How many listing cursors one client remembers (docs/ETCD.md, "Who
+/// holds it"): the oldest is forgotten beyond this.
+const CURSORS_MAX: usize = 1024;
+
+/// The listing cursors handed out on etcd: `L`'s cursor is a number, the
+/// place in etcd's key space is a key, so the client keeps the key and
+/// hands out a number for it (never 0, which starts a listing).
+#[derive(Default)]
+struct Cursors {
+    issued: u64,
+    open: BTreeMap<u64, Vec<u8>>,
+}
+
+impl Cursors {
+    fn issue(&mut self, resume_at: Vec<u8>) -> u64 {
+        self.issued += 1;
+        self.open.insert(self.issued, resume_at);
+        while self.open.len() > CURSORS_MAX {
+            self.open.pop_first();
+        }
+        self.issued
+    }
+}
+
 /// The client's view of one etcd cluster.
 pub(crate) struct Cluster {
     members: Members,
+    cursors: Mutex<Cursors>,
 }
 
 /// How a waiting acquire's turn check ended.
@@ -347,7 +422,10 @@ struct Place {
 
 impl Cluster {
     pub(crate) fn new(members: Members) -> Cluster {
-        Cluster { members }
+        Cluster {
+            members,
+            cursors: Mutex::default(),
+        }
     }
 
     pub(crate) fn endpoints(&self) -> &[String] {
@@ -985,6 +1063,179 @@ impl Cluster {
             lease_ms: u32::try_from(ttl.max(0).saturating_mul(1000)).unwrap_or(u32::MAX),
             waiters: u32::try_from(queued).unwrap_or(u32::MAX),
         })
+    }
+
+    /// The time to live of `lease` in whole seconds as etcd reports it
+    /// (rounded down; -1 when the lease is gone).
+    fn time_to_live(&self, lease: i64, deadline: Instant) -> Result<i64, Fault> {
+        let body = format!(r#"{{"ID":"{lease}"}}"#);
+        let (_, value) = self.read("/v3/kv/lease/timetolive", &body, deadline)?;
+        Ok(json::int(&value, "TTL").unwrap_or(0))
+    }
+
+    /// `H` (spec §11.2) on etcd: one read of every entry in create-revision
+    /// order; the prefix that fits holds ([`holders`]), the rest wait.
+    /// Each grant's lease left is one `lease/timetolive`; a grant whose
+    /// lease has under a second left or is gone (etcd deletes the entry
+    /// within moments) is not listed, so an expired lease is never shown
+    /// as held. etcd stores no wall time: time held and wait left are
+    /// unknown and given as 0 (docs/ETCD.md, "Who holds it").
+    pub(crate) fn holders(&self, key: Key, deadline: Instant) -> Outcome {
+        let all = match self.read(
+            "/v3/kv/range",
+            &range_body(&prefix(key), 0, "ASCEND", 0),
+            deadline,
+        ) {
+            Ok((_, value)) => match entries(&value) {
+                Some(all) => all,
+                None => return Outcome::Indeterminate,
+            },
+            Err(fault) => return fault.outcome(),
+        };
+        let (held, queued) = all.split_at(holders(&all));
+        let mut grants = Vec::new();
+        for entry in held.iter().take(HOLDERS_MAX) {
+            let ttl = match self.time_to_live(entry.lease, deadline) {
+                Ok(ttl) => ttl,
+                Err(fault) => return fault.outcome(),
+            };
+            if ttl <= 0 {
+                continue;
+            }
+            grants.push(Grant {
+                token: entry.create_revision.max(0) as u64,
+                owner: entry.owner(),
+                take: entry.slot().take,
+                lease_left: Duration::from_secs(ttl as u64),
+                held_for: Duration::ZERO,
+                label: entry.label(),
+            });
+        }
+        let waiters = queued
+            .iter()
+            .take(HOLDERS_MAX)
+            .map(|entry| Waiter {
+                owner: entry.owner(),
+                take: entry.slot().take,
+                wait_left: Duration::ZERO,
+                label: entry.label(),
+            })
+            .collect();
+        let left_out =
+            held.len().saturating_sub(HOLDERS_MAX) + queued.len().saturating_sub(HOLDERS_MAX);
+        Outcome::Holders(Holders {
+            grants,
+            waiters,
+            left_out: left_out as u64,
+        })
+    }
+
+    /// `L` (spec §11.3) on etcd: one range read of at most `count`
+    /// entries under `kunci/` in key order from the cursor's place,
+    /// grouped by kunci key and filtered by `prefix` here, so a page has
+    /// at most `count` keys and may have none before the end. A key whose
+    /// entries the page cut off is read whole by a second range. The
+    /// cursor names the etcd key after the page's last kunci key; it is
+    /// kept by this client (docs/ETCD.md, "Who holds it").
+    pub(crate) fn list(
+        &self,
+        prefix_key: Key,
+        cursor: u64,
+        count: u16,
+        deadline: Instant,
+    ) -> Outcome {
+        let start = if cursor == 0 {
+            ROOT.as_bytes().to_vec()
+        } else {
+            let cursors = self.cursors.lock().unwrap_or_else(PoisonError::into_inner);
+            match cursors.open.get(&cursor) {
+                Some(start) => start.clone(),
+                None => return Outcome::Invalid("unknown or forgotten listing cursor"),
+            }
+        };
+        let body = format!(
+            r#"{{"key":"{}","range_end":"{}","limit":"{count}"}}"#,
+            json::base64(&start),
+            json::base64(ROOT_END.as_bytes()),
+        );
+        let (page, more) = match self.read("/v3/kv/range", &body, deadline) {
+            Ok((_, value)) => match entries(&value) {
+                Some(page) => (page, json::boolean(&value, "more")),
+                None => return Outcome::Indeterminate,
+            },
+            Err(fault) => return fault.outcome(),
+        };
+        // The next page starts after the last entry's name and after every
+        // entry of its kunci key (kunci's own names always have one).
+        let mut resume_at = page
+            .last()
+            .map(|entry| entry.name.clone())
+            .unwrap_or_default();
+        resume_at.push(0);
+        if let Some(key) = page
+            .last()
+            .and_then(|entry| key_of(&entry.name))
+            .and_then(|name| Key::new(name).ok())
+        {
+            resume_at = resume_at.max(prefix_end(&prefix(key)).into_bytes());
+        }
+        // Consecutive entries of one kunci key form a group.
+        let mut groups: Vec<(String, Vec<Entry>)> = Vec::new();
+        for entry in page {
+            let Some(name) = key_of(&entry.name).map(str::to_owned) else {
+                continue;
+            };
+            match groups.last_mut() {
+                Some((last, group)) if *last == name => group.push(entry),
+                _ => groups.push((name, vec![entry])),
+            }
+        }
+        let mut keys = Vec::new();
+        let group_count = groups.len();
+        for (index, (name, mut group)) in groups.into_iter().enumerate() {
+            if !name.starts_with(prefix_key.as_str()) {
+                continue;
+            }
+            if more && index + 1 == group_count {
+                // The page may have cut this key's entries: read them all.
+                let Ok(key) = Key::new(&name) else { continue };
+                group = match self.read(
+                    "/v3/kv/range",
+                    &range_body(&prefix(key), 0, "ASCEND", 0),
+                    deadline,
+                ) {
+                    Ok((_, value)) => match entries(&value) {
+                        Some(all) => all,
+                        None => return Outcome::Indeterminate,
+                    },
+                    Err(fault) => return fault.outcome(),
+                };
+            }
+            group.sort_by_key(|entry| entry.create_revision);
+            if group.is_empty() {
+                continue;
+            }
+            let grants = holders(&group);
+            keys.push(KeySummary {
+                key: name,
+                grants: u32::try_from(grants).unwrap_or(u32::MAX),
+                waiters: u32::try_from(group.len() - grants).unwrap_or(u32::MAX),
+                limit: group
+                    .iter()
+                    .map(|entry| entry.slot().limit)
+                    .find(|limit| *limit != 0)
+                    .unwrap_or(0),
+            });
+        }
+        let next = if more {
+            self.cursors
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .issue(resume_at)
+        } else {
+            0
+        };
+        Outcome::Keys(KeyPage { keys, next })
     }
 
     /// `I`: the answering member's status as `name=value` pairs.
