@@ -24,6 +24,11 @@
 //!   it the library builds without the binary's dependencies); `main.rs`
 //!   only calls `cli::main`.
 
+// The crate's own tests include helpers of the integration tests
+// (`tests/util/etcd.rs`), which name the crate `kunci`.
+#[cfg(test)]
+extern crate self as kunci;
+
 pub mod addr;
 #[cfg(feature = "cli")]
 pub mod cli;

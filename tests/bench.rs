@@ -268,6 +268,13 @@ fn bad_options_are_usage_errors() {
         &["hold"],
         &["hold", "10", "--keys", "5"],
         &["--key-prefix", &"x".repeat(250)],
+        &["semaphore", "--limit", "0"],
+        &["semaphore", "--limit", "65536"],
+        &["contended", "--limit", "3"],
+        &["rw", "--writers", "101"],
+        &["semaphore", "--writers", "10"],
+        &["contended", "--write-hold", "5"],
+        &["pairs", "--exclusive-only"],
     ] {
         let output = Command::new(kunci_bin())
             .arg("bench")

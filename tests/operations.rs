@@ -5,7 +5,7 @@ use std::os::unix::net::UnixDatagram;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::util::{TestServer, kunci_bin};
+use crate::util::{TestServer, kunci_bin, require_tool};
 
 /// Runs `kunci ARGS` with `KUNCI_SERVER` unset unless `env` sets it.
 fn kunci(args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -403,8 +403,7 @@ fn exec_start(unit: &str) -> Vec<String> {
 fn the_unit_file_has_what_the_documentation_promises() {
     let unit = unit_text();
     for line in [
-        "Wants=network-online.target",
-        "After=network-online.target",
+        "Documentation=file:/usr/local/share/doc/kunci/OPERATIONS.md",
         "Type=notify",
         "StateDirectory=kunci",
         "RuntimeDirectory=kunci",
@@ -416,6 +415,13 @@ fn the_unit_file_has_what_the_documentation_promises() {
         assert!(unit.lines().any(|l| l == line), "{line:?} missing");
     }
     assert!(!unit.lines().any(|l| l.starts_with("ExecReload=")));
+    // Loopback and a unix socket need no network: the unit does not wait
+    // for one (its comment says when to add it).
+    assert!(
+        !unit
+            .lines()
+            .any(|l| l.contains("network-online") && !l.starts_with('#'))
+    );
     let command = exec_start(&unit);
     assert_eq!(command[..2], ["/usr/local/bin/kunci", "serve"]);
     for flag in [
@@ -458,12 +464,7 @@ fn the_units_command_line_starts_a_server() {
 
 #[test]
 fn the_unit_file_passes_systemd_analyze_verify() {
-    if Command::new("systemd-analyze")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("skipped: systemd-analyze is not installed");
+    if !require_tool("systemd-analyze", "systemd") {
         return;
     }
     // verify checks that ExecStart's binary exists: point it at this build.
@@ -697,4 +698,111 @@ fn a_limit_hit_is_logged_once_per_limit_per_minute() {
         ),
         "{lines:?}"
     );
+}
+
+/// The text of a file of the repository.
+fn repo_file(path: &str) -> String {
+    let full = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{}: {e}", full.display()))
+}
+
+#[test]
+fn the_operations_guide_gives_the_units_stop_timeout_and_network_rule() {
+    let unit = unit_text();
+    let timeout = unit
+        .lines()
+        .find(|l| l.starts_with("TimeoutStopSec="))
+        .expect("TimeoutStopSec= in the unit");
+    let guide = repo_file("docs/OPERATIONS.md");
+    let mut mentions = 0;
+    for (at, _) in guide.match_indices("TimeoutStopSec=") {
+        let said: String = guide[at..]
+            .chars()
+            .take_while(|c| !c.is_whitespace() && *c != '`')
+            .collect();
+        assert_eq!(said, timeout, "docs/OPERATIONS.md disagrees with the unit");
+        mentions += 1;
+    }
+    assert!(mentions >= 1);
+    // Where the docs install to /usr/local, they say sudo.
+    for line in guide.lines().filter(|l| l.contains(" /usr/local/")) {
+        let command = line.trim_start_matches(['`', ' ']);
+        if command.starts_with("install ") || command.starts_with("mv ") {
+            panic!("an install into /usr/local without sudo: {line}");
+        }
+    }
+}
+
+/// GitHub's anchor for a heading: lower case, punctuation dropped, spaces
+/// as hyphens.
+fn heading_anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, ' ' | '-' | '_'))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The lines of a markdown file outside its fenced code blocks.
+fn prose_lines(text: &str) -> Vec<&str> {
+    let mut fenced = false;
+    let mut lines = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced {
+            lines.push(line);
+        }
+    }
+    lines
+}
+
+#[test]
+fn every_link_between_the_docs_resolves() {
+    let mut files = vec![
+        "README.md".to_owned(),
+        "clients/python/README.md".to_owned(),
+    ];
+    let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs");
+    for entry in std::fs::read_dir(&docs).expect("docs/") {
+        let name = entry.expect("docs/ entry").file_name();
+        let name = name.to_string_lossy();
+        if name.ends_with(".md") {
+            files.push(format!("docs/{name}"));
+        }
+    }
+    let mut checked = 0;
+    for file in &files {
+        let text = repo_file(file);
+        let dir = std::path::Path::new(file).parent().expect("a directory");
+        for line in prose_lines(&text) {
+            for (at, _) in line.match_indices("](") {
+                let rest = &line[at + 2..];
+                let Some(end) = rest.find(')') else { continue };
+                let target = &rest[..end];
+                if target.contains("://") || target.starts_with("mailto:") {
+                    continue;
+                }
+                let (path, anchor) = target.split_once('#').unwrap_or((target, ""));
+                let linked = if path.is_empty() {
+                    file.clone()
+                } else {
+                    dir.join(path).to_string_lossy().into_owned()
+                };
+                let full = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(&linked);
+                assert!(full.exists(), "{file}: link to {target}: no such file");
+                if !anchor.is_empty() {
+                    let headings = repo_file(&linked);
+                    let found = prose_lines(&headings).iter().any(|l| {
+                        l.starts_with('#') && heading_anchor(l.trim_start_matches('#')) == anchor
+                    });
+                    assert!(found, "{file}: link to {target}: no such heading");
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 20, "only {checked} links found");
 }

@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use kunci::protocol::Response;
 
-use crate::util::{TempDir, TestServer, acquire, granted, query, release};
+use crate::util::{TempDir, TestServer, acquire, granted, query, release, require_tool};
 
 fn state_args(dir: &TempDir) -> Vec<String> {
     vec!["--state-dir".into(), dir.0.display().to_string()]
@@ -371,14 +371,9 @@ fn the_grace_after_kill_9_is_at_most_the_longest_lease_plus_5_s() {
 }
 
 /// `faketime` and its arguments for a clock `offset` away, or `None` (the
-/// test is skipped) when faketime is not installed.
+/// test is skipped; under CI it fails) when faketime is not installed.
 fn faketime(offset: &'static str) -> Option<[&'static str; 3]> {
-    let found = std::process::Command::new("sh")
-        .args(["-c", "command -v faketime"])
-        .output()
-        .is_ok_and(|output| output.status.success());
-    if !found {
-        eprintln!("faketime is not installed (apt-get install faketime): test skipped");
+    if !require_tool("faketime", "faketime") {
         return None;
     }
     Some(["faketime", "-f", offset])

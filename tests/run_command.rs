@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use kunci::client::{Client, Config};
 
 use crate::util::proxy::{Faults, Proxy};
-use crate::util::{TempDir, TestServer, kunci_bin};
+use crate::util::{TempDir, TestServer, kunci_bin, require_tool};
 
 const MS: Duration = Duration::from_millis(1);
 const S: Duration = Duration::from_secs(1);
@@ -453,18 +453,9 @@ fn read_pids(path: &Path, count: usize) -> Vec<u32> {
     }
 }
 
-fn have(program: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {program}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|status| status.success())
-}
-
 #[test]
 fn run_gives_an_interactive_command_the_terminal_and_takes_it_back() {
-    if !have("script") {
-        eprintln!("skipped: script(1) is not installed");
+    if !require_tool("script", "bsdutils") {
         return;
     }
     let server = TestServer::start(&[]);
@@ -704,7 +695,8 @@ fn waiting_forever_queues_with_the_longest_wire_wait() {
     let waits: Vec<u8> = proxy
         .frames()
         .iter()
-        .filter(|f| f.op == b'A')
+        // `run` labels its request, so it goes as `S`; `acquire` as `A`.
+        .filter(|f| f.op == b'A' || f.op == b'S')
         .map(|f| f.wait_s)
         .collect();
     assert_eq!(waits, [255, 255]);
@@ -792,8 +784,7 @@ fn until_state(pid: u32, wanted: impl Fn(char) -> bool, what: &str) {
 
 #[test]
 fn run_suspended_from_the_terminal_stops_as_a_job_and_resumes() {
-    if !have("script") {
-        eprintln!("skipped: script(1) is not installed");
+    if !require_tool("script", "bsdutils") {
         return;
     }
     let server = TestServer::start(&[]);
@@ -887,8 +878,7 @@ fn run_exits_6_when_the_lease_runs_out_without_an_answered_renewal() {
 
 #[test]
 fn run_started_in_the_background_reads_the_terminal_once_brought_to_the_foreground() {
-    if !have("script") {
-        eprintln!("skipped: script(1) is not installed");
+    if !require_tool("script", "bsdutils") {
         return;
     }
     let server = TestServer::start(&[]);

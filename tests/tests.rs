@@ -11,6 +11,7 @@ mod fencing;
 mod metrics;
 mod operations;
 mod permits_server;
+mod permit_options;
 mod protocol;
 mod regression;
 mod restart;

@@ -2,13 +2,14 @@
 //! `ping`, and the option parsing `run` shares with them.
 
 use std::ffi::OsString;
-use std::io::Write as _;
+use std::io::Write;
 use std::time::Duration;
 
 use super::args;
 use super::exit;
+use super::permits::{self, PermitFlags};
 use crate::addr::{Address, DEFAULT_ADDRESS};
-use crate::client::{Client, Config, Error, Ticket, WAIT_MAX};
+use crate::client::{AcquireOptions, Client, Config, Error, Ticket, WAIT_MAX};
 
 /// The environment variable that names the servers when `--server` is not
 /// given: addresses separated by commas.
@@ -34,8 +35,12 @@ pub(super) struct Options {
     /// `run`: no message on stderr for a timeout (`--quiet`).
     pub quiet: bool,
     pub lease: Duration,
+    /// `acquire`, `run`: the permits and the label to ask with.
+    pub acquire: AcquireOptions,
     pub kill_after: Duration,
     pub positionals: Vec<String>,
+    /// `who`, `list`: JSON instead of text.
+    pub json: bool,
     /// `run`: the command and its arguments, untouched.
     pub command: Vec<OsString>,
 }
@@ -48,8 +53,14 @@ pub(super) struct Accepts {
     pub kill_after: bool,
     /// `--conflict-exit-code` and `--quiet`.
     pub conflict: bool,
+    /// `--limit`, `--take`, `--shared`, `--exclusive`, `--label`.
+    pub permits: bool,
+    /// `--json` (`who`, `list`).
+    pub json: bool,
     /// Positional arguments, by name (for messages).
     pub positionals: &'static [&'static str],
+    /// How many of the positionals may be left out (the last ones).
+    pub optional: usize,
     /// Everything after the positionals is a command to run.
     pub command: bool,
 }
@@ -70,10 +81,13 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         conflict_exit_code: exit::TIMEOUT,
         quiet: false,
         lease: Duration::from_secs(30),
+        acquire: AcquireOptions::new(),
         kill_after: Duration::from_secs(5),
         positionals: Vec::new(),
+        json: false,
         command: Vec::new(),
     };
+    let mut permit_flags = PermitFlags::default();
     let mut parser = lexopt::Parser::from_args(arguments);
     loop {
         // `--` ends the options; with a command, what follows it is the
@@ -112,6 +126,11 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
                 options.conflict_exit_code = args::number("--conflict-exit-code", parser.value())?
             }
             Short('q') | Long("quiet") if accepts.conflict => options.quiet = true,
+            Long("json") if accepts.json => options.json = true,
+            Long(name) if accepts.permits && PermitFlags::is_option(name) => {
+                let name = name.to_owned();
+                permit_flags.take_option(&name, &mut parser)?;
+            }
             Short('h') | Long("help") => return Ok(Parsed::Help),
             Value(value) if options.positionals.len() < accepts.positionals.len() => {
                 let text = value
@@ -128,11 +147,19 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
             other => return Err(other.unexpected().to_string()),
         }
     }
-    if let Some(missing) = accepts.positionals.get(options.positionals.len()) {
+    let required = accepts.positionals.len() - accepts.optional;
+    if let Some(missing) = accepts.positionals[..required].get(options.positionals.len()) {
         return Err(format!("missing {missing}"));
     }
     if accepts.command && options.command.is_empty() {
         return Err("missing the command to run (after --)".into());
+    }
+    if accepts.permits {
+        // `kunci run` labels its grant with who runs what, unless told.
+        let default_label = accepts
+            .command
+            .then(|| permits::run_label(&options.command));
+        options.acquire = permit_flags.options(default_label)?;
     }
     if options.servers.is_empty() {
         options.servers = default_servers()?;
@@ -198,6 +225,7 @@ pub(super) fn exit_code(error: &Error) -> u8 {
         Error::Unavailable(_) => exit::UNAVAILABLE,
         Error::Indeterminate => exit::INDETERMINATE,
         Error::NotHeld => exit::NOT_HELD,
+        Error::LimitMismatch { .. } => exit::USAGE,
     }
 }
 
@@ -221,6 +249,7 @@ pub(super) fn report(command: &str, error: Error, servers: &[Address], attempt: 
         Error::Indeterminate => "indeterminate",
         Error::InvalidArgument(_) => "invalid argument",
         Error::NotHeld => "not held",
+        Error::LimitMismatch { .. } => "limit mismatch",
     };
     eprintln!(
         "kunci {command}: {outcome}: {}",
@@ -323,6 +352,17 @@ pub(super) fn message(
             "{token} does not hold {key} (its lease ran out, it was released, or it \
              never held it); nothing changed"
         ),
+        Error::LimitMismatch {
+            key_limit: Some(limit),
+        } => format!(
+            "{key} has a limit of {limit} permits, not the one this request named; \
+             nothing was acquired or queued. Ask with --limit {limit} (a key keeps its \
+             limit while it has grants or waiters)"
+        ),
+        Error::LimitMismatch { key_limit: None } => format!(
+            "{key} has another limit of permits than the one this request named; \
+             nothing was acquired or queued"
+        ),
     }
 }
 
@@ -377,7 +417,15 @@ struct Command {
     name: &'static str,
     accepts: Accepts,
     help: &'static str,
-    run: fn(&Client, &Options) -> Result<String, Error>,
+    /// Writes what the command prints on stdout to its third argument.
+    run: fn(&Client, &Options, &mut dyn Write) -> Result<(), Error>,
+}
+
+/// Prints one line; a closed stdout (`kunci acquire k | true`) is not an
+/// error.
+fn say(out: &mut dyn Write, line: impl std::fmt::Display) -> Result<(), Error> {
+    let _ = writeln!(out, "{line}");
+    Ok(())
 }
 
 const NONE: Accepts = Accepts {
@@ -385,7 +433,10 @@ const NONE: Accepts = Accepts {
     lease: false,
     kill_after: false,
     conflict: false,
+    permits: false,
+    json: false,
     positionals: &[],
+    optional: 0,
     command: false,
 };
 
@@ -395,13 +446,17 @@ const COMMANDS: &[Command] = &[
         accepts: Accepts {
             wait: true,
             lease: true,
+            permits: true,
             positionals: &["KEY"],
             ..NONE
         },
-        help: "\
+        help: concat!(
+            "\
 kunci acquire — take a lock and print its fencing token
 
-Usage: kunci acquire KEY [--wait S|inf] [--lease S] [--server ADDR]...
+Usage: kunci acquire KEY [--wait S|inf] [--lease S]
+                     [--limit N [--take K] | --shared | --exclusive]
+                     [--label TEXT] [--server ADDR]...
 
 Prints the token as one decimal number and exits 0, leaving the lock held
 until its lease runs out or `kunci release KEY TOKEN`.
@@ -415,9 +470,13 @@ Options:
                   and through a server restart or outage
   --lease S       the lease, whole seconds 1..=255 (default 30)
 ",
-        run: |client, options| {
+            permits::options_help!(),
+            "
+"
+        ),
+        run: |client, options, out| {
             let ticket = acquire(client, &options.positionals[0], options)?;
-            Ok(ticket.into_token().to_string())
+            say(out, ticket.into_token())
         },
     },
     Command {
@@ -435,9 +494,9 @@ Exits 0 when released, 6 when that token is not the key's active grant.
 
 Options:
 ",
-        run: |client, options| {
+        run: |client, options, out| {
             client.release(&options.positionals[0], token(&options.positionals[1])?)?;
-            Ok("released".into())
+            say(out, "released")
         },
     },
     Command {
@@ -457,10 +516,10 @@ Exits 0 when renewed, 6 when that token is not the key's active grant.
 Options:
   --lease S       the new lease from now, whole seconds 1..=255 (default 30)
 ",
-        run: |client, options| {
+        run: |client, options, out| {
             let token = token(&options.positionals[1])?;
             client.renew(&options.positionals[0], token, options.lease)?;
-            Ok("renewed".into())
+            say(out, "renewed")
         },
     },
     Command {
@@ -481,23 +540,86 @@ grant of the server's previous run (crash grace) lease_ms=… waiters=…`.
 
 Options:
 ",
-        run: |client, options| {
+        run: |client, options, out| {
             let status = client.query(&options.positionals[0])?;
-            Ok(if status.is_free() {
-                "free".into()
+            if status.is_free() {
+                say(out, "free")
             } else if status.token == 0 {
                 // Spec §7.2: no grant of this run; the crash grace.
-                format!(
-                    "held by an unknown grant of the server's previous run (crash grace) \
-                     lease_ms={} waiters={}",
-                    status.lease_ms, status.waiters
+                say(
+                    out,
+                    format_args!(
+                        "held by an unknown grant of the server's previous run (crash grace) \
+                         lease_ms={} waiters={}",
+                        status.lease_ms, status.waiters
+                    ),
                 )
             } else {
-                format!(
-                    "held token={} owner={} lease_ms={} waiters={}",
-                    status.token, status.owner, status.lease_ms, status.waiters
+                say(
+                    out,
+                    format_args!(
+                        "held token={} owner={} lease_ms={} waiters={}",
+                        status.token, status.owner, status.lease_ms, status.waiters
+                    ),
                 )
-            })
+            }
+        },
+    },
+    Command {
+        name: "who",
+        accepts: Accepts {
+            json: true,
+            positionals: &["KEY"],
+            ..NONE
+        },
+        help: "\
+kunci who — show who holds a key and who waits for it
+
+Usage: kunci who KEY [--json] [--server ADDR]...
+
+Prints the key's limit, then its grants (token, owner, permits taken,
+lease left, time held, label) oldest first, then its waiters in queue
+order (owner, permits, wait left, label). A key nobody holds or waits for
+is `free`. On etcd:// the time held and the wait left are unknown and
+shown as 0, and the lease left is in whole seconds (docs/ETCD.md).
+
+Options:
+  --json          one JSON object: {\"key\", \"limit\", \"grants\": [{\"token\",
+                  \"owner\", \"lease_ms\", \"held_ms\", \"take\", \"label\"}],
+                  \"waiters\": [{\"owner\", \"wait_ms\", \"take\", \"label\"}]};
+                  take 0 is every permit, limit 0 is none
+",
+        run: |client, options, out| {
+            super::who::who(client, &options.positionals[0], options.json, out)
+        },
+    },
+    Command {
+        name: "list",
+        accepts: Accepts {
+            json: true,
+            positionals: &["PREFIX"],
+            optional: 1,
+            ..NONE
+        },
+        help: "\
+kunci list — list the keys the server has
+
+Usage: kunci list [PREFIX] [--json] [--server ADDR]...
+
+Prints one line per key that starts with PREFIX (default: every key):
+the key, its number of grants and of waiters, and its limit of permits.
+The server hands the table out 1000 keys at a time; a key that was there
+for the whole listing is printed at least once, and a key may be printed
+twice when the table grew meanwhile. On etcd:// it reads every kunci
+entry of the cluster, 1000 at a time (docs/ETCD.md).
+
+Options:
+  --json          one JSON object per line: {\"key\", \"grants\", \"waiters\",
+                  \"limit\"} (limit 0 is none)
+",
+        run: |client, options, out| {
+            let prefix = options.positionals.first().map_or("", String::as_str);
+            super::who::list(client, prefix, options.json, out)
         },
     },
     Command {
@@ -512,7 +634,7 @@ Prints the server's `I` line: name=value pairs separated by spaces.
 
 Options:
 ",
-        run: |client, _| client.info(),
+        run: |client, _, out| say(out, client.info()?),
     },
     Command {
         name: "ping",
@@ -526,9 +648,12 @@ Prints the time from writing a `P` to reading its answer.
 
 Options:
 ",
-        run: |client, _| {
+        run: |client, _, out| {
             let round_trip = client.ping()?;
-            Ok(format!("{:.3} ms", round_trip.as_secs_f64() * 1000.0))
+            say(
+                out,
+                format_args!("{:.3} ms", round_trip.as_secs_f64() * 1000.0),
+            )
         },
     },
 ];
@@ -565,12 +690,12 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
             return exit::UNAVAILABLE;
         }
     };
-    match (command.run)(&client, &options) {
-        Ok(line) => {
-            // A closed stdout (`kunci acquire k | true`) is not an error.
-            let _ = writeln!(std::io::stdout(), "{line}");
-            exit::DONE
-        }
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let done = (command.run)(&client, &options, &mut out);
+    let _ = out.flush();
+    match done {
+        Ok(()) => exit::DONE,
         Err(Error::Timeout) if name == "acquire" => {
             let key = &options.positionals[0];
             let attempt = Attempt {
@@ -602,10 +727,14 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
     }
 }
 
-/// The help of `kunci run`, with the shared `--server` lines (no final
-/// newline: the caller prints a line).
+/// The help of `kunci run`, with the permit options and the shared
+/// `--server` lines (no final newline: the caller prints a line).
 pub(super) fn with_server_help(help: &str) -> String {
-    format!("{help}{}", SERVER_HELP.trim_end())
+    format!(
+        "{help}{}\n{}",
+        permits::options_help!(),
+        SERVER_HELP.trim_end()
+    )
 }
 
 /// Acquires `key` with the options' wait and lease. `--wait inf` queues
@@ -613,9 +742,9 @@ pub(super) fn with_server_help(help: &str) -> String {
 /// waits through a server restart or outage (see [`acquire_until_granted`]).
 pub(super) fn acquire(client: &Client, key: &str, options: &Options) -> Result<Ticket, Error> {
     if options.wait_forever {
-        acquire_until_granted(client, key, options.lease, WAIT_MAX)
+        acquire_until_granted(client, key, options.lease, &options.acquire, WAIT_MAX)
     } else {
-        client.acquire(key, options.wait, options.lease)
+        client.acquire_with(key, options.wait, options.lease, options.acquire.clone())
     }
 }
 
@@ -640,13 +769,14 @@ fn acquire_until_granted(
     client: &Client,
     key: &str,
     lease: Duration,
+    acquire: &AcquireOptions,
     slice: Duration,
 ) -> Result<Ticket, Error> {
     let mut pause = RETRY_PAUSE_FIRST;
     loop {
         let owner = client.fresh_owner();
         let notices = client.shutdown_notices();
-        match client.acquire_as(owner, key, slice, lease) {
+        match client.acquire_as(owner, key, slice, lease, acquire.clone()) {
             Err(Error::Timeout) => {
                 log::debug!("{key}: still held after {slice:?}; queueing again");
                 pause = RETRY_PAUSE_FIRST;
@@ -684,21 +814,30 @@ fn server_shut_down(client: &Client, notices: u64) -> bool {
 }
 
 /// Spec §8 rule 11: after an `Indeterminate` acquire, makes sure the call
-/// holds nothing: `Q` the key and, if its holder is the call's `owner`,
-/// release that token. Asks until the server answers (quietly, with the
+/// holds nothing: ask for the key's holders (`H`) and release every grant
+/// of the call's `owner`. Asks until the server answers (quietly, with the
 /// same capped pauses), so that the next attempt never queues behind its
 /// own lost grant.
 fn release_own_grant(client: &Client, key: &str, owner: u64) {
     let mut pause = RETRY_PAUSE_FIRST;
     loop {
-        match client.query(key) {
-            Ok(status) if status.owner == owner && status.token != 0 => {
-                match client.release(key, status.token) {
-                    Ok(()) | Err(Error::NotHeld) => return,
-                    Err(error) => log::debug!("{key}: releasing our grant: {error}"),
+        match client.holders(key) {
+            Ok(holders) => {
+                let mut released = true;
+                for grant in holders.grants.iter().filter(|g| g.owner == owner && g.token != 0) {
+                    match client.release(key, grant.token) {
+                        Ok(()) | Err(Error::NotHeld) => {}
+                        Err(error) => {
+                            log::debug!("{key}: releasing our grant: {error}");
+                            released = false;
+                        }
+                    }
+                }
+                if released {
+                    return;
                 }
             }
-            Ok(_) | Err(Error::InvalidArgument(_)) => return,
+            Err(Error::InvalidArgument(_)) => return,
             Err(error) => log::debug!("{key}: asking who holds it: {error}"),
         }
         std::thread::sleep(pause);
@@ -741,6 +880,7 @@ mod tests {
             &client,
             "forever",
             Duration::from_secs(5),
+            &AcquireOptions::new(),
             Duration::from_secs(1),
         )
         .unwrap();
@@ -758,8 +898,14 @@ mod tests {
         ticket.release().unwrap();
         // Other outcomes end the wait at once.
         assert_eq!(
-            acquire_until_granted(&client, "", Duration::from_secs(5), Duration::from_secs(1))
-                .unwrap_err(),
+            acquire_until_granted(
+                &client,
+                "",
+                Duration::from_secs(5),
+                &AcquireOptions::new(),
+                Duration::from_secs(1)
+            )
+            .unwrap_err(),
             Error::InvalidArgument("key is empty")
         );
         stop.shut_down();

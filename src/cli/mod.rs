@@ -5,9 +5,11 @@ pub mod args;
 mod bench;
 mod client;
 mod logging;
+mod permits;
 mod run;
 mod serve;
 mod top;
+mod who;
 
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -29,9 +31,12 @@ kunci — a small, exact, fast lock server
 Usage:
   kunci serve [--listen ADDR]... [options]  run the server
   kunci acquire KEY [--wait S] [--lease S]  take a lock, print its token
+        [--limit N [--take K] | --shared | --exclusive] [--label TEXT]
   kunci release KEY TOKEN                   release a lock
   kunci renew KEY TOKEN [--lease S]         extend a lock's lease
-  kunci query KEY                           show who holds a key
+  kunci query KEY                           show a key's first holder
+  kunci who KEY [--json]                    show a key's holders and waiters
+  kunci list [PREFIX] [--json]              list the server's keys
   kunci info                                show the server's counters
   kunci top [--interval S]                  watch the server's counters
   kunci ping                                measure the round-trip time

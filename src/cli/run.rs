@@ -123,7 +123,10 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         lease: true,
         kill_after: true,
         conflict: true,
+        permits: true,
+        json: false,
         positionals: &["KEY"],
+        optional: 0,
         command: true,
     };
     let options = match common::parse(arguments, accepts) {

@@ -30,6 +30,8 @@ use slab::Slab;
 use crate::protocol::{self, Correlation, ErrorCode, KEY_LEN_MAX, Request, Response};
 use crate::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 
+use super::listing::{Grant, HOLDERS_MAX, Holders, KeyPage, KeySummary, Waiter};
+use super::permits::{Label, Permits};
 use super::{KeyStatus, TRANSPORT_DEADLINE, Unavailable};
 
 /// A session: one connection slot, numbered from 0.
@@ -81,6 +83,17 @@ impl Key {
         })
     }
 
+    /// A prefix of keys for `L`: like a key, but it may be empty.
+    pub(crate) fn prefix(prefix: &str) -> Result<Key, &'static str> {
+        if prefix.is_empty() {
+            return Ok(Key::EMPTY);
+        }
+        Key::new(prefix).map_err(|why| match why {
+            "key is longer than 255 bytes" => "prefix is longer than 255 bytes",
+            _ => "prefix contains a newline",
+        })
+    }
+
     pub(crate) fn as_str(&self) -> &str {
         std::str::from_utf8(&self.bytes[..self.len as usize])
             .expect("a Key is copied from a whole `&str`")
@@ -96,12 +109,15 @@ impl std::fmt::Debug for Key {
 /// What a request asks the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
-    /// `A`. `wait_until` is `Dw`, or `None` for an original `wait = 0`,
-    /// which stays 0 on the wire.
+    /// `A`, or `S` when it asks for permits or carries a label (the
+    /// protocol encoder decides). `wait_until` is `Dw`, or `None` for an
+    /// original `wait = 0`, which stays 0 on the wire.
     Acquire {
         owner: u64,
         lease_s: u8,
         wait_until: Option<Instant>,
+        permits: Permits,
+        label: Label,
     },
     Release {
         token: u64,
@@ -115,6 +131,20 @@ pub(crate) enum Op {
         nonce: u64,
     },
     Info,
+    /// `H`: the grants and waiters of the key. With `clean_up_for`, it is
+    /// the clean-up after an acquire by that owner ended `Indeterminate`
+    /// (spec §8 rule 11): every grant of that owner is released.
+    Holders {
+        id: u64,
+        clean_up_for: Option<u64>,
+    },
+    /// `L`: one page of the keys that start with the request's key (here
+    /// a prefix, possibly empty).
+    List {
+        id: u64,
+        cursor: u64,
+        count: u16,
+    },
 }
 
 impl Op {
@@ -128,6 +158,8 @@ impl Op {
             Op::Query => Correlation::Query,
             Op::Ping { nonce } => Correlation::Ping { nonce },
             Op::Info => Correlation::Info,
+            Op::Holders { id, .. } => Correlation::Holders { id },
+            Op::List { id, .. } => Correlation::List { id },
         }
     }
 }
@@ -165,8 +197,15 @@ pub(crate) enum Outcome {
         round_trip: Duration,
     },
     Info(String),
+    Holders(Holders),
+    Keys(KeyPage),
     /// A non-fatal `X`: the server found the request invalid.
     Invalid(&'static str),
+    /// `X 10`: the acquire named a limit other than the key's, which the
+    /// error's text names (`None` if it did not say it as the spec wants).
+    LimitMismatch {
+        key_limit: Option<u16>,
+    },
 }
 
 /// What the engine asks the I/O layer to do.
@@ -203,7 +242,19 @@ struct Req<R> {
     /// The engine's refusal count when it was submitted: only refusals
     /// after it count for this call (rule 4).
     since: u64,
+    /// The frames of a multi-frame answer (`H`, `L`) that came before its
+    /// `Z`.
+    gathered: Gathered,
     timer: TimerLinks,
+}
+
+/// What has arrived of an answer that ends with `Z`.
+#[derive(Default)]
+enum Gathered {
+    #[default]
+    Nothing,
+    Holders(Holders),
+    Keys(Vec<KeySummary>),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -361,6 +412,7 @@ impl<R> Engine<R> {
             sent_at: None,
             refused: None,
             since: self.refusals,
+            gathered: Gathered::Nothing,
             timer: TimerLinks::UNARMED,
         });
         if let Op::Acquire { owner, .. } = submission.op {
@@ -370,6 +422,28 @@ impl<R> Engine<R> {
         self.wheel.arm(&mut self.requests, id as TimerId, tick);
         self.unassigned.push_back(id);
         self.assign(now);
+    }
+
+    /// After an acquire by `owner` ended `Indeterminate` with its grant
+    /// unknown (spec §8 rule 11): asks for the key's holders and releases
+    /// the grants of that owner, if the server granted it after all, so
+    /// that the key is free again long before the lease would end. The
+    /// `H`'s id is that owner: the ids of `H` and `L` come from the
+    /// client's owner counter, so no other request in flight has it.
+    /// Nobody waits for it.
+    fn clean_up_after(&mut self, key: Key, owner: u64, now: Instant) {
+        self.submit(
+            Submission {
+                op: Op::Holders {
+                    id: owner,
+                    clean_up_for: Some(owner),
+                },
+                key,
+                deadline: now + TRANSPORT_DEADLINE,
+                reply: None,
+            },
+            now,
+        );
     }
 
     /// Schedules a release of `token` that nobody waits for.
@@ -432,12 +506,12 @@ impl<R> Engine<R> {
                 Place::Unassigned => {
                     let why = req.refused.unwrap_or(Unavailable::Unreachable);
                     self.unassigned.retain(|&queued| queued != id);
-                    self.complete(id, Outcome::Unavailable(why));
+                    self.complete(id, Outcome::Unavailable(why), now);
                 }
                 Place::Queued(s) => {
                     let why = req.refused.unwrap_or(Unavailable::Unreachable);
                     self.sessions[s].queue.retain(|&queued| queued != id);
-                    self.complete(id, Outcome::Unavailable(why));
+                    self.complete(id, Outcome::Unavailable(why), now);
                 }
                 // A batch only exists between `poll_transmit` and
                 // `transmitted`; treat it as sent to stay on the safe side.
@@ -733,7 +807,65 @@ impl<R> Engine<R> {
                 let Some(request) = found else {
                     return self.uncorrelated(s, &response);
                 };
-                (request, Outcome::Invalid(code.text()))
+                let outcome = match code {
+                    ErrorCode::LimitMismatch => Outcome::LimitMismatch {
+                        key_limit: protocol::parse_limit_mismatch(text),
+                    },
+                    code => Outcome::Invalid(code.text()),
+                };
+                (request, outcome)
+            }
+            Response::Grant { .. } | Response::Waiter { .. } | Response::Key { .. } => {
+                return self.gather(s, response);
+            }
+            Response::End { count, next, .. } => {
+                let matches = |op: &Op| op.correlation().is_answered_by(&response);
+                let Some(id) = self.sent_other(s, matches) else {
+                    return self.uncorrelated(s, &response);
+                };
+                let Some(req) = self.requests.slab.get_mut(id) else {
+                    return false;
+                };
+                let gathered = std::mem::take(&mut req.gathered);
+                let (outcome, frames) = match (req.op, gathered) {
+                    (Op::Holders { .. }, Gathered::Holders(holders)) => {
+                        let frames = holders.grants.len() + holders.waiters.len();
+                        let left_out = next;
+                        (
+                            Outcome::Holders(Holders {
+                                left_out,
+                                ..holders
+                            }),
+                            frames,
+                        )
+                    }
+                    (Op::Holders { .. }, Gathered::Nothing) => (
+                        Outcome::Holders(Holders {
+                            left_out: next,
+                            ..Holders::default()
+                        }),
+                        0,
+                    ),
+                    (Op::List { .. }, Gathered::Keys(keys)) => {
+                        let frames = keys.len();
+                        (Outcome::Keys(KeyPage { keys, next }), frames)
+                    }
+                    (Op::List { .. }, Gathered::Nothing) => (
+                        Outcome::Keys(KeyPage {
+                            keys: Vec::new(),
+                            next,
+                        }),
+                        0,
+                    ),
+                    _ => return self.uncorrelated(s, &response),
+                };
+                if usize::try_from(count) != Ok(frames) {
+                    log::warn!(
+                        "session {s}: {response:?} counts {count} frames, {frames} came; closing it"
+                    );
+                    return false;
+                }
+                (id, outcome)
             }
             ref other => {
                 let matches = |op: &Op| op.correlation().is_answered_by(other);
@@ -773,8 +905,98 @@ impl<R> Engine<R> {
         if let Some(session) = self.sessions.get_mut(s) {
             session.failures = 0;
         }
-        self.complete(id, outcome);
+        self.complete(id, outcome, now);
         true
+    }
+
+    /// Keeps one `G`, `W` or `K` frame with the request it belongs to,
+    /// until its `Z`. `false`: the session must be closed (a frame that
+    /// answers nothing, comes out of order, or passes the spec's bounds).
+    fn gather(&mut self, s: SessionId, response: Response) -> bool {
+        let matches = |op: &Op| op.correlation().is_answered_by(&response);
+        let Some(id) = self.sent_other(s, matches) else {
+            return self.uncorrelated(s, &response);
+        };
+        let Some(req) = self.requests.slab.get_mut(id) else {
+            return false;
+        };
+        let gathered = &mut req.gathered;
+        if matches!(gathered, Gathered::Nothing) {
+            *gathered = match req.op {
+                Op::List { .. } => Gathered::Keys(Vec::new()),
+                _ => Gathered::Holders(Holders::default()),
+            };
+        }
+        let fits = match (response, gathered, req.op) {
+            (
+                Response::Grant {
+                    token,
+                    owner,
+                    lease_ms,
+                    held_ms,
+                    take,
+                    label,
+                    ..
+                },
+                Gathered::Holders(holders),
+                _,
+            ) if holders.waiters.is_empty() && holders.grants.len() < HOLDERS_MAX => {
+                holders.grants.push(Grant {
+                    token,
+                    owner,
+                    take,
+                    lease_left: Duration::from_millis(lease_ms.into()),
+                    held_for: Duration::from_millis(held_ms.into()),
+                    label,
+                });
+                true
+            }
+            (
+                Response::Waiter {
+                    owner,
+                    wait_ms,
+                    take,
+                    label,
+                    ..
+                },
+                Gathered::Holders(holders),
+                _,
+            ) if holders.waiters.len() < HOLDERS_MAX => {
+                holders.waiters.push(Waiter {
+                    owner,
+                    take,
+                    wait_left: Duration::from_millis(wait_ms.into()),
+                    label,
+                });
+                true
+            }
+            (
+                Response::Key {
+                    grants,
+                    waiters,
+                    limit,
+                    key,
+                    ..
+                },
+                Gathered::Keys(keys),
+                Op::List { count, .. },
+            ) if keys.len() < usize::from(count) => {
+                keys.push(KeySummary {
+                    key,
+                    grants,
+                    waiters,
+                    limit,
+                });
+                true
+            }
+            _ => false,
+        };
+        if !fits {
+            log::warn!(
+                "session {s}: a frame of a list out of order or past its bounds; closing it"
+            );
+        }
+        fits
     }
 
     fn uncorrelated(&self, s: SessionId, response: &Response) -> bool {
@@ -804,7 +1026,7 @@ impl<R> Engine<R> {
 
     /// Ends a request: takes it out of every structure and hands its
     /// outcome to whoever waits for it.
-    fn complete(&mut self, id: ReqId, outcome: Outcome) {
+    fn complete(&mut self, id: ReqId, outcome: Outcome, now: Instant) {
         self.wheel.cancel(&mut self.requests, id as TimerId);
         let Some(req) = self.requests.slab.try_remove(id) else {
             return;
@@ -828,6 +1050,23 @@ impl<R> Engine<R> {
                         session.others.retain(|&other| other != id);
                     }
                 }
+            }
+        }
+        if let (
+            Op::Holders {
+                clean_up_for: Some(owner),
+                ..
+            },
+            Outcome::Holders(holders),
+        ) = (&req.op, &outcome)
+        {
+            for grant in holders.grants.iter().filter(|grant| grant.owner == *owner) {
+                log::debug!(
+                    "releasing grant {} of {:?}: its acquire ended indeterminate",
+                    grant.token,
+                    req.key
+                );
+                self.release_in_background(req.key, grant.token, now);
             }
         }
         match req.reply {
@@ -946,7 +1185,18 @@ impl<R> Engine<R> {
             .map(|(id, _)| id)
             .collect();
         for id in sent {
-            self.complete(id, Outcome::Indeterminate);
+            let clean_up = match self.requests.slab.get(id) {
+                Some(Req {
+                    op: Op::Acquire { owner, .. },
+                    key,
+                    ..
+                }) => Some((*key, *owner)),
+                _ => None,
+            };
+            self.complete(id, Outcome::Indeterminate, now);
+            if let Some((key, owner)) = clean_up {
+                self.clean_up_after(key, owner, now);
+            }
         }
         let session = &mut self.sessions[s];
         session.others.clear();
@@ -1037,15 +1287,20 @@ fn encode<R>(req: &Req<R>, now: Instant, out: &mut Vec<u8>) {
             owner,
             lease_s,
             wait_until,
-        } => Request::Acquire {
-            wait_s: wire_wait_s(wait_until, now),
-            lease_s,
-            owner,
-            key,
-            limit: 0,
-            take: 0,
-            label: "",
-        },
+            permits,
+            ref label,
+        } => {
+            let (limit, take) = permits.wire();
+            Request::Acquire {
+                wait_s: wire_wait_s(wait_until, now),
+                lease_s,
+                owner,
+                key,
+                limit,
+                take,
+                label: label.as_str(),
+            }
+        }
         Op::Release { token } => Request::Release { token, key },
         Op::Extend { token, lease_s } => Request::Extend {
             lease_s,
@@ -1055,6 +1310,13 @@ fn encode<R>(req: &Req<R>, now: Instant, out: &mut Vec<u8>) {
         Op::Query => Request::Query { key },
         Op::Ping { nonce } => Request::Ping { nonce },
         Op::Info => Request::Info,
+        Op::Holders { id, .. } => Request::Holders { id, key },
+        Op::List { id, cursor, count } => Request::List {
+            id,
+            cursor,
+            count,
+            prefix: key,
+        },
     };
     protocol::encode_request(&request, out);
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::engine::Key;
 use super::io::Message;
 use super::keep_alive::{Grant, KeepId, Loss};
-use super::{Client, Error, Ticket, drift_margin};
+use super::{Client, Error, Permits, Ticket, drift_margin};
 
 /// A callback run once, on the client's I/O thread, when the lock is lost.
 type OnLost = Box<dyn FnOnce(Loss) + Send>;
@@ -113,6 +113,7 @@ pub struct KeptLease {
     client: Client,
     key: Key,
     token: u64,
+    permits: Permits,
     lease: Duration,
     id: KeepId,
     mirror: Arc<Mirror>,
@@ -192,9 +193,10 @@ impl Ticket {
 
     fn keep(self, on_lost: Option<OnLost>) -> KeptLease {
         let client = self.client().clone();
-        let (key, token, lease, valid_until) = (
+        let (key, token, permits, lease, valid_until) = (
             self.raw_key(),
             self.token(),
+            self.permits(),
             self.lease(),
             self.valid_until(),
         );
@@ -236,6 +238,7 @@ impl Ticket {
             client,
             key,
             token,
+            permits,
             lease,
             id,
             mirror,
@@ -253,6 +256,11 @@ impl KeptLease {
     /// The fencing token (see [`Ticket::token`]).
     pub fn token(&self) -> u64 {
         self.token
+    }
+
+    /// The permits this grant holds (see [`Ticket::permits`]).
+    pub fn permits(&self) -> Permits {
+        self.permits
     }
 
     /// The lease every renewal asks for.

@@ -21,6 +21,9 @@
 //! one it has already seen. `docs/CLIENT.md` explains every outcome and how
 //! to use the token.
 //!
+//! A lock is exclusive unless [`Client::acquire_with`] asks for other
+//! [`Permits`]: a shared lock, or some permits of a semaphore (spec §10).
+//!
 //! To hold a lock for longer than one lease, [`Ticket::keep_alive`] hands
 //! the ticket to the client's I/O thread, which renews it every lease/3 and
 //! reports a loss at once ([`KeptLease`]).
@@ -33,6 +36,8 @@ mod etcd;
 mod io;
 mod keep_alive;
 mod kept;
+mod listing;
+mod permits;
 mod ticket;
 
 use std::fmt;
@@ -45,6 +50,8 @@ use engine::{Key, Op, Outcome, Submission};
 
 pub use keep_alive::Loss;
 pub use kept::KeptLease;
+pub use listing::{Grant, Holders, KeyPage, KeySummary, Keys, Waiter};
+pub use permits::{AcquireOptions, Permits};
 pub use ticket::Ticket;
 
 /// The transport deadline: how long past its wait a call may take (spec
@@ -113,6 +120,12 @@ pub enum Error {
     /// (its lease ran out, it was released, or it never existed). Nothing
     /// changed. A holder that gets this has lost the lock.
     NotHeld,
+    /// The server answered `X 10`: the acquire named a limit other than
+    /// the one the key has now (set by the first request that named one,
+    /// and kept while the key has grants or waiters). Definitive: nothing
+    /// was acquired or queued. `key_limit` is the key's limit, as the
+    /// server's message names it.
+    LimitMismatch { key_limit: Option<u16> },
 }
 
 /// Why a request was [`Error::Unavailable`].
@@ -148,6 +161,15 @@ impl fmt::Display for Error {
             ),
             Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
             Error::NotHeld => f.write_str("not held: that token is not the key's active grant"),
+            Error::LimitMismatch {
+                key_limit: Some(limit),
+            } => write!(
+                f,
+                "limit mismatch: the key has a limit of {limit} permits; nothing was acquired"
+            ),
+            Error::LimitMismatch { key_limit: None } => f.write_str(
+                "limit mismatch: the key has another limit of permits; nothing was acquired",
+            ),
         }
     }
 }
@@ -353,10 +375,45 @@ impl Client {
     /// On success the [`Ticket`] holds the fencing token; dropping it
     /// releases the lock in the background.
     pub fn acquire(&self, key: &str, wait: Duration, lease: Duration) -> Result<Ticket, Error> {
-        self.acquire_as(self.fresh_owner(), key, wait, lease)
+        self.acquire_with(key, wait, lease, AcquireOptions::new())
     }
 
-    /// [`acquire`](Self::acquire) with a given owner id (from
+    /// As [`acquire`](Self::acquire), asking for the [`Permits`] and with
+    /// the label that `options` give (a [`Permits`] alone will do).
+    ///
+    /// Everything is checked before anything is sent
+    /// ([`Error::InvalidArgument`]): a `take` needs a limit and may not
+    /// pass it, and a label is at most 128 bytes without a newline. A
+    /// limit other than the key's ends [`Error::LimitMismatch`]. The ticket
+    /// holds its own grant, with its own token and lease, whatever other
+    /// grants share the key.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use kunci::client::{AcquireOptions, Client, Config, Permits};
+    /// # let client = Client::new(["127.0.0.1:5862".parse()?], Config::default())?;
+    /// // At most three backups at once.
+    /// let wait = Duration::from_secs(60);
+    /// let lease = Duration::from_secs(30);
+    /// let options = AcquireOptions::new()
+    ///     .permits(Permits::limit(3))
+    ///     .label("backup of db1");
+    /// let ticket = client.acquire_with("backups", wait, lease, options)?;
+    /// // Many readers or one writer.
+    /// let reader = client.acquire_with("catalog", wait, lease, Permits::shared())?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn acquire_with(
+        &self,
+        key: &str,
+        wait: Duration,
+        lease: Duration,
+        options: impl Into<AcquireOptions>,
+    ) -> Result<Ticket, Error> {
+        self.acquire_as(self.fresh_owner(), key, wait, lease, options.into())
+    }
+
+    /// [`acquire_with`](Self::acquire_with) with a given owner id (from
     /// [`fresh_owner`](Self::fresh_owner)), so that the caller can find
     /// the call's grant after an `Indeterminate` (spec §8 rule 11).
     pub(crate) fn acquire_as(
@@ -365,12 +422,16 @@ impl Client {
         key: &str,
         wait: Duration,
         lease: Duration,
+        options: AcquireOptions,
     ) -> Result<Ticket, Error> {
         let key = Key::new(key).map_err(Error::InvalidArgument)?;
         if wait > WAIT_MAX {
             return Err(Error::InvalidArgument("wait is longer than 255 s"));
         }
         let lease_s = lease_seconds(lease)?;
+        let permits = options.get_permits();
+        permits.check().map_err(Error::InvalidArgument)?;
+        let label = permits::Label::new(options.get_label()).map_err(Error::InvalidArgument)?;
         let start = Instant::now();
         let wait_until = start + wait;
         let deadline = wait_until + TRANSPORT_DEADLINE;
@@ -378,6 +439,8 @@ impl Client {
             owner,
             lease_s,
             wait_until: (!wait.is_zero()).then_some(wait_until),
+            permits,
+            label,
         };
         match self.call(op, key, deadline) {
             Outcome::Acquired { token, sent_at } => {
@@ -387,7 +450,14 @@ impl Client {
                     self.release_in_background(key, token);
                     return Err(Error::Indeterminate);
                 }
-                Ok(Ticket::new(self.clone(), key, token, lease, sent_at))
+                Ok(Ticket::new(
+                    self.clone(),
+                    key,
+                    token,
+                    permits,
+                    lease,
+                    sent_at,
+                ))
             }
             outcome => Err(outcome_error(outcome)),
         }
@@ -438,6 +508,66 @@ impl Client {
             Outcome::Query(status) => Ok(status),
             outcome => Err(outcome_error(outcome)),
         }
+    }
+
+    /// Every grant of `key` (token, owner, permits, lease left, time held,
+    /// label) and every waiter in queue order, as the server sees them now
+    /// (spec §11.2). A key that is not in the table has neither.
+    ///
+    /// Like [`query`](Self::query) it ends by `start + 5 s`, and fails
+    /// with [`Error::Unavailable`] or [`Error::Indeterminate`] as every
+    /// call does; then nothing changed on the server either way.
+    pub fn holders(&self, key: &str) -> Result<Holders, Error> {
+        let key = Key::new(key).map_err(Error::InvalidArgument)?;
+        let op = Op::Holders {
+            id: self.fresh_owner(),
+            clean_up_for: None,
+        };
+        match self.call_now(op, key) {
+            Outcome::Holders(holders) => Ok(holders),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    /// One page of the keys in the server's table that start with
+    /// `prefix` (empty: every key): at most `count` (1..=1000) of them,
+    /// and the cursor to continue with. Start with cursor 0 and go on with
+    /// [`KeyPage::next`] until it is 0; [`keys`](Self::keys) does that.
+    /// A page may hold fewer keys than `count`, even none, before the end:
+    /// the server bounds the work of each request (spec §11.3).
+    pub fn list_keys(&self, prefix: &str, cursor: u64, count: u16) -> Result<KeyPage, Error> {
+        let prefix = Key::prefix(prefix).map_err(Error::InvalidArgument)?;
+        if count == 0 || count > crate::protocol::LIST_COUNT_MAX {
+            return Err(Error::InvalidArgument("count must be 1..=1000"));
+        }
+        let op = Op::List {
+            id: self.fresh_owner(),
+            cursor,
+            count,
+        };
+        match self.call_now(op, prefix) {
+            Outcome::Keys(page) => Ok(page),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    /// Every key in the server's table that starts with `prefix`, with its
+    /// numbers of grants and waiters and its limit: an iterator that asks
+    /// for one page of 1,000 keys at a time, following the cursor to the
+    /// end (see [`Keys`]). An invalid prefix is the iterator's only item,
+    /// an [`Error::InvalidArgument`].
+    ///
+    /// ```no_run
+    /// # use kunci::client::{Client, Config};
+    /// # let client = Client::new(["127.0.0.1:5862".parse()?], Config::default())?;
+    /// for key in client.keys("jobs/") {
+    ///     let key = key?;
+    ///     println!("{} held by {} grants, {} waiting", key.key, key.grants, key.waiters);
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn keys(&self, prefix: &str) -> Keys {
+        Keys::new(self.clone(), prefix.to_owned())
     }
 
     /// The server's counters: one line of `name=value` pairs.
@@ -545,6 +675,7 @@ fn outcome_error(outcome: Outcome) -> Error {
         Outcome::Unavailable(why) => Error::Unavailable(why),
         Outcome::NotHeld => Error::NotHeld,
         Outcome::Invalid(why) => Error::InvalidArgument(why),
+        Outcome::LimitMismatch { key_limit } => Error::LimitMismatch { key_limit },
         // Every other outcome answers a different request: the engine
         // correlates by op, so it cannot come here; treat it as unknown.
         _ => Error::Indeterminate,

@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use super::engine::{Action, Engine, Key, Op, Outcome, Submission, wire_wait_s};
+use super::permits::Label;
 use super::*;
 use crate::protocol::{self, Decoded, Request, Response};
 
@@ -14,6 +15,8 @@ struct Harness {
     engine: Engine<u32>,
     start: Instant,
     now: Instant,
+    /// Completions a test collected on the way.
+    completions_seen: Vec<(u32, Outcome)>,
 }
 
 /// A request frame as the server would decode it.
@@ -24,6 +27,15 @@ enum Frame {
         lease_s: u8,
         owner: u64,
         key: String,
+    },
+    S {
+        wait_s: u8,
+        lease_s: u8,
+        owner: u64,
+        key: String,
+        limit: u16,
+        take: u16,
+        label: String,
     },
     R {
         token: u64,
@@ -41,6 +53,16 @@ enum Frame {
         nonce: u64,
     },
     I,
+    H {
+        id: u64,
+        key: String,
+    },
+    L {
+        id: u64,
+        cursor: u64,
+        count: u16,
+        prefix: String,
+    },
 }
 
 fn frames(mut bytes: &[u8]) -> Vec<Frame> {
@@ -56,11 +78,28 @@ fn frames(mut bytes: &[u8]) -> Vec<Frame> {
                 owner,
                 key,
                 ..
-            } => Frame::A {
+            } if bytes[0] == b'A' => Frame::A {
                 wait_s,
                 lease_s,
                 owner,
                 key: key.into(),
+            },
+            Request::Acquire {
+                wait_s,
+                lease_s,
+                owner,
+                key,
+                limit,
+                take,
+                label,
+            } => Frame::S {
+                wait_s,
+                lease_s,
+                owner,
+                key: key.into(),
+                limit,
+                take,
+                label: label.into(),
             },
             Request::Release { token, key } => Frame::R {
                 token,
@@ -78,6 +117,21 @@ fn frames(mut bytes: &[u8]) -> Vec<Frame> {
             Request::Query { key } => Frame::Q { key: key.into() },
             Request::Ping { nonce } => Frame::P { nonce },
             Request::Info => Frame::I,
+            Request::Holders { id, key } => Frame::H {
+                id,
+                key: key.into(),
+            },
+            Request::List {
+                id,
+                cursor,
+                count,
+                prefix,
+            } => Frame::L {
+                id,
+                cursor,
+                count,
+                prefix: prefix.into(),
+            },
             other => panic!("the client sent {other:?}, which it never sends"),
         });
         bytes = &bytes[len..];
@@ -103,6 +157,7 @@ impl Harness {
             engine: Engine::new(servers, per_server, S, start),
             start,
             now: start,
+            completions_seen: Vec::new(),
         }
     }
 
@@ -112,6 +167,17 @@ impl Harness {
     }
 
     fn acquire(&mut self, call: u32, owner: u64, wait: Duration) {
+        self.acquire_permits(call, owner, wait, Permits::exclusive(), "");
+    }
+
+    fn acquire_permits(
+        &mut self,
+        call: u32,
+        owner: u64,
+        wait: Duration,
+        permits: Permits,
+        label: &str,
+    ) {
         let wait_until = self.now + wait;
         self.engine.submit(
             Submission {
@@ -119,6 +185,8 @@ impl Harness {
                     owner,
                     lease_s: 7,
                     wait_until: (!wait.is_zero()).then_some(wait_until),
+                    permits,
+                    label: Label::new(label).unwrap(),
                 },
                 key: Key::new("k").unwrap(),
                 deadline: wait_until + TRANSPORT_DEADLINE,
@@ -319,7 +387,14 @@ fn possibly_sent_is_never_sent_again() {
     h.engine.session_closed(0, h.now);
     assert_eq!(h.completions(), [(1, Outcome::Indeterminate)]);
     assert_eq!(h.write(0), []);
-    assert_eq!(h.write(1), []);
+    // Only the clean-up's `H` (rule 11) follows, never the acquire.
+    assert_eq!(
+        h.write(1),
+        [Frame::H {
+            id: 77,
+            key: "k".into()
+        }]
+    );
 }
 
 #[test]
@@ -391,7 +466,17 @@ fn no_answer_by_the_deadline_closes_exactly_that_session() {
     h.engine.handle_timeout(h.now);
     assert_eq!(h.actions(), [Action::Drain(0), Action::Drain(1)]);
     h.engine.expire(h.now);
-    assert_eq!(h.actions(), [Action::Close(0), Action::Close(1)]);
+    // Each closed session is opened again at once: the acquires' clean-up
+    // (rule 11) needs one.
+    assert_eq!(
+        h.actions(),
+        [
+            Action::Close(0),
+            Action::Connect(0),
+            Action::Close(1),
+            Action::Connect(1)
+        ]
+    );
     let mut done = h.completions();
     done.sort_by_key(|(call, _)| *call);
     // The second acquire's own deadline is far, but its session died.
@@ -537,10 +622,98 @@ fn bad_bytes_close_the_session_and_sent_requests_are_indeterminate() {
         h.engine.handle_input(0, &bad, h.now);
         assert_eq!(h.completions(), [(1, Outcome::Indeterminate)], "{bad:?}");
         assert_eq!(h.actions(), [Action::Close(0), Action::Connect(0)]);
-        // The request that was never written moves on.
+        // The request that was never written moves on, before the
+        // clean-up of the indeterminate one (rule 11).
         h.engine.connected(0, h.now);
-        assert_eq!(h.write(0), [a(1, 2)]);
+        assert_eq!(
+            h.write(0),
+            [
+                a(1, 2),
+                Frame::H {
+                    id: 1,
+                    key: "k".into()
+                }
+            ]
+        );
     }
+}
+
+#[test]
+fn a_plain_lock_is_written_as_a_and_anything_else_as_s() {
+    let mut h = Harness::new(1);
+    h.acquire(1, 1, 2 * S);
+    h.acquire_permits(2, 2, S, Permits::shared(), "");
+    h.acquire_permits(3, 3, Duration::ZERO, Permits::exclusive(), "who é");
+    h.acquire_permits(4, 4, S, Permits::limit(3).take(2), "");
+    h.acquire_permits(5, 5, S, Permits::limit(9).take(0), "");
+    h.actions();
+    h.engine.connected(0, h.now);
+    let s = |wait_s, owner, limit, take, label: &str| Frame::S {
+        wait_s,
+        lease_s: 7,
+        owner,
+        key: "k".into(),
+        limit,
+        take,
+        label: label.into(),
+    };
+    assert_eq!(
+        h.write(0),
+        [
+            a(2, 1),
+            s(1, 2, 65535, 1, ""),
+            s(0, 3, 0, 0, "who é"),
+            s(1, 4, 3, 2, ""),
+            s(1, 5, 9, 0, ""),
+        ]
+    );
+}
+
+#[test]
+fn x10_ends_the_acquire_with_its_owner_as_a_limit_mismatch_naming_the_keys_limit() {
+    let mut h = Harness::new(1);
+    h.acquire_permits(1, 1, S, Permits::limit(3), "");
+    h.acquire_permits(2, 2, S, Permits::limit(4), "");
+    h.acquire_permits(3, 3, S, Permits::limit(4), "");
+    h.actions();
+    h.engine.connected(0, h.now);
+    h.write(0);
+    // Answered out of order, by owner; a text that does not name the limit
+    // as the spec says still means a mismatch.
+    h.input(0, Response::limit_mismatch(2, 3));
+    h.input(
+        0,
+        Response::Error {
+            code: 10,
+            id: 3,
+            text: "limit mismatch".into(),
+        },
+    );
+    h.input(
+        0,
+        Response::Acquired {
+            owner: 1,
+            token: 77,
+        },
+    );
+    let completions = h.completions();
+    assert_eq!(
+        completions[..2],
+        [
+            (2, Outcome::LimitMismatch { key_limit: Some(3) }),
+            (3, Outcome::LimitMismatch { key_limit: None }),
+        ]
+    );
+    assert!(matches!(
+        completions[2],
+        (1, Outcome::Acquired { token: 77, .. })
+    ));
+    assert_eq!(
+        outcome_error(Outcome::LimitMismatch { key_limit: Some(3) }),
+        Error::LimitMismatch { key_limit: Some(3) }
+    );
+    // The session stays open: a mismatch is not fatal.
+    assert_eq!(h.actions(), []);
 }
 
 #[test]
@@ -759,4 +932,346 @@ fn x9_at_the_only_address_is_unavailable_at_once() {
         h.completions(),
         [(1, Outcome::Unavailable(Unavailable::NotAllowed))]
     );
+}
+
+fn grant(id: u64, token: u64, owner: u64, label: &str) -> Response {
+    Response::Grant {
+        id,
+        token,
+        owner,
+        lease_ms: 6_500,
+        held_ms: 500,
+        take: 0,
+        label: label.into(),
+    }
+}
+
+fn key_frame(id: u64, key: &str) -> Response {
+    Response::Key {
+        id,
+        grants: 1,
+        waiters: 2,
+        limit: 3,
+        key: key.into(),
+    }
+}
+
+#[test]
+fn holders_and_list_gather_their_frames_by_id_until_z_while_pipelined() {
+    let mut h = Harness::new(1);
+    h.other(
+        1,
+        Op::Holders {
+            id: 5,
+            clean_up_for: None,
+        },
+    );
+    h.actions();
+    h.engine.connected(0, h.now);
+    h.other(2, Op::Query);
+    h.engine.submit(
+        Submission {
+            op: Op::List {
+                id: 6,
+                cursor: 99,
+                count: 2,
+            },
+            key: Key::prefix("").unwrap(),
+            deadline: h.now + TRANSPORT_DEADLINE,
+            reply: Some(3),
+        },
+        h.now,
+    );
+    assert_eq!(
+        h.write(0),
+        [
+            Frame::H {
+                id: 5,
+                key: "k".into()
+            },
+            Frame::Q { key: "k".into() },
+            Frame::L {
+                id: 6,
+                cursor: 99,
+                count: 2,
+                prefix: String::new()
+            },
+        ]
+    );
+    let mut bytes = Vec::new();
+    for response in [
+        grant(5, 10, 70, "é label"),
+        grant(5, 11, 71, ""),
+        Response::Waiter {
+            id: 5,
+            owner: 72,
+            wait_ms: 900,
+            take: 2,
+            label: "w".into(),
+        },
+        Response::End {
+            id: 5,
+            count: 3,
+            next: 0,
+        },
+        Response::Query {
+            token: 10,
+            owner: 70,
+            lease_ms: 6_500,
+            waiters: 1,
+        },
+        key_frame(6, "a"),
+        key_frame(6, "b"),
+        Response::End {
+            id: 6,
+            count: 2,
+            next: 1234,
+        },
+    ] {
+        protocol::encode_response(&response, &mut bytes);
+    }
+    // Split at every byte: frames are gathered across reads, and each
+    // answer completes with the last byte of its `Z` (or `Q`).
+    let mut done = Vec::new();
+    for (at, byte) in bytes.iter().enumerate() {
+        h.engine.handle_input(0, std::slice::from_ref(byte), h.now);
+        let completed = h.completions();
+        if !completed.is_empty() {
+            done.push(at);
+        }
+        h.completions_seen.extend(completed);
+    }
+    let ends = {
+        let mut ends = Vec::new();
+        let mut rest = &bytes[..];
+        let mut at = 0;
+        while let Ok(Some((response, len))) = protocol::decode_response(rest) {
+            at += len;
+            if matches!(response, Response::End { .. } | Response::Query { .. }) {
+                ends.push(at - 1);
+            }
+            rest = &rest[len..];
+        }
+        ends
+    };
+    assert_eq!(done, ends);
+    let holders = Holders {
+        grants: vec![
+            Grant {
+                token: 10,
+                owner: 70,
+                take: 0,
+                lease_left: 6_500 * MS,
+                held_for: 500 * MS,
+                label: "é label".into(),
+            },
+            Grant {
+                token: 11,
+                owner: 71,
+                take: 0,
+                lease_left: 6_500 * MS,
+                held_for: 500 * MS,
+                label: String::new(),
+            },
+        ],
+        waiters: vec![Waiter {
+            owner: 72,
+            take: 2,
+            wait_left: 900 * MS,
+            label: "w".into(),
+        }],
+        left_out: 0,
+    };
+    let summary = |key: &str| KeySummary {
+        key: key.into(),
+        grants: 1,
+        waiters: 2,
+        limit: 3,
+    };
+    assert_eq!(
+        std::mem::take(&mut h.completions_seen),
+        [
+            (1, Outcome::Holders(holders)),
+            (
+                2,
+                Outcome::Query(KeyStatus {
+                    token: 10,
+                    owner: 70,
+                    lease_ms: 6_500,
+                    waiters: 1
+                })
+            ),
+            (
+                3,
+                Outcome::Keys(KeyPage {
+                    keys: vec![summary("a"), summary("b")],
+                    next: 1234
+                })
+            ),
+        ]
+    );
+    // A key not in the table: just `Z`.
+    h.other(
+        4,
+        Op::Holders {
+            id: 8,
+            clean_up_for: None,
+        },
+    );
+    h.write(0);
+    h.input(
+        0,
+        Response::End {
+            id: 8,
+            count: 0,
+            next: 0,
+        },
+    );
+    assert_eq!(h.completions(), [(4, Outcome::Holders(Holders::default()))]);
+}
+
+#[test]
+fn a_list_answer_out_of_order_or_past_its_bounds_closes_the_session() {
+    let list = |count| Op::List {
+        id: 6,
+        cursor: 0,
+        count,
+    };
+    let holders = Op::Holders {
+        id: 6,
+        clean_up_for: None,
+    };
+    let waiter = Response::Waiter {
+        id: 6,
+        owner: 1,
+        wait_ms: 1,
+        take: 0,
+        label: String::new(),
+    };
+    let end = |count| Response::End {
+        id: 6,
+        count,
+        next: 0,
+    };
+    let cases: Vec<(Op, Vec<Response>)> = vec![
+        // More keys than asked for.
+        (list(1), vec![key_frame(6, "a"), key_frame(6, "b")]),
+        // A `Z` that counts other than what came.
+        (list(2), vec![key_frame(6, "a"), end(2)]),
+        (holders, vec![grant(6, 1, 1, ""), end(0)]),
+        // A grant after a waiter.
+        (holders, vec![waiter.clone(), grant(6, 1, 1, "")]),
+        // A grant for a list, a key for holders, an id nobody asked.
+        (list(2), vec![grant(6, 1, 1, "")]),
+        (holders, vec![key_frame(6, "a")]),
+        (holders, vec![grant(7, 1, 1, "")]),
+        // More than 1000 waiters.
+        (holders, vec![waiter; 1001]),
+    ];
+    for (op, responses) in cases {
+        let mut h = Harness::new(1);
+        h.other(1, op);
+        h.actions();
+        h.engine.connected(0, h.now);
+        h.write(0);
+        for response in &responses {
+            h.input(0, response.clone());
+        }
+        assert_eq!(
+            h.completions(),
+            [(1, Outcome::Indeterminate)],
+            "{op:?} {:?}",
+            &responses[..2.min(responses.len())]
+        );
+        assert_eq!(h.actions(), [Action::Close(0)], "{op:?}");
+    }
+}
+
+#[test]
+fn an_x11_ends_a_list_as_an_invalid_argument() {
+    let mut h = Harness::new(1);
+    h.other(
+        1,
+        Op::List {
+            id: 6,
+            cursor: 0,
+            count: 1,
+        },
+    );
+    h.actions();
+    h.engine.connected(0, h.now);
+    h.write(0);
+    h.input(
+        0,
+        Response::Error {
+            code: 11,
+            id: 6,
+            text: "invalid count".into(),
+        },
+    );
+    assert!(matches!(
+        h.completions().as_slice(),
+        [(1, Outcome::Invalid(_))]
+    ));
+}
+
+#[test]
+fn an_indeterminate_acquire_is_cleaned_up_by_holders_and_a_release_of_its_owners_grant() {
+    let mut h = Harness::new(1);
+    h.acquire(1, 42, Duration::ZERO);
+    h.actions();
+    h.engine.connected(0, h.now);
+    assert_eq!(h.write(0), [a(0, 42)]);
+    // No answer by D: the session closes, the call is indeterminate and
+    // the clean-up asks who holds the key, on a new session.
+    h.at(5 * S);
+    assert_eq!(
+        h.timeout(),
+        [Action::Drain(0), Action::Close(0), Action::Connect(0)]
+    );
+    assert_eq!(h.completions(), [(1, Outcome::Indeterminate)]);
+    h.engine.connected(0, h.now);
+    assert_eq!(
+        h.write(0),
+        [Frame::H {
+            id: 42,
+            key: "k".into()
+        }]
+    );
+    // Two grants share the key; only the failed call's own is released.
+    h.input(0, grant(42, 900, 41, "someone else"));
+    h.input(0, grant(42, 901, 42, ""));
+    h.input(
+        0,
+        Response::End {
+            id: 42,
+            count: 2,
+            next: 0,
+        },
+    );
+    assert_eq!(
+        h.write(0),
+        [Frame::R {
+            token: 901,
+            key: "k".into()
+        }]
+    );
+    h.input(0, Response::Released { token: 901 });
+    // Nobody waits for the clean-up: no completion reaches a caller.
+    assert_eq!(h.completions(), []);
+    assert!(h.engine.is_idle());
+    // A query or holders call that ends indeterminate cleans nothing up.
+    h.other(
+        2,
+        Op::Holders {
+            id: 3,
+            clean_up_for: None,
+        },
+    );
+    h.write(0);
+    h.at(10 * S + MS);
+    h.timeout();
+    assert_eq!(h.completions(), [(2, Outcome::Indeterminate)]);
+    h.engine.connected(0, h.now);
+    assert_eq!(h.write(0), []);
 }

@@ -4,7 +4,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use super::engine::Key;
-use super::{Client, Error, valid_until};
+use super::{Client, Error, Permits, valid_until};
 
 /// A lock this client holds: the key, the grant's fencing token, its lease,
 /// and a conservative bound on when the server may take it back.
@@ -18,6 +18,7 @@ pub struct Ticket {
     client: Client,
     key: Key,
     token: u64,
+    permits: Permits,
     lease: Duration,
     valid_until: Instant,
     /// Whether dropping the ticket releases the lock.
@@ -29,6 +30,7 @@ impl Ticket {
         client: Client,
         key: Key,
         token: u64,
+        permits: Permits,
         lease: Duration,
         sent_at: Instant,
     ) -> Ticket {
@@ -36,6 +38,7 @@ impl Ticket {
             client,
             key,
             token,
+            permits,
             lease,
             valid_until: valid_until(sent_at, lease),
             armed: true,
@@ -60,6 +63,12 @@ impl Ticket {
     /// any token smaller than the largest it has seen.
     pub fn token(&self) -> u64 {
         self.token
+    }
+
+    /// The permits this grant holds, as the acquire asked for them
+    /// (exclusive, shared, or some of a semaphore's).
+    pub fn permits(&self) -> Permits {
+        self.permits
     }
 
     /// The lease of the latest successful acquire or renewal.
@@ -144,6 +153,7 @@ impl fmt::Debug for Ticket {
         f.debug_struct("Ticket")
             .field("key", &self.key())
             .field("token", &self.token)
+            .field("permits", &self.permits)
             .field("lease", &self.lease)
             .field("valid_until", &self.valid_until)
             .finish()

@@ -13,21 +13,6 @@ use kunci::client::{Client, Config};
 
 use super::TempDir;
 
-/// Whether the `etcd` binary is installed; if not, says so on stderr so
-/// that a skipped test is visible.
-pub fn etcd_installed(test: &str) -> bool {
-    let found = Command::new("etcd")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|status| status.success());
-    if !found {
-        eprintln!("SKIPPED {test}: `etcd` is not installed (apt-get install etcd-server)");
-    }
-    found
-}
-
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())

@@ -5,7 +5,6 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -16,6 +15,12 @@ use kunci::protocol::{self, Request, Response};
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod proxy;
+pub mod scripted;
+mod temp;
+mod tool;
+
+pub use temp::TempDir;
+pub use tool::require_tool;
 
 /// The `kunci` binary under test.
 pub fn kunci_bin() -> &'static str {
@@ -205,35 +210,6 @@ pub fn parse_info(text: &str) -> std::collections::HashMap<String, String> {
         .filter_map(|pair| pair.split_once('='))
         .map(|(name, value)| (name.to_owned(), value.to_owned()))
         .collect()
-}
-
-/// A temporary directory removed when dropped.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(name: &str) -> TempDir {
-        let path = std::env::temp_dir().join(format!(
-            "kunci-test-{name}-{}-{:?}",
-            std::process::id(),
-            Instant::now()
-        ));
-        let path = PathBuf::from(
-            path.to_string_lossy()
-                .replace([' ', '{', '}', ':', ','], "_"),
-        );
-        std::fs::create_dir_all(&path).expect("create temp dir");
-        TempDir(path)
-    }
-
-    pub fn join(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// How long a test waits for an answer that should come before it fails.

@@ -5,6 +5,10 @@
     with client.lock("deploy", wait=10, lease=30) as t:
         t.check()                            # raises kunci.LockLost once lost
         write(data, fence=t.token)
+    with client.lock("backups", wait=60, limit=3) as t:   # at most 3 at once
+        run_backup()
+    with client.lock("catalog", wait=10, shared=True):    # many readers...
+        read_catalog()                                   # ...or one writer
 
 ``kunci.aio.Client`` is the asyncio twin. Every call follows the client
 contract of the kunci protocol (spec §8): one deadline per call, a
@@ -17,6 +21,7 @@ from ._errors import (
     Error,
     Indeterminate,
     InvalidArgument,
+    LimitMismatch,
     LockLost,
     NotHeld,
     Timeout,
@@ -37,6 +42,7 @@ __all__ = [
     "Indeterminate",
     "InvalidArgument",
     "KeyStatus",
+    "LimitMismatch",
     "LockLost",
     "NotHeld",
     "TRANSPORT_DEADLINE",

@@ -11,7 +11,8 @@ import time
 
 from . import _protocol as P
 from ._errors import (
-    Busy, Error, Indeterminate, InvalidArgument, LockLost, NotHeld, Timeout, Unavailable,
+    Busy, Error, Indeterminate, InvalidArgument, LimitMismatch, LockLost, NotHeld, Timeout,
+    Unavailable,
 )
 
 log = logging.getLogger("kunci")
@@ -48,13 +49,18 @@ class Call(object):
         "op", "key", "owner", "token", "nonce", "lease", "wait_until",
         "deadline", "result", "sent_at", "writing", "background", "abandoned",
         "reason", "refusals", "tried", "waiter", "signalled", "future", "timer",
-        "session", "answered_at",
+        "session", "answered_at", "limit", "take", "label",
     )
 
     def __init__(self, op, key, deadline, owner=0, token=0, nonce=0, lease=0,
-                 wait_until=None, background=False):
+                 wait_until=None, background=False, limit=0, take=0, label=b""):
         self.op = op
         self.key = key
+        # An acquire's permits and label (spec §10, §11.1): with limit 0,
+        # take 0 and no label it is sent as ``A``, else as ``S``.
+        self.limit = limit
+        self.take = take
+        self.label = label
         self.owner = owner
         self.token = token
         self.nonce = nonce
@@ -101,7 +107,11 @@ class Call(object):
         """The frame, with the wire wait computed at ``now`` (rule 3)."""
         op = self.op
         if op == "A":
-            return P.encode_acquire(P.wire_wait(self.wait_until, now), self.lease, self.owner, self.key)
+            wait_s = P.wire_wait(self.wait_until, now)
+            if self.limit == 0 and self.take == 0 and not self.label:
+                return P.encode_acquire(wait_s, self.lease, self.owner, self.key)
+            return P.encode_acquire_permits(
+                wait_s, self.lease, self.owner, self.limit, self.take, self.key, self.label)
         if op == "R":
             return P.encode_release(self.token, self.key)
         if op == "E":
@@ -343,7 +353,15 @@ def raise_for(call, result):
     if kind == "N":
         raise NotHeld("not held: token %d is not the key's active grant" % call.token)
     if kind == "X":
-        raise InvalidArgument("the server refused the request: %s (X %d)" % (result[2], result[1]))
+        code, text = result[1], result[2]
+        if code == P.ERROR_LIMIT_MISMATCH:
+            key_limit = P.key_limit_of_mismatch(text)
+            raise LimitMismatch(
+                "limit mismatch: key %r has %s, this request named limit %d; nothing was "
+                "acquired" % (key_text(call.key), "no known limit" if key_limit is None
+                              else "limit %d" % key_limit, call.limit),
+                key_limit)
+        raise InvalidArgument("the server refused the request: %s (X %d)" % (text, code))
     if kind == MOVED:
         raise Unavailable(result[1])
     if kind == "?":
@@ -367,13 +385,16 @@ def key_text(key):
 # The calls of the API, their input checked; ``now`` is when the call
 # starts (its deadline counts from there, rule 2).
 
-def acquire_call(key, wait, lease, owner, now):
+def acquire_call(key, wait, lease, owner, now, limit=None, take=None, shared=False, label=None):
     key_bytes = check_args(P.check_key, key)
     wait = check_args(P.check_wait, wait)
     lease = check_args(P.check_lease, lease)
+    limit, take = check_args(P.check_permits, limit, take, shared)
+    label = check_args(P.check_label, label)
     wait_until = now + wait
     return Call("A", key_bytes, wait_until + P.TRANSPORT_DEADLINE, owner=owner, lease=lease,
-                wait_until=wait_until if wait > 0 else None)
+                wait_until=wait_until if wait > 0 else None, limit=limit, take=take,
+                label=label)
 
 
 def release_call(key, token, now):
@@ -461,12 +482,17 @@ class TicketBase(object):
     supplies ``renew``, ``release``, ``_declare_lost`` and
     ``_stop_keepalive``."""
 
-    def __init__(self, client, key, key_bytes, token, lease, sent_at):
+    def __init__(self, client, key, key_bytes, token, lease, sent_at, limit=0, take=0):
         self._client = client
         self.key = key
         self._key_bytes = key_bytes
         self.token = token
         self.lease = lease
+        # The permits of the grant (spec §10): ``limit`` as the request
+        # named it (``None``: no limit), ``take`` the permits it holds
+        # (0: all of them, an exclusive lock).
+        self.limit = limit or None
+        self.take = take
         self.valid_until = P.valid_until(sent_at, lease)
         self._lease_sent_at = sent_at
         self._pid = os.getpid()
@@ -476,8 +502,10 @@ class TicketBase(object):
         self._on_lost = None
 
     def __repr__(self):
-        return "Ticket(key=%r, token=%d, lease=%d, valid_until=%.3f%s)" % (
-            self.key, self.token, self.lease, self.valid_until, ", lost" if self._lost else "")
+        permits = "" if self.limit is None else ", take=%d, limit=%d" % (self.take, self.limit)
+        return "Ticket(key=%r, token=%d, lease=%d%s, valid_until=%.3f%s)" % (
+            self.key, self.token, self.lease, permits, self.valid_until,
+            ", lost" if self._lost else "")
 
     def _foreign(self):
         return self._pid != os.getpid()
@@ -541,6 +569,36 @@ class TicketBase(object):
         self._check_owned()
         self._raise_if_lost()
         return self.lease if lease is None else check_args(P.check_lease, lease)
+
+    def _needs_renewal_before_handover(self):
+        """Whether a managed lock renews this new grant before handing it
+        over (rule 10): less than two thirds of its lease is left on
+        ``valid_until``, which counts from the acquire's send instant, so a
+        grant that came after a wait may have spent most of it, or all."""
+        return self.valid_until - time.monotonic() < self.lease * 2.0 / 3.0
+
+    def _handover_renewal_failed(self, error):
+        """The renewal before hand-over raised ``error``. Returns when the
+        ticket may still be handed over: ``valid_until`` is ahead, and the
+        keep-alive retries at once (its renewal is already due). Else
+        raises :class:`LockLost` and nothing is handed over; a grant the
+        server may still hold (the renewal's outcome is unknown) is
+        released in the background."""
+        if isinstance(error, NotHeld):
+            # renew() declared the loss; the token holds nothing to release.
+            self._done = True
+            raise LockLost(
+                "lock on %r (token %d) was lost before it was handed over: the grant came "
+                "with less than 2/3 of its lease left and its renewal was answered N"
+                % (self.key, self.token)) from error
+        if not self._declare_lost_if_expired():
+            return
+        self._done = True
+        self._client._release_background(self._key_bytes, self.token)
+        raise LockLost(
+            "lock on %r (token %d) was lost before it was handed over: the grant came "
+            "after its valid_until and could not be renewed (%s)"
+            % (self.key, self.token, error)) from error
 
     def _renew_due_at(self):
         """When a keep-alive renews next: a third into the lease."""

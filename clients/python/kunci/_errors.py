@@ -48,6 +48,18 @@ class LockLost(Error):
     ticket's ``valid_until`` passed without a successful renewal."""
 
 
+class LimitMismatch(Error):
+    """The server answered ``X 10``: the request named a permit limit other
+    than the one the key has (set by the first request that named one while
+    the key was in use). Definitive: nothing was acquired or queued.
+    ``limit`` is the key's limit as the server said it (``None`` if its
+    text did not say)."""
+
+    def __init__(self, message, limit=None):
+        super().__init__(message)
+        self.limit = limit
+
+
 class InvalidArgument(Error, ValueError):
     """The input broke a rule of the contract and nothing was sent (or the
     server answered a non-fatal ``X``, meaning the client's checks let

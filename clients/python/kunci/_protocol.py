@@ -6,6 +6,7 @@ clients share it.
 
 import math
 import os
+import re
 import struct
 
 #: How long past its wait (or past its start, for calls that do not wait)
@@ -23,6 +24,16 @@ LEASE_MAX = 255
 DEFAULT_SERVER = "127.0.0.1:5862"
 
 KEY_LEN_MAX = 255
+
+#: The most permits a key may have, and the most one request may take.
+PERMITS_MAX = 65535
+
+#: A shared lock (reader of a reader/writer lock) is this many permits,
+#: taking one (spec §10 rule 6).
+SHARED_LIMIT = PERMITS_MAX
+
+#: The longest label, in UTF-8 bytes (spec §11.1).
+LABEL_LEN_MAX = 128
 
 #: Longest ``I`` or ``X`` text a server may send (the Rust client's bound).
 RESPONSE_TEXT_MAX = 4096
@@ -47,7 +58,9 @@ _HEADER_LEN = {
 ERROR_CONNECTION_LIMIT = 7
 ERROR_SHUTTING_DOWN = 8
 ERROR_NOT_ALLOWED = 9
-NON_FATAL_ERRORS = frozenset((3, 4, 5, 6))
+ERROR_LIMIT_MISMATCH = 10
+ERROR_INVALID_COUNT = 11
+NON_FATAL_ERRORS = frozenset((3, 4, 5, 6, ERROR_LIMIT_MISMATCH, ERROR_INVALID_COUNT))
 ERROR_TEXT = {
     1: "unknown op byte",
     2: "frame too long",
@@ -58,9 +71,15 @@ ERROR_TEXT = {
     7: "connection limit reached",
     8: "server shutting down",
     9: "peer not allowed (--allow)",
+    10: "limit mismatch",
+    11: "invalid count",
 }
 
+# The text of ``X 10`` (spec §6), which carries the key's limit.
+_LIMIT_MISMATCH_TEXT = re.compile(r"limit mismatch: key limit ([0-9]{1,5})\Z")
+
 _PACK_A = struct.Struct(">BBQ").pack
+_PACK_S = struct.Struct(">BBQHHB").pack
 _PACK_Q64 = struct.Struct(">Q").pack
 _PACK_E = struct.Struct(">BQ").pack
 _UNPACK_Q64 = struct.Struct(">Q").unpack_from
@@ -87,27 +106,76 @@ def valid_until(sent_at, lease):
     return sent_at + lease - drift_margin(lease)
 
 
-def check_key(key):
-    """The key as UTF-8 bytes, or ``ValueError`` naming the problem."""
-    if isinstance(key, str):
+def _utf8(value, what):
+    """``value`` (str or bytes) as UTF-8 bytes, or ``ValueError``."""
+    if isinstance(value, str):
         try:
-            data = key.encode("utf-8")
+            return value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError("key is not valid UTF-8 (it contains a lone surrogate)")
-    elif isinstance(key, (bytes, bytearray)):
-        data = bytes(key)
+            raise ValueError("%s is not valid UTF-8 (it contains a lone surrogate)" % what)
+    if isinstance(value, (bytes, bytearray)):
+        data = bytes(value)
         try:
             data.decode("utf-8")
         except UnicodeDecodeError:
-            raise ValueError("key is not valid UTF-8")
-    else:
-        raise ValueError("key must be a str, not %s" % type(key).__name__)
+            raise ValueError("%s is not valid UTF-8" % what)
+        return data
+    raise ValueError("%s must be a str, not %s" % (what, type(value).__name__))
+
+
+def check_key(key):
+    """The key as UTF-8 bytes, or ``ValueError`` naming the problem."""
+    data = _utf8(key, "key")
     if not data:
         raise ValueError("key is empty")
     if len(data) > KEY_LEN_MAX:
         raise ValueError("key is longer than 255 bytes")
     if b"\n" in data:
         raise ValueError("key contains a newline")
+    return data
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_permits(limit, take, shared):
+    """The ``(limit, take)`` written on the wire for an acquire's permit
+    arguments (spec §10): exclusive with no limit is ``(0, 0)``; ``shared``
+    is ``(65535, 1)``; ``limit`` alone takes 1 permit; ``take`` needs a
+    ``limit`` and at most that many. ``ValueError`` names the problem."""
+    if not isinstance(shared, bool):
+        raise ValueError("shared must be True or False, got %r" % (shared,))
+    if shared:
+        if limit is not None or take is not None:
+            raise ValueError("shared=True is limit %d take 1: it takes no limit or take"
+                             % SHARED_LIMIT)
+        return SHARED_LIMIT, 1
+    if limit is None:
+        if take is not None:
+            raise ValueError("take needs a limit (take permits out of how many?)")
+        return 0, 0
+    if not _is_count(limit) or not 1 <= limit <= PERMITS_MAX:
+        raise ValueError("limit must be a whole number in 1..=%d, got %r" % (PERMITS_MAX, limit))
+    if take is None:
+        return limit, 1
+    if not _is_count(take) or not 1 <= take <= PERMITS_MAX:
+        raise ValueError("take must be a whole number in 1..=%d, got %r" % (PERMITS_MAX, take))
+    if take > limit:
+        raise ValueError("take %d is more than the limit %d" % (take, limit))
+    return limit, take
+
+
+def check_label(label):
+    """The label as UTF-8 bytes (``None`` is empty): at most 128 bytes, no
+    newline."""
+    if label is None:
+        return b""
+    data = _utf8(label, "label")
+    if len(data) > LABEL_LEN_MAX:
+        raise ValueError("label is longer than %d bytes (%d)" % (LABEL_LEN_MAX, len(data)))
+    if b"\n" in data:
+        raise ValueError("label contains a newline")
     return data
 
 
@@ -159,6 +227,17 @@ def wire_wait(wait_until, now):
 
 def encode_acquire(wait_s, lease_s, owner, key):
     return b"A" + _PACK_A(wait_s, lease_s, owner) + key + b"\n"
+
+
+def encode_acquire_permits(wait_s, lease_s, owner, limit, take, key, label):
+    """``S``: an acquire with a limit, a count or a label (spec §2.1)."""
+    return b"S" + _PACK_S(wait_s, lease_s, owner, limit, take, len(key)) + key + label + b"\n"
+
+
+def key_limit_of_mismatch(text):
+    """The key's limit named by the text of an ``X 10``, or ``None``."""
+    found = _LIMIT_MISMATCH_TEXT.match(text)
+    return int(found.group(1)) if found else None
 
 
 def encode_release(token, key):
@@ -251,6 +330,14 @@ def parse_address(text):
         if not path:
             raise ValueError("unix: address without a path")
         return ("unix", path)
+    scheme, sep, _ = text.partition("://")
+    if sep:
+        if scheme.lower() in ("etcd", "etcds"):
+            raise ValueError(
+                "%r: the Python client does not speak etcd yet; use a kunci server "
+                "(HOST:PORT or unix:PATH), or the kunci CLI or Rust client for "
+                "etcd:// (docs/ETCD.md)" % text)
+        raise ValueError("address %r: the Python client takes HOST:PORT or unix:PATH" % text)
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError("address %r is not HOST:PORT or unix:PATH" % text)
@@ -270,11 +357,18 @@ def format_address(address):
 def resolve_servers(servers):
     """The parsed addresses of ``servers`` (a comma-separated str, or an
     iterable of str); ``None`` means ``$KUNCI_SERVER``, else the default."""
+    source = None
     if servers is None:
         servers = os.environ.get("KUNCI_SERVER") or DEFAULT_SERVER
+        source = "KUNCI_SERVER" if os.environ.get("KUNCI_SERVER") else None
     if isinstance(servers, str):
         servers = servers.split(",")
-    addresses = [parse_address(item) for item in servers if item.strip()]
+    try:
+        addresses = [parse_address(item) for item in servers if item.strip()]
+    except ValueError as error:
+        if source is None:
+            raise
+        raise ValueError("%s: %s" % (source, error))
     if not addresses:
         raise ValueError("a client needs at least one server address")
     return addresses

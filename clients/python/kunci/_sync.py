@@ -156,25 +156,40 @@ class Client(object):
 
     # ----------------------------------------------------------------- API
 
-    def acquire(self, key, wait=0, lease=30):
+    def acquire(self, key, wait=0, lease=30, *, limit=None, take=None, shared=False,
+                label=None):
         """Takes the lock on ``key``, waiting up to ``wait`` seconds (0: one
         attempt; fractions allowed; at most 255), with a lease of ``lease``
         whole seconds (1..=255). Returns a :class:`Ticket`, or raises
-        ``Timeout``, ``Busy``, ``Unavailable``, ``Indeterminate`` or
-        ``InvalidArgument``. Returns by ``start + wait + 5 s``."""
-        call = acquire_call(key, wait, lease, self._ids.next(), monotonic())
+        ``Timeout``, ``Busy``, ``Unavailable``, ``Indeterminate``,
+        ``LimitMismatch`` or ``InvalidArgument``. Returns by
+        ``start + wait + 5 s``.
+
+        Permits (spec §10): by default the lock is exclusive. ``limit=N``
+        makes the key a semaphore of N permits (1..=65535) and takes
+        ``take`` of them (default 1); ``shared=True`` is a shared lock
+        (many shared holders, or one exclusive). ``label``: up to 128
+        UTF-8 bytes saying who asks, kept by the server with the grant."""
+        call = acquire_call(key, wait, lease, self._ids.next(), monotonic(),
+                            limit, take, shared, label)
         result = self._run(call)
         token = granted_token(call, result, monotonic(), self._release_background)
-        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at)
+        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at,
+                      call.limit, call.take)
 
-    def lock(self, key, wait=0, lease=30, on_lost=None):
+    def lock(self, key, wait=0, lease=30, on_lost=None, *, limit=None, take=None,
+             shared=False, label=None):
         """A context manager that acquires ``key`` on entry (as
-        :meth:`acquire`), keeps its lease alive while the block runs (renews
-        every lease/3) and releases it on exit. On loss, ``t.lost`` becomes
-        true, ``on_lost(t)`` runs once (on a client thread) and
-        ``t.check()`` raises ``LockLost``; leaving the block after a loss
-        raises nothing."""
-        return _LockContext(self, key, wait, lease, on_lost)
+        :meth:`acquire`, with the same permit keywords), keeps its lease
+        alive while the block runs (renews every lease/3) and releases it
+        on exit. A grant that comes with less than two thirds of its lease
+        left (after a long wait) is renewed before the block starts; if
+        that renewal finds it gone, entering raises ``LockLost``. On loss,
+        ``t.lost`` becomes true, ``on_lost(t)`` runs once (on a client
+        thread) and ``t.check()`` raises ``LockLost``; leaving the block
+        after a loss raises nothing."""
+        return _LockContext(self, (key, wait, lease),
+                            dict(limit=limit, take=take, shared=shared, label=label), on_lost)
 
     def release(self, key, token):
         """Releases grant ``token`` of ``key``. Raises ``NotHeld`` if that
@@ -732,8 +747,8 @@ class Ticket(TicketBase):
     or releases it.
     """
 
-    def __init__(self, client, key, key_bytes, token, lease, sent_at):
-        super().__init__(client, key, key_bytes, token, lease, sent_at)
+    def __init__(self, *args):
+        super().__init__(*args)
         self._state_lock = threading.Lock()
 
     def renew(self, lease=None):
@@ -874,14 +889,20 @@ class _KeepAlive(object):
 
 
 class _LockContext(object):
-    def __init__(self, client, key, wait, lease, on_lost):
+    def __init__(self, client, args, permits, on_lost):
         self._client = client
-        self._args = (key, wait, lease)
+        self._args = args
+        self._permits = permits
         self._on_lost = on_lost
         self._ticket = None
 
     def __enter__(self):
-        ticket = self._client.acquire(*self._args)
+        ticket = self._client.acquire(*self._args, **self._permits)
+        if ticket._needs_renewal_before_handover():
+            try:
+                ticket.renew()
+            except Error as error:
+                ticket._handover_renewal_failed(error)
         ticket._on_lost = self._on_lost
         keepalive = _KeepAlive(ticket)
         ticket._keepalive = keepalive

@@ -82,18 +82,23 @@ class Client(object):
 
     # ----------------------------------------------------------------- API
 
-    async def acquire(self, key, wait=0, lease=30):
+    async def acquire(self, key, wait=0, lease=30, *, limit=None, take=None, shared=False,
+                      label=None):
         """As :meth:`kunci.Client.acquire`; returns a :class:`Ticket`."""
-        call = acquire_call(key, wait, lease, self._ids.next(), monotonic())
+        call = acquire_call(key, wait, lease, self._ids.next(), monotonic(),
+                            limit, take, shared, label)
         result = await self._run(call)
         token = granted_token(call, result, monotonic(), self._release_background)
-        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at)
+        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at,
+                      call.limit, call.take)
 
-    def lock(self, key, wait=0, lease=30, on_lost=None):
+    def lock(self, key, wait=0, lease=30, on_lost=None, *, limit=None, take=None,
+             shared=False, label=None):
         """``async with client.lock(...) as t:`` — as
         :meth:`kunci.Client.lock`; ``on_lost(t)`` runs on the event loop
         (if it returns an awaitable, that runs as a task)."""
-        return _LockContext(self, key, wait, lease, on_lost)
+        return _LockContext(self, (key, wait, lease),
+                            dict(limit=limit, take=take, shared=shared, label=label), on_lost)
 
     async def release(self, key, token):
         call = release_call(key, token, monotonic())
@@ -491,14 +496,20 @@ def _current_task():
 
 
 class _LockContext(object):
-    def __init__(self, client, key, wait, lease, on_lost):
+    def __init__(self, client, args, permits, on_lost):
         self._client = client
-        self._args = (key, wait, lease)
+        self._args = args
+        self._permits = permits
         self._on_lost = on_lost
         self._ticket = None
 
     async def __aenter__(self):
-        ticket = await self._client.acquire(*self._args)
+        ticket = await self._client.acquire(*self._args, **self._permits)
+        if ticket._needs_renewal_before_handover():
+            try:
+                await ticket.renew()
+            except Error as error:
+                ticket._handover_renewal_failed(error)
         ticket._on_lost = self._on_lost
         keepalive = _KeepAlive(ticket, asyncio.get_running_loop())
         ticket._keepalive = keepalive

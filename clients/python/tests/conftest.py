@@ -9,6 +9,7 @@ of the repository (build it with `cargo build --release`).
 import asyncio
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -127,12 +128,16 @@ class Proxy(object):
     - ``accept``: "forward"; "close" (close at once, as `--allow` did);
       "x7"/"x9" (send that `X` as the first frame, then close), after
       ``accept_delay`` seconds; "respond" (``responder(request_bytes)``
-      returns the answer bytes, nothing is forwarded).
+      returns the answer bytes, or ``Proxy.CLOSE`` to close that
+      connection; nothing is forwarded).
     - ``up``/``down``: "pass" or "drop" (a blackhole for that direction).
     - ``down_delay``: seconds each server→client chunk is held back.
     - ``cut_up_after``: after forwarding that many client bytes upstream,
       close both sides.
     """
+
+    #: What a responder returns to close the connection instead.
+    CLOSE = object()
 
     def __init__(self, upstream_port):
         self.upstream = ("127.0.0.1", upstream_port)
@@ -228,6 +233,13 @@ class Proxy(object):
                 return
             self._record(data)
             answer = self.responder(data)
+            if answer is Proxy.CLOSE:
+                try:
+                    client.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                client.close()
+                return
             if answer:
                 try:
                     client.sendall(answer)
@@ -437,13 +449,14 @@ def make_client(flavour):
 
 
 # Fixed header length of each request op (spec §2.1), after the op byte.
-REQUEST_HEADER = {b"A": 10, b"R": 8, b"E": 9, b"Q": 0, b"P": 8, b"I": 0}
+REQUEST_HEADER = {b"A": 10, b"R": 8, b"E": 9, b"Q": 0, b"P": 8, b"I": 0, b"S": 15}
 
 
 def request_frames(data):
     """The request frames in ``data`` (bytes a client wrote), as
     ``(op, header, key)`` tuples: the header is read by its length first,
-    as a server does, because it may contain any byte."""
+    as a server does, because it may contain any byte. (For ``S`` the
+    "key" is the key and the label: the key's length is ``header[14]``.)"""
     frames = []
     pos = 0
     while pos < len(data):
@@ -476,3 +489,23 @@ def outcome(function, *args, **kwargs):
     except kunci.Error as error:
         return type(error), time.monotonic() - start, error
     return "ok", time.monotonic() - start, value
+
+
+def running_in_ci(environ=None):
+    """Whether this is a CI run (``CI`` set, and not to ``false``/``0``)."""
+    value = (os.environ if environ is None else environ).get("CI", "")
+    return value not in ("", "false", "0")
+
+
+def require_tool(program, package, environ=None):
+    """The path of ``program``, which a test drives. When it is missing the
+    test is skipped with a note naming it, except under CI (``CI=true``),
+    where it fails: CI must run every test it claims to run. (The Rust
+    suite's ``util::require_tool`` applies the same rule.)"""
+    path = shutil.which(program)
+    if path is not None:
+        return path
+    message = "`%s` is not installed (Debian package %s)" % (program, package)
+    if running_in_ci(environ):
+        pytest.fail(message + ": under CI=true a missing tool fails the test", pytrace=False)
+    pytest.skip(message)

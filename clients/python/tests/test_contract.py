@@ -395,6 +395,34 @@ def test_unix_socket_and_kunci_server_variable(start_server, make_client, monkey
     ticket.release()
 
 
+@pytest.mark.parametrize("servers", [
+    "etcd://127.0.0.1:2379",
+    "etcd://10.0.0.1:2379,10.0.0.2:2379",
+    ["127.0.0.1:5862", "etcd://127.0.0.1:2379"],
+    "ETCDS://127.0.0.1:2379",
+])
+def test_etcd_addresses_are_refused_at_construction(make_client, servers):
+    # Issue 18: an etcd:// address was taken for a host name and failed
+    # after 5 s with a DNS error. The Python client does not speak etcd:
+    # it says so at once, before any connection.
+    start = time.monotonic()
+    with pytest.raises(kunci.InvalidArgument, match="does not speak etcd"):
+        make_client(servers)
+    assert time.monotonic() - start < 0.5
+
+
+def test_etcd_in_kunci_server_is_refused_naming_the_variable(make_client, monkeypatch):
+    # docs/ETCD.md tells users to set KUNCI_SERVER=etcd://...
+    monkeypatch.setenv("KUNCI_SERVER", "etcd://127.0.0.1:2379")
+    with pytest.raises(kunci.InvalidArgument, match="^KUNCI_SERVER: .*does not speak etcd"):
+        make_client()
+
+
+def test_other_schemes_are_refused_at_construction(make_client):
+    with pytest.raises(kunci.InvalidArgument, match="takes HOST:PORT or unix:PATH"):
+        make_client("tcp://127.0.0.1:5862")
+
+
 def test_dropped_ticket_is_released(server, make_client):
     import gc
 

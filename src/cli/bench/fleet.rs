@@ -95,6 +95,20 @@ impl Wire {
 
     /// Queues `A wait lease owner key` with a fresh owner.
     pub fn acquire(&mut self, conn: usize, key: u64, wait_s: u8, lease_s: u8, tag: u32) {
+        self.acquire_permits(conn, key, wait_s, lease_s, (0, 0), tag);
+    }
+
+    /// Queues an acquire of `take` of the key's `limit` permits (spec §10;
+    /// `(0, 0)` is a plain `A`) with a fresh owner.
+    pub fn acquire_permits(
+        &mut self,
+        conn: usize,
+        key: u64,
+        wait_s: u8,
+        lease_s: u8,
+        (limit, take): (u16, u16),
+        tag: u32,
+    ) {
         self.next_id += 1;
         let owner = self.next_id;
         let request = Request::Acquire {
@@ -102,8 +116,8 @@ impl Wire {
             lease_s,
             owner,
             key: self.keys.name(key),
-            limit: 0,
-            take: 0,
+            limit,
+            take,
             label: "",
         };
         encode_request(&request, &mut self.out[conn]);

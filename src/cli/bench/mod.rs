@@ -9,7 +9,7 @@
 #[cfg(feature = "etcd")]
 mod closed_loop;
 mod fleet;
-mod stats;
+pub(super) mod stats;
 mod workloads;
 
 use std::ffi::OsString;
@@ -39,6 +39,12 @@ Workloads:
                  soon as the grant arrives; a T is a miss (default workload)
   contended      the same with --wait on few keys, each grant held for --hold:
                  hand-over rate, wait distribution, per-connection fairness
+  semaphore      contended with one permit of a semaphore of --limit L per
+                 grant: at most L holders of a key at once
+  rw             contended as readers (shared) and --writers % writers
+                 (exclusive), writers holding --write-hold: grants/s, read
+                 and write waits apart; --exclusive-only runs the same mix
+                 with every request exclusive, to show what sharing gains
   hold N         acquire N distinct keys, renew them every lease/3, keep them
                  until the run ends, release them; shows only progress
   waiters N      one connection holds --keys keys, the others queue N waits
@@ -47,7 +53,8 @@ Workloads:
   timers         lateness of wait timeouts and lease expiries (1 s timers):
                  --connections probes of each kind
 
-Options (defaults: pairs / contended / hold / waiters / idle / timers):
+Options (defaults: pairs / contended / hold / waiters / idle / timers;
+semaphore and rw as contended, with 1 key and --hold 1):
   --server ADDR        HOST:PORT or unix:PATH (default: the first address
                        in $KUNCI_SERVER, else 127.0.0.1:5862), or
                        etcd://HOST:PORT[,...]: pairs and contended only, as
@@ -61,7 +68,12 @@ Options (defaults: pairs / contended / hold / waiters / idle / timers):
   --warmup S           seconds run before measuring (2 / 2 / 0 / 0 / 0 / 2)
   --lease L            lease in whole seconds (10 / 10 / 255 / 255 / - / 1)
   --wait W             wait in whole seconds (0 / 10 / - / 255 / - / 1)
-  --hold MS            contended: milliseconds to hold each grant (0)
+  --hold MS            contended, semaphore, rw: milliseconds to hold each
+                       grant (0 / 1 / 1)
+  --limit L            semaphore: permits of each key (4)
+  --writers PCT        rw: percentage of writers, 0..=100 (10)
+  --write-hold MS      rw: milliseconds a writer holds (as --hold)
+  --exclusive-only     rw: every request takes the whole key
   --key-prefix TEXT    key names are TEXT + 12 digits (pair- / cont- / hold-
                        / wait- / - / timr-: 17-byte keys)
   --seed N             seed of the random key choice (1)
@@ -84,6 +96,8 @@ pub struct Plan {
 enum Which {
     Pairs,
     Contended,
+    Semaphore,
+    ReadWrite,
     Hold(u64),
     Waiters(u64),
     Idle(u64),
@@ -104,6 +118,10 @@ struct Options {
     lease_s: Option<u8>,
     wait_s: Option<u8>,
     hold: Option<Duration>,
+    limit: Option<u16>,
+    writers_percent: Option<u8>,
+    write_hold: Option<Duration>,
+    exclusive_only: bool,
     key_prefix: Option<String>,
     seed: Option<u64>,
     json: bool,
@@ -175,6 +193,25 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
                 let ms: u64 = args::number("--hold", parser.value())?;
                 o.hold = Some(Duration::from_millis(ms));
             }
+            Long("limit") => {
+                let limit: u16 = args::number("--limit", parser.value())?;
+                if limit == 0 {
+                    return Err("--limit: a semaphore needs at least 1 permit".into());
+                }
+                o.limit = Some(limit);
+            }
+            Long("writers") => {
+                let percent: u8 = args::number("--writers", parser.value())?;
+                if percent > 100 {
+                    return Err("--writers: a percentage, 0..=100".into());
+                }
+                o.writers_percent = Some(percent);
+            }
+            Long("write-hold") => {
+                let ms: u64 = args::number("--write-hold", parser.value())?;
+                o.write_hold = Some(Duration::from_millis(ms));
+            }
+            Long("exclusive-only") => o.exclusive_only = true,
             Long("key-prefix") => {
                 let prefix = args::text(parser.value())?;
                 if prefix.len() + 12 > KEY_LEN_MAX || prefix.contains('\n') {
@@ -194,6 +231,8 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
                 o.workload = Some(match name.as_str() {
                     "pairs" => Which::Pairs,
                     "contended" => Which::Contended,
+                    "semaphore" => Which::Semaphore,
+                    "rw" => Which::ReadWrite,
                     "timers" => Which::Timers,
                     "hold" => Which::Hold(n()?),
                     "waiters" => Which::Waiters(n()?),
@@ -229,6 +268,7 @@ struct Run {
     which: Which,
     server: Address,
     plan: Plan,
+    mix: workloads::Mix,
     key_prefix: String,
     warmup: Duration,
     /// `None`: until SIGINT/SIGTERM.
@@ -243,6 +283,8 @@ impl Run {
         let (connections, pipeline, keys, lease_s, wait_s, duration, warmup, prefix) = match which {
             Which::Pairs => (50, 32, 1_000_000, 10, 0, 10, 2, "pair-"),
             Which::Contended => (50, 1, 8, 10, 10, 10, 2, "cont-"),
+            Which::Semaphore => (50, 1, 1, 10, 10, 10, 2, "sema-"),
+            Which::ReadWrite => (50, 1, 1, 10, 10, 10, 2, "rdwr-"),
             Which::Hold(n) => (4, 128, n, 255, 0, 0, 0, "hold-"),
             Which::Waiters(n) => {
                 let conns = 1 + n.div_ceil(WAITS_PER_CONN) as usize;
@@ -257,9 +299,33 @@ impl Run {
             keys: o.keys.unwrap_or(keys),
             lease_s: o.lease_s.unwrap_or(lease_s),
             wait_s: o.wait_s.unwrap_or(wait_s),
-            hold: o.hold.unwrap_or(Duration::ZERO),
+            hold: o.hold.unwrap_or(match which {
+                Which::Semaphore | Which::ReadWrite => Duration::from_millis(1),
+                _ => Duration::ZERO,
+            }),
             seed: o.seed.unwrap_or(1),
         };
+        let mix = match which {
+            Which::Semaphore => workloads::Mix::Semaphore {
+                limit: o.limit.unwrap_or(4),
+            },
+            Which::ReadWrite => workloads::Mix::ReadWrite {
+                writers_percent: o.writers_percent.unwrap_or(10),
+                write_hold: o.write_hold.unwrap_or(plan.hold),
+                sharing: !o.exclusive_only,
+            },
+            _ => workloads::Mix::Exclusive,
+        };
+        if o.limit.is_some() && which != Which::Semaphore {
+            return Err("--limit: only for the semaphore workload".into());
+        }
+        if (o.writers_percent.is_some() || o.write_hold.is_some() || o.exclusive_only)
+            && which != Which::ReadWrite
+        {
+            return Err(
+                "--writers, --write-hold, --exclusive-only: only for the rw workload".into(),
+            );
+        }
         match which {
             Which::Hold(n) | Which::Idle(n) if o.keys.is_some_and(|k| k != n) => {
                 return Err("--keys: this workload's N is its key count".into());
@@ -294,6 +360,7 @@ impl Run {
                     .unwrap_or_else(|| Address::Tcp(DEFAULT_ADDRESS.to_owned())),
             },
             plan,
+            mix,
             key_prefix: o.key_prefix.unwrap_or_else(|| prefix.to_owned()),
             warmup: o.warmup.unwrap_or(Duration::from_secs(warmup)),
             duration: (!duration.is_zero()).then_some(duration),
@@ -305,6 +372,8 @@ impl Run {
         match self.which {
             Which::Pairs => "pairs".into(),
             Which::Contended => "contended".into(),
+            Which::Semaphore => "semaphore".into(),
+            Which::ReadWrite => "rw".into(),
             Which::Hold(n) => format!("hold {n}"),
             Which::Waiters(n) => format!("waiters {n}"),
             Which::Idle(n) => format!("idle {n}"),
@@ -315,7 +384,9 @@ impl Run {
     fn workload(&self) -> Box<dyn Workload> {
         let plan = self.plan.clone();
         match self.which {
-            Which::Pairs | Which::Contended => Box::new(workloads::Cycles::new(plan)),
+            Which::Pairs | Which::Contended | Which::Semaphore | Which::ReadWrite => {
+                Box::new(workloads::Cycles::new(plan, self.mix))
+            }
             Which::Hold(_) => Box::new(workloads::Hold::new(plan)),
             Which::Waiters(n) => Box::new(workloads::Waiters::new(plan, n)),
             Which::Idle(_) => Box::new(workloads::Idle::new(&plan)),
@@ -424,11 +495,28 @@ impl Run {
         stats
     }
 
+    /// What a `semaphore` or `rw` run asks for, for its title.
+    fn mix_text(&self) -> String {
+        match self.mix {
+            workloads::Mix::Exclusive => String::new(),
+            workloads::Mix::Semaphore { limit } => format!(", limit {limit}"),
+            workloads::Mix::ReadWrite {
+                writers_percent,
+                write_hold,
+                sharing,
+            } => format!(
+                ", {writers_percent} % writers holding {} ms{}",
+                write_hold.as_millis(),
+                if sharing { "" } else { ", all exclusive" }
+            ),
+        }
+    }
+
     fn title(&self) -> String {
         let p = &self.plan;
         format!(
             "kunci bench {} against {}: {} connections × {} in flight, {} keys, \
-             lease {} s, wait {} s, {} s warm-up",
+             lease {} s, wait {} s, hold {} ms{}, {} s warm-up",
             self.name(),
             self.server,
             p.connections,
@@ -436,13 +524,15 @@ impl Run {
             p.keys,
             p.lease_s,
             p.wait_s,
+            p.hold.as_millis(),
+            self.mix_text(),
             self.warmup.as_secs_f64()
         )
     }
 
     fn header(&self) -> Vec<(&'static str, String)> {
         let p = &self.plan;
-        vec![
+        let mut header = vec![
             ("workload", json_string(&self.name())),
             ("server", json_string(&self.server.to_string())),
             ("connections", p.connections.to_string()),
@@ -451,9 +541,25 @@ impl Run {
             ("lease_s", p.lease_s.to_string()),
             ("wait_s", p.wait_s.to_string()),
             ("hold_ms", p.hold.as_millis().to_string()),
+        ];
+        match self.mix {
+            workloads::Mix::Exclusive => {}
+            workloads::Mix::Semaphore { limit } => header.push(("limit", limit.to_string())),
+            workloads::Mix::ReadWrite {
+                writers_percent,
+                write_hold,
+                sharing,
+            } => {
+                header.push(("writers_percent", writers_percent.to_string()));
+                header.push(("write_hold_ms", write_hold.as_millis().to_string()));
+                header.push(("sharing", sharing.to_string()));
+            }
+        }
+        header.extend([
             ("seed", p.seed.to_string()),
             ("warmup_s", format!("{:.3}", self.warmup.as_secs_f64())),
-        ]
+        ]);
+        header
     }
 }
 

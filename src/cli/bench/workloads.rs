@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::Plan;
 use super::fleet::{Pending, Wire, Workload};
 use super::stats::{Kind, Stats};
-use crate::protocol::Response;
+use crate::protocol::{Response, SHARED_LIMIT};
 
 /// A small, fast, seeded generator (SplitMix64): the key sequence of a run
 /// is reproducible from `--seed`.
@@ -29,34 +29,85 @@ impl Rng {
     }
 }
 
-/// `pairs` and `contended`: each slot acquires a random key (`--wait`:
-/// 0 for `pairs`), holds the grant for `--hold` (0 for `pairs`: released
-/// as soon as the `A` arrives), releases it with its token, and starts
-/// over. A `T` is a miss and the slot tries another key. Counts grants,
-/// completed pairs and misses, and how evenly the connections were served.
+/// What the requests of a [`Cycles`] run ask for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mix {
+    /// Plain exclusive locks (`A`): `pairs`, `contended`.
+    Exclusive,
+    /// One permit of a semaphore of `limit` (`S limit 1`): `semaphore`.
+    Semaphore { limit: u16 },
+    /// Readers (`S 65535 1`) and `writers_percent` % writers (`S 65535 0`),
+    /// writers holding for `write_hold`: `rw`. With `sharing` off every
+    /// request is a writer in all but its hold time, for comparison.
+    ReadWrite {
+        writers_percent: u8,
+        write_hold: Duration,
+        sharing: bool,
+    },
+}
+
+/// The roles of a `rw` request, kept in its tag.
+const READER: u32 = 0;
+const WRITER: u32 = 1;
+
+/// `pairs`, `contended`, `semaphore` and `rw`: each slot acquires a random
+/// key (`--wait`: 0 for `pairs`), as its [`Mix`] says, holds the grant for
+/// `--hold` (0 for `pairs`: released as soon as the `A` arrives; a writer
+/// of `rw` for its own hold), releases it with its token, and starts over.
+/// A `T` is a miss and the slot tries another key. Counts grants,
+/// completed pairs and misses, and how evenly the connections were served;
+/// `rw` also counts reads and writes and their waits apart.
 pub struct Cycles {
     plan: Plan,
+    mix: Mix,
     rng: Rng,
-    /// Grants to hand back, due in order (every hold is the same length).
-    due: VecDeque<(Instant, usize, u64, u64)>,
+    /// Grants to hand back, per role, each due in order (every hold of a
+    /// role is the same length): `(due, conn, token, key)`.
+    due: [VecDeque<(Instant, usize, u64, u64)>; 2],
     grants_per_conn: Vec<u64>,
     stopping: bool,
 }
 
 impl Cycles {
-    pub fn new(plan: Plan) -> Cycles {
+    pub fn new(plan: Plan, mix: Mix) -> Cycles {
         Cycles {
             rng: Rng::new(plan.seed),
             grants_per_conn: vec![0; plan.connections],
             plan,
-            due: VecDeque::new(),
+            mix,
+            due: [VecDeque::new(), VecDeque::new()],
             stopping: false,
         }
     }
 
     fn acquire(&mut self, conn: usize, wire: &mut Wire) {
         let key = self.rng.below(self.plan.keys);
-        wire.acquire(conn, key, self.plan.wait_s, self.plan.lease_s, 0);
+        let (permits, role) = match self.mix {
+            Mix::Exclusive => ((0, 0), READER),
+            Mix::Semaphore { limit } => ((limit, 1), READER),
+            Mix::ReadWrite {
+                writers_percent,
+                sharing,
+                ..
+            } => {
+                let role = if self.rng.below(100) < u64::from(writers_percent) {
+                    WRITER
+                } else {
+                    READER
+                };
+                let take = u16::from(role == READER && sharing);
+                ((SHARED_LIMIT, take), role)
+            }
+        };
+        let (wait_s, lease_s) = (self.plan.wait_s, self.plan.lease_s);
+        wire.acquire_permits(conn, key, wait_s, lease_s, permits, role);
+    }
+
+    fn hold(&self, role: u32) -> Duration {
+        match self.mix {
+            Mix::ReadWrite { write_hold, .. } if role == WRITER => write_hold,
+            _ => self.plan.hold,
+        }
     }
 }
 
@@ -65,6 +116,10 @@ impl Workload for Cycles {
         // Reported even when they stay 0.
         for counter in ["grants", "pairs", "misses"] {
             stats.set(counter, 0);
+        }
+        if matches!(self.mix, Mix::ReadWrite { .. }) {
+            stats.set("reads", 0);
+            stats.set("writes", 0);
         }
         for conn in 0..self.plan.connections {
             for _ in 0..self.plan.pipeline {
@@ -87,11 +142,22 @@ impl Workload for Cycles {
                 if stats.measuring() {
                     self.grants_per_conn[conn] += 1;
                 }
-                if self.plan.hold.is_zero() || self.stopping {
+                if matches!(self.mix, Mix::ReadWrite { .. }) {
+                    let waited = wire.now.saturating_duration_since(sent.sent);
+                    if sent.tag == WRITER {
+                        stats.count("writes", 1);
+                        stats.sample("write_wait", waited);
+                    } else {
+                        stats.count("reads", 1);
+                        stats.sample("read_wait", waited);
+                    }
+                }
+                let hold = self.hold(sent.tag);
+                if hold.is_zero() || self.stopping {
                     wire.release(conn, token, sent.key, 0);
                 } else {
-                    self.due
-                        .push_back((wire.now + self.plan.hold, conn, token, sent.key));
+                    let role = usize::from(sent.tag == WRITER);
+                    self.due[role].push_back((wire.now + hold, conn, token, sent.key));
                 }
                 return;
             }
@@ -109,20 +175,26 @@ impl Workload for Cycles {
     }
 
     fn tick(&mut self, wire: &mut Wire, _stats: &mut Stats) -> Option<Instant> {
-        while let Some(&(due, conn, token, key)) = self.due.front() {
-            if due > wire.now {
-                return Some(due);
+        let mut next = None;
+        for due in &mut self.due {
+            while let Some(&(at, conn, token, key)) = due.front() {
+                if at > wire.now {
+                    next = Some(next.map_or(at, |next: Instant| next.min(at)));
+                    break;
+                }
+                due.pop_front();
+                wire.release(conn, token, key, 0);
             }
-            self.due.pop_front();
-            wire.release(conn, token, key, 0);
         }
-        None
+        next
     }
 
     fn stop(&mut self, wire: &mut Wire, _stats: &mut Stats) {
         self.stopping = true;
-        for (_, conn, token, key) in self.due.drain(..) {
-            wire.release(conn, token, key, 0);
+        for due in &mut self.due {
+            for (_, conn, token, key) in due.drain(..) {
+                wire.release(conn, token, key, 0);
+            }
         }
     }
 

@@ -22,7 +22,7 @@ use super::io::{Message, Reply};
 use super::keep_alive::{KeepAlives, KeepId, Loss, Step};
 use super::kept::Mirror;
 use super::{TRANSPORT_DEADLINE, Unavailable};
-use recipe::Cluster;
+use recipe::{Claim, Cluster, LimitMismatch};
 
 /// What the keeper thread is told.
 enum Note {
@@ -105,12 +105,31 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: super::engine::Key, deadline: In
             owner,
             lease_s,
             wait_until,
-        } => cluster.acquire(key, owner, lease_s, wait_until, deadline),
+            permits,
+            label,
+        } => {
+            let (limit, take) = permits.wire();
+            let claim = Claim {
+                limit,
+                take,
+                label: label.as_str().to_owned(),
+            };
+            match cluster.acquire(key, owner, &claim, lease_s, wait_until, deadline) {
+                Ok(outcome) => outcome,
+                Err(LimitMismatch { limit }) => Outcome::LimitMismatch {
+                    key_limit: Some(limit),
+                },
+            }
+        }
         Op::Release { token } => cluster.release(key, token, deadline),
         Op::Extend { token, lease_s } => cluster.renew(key, token, lease_s, deadline),
         Op::Query => cluster.query(key, deadline),
         Op::Info => cluster.info(deadline),
         Op::Ping { .. } => cluster.ping(deadline),
+        // Rule 11's clean-up never comes here: an etcd acquire that ends
+        // `Indeterminate` has already revoked its own lease.
+        Op::Holders { .. } => cluster.holders(key, deadline),
+        Op::List { cursor, count, .. } => cluster.list(key, cursor, count, deadline),
     }
 }
 

@@ -2,18 +2,23 @@
 //! requests, with the outcomes and rules of spec §8.
 //!
 //! One acquire is one lease (TTL = the kunci lease) and one key
-//! `kunci/LEN:KEY/LEASEID` attached to it, valued with the owner. The
-//! holder is the key with the lowest create revision under the key's
-//! prefix; its create revision is the fencing token. A waiter watches only
-//! the key just before its own. Every failure path removes the caller's
-//! entry by revoking its lease.
+//! `kunci/LEN:KEY/LEASEID` attached to it, valued with the owner and, for
+//! permits (spec §10), the limit, take and label ([`Claim::value`]). With
+//! the entries in create-revision order, an entry holds when it and every
+//! earlier entry fit (§10.3 as a prefix sum: [`judge`]); its create
+//! revision is the fencing token. A waiter watches only earlier entries,
+//! and only as many as must go before it can fit ([`Verdict::Waits`]).
+//! Every failure path removes the caller's entry by revoking its lease.
 
+use std::collections::BTreeMap;
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::http::{Answer, Failure, Members};
 use super::json::{self, JsonValue};
 use crate::client::engine::{Key, Outcome};
-use crate::client::{KeyStatus, Unavailable};
+use crate::client::listing::HOLDERS_MAX;
+use crate::client::{Grant, Holders, KeyPage, KeyStatus, KeySummary, Unavailable, Waiter};
 
 /// The pause before a read that changes nothing is tried again.
 const READ_RETRY_PAUSE: Duration = Duration::from_millis(50);
@@ -68,6 +73,7 @@ fn prefix_end(prefix: &str) -> String {
 }
 
 /// A key-value pair as a range returns it.
+#[derive(Debug, PartialEq, Eq)]
 struct Entry {
     name: Vec<u8>,
     create_revision: i64,
@@ -86,11 +92,222 @@ impl Entry {
     }
 
     fn owner(&self) -> u64 {
-        std::str::from_utf8(&self.value)
-            .ok()
-            .and_then(|text| text.trim().parse().ok())
-            .unwrap_or(0)
+        decode(&self.value).0
     }
+
+    fn slot(&self) -> Slot {
+        decode(&self.value).1
+    }
+
+    /// The label its acquire stored (empty when none), byte for byte.
+    fn label(&self) -> String {
+        decode_label(&self.value).to_owned()
+    }
+}
+
+/// The largest label (spec §11.1).
+const LABEL_LEN_MAX: usize = 128;
+
+/// What one acquire asks for (spec §10.1): `limit` 0 names no limit,
+/// `take` 0 takes every permit (exclusive), `label` says who asks. The
+/// default is `A`'s: no limit, exclusive, no label.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Claim {
+    pub(crate) limit: u16,
+    pub(crate) take: u16,
+    pub(crate) label: String,
+}
+
+impl Claim {
+    /// Why the claim is invalid (spec §10.1, §11.1), if it is.
+    fn invalid(&self) -> Option<&'static str> {
+        if self.take > self.limit {
+            return Some("take is more than the limit");
+        }
+        if self.label.len() > LABEL_LEN_MAX {
+            return Some("label is longer than 128 bytes");
+        }
+        if self.label.contains('\n') {
+            return Some("label contains a newline");
+        }
+        None
+    }
+
+    /// `A` exactly: mismatch is impossible and it fits only alone.
+    fn is_plain(&self) -> bool {
+        self.limit == 0 && self.take == 0
+    }
+
+    /// The entry's value (docs/ETCD.md, "The value"): the owner alone,
+    /// as every earlier version wrote it, when the claim is `A`'s (no
+    /// limit, exclusive, no label); else `OWNER LIMIT TAKE`, then ` LABEL`
+    /// when there is one. All numbers decimal, single spaces; the label
+    /// is the rest of the value and may contain spaces.
+    fn value(&self, owner: u64) -> String {
+        match (self.is_plain(), self.label.is_empty()) {
+            (true, true) => owner.to_string(),
+            (_, true) => format!("{owner} {} {}", self.limit, self.take),
+            (_, false) => format!("{owner} {} {} {}", self.limit, self.take, self.label),
+        }
+    }
+
+    fn slot(&self) -> Slot {
+        Slot {
+            limit: self.limit,
+            take: self.take,
+        }
+    }
+}
+
+/// An entry as the fit rule sees it: its limit (0: none) and take (0:
+/// exclusive).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Slot {
+    limit: u16,
+    take: u16,
+}
+
+impl Slot {
+    const EXCLUSIVE: Slot = Slot { limit: 0, take: 0 };
+}
+
+/// The owner and slot of an entry's value ([`Claim::value`]). A value
+/// that cannot be read (another tool wrote it, or a future format) counts
+/// as exclusive with no limit: it blocks while it is there and never lets
+/// anyone overcommit. Peer input: never panics.
+fn decode(value: &[u8]) -> (u64, Slot) {
+    let Ok(text) = std::str::from_utf8(value) else {
+        return (0, Slot::EXCLUSIVE);
+    };
+    if let Ok(owner) = text.trim().parse() {
+        // The owner alone, as `A` writes it (an old client trimmed too).
+        return (owner, Slot::EXCLUSIVE);
+    }
+    let mut fields = text.splitn(4, ' ');
+    let owner = fields.next().and_then(|owner| owner.parse().ok());
+    let owner_or_0 = owner.unwrap_or(0);
+    let (Some(limit), Some(take)) = (fields.next(), fields.next()) else {
+        return (owner_or_0, Slot::EXCLUSIVE);
+    };
+    match (owner, limit.parse::<u16>(), take.parse::<u16>()) {
+        (Some(_), Ok(limit), Ok(take)) if take <= limit => (owner_or_0, Slot { limit, take }),
+        _ => (owner_or_0, Slot::EXCLUSIVE),
+    }
+}
+
+/// The label of an entry's value ([`Claim::value`]): the rest after
+/// `OWNER LIMIT TAKE `, when those three are valid; else empty. Peer
+/// input: never panics.
+fn decode_label(value: &[u8]) -> &str {
+    let Ok(text) = std::str::from_utf8(value) else {
+        return "";
+    };
+    let mut fields = text.splitn(4, ' ');
+    let valid = fields
+        .next()
+        .is_some_and(|owner| owner.parse::<u64>().is_ok())
+        && fields
+            .next()
+            .is_some_and(|limit| limit.parse::<u16>().is_ok())
+        && fields
+            .next()
+            .is_some_and(|take| take.parse::<u16>().is_ok());
+    match fields.next() {
+        Some(label) if valid => label,
+        _ => "",
+    }
+}
+
+/// Where an entry stands, from the entries created before it.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict<'a> {
+    /// Its limit differs from that of an earlier live entry, whose limit
+    /// this is.
+    Mismatch { limit: u16 },
+    /// It and every earlier entry fit: it holds, for as long as it lives.
+    Holds,
+    /// It cannot fit while every one of these earlier entries lives: its
+    /// wake set. Only their deletion can change the verdict.
+    Waits { wake: Vec<&'a Entry> },
+}
+
+/// Spec §10.3–4 on etcd. `earlier` are the entries created before the
+/// judged one, the latest first (`DESCEND` by create revision). With
+/// `check_limit`, `earlier` must be all of them.
+///
+/// An entry holds when it and every earlier entry fit. For an exclusive
+/// entry that is "no earlier entry". For a counted one it is "no earlier
+/// exclusive entry, and the earlier takes plus its own ≤ its limit": the
+/// earlier entries' prefix sums are smaller, so they fit too. Nobody
+/// overtakes: an earlier entry that does not fit makes every later one
+/// not fit.
+///
+/// The wake set of an entry that does not hold is one sufficient reason:
+/// the latest earlier entry for an exclusive one; for a counted one the
+/// latest earlier exclusive entry, or else the latest earlier entries
+/// whose takes alone leave no room for its own. Those are the entries
+/// that FIFO removes last, so a waiter wakes late and seldom.
+fn judge(own: Slot, earlier: &[Entry], check_limit: bool) -> Verdict<'_> {
+    if check_limit && own.limit != 0 {
+        let conflict = earlier
+            .iter()
+            .rev()
+            .map(Entry::slot)
+            .find(|slot| slot.limit != 0 && slot.limit != own.limit);
+        if let Some(slot) = conflict {
+            return Verdict::Mismatch { limit: slot.limit };
+        }
+    }
+    let Some(latest) = earlier.first() else {
+        return Verdict::Holds;
+    };
+    if own.take == 0 {
+        return Verdict::Waits { wake: vec![latest] };
+    }
+    let room = u32::from(own.limit.saturating_sub(own.take));
+    let mut used = 0u32;
+    for (index, entry) in earlier.iter().enumerate() {
+        let slot = entry.slot();
+        if slot.take == 0 {
+            return Verdict::Waits { wake: vec![entry] };
+        }
+        used += u32::from(slot.take);
+        if used > room {
+            return Verdict::Waits {
+                wake: earlier[..=index].iter().collect(),
+            };
+        }
+    }
+    Verdict::Holds
+}
+
+/// How many entries hold, of a key's entries in create-revision order
+/// (`ASCEND`): the longest prefix in which each fits ([`judge`]).
+fn holders(entries: &[Entry]) -> usize {
+    let mut used = 0u32;
+    for (index, entry) in entries.iter().enumerate() {
+        let slot = entry.slot();
+        if index > 0 && slot.take == 0 {
+            return index;
+        }
+        if slot.take == 0 {
+            // An exclusive first entry holds alone.
+            return 1;
+        }
+        used += u32::from(slot.take);
+        if used > u32::from(slot.limit) {
+            return index;
+        }
+    }
+    entries.len()
+}
+
+/// An acquire that named a limit other than the key's (spec §10.2): the
+/// entry was removed, nothing was acquired or queued. `limit` is the one
+/// of the earliest live entry that disagreed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LimitMismatch {
+    pub(crate) limit: u16,
 }
 
 /// The lowest entry of a range answer, and how many entries the range has.
@@ -102,6 +319,29 @@ fn first_entry(range: &JsonValue) -> Option<(Option<Entry>, i64)> {
     }
 }
 
+/// Every entry of a range answer, in its order.
+fn entries(range: &JsonValue) -> Option<Vec<Entry>> {
+    json::array(range, "kvs")
+        .iter()
+        .map(Entry::from_json)
+        .collect()
+}
+
+/// The `response_range`s of a transaction's answer, in order.
+fn txn_ranges(answer: &JsonValue) -> Vec<&JsonValue> {
+    json::array(answer, "responses")
+        .iter()
+        .filter_map(|response| json::field(response, "response_range"))
+        .collect()
+}
+
+/// The revision in an answer's header; `None` (an error answer) if none.
+fn header_revision(answer: &JsonValue) -> Option<i64> {
+    json::field(answer, "header")
+        .and_then(|header| json::int(header, "revision"))
+        .filter(|revision| *revision > 0)
+}
+
 fn range_body(prefix: &str, limit: i64, order: &str, max_create_revision: i64) -> String {
     format!(
         r#"{{"key":"{}","range_end":"{}","limit":"{limit}","sort_target":"CREATE","sort_order":"{order}","max_create_revision":"{max_create_revision}"}}"#,
@@ -110,26 +350,82 @@ fn range_body(prefix: &str, limit: i64, order: &str, max_create_revision: i64) -
     )
 }
 
+/// Where every kunci key's entries live: the prefix [`prefix`] puts
+/// before `LEN:KEY/`, and the first key after all of them.
+const ROOT: &str = "kunci/";
+const ROOT_END: &str = "kunci0";
+
+/// The kunci key an entry's name belongs to (`kunci/LEN:KEY/LEASEID`
+/// gives `KEY`), and the name's end of its prefix; `None` for a name
+/// kunci did not write.
+fn key_of(name: &[u8]) -> Option<&str> {
+    let rest = name.strip_prefix(ROOT.as_bytes())?;
+    let colon = rest.iter().position(|byte| *byte == b':')?;
+    let len: usize = std::str::from_utf8(&rest[..colon]).ok()?.parse().ok()?;
+    let key = rest.get(colon + 1..colon + 1 + len)?;
+    if rest.get(colon + 1 + len) != Some(&b'/') {
+        return None;
+    }
+    std::str::from_utf8(key).ok()
+}
+
+/// How many listing cursors one client remembers (docs/ETCD.md, "Who
+/// holds it"): the oldest is forgotten beyond this.
+const CURSORS_MAX: usize = 1024;
+
+/// The listing cursors handed out on etcd: `L`'s cursor is a number, the
+/// place in etcd's key space is a key, so the client keeps the key and
+/// hands out a number for it (never 0, which starts a listing).
+#[derive(Default)]
+struct Cursors {
+    issued: u64,
+    open: BTreeMap<u64, Vec<u8>>,
+}
+
+impl Cursors {
+    fn issue(&mut self, resume_at: Vec<u8>) -> u64 {
+        self.issued += 1;
+        self.open.insert(self.issued, resume_at);
+        while self.open.len() > CURSORS_MAX {
+            self.open.pop_first();
+        }
+        self.issued
+    }
+}
+
 /// The client's view of one etcd cluster.
 pub(crate) struct Cluster {
     members: Members,
+    cursors: Mutex<Cursors>,
 }
 
 /// How a waiting acquire's turn check ended.
 enum Turn {
     Holder,
-    /// The entry just before ours, and the revision the check saw.
+    /// The names of the entries whose deletion may let ours hold (its
+    /// wake set, [`Verdict::Waits`]), and the revision the check saw.
     Behind {
-        predecessor: Vec<u8>,
+        wake: Vec<Vec<u8>>,
         revision: i64,
     },
     /// Our own entry is gone (its lease ran out).
     Gone,
 }
 
+/// A waiting acquire's entry: its key, name, create revision and slot.
+struct Place {
+    key: Key,
+    name: String,
+    revision: i64,
+    slot: Slot,
+}
+
 impl Cluster {
     pub(crate) fn new(members: Members) -> Cluster {
-        Cluster { members }
+        Cluster {
+            members,
+            cursors: Mutex::default(),
+        }
     }
 
     pub(crate) fn endpoints(&self) -> &[String] {
@@ -282,103 +578,181 @@ impl Cluster {
         }
     }
 
-    /// The holder's entry of `key` if its token (create revision) is
-    /// `token`; else the outcome that ends the request: `NotHeld`, or what
-    /// the read's fault makes of it.
+    /// The entry of `key` whose create revision is `token`, if it holds;
+    /// else the outcome that ends the request: `NotHeld`, or what the
+    /// read's fault makes of it. One read: that entry and every earlier
+    /// one (normally only grants: waiters come after).
     fn held_by(&self, key: Key, token: u64, deadline: Instant) -> Result<Entry, Outcome> {
-        match self.holder(key, deadline) {
-            Ok((Some(entry), _)) if entry.create_revision as u64 == token => Ok(entry),
-            Ok(_) => Err(Outcome::NotHeld),
-            Err(fault) => Err(fault.outcome()),
+        let Ok(token_revision) = i64::try_from(token) else {
+            return Err(Outcome::NotHeld);
+        };
+        let read = self.read(
+            "/v3/kv/range",
+            &range_body(&prefix(key), 0, "DESCEND", token_revision),
+            deadline,
+        );
+        let mut found = match read {
+            Ok((_, value)) => entries(&value).ok_or(Outcome::Indeterminate)?,
+            Err(fault) => return Err(fault.outcome()),
+        };
+        match found.first() {
+            Some(own)
+                if own.create_revision == token_revision
+                    && judge(own.slot(), &found[1..], false) == Verdict::Holds =>
+            {
+                Ok(found.swap_remove(0))
+            }
+            _ => Err(Outcome::NotHeld),
         }
     }
 
-    /// The holder of `key` and how many entries its prefix has.
-    fn holder(&self, key: Key, deadline: Instant) -> Result<(Option<Entry>, i64), Fault> {
-        let (_, value) = self.read(
-            "/v3/kv/range",
-            &range_body(&prefix(key), 1, "ASCEND", 0),
-            deadline,
-        )?;
-        first_entry(&value).ok_or(Fault::Unknown)
-    }
-
-    /// `A`: see the module docs and docs/ETCD.md.
+    /// `A`, and `S` with `claim`: see the module docs and docs/ETCD.md.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn acquire(
         self: &std::sync::Arc<Self>,
         key: Key,
         owner: u64,
+        claim: &Claim,
         lease_s: u8,
         wait_until: Option<Instant>,
         deadline: Instant,
-    ) -> Outcome {
+    ) -> Result<Outcome, LimitMismatch> {
+        if let Some(why) = claim.invalid() {
+            return Ok(Outcome::Invalid(why));
+        }
         let (set_at, lease, _) = match self.grant(lease_s, deadline) {
             Ok(granted) => granted,
-            Err(fault) => return fault.outcome(),
+            Err(fault) => return Ok(fault.outcome()),
         };
         let prefix = prefix(key);
         let name = format!("{prefix}{lease:016x}");
         let put = format!(
             r#"{{"request_put":{{"key":"{}","value":"{}","lease":"{lease}"}}}}"#,
             json::base64(name.as_bytes()),
-            json::base64(owner.to_string().as_bytes()),
+            json::base64(claim.value(owner).as_bytes()),
         );
-        // Free → put (granted). Held → put too when the caller waits (it
-        // joins the queue), nothing when it does not.
+        // The entries before ours, the latest first. `A` needs only
+        // whether there is one and which (it can only mismatch nothing);
+        // the rest need them all (the limit, the sum of takes).
+        let earlier = format!(
+            r#"{{"request_range":{}}}"#,
+            range_body(&prefix, i64::from(claim.is_plain()), "DESCEND", 0)
+        );
+        // Free → put (granted). Held → read the entries (in the same
+        // transaction, before the put: exactly the earlier ones) and, when
+        // the caller waits, put too (it joins the queue). `A` without a
+        // wait needs nothing read: a held key is `Timeout`.
+        let failure = match (wait_until.is_some(), claim.is_plain()) {
+            (true, _) => format!("{earlier},{put}"),
+            (false, false) => earlier.clone(),
+            (false, true) => String::new(),
+        };
         let txn = format!(
-            r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{put}],"failure":[{}]}}"#,
+            r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{put}],"failure":[{failure}]}}"#,
             json::base64(prefix.as_bytes()),
             json::base64(prefix_end(&prefix).as_bytes()),
-            if wait_until.is_some() {
-                put.as_str()
-            } else {
-                ""
-            },
         );
-        let (succeeded, revision) = match self.write("/v3/kv/txn", &txn, deadline) {
-            Ok((_, value)) => {
-                let revision = json::field(&value, "header").and_then(|h| json::int(h, "revision"));
-                match revision {
-                    Some(revision) if revision > 0 => {
-                        (json::boolean(&value, "succeeded"), revision)
-                    }
-                    // An error answer: whether it applied is unknown.
-                    _ => {
-                        self.revoke_in_background(lease);
-                        return Outcome::Indeterminate;
-                    }
-                }
-            }
+        let mut answer = match self.write("/v3/kv/txn", &txn, deadline) {
+            Ok((_, value)) => value,
             Err(fault) => {
                 self.revoke_in_background(lease);
-                return fault.outcome();
+                return Ok(fault.outcome());
             }
         };
-        if succeeded {
-            return Outcome::Acquired {
-                token: revision as u64,
-                sent_at: set_at,
+        loop {
+            let Some(revision) = header_revision(&answer) else {
+                // An error answer: whether it applied is unknown.
+                self.revoke_in_background(lease);
+                return Ok(Outcome::Indeterminate);
+            };
+            if json::boolean(&answer, "succeeded") {
+                return Ok(Outcome::Acquired {
+                    token: revision as u64,
+                    sent_at: set_at,
+                });
+            }
+            if wait_until.is_none() && claim.is_plain() {
+                // Held, and no wait: nothing was put; the lease is dropped.
+                self.revoke_in_background(lease);
+                return Ok(Outcome::Timeout);
+            }
+            let snapshot = txn_ranges(&answer).first().and_then(|range| entries(range));
+            let Some(snapshot) = snapshot else {
+                self.revoke_in_background(lease);
+                return Ok(Outcome::Indeterminate);
+            };
+            let verdict = judge(claim.slot(), &snapshot, !claim.is_plain());
+            let Some(wait_until) = wait_until else {
+                // Nothing was put. Where it would fit, put it now unless an
+                // entry was created since the read: the entries can only
+                // have gone, which never makes it fit less.
+                match verdict {
+                    Verdict::Holds => {}
+                    Verdict::Mismatch { limit } => {
+                        self.revoke_in_background(lease);
+                        return Err(LimitMismatch { limit });
+                    }
+                    Verdict::Waits { .. } => {
+                        self.revoke_in_background(lease);
+                        return Ok(Outcome::Timeout);
+                    }
+                }
+                let txn = format!(
+                    r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"LESS","create_revision":"{}"}}],"success":[{put}],"failure":[{earlier}]}}"#,
+                    json::base64(prefix.as_bytes()),
+                    json::base64(prefix_end(&prefix).as_bytes()),
+                    revision + 1,
+                );
+                answer = match self.write("/v3/kv/txn", &txn, deadline) {
+                    Ok((_, value)) => value,
+                    Err(fault) => {
+                        self.revoke_in_background(lease);
+                        return Ok(fault.outcome());
+                    }
+                };
+                continue;
+            };
+            // Our entry is in the queue, created at `revision`.
+            return match verdict {
+                Verdict::Holds => Ok(Outcome::Acquired {
+                    token: revision as u64,
+                    sent_at: set_at,
+                }),
+                Verdict::Mismatch { limit } => match self.revoke(lease, deadline) {
+                    Ok(()) => Err(LimitMismatch { limit }),
+                    Err(_) => Ok(Outcome::Indeterminate),
+                },
+                Verdict::Waits { wake } => {
+                    let wake = wake.into_iter().map(|entry| entry.name.clone()).collect();
+                    let place = Place {
+                        key,
+                        name,
+                        revision,
+                        slot: claim.slot(),
+                    };
+                    Ok(self.wait_turn(
+                        place,
+                        (wake, revision),
+                        lease,
+                        lease_s,
+                        set_at,
+                        wait_until,
+                        deadline,
+                    ))
+                }
             };
         }
-        let Some(wait_until) = wait_until else {
-            // Held, and no wait: nothing was put; the lease is dropped.
-            self.revoke_in_background(lease);
-            return Outcome::Timeout;
-        };
-        self.wait_turn(
-            key, name, revision, lease, lease_s, set_at, wait_until, deadline,
-        )
     }
 
-    /// Waits until the entry created at `revision` is the lowest of its
-    /// prefix, keeping its lease alive meanwhile. At `wait_until` the
-    /// entry is removed (its lease revoked): `Timeout`.
+    /// Waits until the entry at `place` holds, keeping its lease alive
+    /// meanwhile; `first` is the wake set and revision of the check that
+    /// queued it. At `wait_until` the entry is removed (its lease
+    /// revoked): `Timeout`.
     #[allow(clippy::too_many_arguments)]
     fn wait_turn(
         self: &std::sync::Arc<Self>,
-        key: Key,
-        name: String,
-        revision: i64,
+        place: Place,
+        first: (Vec<Vec<u8>>, i64),
         lease: i64,
         lease_s: u8,
         mut set_at: Instant,
@@ -388,6 +762,7 @@ impl Cluster {
         let lease_length = Duration::from_secs(lease_s.into());
         let keep_every = lease_length / 3;
         let mut next_keep_alive = set_at + keep_every;
+        let mut known = Some(first);
         loop {
             let now = Instant::now();
             if now >= wait_until {
@@ -415,9 +790,12 @@ impl Cluster {
                 }
                 continue;
             }
-            let turn = match self.turn(key, &name, revision, wait_until.min(next_keep_alive)) {
-                Ok(turn) => turn,
-                Err(_) => continue,
+            let turn = match known.take() {
+                Some((wake, revision)) => Turn::Behind { wake, revision },
+                None => match self.turn(&place, wait_until.min(next_keep_alive)) {
+                    Ok(turn) => turn,
+                    Err(_) => continue,
+                },
             };
             match turn {
                 Turn::Holder => {
@@ -434,7 +812,7 @@ impl Cluster {
                         Err(_) => {}
                     }
                     return Outcome::Acquired {
-                        token: revision as u64,
+                        token: place.revision as u64,
                         sent_at: set_at,
                     };
                 }
@@ -442,58 +820,74 @@ impl Cluster {
                     self.revoke_in_background(lease);
                     return Outcome::Indeterminate;
                 }
-                Turn::Behind {
-                    predecessor,
-                    revision: seen,
-                } => self.watch_deletion(
-                    &predecessor,
-                    seen.saturating_add(1),
+                Turn::Behind { wake, revision } => self.watch_deletion(
+                    &place,
+                    &wake,
+                    revision.saturating_add(1),
                     wait_until.min(next_keep_alive),
                 ),
             }
         }
     }
 
-    /// Where the entry created at `revision` stands: one read-only
-    /// transaction reads the entry just before it and the entry itself.
-    fn turn(&self, key: Key, name: &str, revision: i64, deadline: Instant) -> Result<Turn, Fault> {
+    /// Where the entry at `place` stands: one read-only transaction reads
+    /// the entries before it (the latest only, for an exclusive entry:
+    /// it holds when there is none) and the entry itself.
+    fn turn(&self, place: &Place, deadline: Instant) -> Result<Turn, Fault> {
+        let exclusive = place.slot.take == 0;
         let txn = format!(
             r#"{{"success":[{{"request_range":{}}},{{"request_range":{{"key":"{}"}}}}]}}"#,
-            range_body(&prefix(key), 1, "DESCEND", revision - 1),
-            json::base64(name.as_bytes()),
+            range_body(
+                &prefix(place.key),
+                i64::from(exclusive),
+                "DESCEND",
+                place.revision - 1
+            ),
+            json::base64(place.name.as_bytes()),
         );
         let (_, value) = self.read("/v3/kv/txn", &txn, deadline)?;
-        let seen = json::field(&value, "header")
-            .and_then(|h| json::int(h, "revision"))
-            .ok_or(Fault::Unknown)?;
-        let responses = json::array(&value, "responses");
-        let ranges: Vec<&JsonValue> = responses
-            .iter()
-            .filter_map(|r| json::field(r, "response_range"))
-            .collect();
-        let [before, own] = ranges[..] else {
+        let seen = header_revision(&value).ok_or(Fault::Unknown)?;
+        let [before, own] = txn_ranges(&value)[..] else {
             return Err(Fault::Unknown);
         };
         let (own, _) = first_entry(own).ok_or(Fault::Unknown)?;
-        if own.is_none_or(|own| own.create_revision != revision) {
+        if own.is_none_or(|own| own.create_revision != place.revision) {
             return Ok(Turn::Gone);
         }
-        match first_entry(before).ok_or(Fault::Unknown)? {
-            (None, _) => Ok(Turn::Holder),
-            (Some(entry), _) => Ok(Turn::Behind {
-                predecessor: entry.name,
+        let before = entries(before).ok_or(Fault::Unknown)?;
+        // The limit was checked when the entry was put; the earlier
+        // entries can only have gone since.
+        Ok(match judge(place.slot, &before, false) {
+            Verdict::Holds => Turn::Holder,
+            Verdict::Waits { wake } => Turn::Behind {
+                wake: wake.into_iter().map(|entry| entry.name.clone()).collect(),
                 revision: seen,
-            }),
-        }
+            },
+            Verdict::Mismatch { .. } => return Err(Fault::Unknown),
+        })
     }
 
-    /// Blocks until `name` is deleted at or after `from_revision`, or
-    /// until `until`, or until the watch breaks (the caller checks again).
-    fn watch_deletion(&self, name: &[u8], from_revision: i64, until: Instant) {
-        let body = format!(
-            r#"{{"create_request":{{"key":"{}","start_revision":"{from_revision}","filters":["NOPUT"]}}}}"#,
-            json::base64(name),
-        );
+    /// Blocks until one of the `wake` entries is deleted at or after
+    /// `from_revision`, or until `until`, or until the watch breaks (the
+    /// caller checks again in every case). One entry is watched by its
+    /// key; several by one watch on the key's prefix, whose other deletions
+    /// (later entries leaving) are read and ignored here: etcd cannot watch
+    /// a set of keys that is not a range, nor select by create revision.
+    fn watch_deletion(&self, place: &Place, wake: &[Vec<u8>], from_revision: i64, until: Instant) {
+        let body = match wake {
+            [one] => format!(
+                r#"{{"create_request":{{"key":"{}","start_revision":"{from_revision}","filters":["NOPUT"]}}}}"#,
+                json::base64(one),
+            ),
+            _ => {
+                let prefix = prefix(place.key);
+                format!(
+                    r#"{{"create_request":{{"key":"{}","range_end":"{}","start_revision":"{from_revision}","filters":["NOPUT"]}}}}"#,
+                    json::base64(prefix.as_bytes()),
+                    json::base64(prefix_end(&prefix).as_bytes()),
+                )
+            }
+        };
         let Some(mut stream) = self.members.open_stream("/v3/watch", &body, until) else {
             let left = until.saturating_duration_since(Instant::now());
             std::thread::sleep(left.min(READ_RETRY_PAUSE));
@@ -517,7 +911,17 @@ impl Cluster {
                 // An error message on the stream.
                 return;
             };
-            if json::boolean(result, "canceled") || !json::array(result, "events").is_empty() {
+            if json::boolean(result, "canceled") {
+                return;
+            }
+            let woken = json::array(result, "events").iter().any(|event| {
+                match json::field(event, "kv").and_then(|kv| json::bytes(kv, "key")) {
+                    Some(deleted) => deleted == place.name.as_bytes() || wake.contains(&deleted),
+                    // Unreadable: check again rather than miss it.
+                    None => true,
+                }
+            });
+            if woken {
                 return;
             }
         }
@@ -628,14 +1032,26 @@ impl Cluster {
         }
     }
 
-    /// `Q`: the holder's token and owner, its lease's time to live, and the
-    /// number of entries behind it.
+    /// `Q`: the grant with the smallest token (the first entry, which
+    /// always holds), its owner and its lease's time to live, and the
+    /// number of entries that do not hold (the queue). One read of every
+    /// entry: which ones hold depends on all of them.
     pub(crate) fn query(&self, key: Key, deadline: Instant) -> Outcome {
-        let (entry, count) = match self.holder(key, deadline) {
-            Ok((Some(entry), count)) => (entry, count),
-            Ok((None, _)) => return Outcome::Query(KeyStatus::default()),
+        let all = match self.read(
+            "/v3/kv/range",
+            &range_body(&prefix(key), 0, "ASCEND", 0),
+            deadline,
+        ) {
+            Ok((_, value)) => match entries(&value) {
+                Some(all) => all,
+                None => return Outcome::Indeterminate,
+            },
             Err(fault) => return fault.outcome(),
         };
+        let Some(entry) = all.first() else {
+            return Outcome::Query(KeyStatus::default());
+        };
+        let queued = all.len() - holders(&all);
         let body = format!(r#"{{"ID":"{}"}}"#, entry.lease);
         let ttl = match self.read("/v3/kv/lease/timetolive", &body, deadline) {
             Ok((_, value)) => json::int(&value, "TTL").unwrap_or(0),
@@ -645,8 +1061,181 @@ impl Cluster {
             token: entry.create_revision as u64,
             owner: entry.owner(),
             lease_ms: u32::try_from(ttl.max(0).saturating_mul(1000)).unwrap_or(u32::MAX),
-            waiters: u32::try_from(count.saturating_sub(1)).unwrap_or(0),
+            waiters: u32::try_from(queued).unwrap_or(u32::MAX),
         })
+    }
+
+    /// The time to live of `lease` in whole seconds as etcd reports it
+    /// (rounded down; -1 when the lease is gone).
+    fn time_to_live(&self, lease: i64, deadline: Instant) -> Result<i64, Fault> {
+        let body = format!(r#"{{"ID":"{lease}"}}"#);
+        let (_, value) = self.read("/v3/kv/lease/timetolive", &body, deadline)?;
+        Ok(json::int(&value, "TTL").unwrap_or(0))
+    }
+
+    /// `H` (spec §11.2) on etcd: one read of every entry in create-revision
+    /// order; the prefix that fits holds ([`holders`]), the rest wait.
+    /// Each grant's lease left is one `lease/timetolive`; a grant whose
+    /// lease has under a second left or is gone (etcd deletes the entry
+    /// within moments) is not listed, so an expired lease is never shown
+    /// as held. etcd stores no wall time: time held and wait left are
+    /// unknown and given as 0 (docs/ETCD.md, "Who holds it").
+    pub(crate) fn holders(&self, key: Key, deadline: Instant) -> Outcome {
+        let all = match self.read(
+            "/v3/kv/range",
+            &range_body(&prefix(key), 0, "ASCEND", 0),
+            deadline,
+        ) {
+            Ok((_, value)) => match entries(&value) {
+                Some(all) => all,
+                None => return Outcome::Indeterminate,
+            },
+            Err(fault) => return fault.outcome(),
+        };
+        let (held, queued) = all.split_at(holders(&all));
+        let mut grants = Vec::new();
+        for entry in held.iter().take(HOLDERS_MAX) {
+            let ttl = match self.time_to_live(entry.lease, deadline) {
+                Ok(ttl) => ttl,
+                Err(fault) => return fault.outcome(),
+            };
+            if ttl <= 0 {
+                continue;
+            }
+            grants.push(Grant {
+                token: entry.create_revision.max(0) as u64,
+                owner: entry.owner(),
+                take: entry.slot().take,
+                lease_left: Duration::from_secs(ttl as u64),
+                held_for: Duration::ZERO,
+                label: entry.label(),
+            });
+        }
+        let waiters = queued
+            .iter()
+            .take(HOLDERS_MAX)
+            .map(|entry| Waiter {
+                owner: entry.owner(),
+                take: entry.slot().take,
+                wait_left: Duration::ZERO,
+                label: entry.label(),
+            })
+            .collect();
+        let left_out =
+            held.len().saturating_sub(HOLDERS_MAX) + queued.len().saturating_sub(HOLDERS_MAX);
+        Outcome::Holders(Holders {
+            grants,
+            waiters,
+            left_out: left_out as u64,
+        })
+    }
+
+    /// `L` (spec §11.3) on etcd: one range read of at most `count`
+    /// entries under `kunci/` in key order from the cursor's place,
+    /// grouped by kunci key and filtered by `prefix` here, so a page has
+    /// at most `count` keys and may have none before the end. A key whose
+    /// entries the page cut off is read whole by a second range. The
+    /// cursor names the etcd key after the page's last kunci key; it is
+    /// kept by this client (docs/ETCD.md, "Who holds it").
+    pub(crate) fn list(
+        &self,
+        prefix_key: Key,
+        cursor: u64,
+        count: u16,
+        deadline: Instant,
+    ) -> Outcome {
+        let start = if cursor == 0 {
+            ROOT.as_bytes().to_vec()
+        } else {
+            let cursors = self.cursors.lock().unwrap_or_else(PoisonError::into_inner);
+            match cursors.open.get(&cursor) {
+                Some(start) => start.clone(),
+                None => return Outcome::Invalid("unknown or forgotten listing cursor"),
+            }
+        };
+        let body = format!(
+            r#"{{"key":"{}","range_end":"{}","limit":"{count}"}}"#,
+            json::base64(&start),
+            json::base64(ROOT_END.as_bytes()),
+        );
+        let (page, more) = match self.read("/v3/kv/range", &body, deadline) {
+            Ok((_, value)) => match entries(&value) {
+                Some(page) => (page, json::boolean(&value, "more")),
+                None => return Outcome::Indeterminate,
+            },
+            Err(fault) => return fault.outcome(),
+        };
+        // The next page starts after the last entry's name and after every
+        // entry of its kunci key (kunci's own names always have one).
+        let mut resume_at = page
+            .last()
+            .map(|entry| entry.name.clone())
+            .unwrap_or_default();
+        resume_at.push(0);
+        if let Some(key) = page
+            .last()
+            .and_then(|entry| key_of(&entry.name))
+            .and_then(|name| Key::new(name).ok())
+        {
+            resume_at = resume_at.max(prefix_end(&prefix(key)).into_bytes());
+        }
+        // Consecutive entries of one kunci key form a group.
+        let mut groups: Vec<(String, Vec<Entry>)> = Vec::new();
+        for entry in page {
+            let Some(name) = key_of(&entry.name).map(str::to_owned) else {
+                continue;
+            };
+            match groups.last_mut() {
+                Some((last, group)) if *last == name => group.push(entry),
+                _ => groups.push((name, vec![entry])),
+            }
+        }
+        let mut keys = Vec::new();
+        let group_count = groups.len();
+        for (index, (name, mut group)) in groups.into_iter().enumerate() {
+            if !name.starts_with(prefix_key.as_str()) {
+                continue;
+            }
+            if more && index + 1 == group_count {
+                // The page may have cut this key's entries: read them all.
+                let Ok(key) = Key::new(&name) else { continue };
+                group = match self.read(
+                    "/v3/kv/range",
+                    &range_body(&prefix(key), 0, "ASCEND", 0),
+                    deadline,
+                ) {
+                    Ok((_, value)) => match entries(&value) {
+                        Some(all) => all,
+                        None => return Outcome::Indeterminate,
+                    },
+                    Err(fault) => return fault.outcome(),
+                };
+            }
+            group.sort_by_key(|entry| entry.create_revision);
+            if group.is_empty() {
+                continue;
+            }
+            let grants = holders(&group);
+            keys.push(KeySummary {
+                key: name,
+                grants: u32::try_from(grants).unwrap_or(u32::MAX),
+                waiters: u32::try_from(group.len() - grants).unwrap_or(u32::MAX),
+                limit: group
+                    .iter()
+                    .map(|entry| entry.slot().limit)
+                    .find(|limit| *limit != 0)
+                    .unwrap_or(0),
+            });
+        }
+        let next = if more {
+            self.cursors
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .issue(resume_at)
+        } else {
+            0
+        };
+        Outcome::Keys(KeyPage { keys, next })
     }
 
     /// `I`: the answering member's status as `name=value` pairs.
@@ -694,6 +1283,10 @@ fn pause_before_retry(deadline: Instant, sent: bool) -> Result<(), Fault> {
 }
 
 #[cfg(test)]
+#[path = "cluster_tests.rs"]
+mod cluster_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -706,5 +1299,193 @@ mod tests {
         assert!(!ab.starts_with(&a) && !a.starts_with(&ab));
         assert_eq!(prefix_end(&a), "kunci/1:a0");
         assert!(format!("{a}{:016x}", 7u64) < prefix_end(&a));
+    }
+
+    fn entry(revision: i64, value: &str) -> Entry {
+        Entry {
+            name: format!("kunci/1:k/{revision:016x}").into_bytes(),
+            create_revision: revision,
+            lease: revision,
+            value: value.as_bytes().to_vec(),
+        }
+    }
+
+    fn claim(limit: u16, take: u16, label: &str) -> Claim {
+        Claim {
+            limit,
+            take,
+            label: label.to_owned(),
+        }
+    }
+
+    fn slot(limit: u16, take: u16) -> Slot {
+        Slot { limit, take }
+    }
+
+    /// The earlier entries the latest first, as a `DESCEND` range gives
+    /// them, from values in create order.
+    fn queue(values: &[&str]) -> Vec<Entry> {
+        let mut all: Vec<Entry> = (1..)
+            .zip(values)
+            .map(|(revision, value)| entry(revision, value))
+            .collect();
+        all.reverse();
+        all
+    }
+
+    fn wake_revisions(verdict: Verdict<'_>) -> Vec<i64> {
+        match verdict {
+            Verdict::Waits { wake } => wake.iter().map(|e| e.create_revision).collect(),
+            other => panic!("expected Waits, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_plain_acquire_writes_the_value_every_version_wrote() {
+        assert_eq!(Claim::default().value(42), "42");
+        assert_eq!(claim(0, 0, "").value(u64::MAX), u64::MAX.to_string());
+        assert_eq!(claim(5, 0, "").value(7), "7 5 0");
+        assert_eq!(claim(3, 2, "").value(7), "7 3 2");
+        assert_eq!(claim(0, 0, "ops").value(7), "7 0 0 ops");
+        assert_eq!(
+            claim(65535, 1, "ann@db1 pid=9 backup --full").value(7),
+            "7 65535 1 ann@db1 pid=9 backup --full"
+        );
+    }
+
+    #[test]
+    fn values_decode_and_an_unreadable_one_is_exclusive() {
+        for (limit, take, label) in [(0, 0, ""), (3, 2, ""), (65535, 1, "a b  c "), (9, 0, "x")] {
+            let value = claim(limit, take, label).value(12);
+            assert_eq!(decode(value.as_bytes()), (12, slot(limit, take)), "{value}");
+        }
+        // Old values: the owner alone (an old client also trimmed).
+        assert_eq!(decode(b"12"), (12, Slot::EXCLUSIVE));
+        assert_eq!(decode(b" 12\n"), (12, Slot::EXCLUSIVE));
+        // What another tool or a broken writer may leave: exclusive.
+        for bad in [
+            &b""[..],
+            b"\xff\xfe",
+            b"owner",
+            b"12 3",
+            b"12 3 4",
+            b"12 0 1",
+            b"12 65536 1",
+            b"12 -1 0",
+            b"x 3 1",
+            b"12 3 x label",
+        ] {
+            assert_eq!(decode(bad).1, Slot::EXCLUSIVE, "{bad:?}");
+        }
+        assert_eq!(decode(b"12 3 4").0, 12);
+    }
+
+    #[test]
+    fn invalid_claims_are_refused_before_anything_is_sent() {
+        assert_eq!(
+            claim(0, 1, "").invalid(),
+            Some("take is more than the limit")
+        );
+        assert_eq!(
+            claim(2, 3, "").invalid(),
+            Some("take is more than the limit")
+        );
+        assert_eq!(claim(2, 2, &"é".repeat(64)).invalid(), None);
+        assert!(claim(2, 2, &"a".repeat(129)).invalid().is_some());
+        assert!(claim(2, 2, "a\nb").invalid().is_some());
+        assert_eq!(Claim::default().invalid(), None);
+    }
+
+    #[test]
+    fn an_exclusive_entry_holds_alone_and_watches_its_predecessor() {
+        assert_eq!(judge(Slot::EXCLUSIVE, &[], true), Verdict::Holds);
+        let earlier = queue(&["1 5 1", "2 5 2"]);
+        assert_eq!(wake_revisions(judge(Slot::EXCLUSIVE, &earlier, true)), [2]);
+        // A writer that names the readers' limit is checked like them.
+        assert_eq!(wake_revisions(judge(slot(5, 0), &earlier, true)), [2]);
+        assert_eq!(
+            judge(slot(6, 0), &earlier, true),
+            Verdict::Mismatch { limit: 5 }
+        );
+    }
+
+    #[test]
+    fn counted_entries_fit_as_a_prefix_sum_in_fifo_order() {
+        // Semaphore of 2: two holders, the third waits for either.
+        let two = queue(&["1 2 1", "2 2 1"]);
+        assert_eq!(judge(slot(2, 1), &two[1..], true), Verdict::Holds);
+        assert_eq!(wake_revisions(judge(slot(2, 1), &two, true)), [2, 1]);
+        // The fourth: one deletion of the three earlier is not enough, so
+        // it watches only the two latest (their takes fill the limit).
+        let three = queue(&["1 2 1", "2 2 1", "3 2 1"]);
+        assert_eq!(wake_revisions(judge(slot(2, 1), &three, true)), [3, 2]);
+        // A big take at the head blocks small ones behind it (no
+        // overtaking): 1 + 3 > 3, so the 1 behind waits though 1 + 1 ≤ 3.
+        let big = queue(&["1 3 1", "2 3 3"]);
+        assert_eq!(wake_revisions(judge(slot(3, 1), &big, true)), [2]);
+        assert_eq!(wake_revisions(judge(slot(3, 3), &big[1..], true)), [1]);
+        // Readers share; a reader behind a writer waits for the writer
+        // alone, whatever readers are before or after it.
+        let readers = queue(&["1 65535 1", "2 65535 1"]);
+        assert_eq!(judge(slot(65535, 1), &readers, true), Verdict::Holds);
+        let writer_between = queue(&["1 65535 1", "2", "3 65535 1"]);
+        assert_eq!(
+            wake_revisions(judge(slot(65535, 1), &writer_between, true)),
+            [2]
+        );
+        // An unreadable earlier value blocks like a writer.
+        let foreign = queue(&["1 4 1", "garbage"]);
+        assert_eq!(wake_revisions(judge(slot(4, 1), &foreign, true)), [2]);
+    }
+
+    #[test]
+    fn the_earliest_conflicting_limit_is_reported_and_limit_0_never_conflicts() {
+        let mixed = queue(&["1", "2 3 1", "3 4 1"]);
+        assert_eq!(
+            judge(slot(4, 1), &mixed, true),
+            Verdict::Mismatch { limit: 3 }
+        );
+        assert_eq!(
+            judge(slot(3, 1), &mixed, true),
+            Verdict::Mismatch { limit: 4 }
+        );
+        // Without a limit of its own, nothing conflicts.
+        assert_eq!(wake_revisions(judge(Slot::EXCLUSIVE, &mixed, true)), [3]);
+        // Re-checks (the limit was checked when the entry was put) only
+        // judge the fit.
+        assert_eq!(wake_revisions(judge(slot(4, 1), &mixed, false)), [1]);
+    }
+
+    #[test]
+    fn holders_are_the_prefix_that_fits() {
+        let count = |values: &[&str]| {
+            let mut all = queue(values);
+            all.reverse();
+            holders(&all)
+        };
+        assert_eq!(count(&[]), 0);
+        assert_eq!(count(&["1"]), 1);
+        assert_eq!(count(&["1", "2"]), 1);
+        assert_eq!(count(&["1 2 1", "2 2 1", "3 2 1"]), 2);
+        assert_eq!(count(&["1 9 1", "2 9 1", "3", "4 9 1"]), 2);
+        assert_eq!(count(&["1 9 0", "2 9 1"]), 1);
+        assert_eq!(count(&["1 3 1", "2 3 3", "3 3 1"]), 1);
+        assert_eq!(count(&["1 3 3", "2 3 1"]), 1);
+        // Every holder by `holders` is a holder by `judge`, and the next
+        // is not.
+        let values = ["1 4 1", "2 4 2", "3 4 1", "4 4 1"];
+        let mut all = queue(&values);
+        all.reverse();
+        let held = holders(&all);
+        assert_eq!(held, 3);
+        for index in 0..all.len() {
+            let mut earlier: Vec<Entry> = all[..index]
+                .iter()
+                .map(|e| entry(e.create_revision, std::str::from_utf8(&e.value).unwrap()))
+                .collect();
+            earlier.reverse();
+            let holds = judge(all[index].slot(), &earlier, false) == Verdict::Holds;
+            assert_eq!(holds, index < held, "entry {index}");
+        }
     }
 }
