@@ -81,7 +81,27 @@ pub struct LockEntry {
     /// The head of the FIFO waiter queue, or [`NIL`]. On a free entry, the
     /// next free entry.
     pub waiters: u32,
+    /// When the active grant was made (not renewed), for `H` (spec §11):
+    /// core milliseconds modulo 2³² ([`granted_at_ms`]). A grant restored
+    /// after a restart counts from the restart (0).
+    pub granted_at: u32,
     key: StoredKey,
+}
+
+/// A grant instant as [`LockEntry::granted_at`] keeps it: milliseconds
+/// since the core's epoch, rounded *up*, modulo 2³².
+pub fn granted_at_ms(at: u64) -> u32 {
+    at.div_ceil(1_000) as u32
+}
+
+/// Whole milliseconds from `granted_at` (see [`granted_at_ms`]) to `now`,
+/// rounded down: the clock rounded down minus the grant rounded up never
+/// exceeds the true time, and is at most one short of it. Within the same
+/// millisecond that difference is −1, which wraps to `u32::MAX` and means
+/// 0. Exact for any grant held less than 2³² − 1 ms (49.7 days).
+pub fn held_ms(granted_at: u32, now: u64) -> u32 {
+    let held = ((now / 1_000) as u32).wrapping_sub(granted_at);
+    if held == u32::MAX { 0 } else { held }
 }
 
 /// A key stored inline (`len ≤ INLINE_KEY_MAX`) or as an index into the
@@ -203,6 +223,7 @@ impl LockTable {
             owner,
             lease: TimerLinks::UNARMED,
             waiters: NIL,
+            granted_at: 0,
             key: stored,
         };
         let index = match self.entries.get_mut(self.free_head as usize) {
@@ -280,6 +301,14 @@ impl LockTable {
     #[doc(hidden)]
     pub fn live_indices(&self) -> impl Iterator<Item = u32> + '_ {
         (0..self.entries.len() as u32).filter(|&index| self.entries[index as usize].key.len != 0)
+    }
+
+    /// How many entry slots exist, live or free: entry indices are below
+    /// it. A live entry keeps its index until it is removed, so a walk over
+    /// `0..slots()` meets every key that stays in the table throughout
+    /// (the `L` cursor, docs/DESIGN.md).
+    pub fn slots(&self) -> usize {
+        self.entries.len()
     }
 
     /// Whether `index` is a live entry (not on the free list).
@@ -384,7 +413,7 @@ mod tests {
 
     #[test]
     fn entry_stays_small() {
-        assert_eq!(std::mem::size_of::<LockEntry>(), 52);
+        assert_eq!(std::mem::size_of::<LockEntry>(), 56);
     }
 
     #[test]
