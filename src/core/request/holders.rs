@@ -44,17 +44,22 @@ impl Core {
                         grants.push(unknown);
                     }
                     for &grant in &permits.grants {
+                        let node = self.grants.get(grant);
+                        let lease_ms = millis_left(self.lease_deadline(&node.lease), now);
+                        if lease_ms == 0 {
+                            // It may have run out (see below).
+                            continue;
+                        }
                         if grants.len() == FRAMES_MAX {
                             left_out += 1;
                             continue;
                         }
-                        let node = self.grants.get(grant);
                         let held_us = now.saturating_sub(node.granted_at);
                         grants.push(Response::Grant {
                             id,
                             token: node.token,
                             owner: node.owner,
-                            lease_ms: millis_left(self.lease_deadline(&node.lease), now),
+                            lease_ms,
                             held_ms: u32::try_from(held_us / 1_000).unwrap_or(u32::MAX),
                             take: node.take,
                             label: self.labels.get(LabelOf::Grant(grant)).to_owned(),
@@ -63,15 +68,20 @@ impl Core {
                 } else if held.token == 0 {
                     grants.push(unknown);
                 } else {
-                    grants.push(Response::Grant {
+                    // The lease deadline is kept as its tick: from the
+                    // earliest instant that rounds to it, the lease may
+                    // have run out, and a grant that may have run out is
+                    // never listed as held.
+                    let lease_ms = millis_left(self.lease_deadline(&{ held.lease }), now);
+                    grants.extend((lease_ms > 0).then(|| Response::Grant {
                         id,
                         token: held.token,
                         owner: held.owner,
-                        lease_ms: millis_left(self.lease_deadline(&{ held.lease }), now),
+                        lease_ms,
                         held_ms: held_ms(held.granted_at, now),
                         take: 0,
                         label: self.labels.get(LabelOf::Entry(entry)).to_owned(),
-                    });
+                    }));
                 }
                 for waiter in self.waiters.queue(held.waiters) {
                     if waiters.len() == FRAMES_MAX {
