@@ -3,7 +3,7 @@
 //! Entries live in one dense `Vec`; an open-addressing index of entry
 //! indices with tag bytes ([`KeyIndex`], one cache line per bucket) finds
 //! them. A lookup costs one index line plus the entry, and a held lock
-//! with a key of up to [`INLINE_KEY_MAX`] bytes costs one 52-byte entry
+//! with a key of up to [`INLINE_KEY_MAX`] bytes costs one 56-byte entry
 //! plus 6.7–13.3 bytes of index and no allocation of its own.
 //! Indices of live entries are stable until [`LockTable::remove`]; the
 //! timer wheel and the waiter queues refer to entries by index.
@@ -65,10 +65,11 @@ const PREFETCH_MIN_KEYS: usize = 1 << 15;
 /// or — after an unclean restart — by an unknown grant of an earlier run
 /// (`token` = 0) until the lease horizon.
 ///
-/// Packed to 4-byte alignment so the entry is 52 bytes rather than 56: at
-/// a million held locks that is what keeps a lock, index included, under
-/// 64 bytes. Every field is read and written by value except the
-/// 4-aligned `lease` and `waiters`, which the core borrows.
+/// 56 bytes, packed to 4-byte alignment (which saved 4 bytes of padding
+/// at 52, before the entry kept the moment of its grant for `H`; that
+/// cost is in docs/DESIGN.md, "Who holds it"). Every field is read and written
+/// by value except the 4-aligned `lease` and `waiters`, which the core
+/// borrows.
 #[derive(Clone, Copy, Debug)]
 #[repr(C, packed(4))]
 pub struct LockEntry {

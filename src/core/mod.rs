@@ -57,7 +57,7 @@ const GRANT_TIMER: TimerId = 1 << 31;
 /// Capacity limits (spec §4). Every one is a bound on memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// Keys in the table, held or waited on (~62 B each).
+    /// Keys in the table, held or waited on (~66 B each).
     pub max_keys: usize,
     /// Queued waiters in total (~56 B each).
     pub max_waiters: usize,
