@@ -4,7 +4,7 @@
 # table with `L` pages of COUNT, over and over, on one more connection. The
 # table holds KEYS locks (`kunci bench hold`). Reports the throughput of
 # `pairs` and its acquire p99 in both runs, and each full listing's time and
-# slowest page. Loopback only; everything is stopped by pid.
+# slowest page, and one listing with no other load. Loopback only; everything is stopped by pid.
 #
 # Environment: KUNCI (target/release/kunci), KEYS (4000000), COUNT (1000),
 # DURATION seconds per run (10), PIPELINE (32), PORT (17880).
@@ -55,6 +55,8 @@ echo "machine: $(nproc) cores, $(uname -sr); $(info held) keys held after" \
     "L count $COUNT; $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo "server RSS with the table: $(awk '/VmRSS/ {print $2, $3}' "/proc/${PIDS[0]}/status")"
 
+echo "full listings alone (no other load):"
+python3 "$ROOT/docs/bench/list_keys.py" "$ADDR" "$COUNT" 1 | sed 's/^/  /'
 alone=$("$KUNCI" bench pairs --server "$ADDR" --pipeline "$PIPELINE" --duration "$DURATION" \
     --warmup 1 --json)
 echo "pairs alone:          $(summary <<<"$alone")"
