@@ -3,6 +3,8 @@
 //! shutdown and the restart grace; then random sequences against the
 //! reference model.
 
+use std::collections::HashSet;
+
 use kunci::core::EarlierGrant;
 use kunci::core::restart::{CleanStop, Durability};
 use kunci::core::{Core, Limits, Output, RestoreError};
@@ -2195,4 +2197,392 @@ fn info_reports_grants_held_of_every_kind() {
     fake.run_until(60 * S);
     assert_eq!(grants_held(&mut fake), "0");
     fake.core.check_invariants();
+}
+
+// ---- `H` and `L` (spec §11) ----
+
+/// The frames answering `H id key` on connection 0 (all must go there).
+fn holders(fake: &mut Fake, id: u64, key: &str) -> Vec<Response> {
+    fake.request(0, &Request::Holders { id, key })
+        .into_iter()
+        .map(|(conn, frame)| {
+            assert_eq!(conn, 0, "{frame:?} went elsewhere");
+            frame
+        })
+        .collect()
+}
+
+fn grant_frame(
+    token: u64,
+    owner: u64,
+    lease_ms: u32,
+    held_ms: u32,
+    take: u16,
+    label: &str,
+) -> Response {
+    Response::Grant {
+        id: 9,
+        token,
+        owner,
+        lease_ms,
+        held_ms,
+        take,
+        label: label.into(),
+    }
+}
+
+fn waiter_frame(owner: u64, wait_ms: u32, take: u16, label: &str) -> Response {
+    Response::Waiter {
+        id: 9,
+        owner,
+        wait_ms,
+        take,
+        label: label.into(),
+    }
+}
+
+fn end_frame(count: u32, next: u64) -> Response {
+    Response::End { id: 9, count, next }
+}
+
+#[test]
+fn holders_lists_grants_in_token_order_then_waiters_in_queue_order_with_their_times() {
+    let mut fake = Fake::with_conns(4);
+    assert_eq!(holders(&mut fake, 9, "none"), vec![end_frame(0, 0)]);
+    fake.set_now(S);
+    let out = fake.permits(1, "shared", 0, 30, 21, 10, 1, "alice");
+    assert_eq!(out, vec![(1, acquired(21, FIRST_TOKEN))]);
+    fake.set_now(S + 300);
+    let plain = fake.grant(1, "plain", 30, 11);
+    fake.set_now(2 * S);
+    let out = fake.permits(2, "shared", 0, 20, 22, 10, 2, "bob é ✓");
+    assert_eq!(out, vec![(2, acquired(22, plain + 1))]);
+    fake.set_now(3 * S);
+    assert_eq!(
+        fake.permits(3, "shared", 10, 30, 23, 10, 0, "carol"),
+        vec![]
+    );
+    assert_eq!(fake.permits(3, "plain", 20, 30, 31, 0, 0, "dave"), vec![]);
+    fake.set_now(3 * S + 1);
+    fake.enqueue_permits(2, "shared", 100, 30, 24, 10, 3);
+    fake.set_now(4 * S);
+    assert_eq!(
+        fake.extend(1, "plain", 10, plain),
+        vec![(1, extended(plain))]
+    );
+    fake.set_now(5 * S + 500 * MS);
+    assert_eq!(
+        holders(&mut fake, 9, "shared"),
+        vec![
+            grant_frame(FIRST_TOKEN, 21, 25_500, 4_500, 1, "alice"),
+            grant_frame(plain + 1, 22, 16_500, 3_500, 2, "bob é ✓"),
+            waiter_frame(23, 7_500, 0, "carol"),
+            // 103.000001 s − 5.5 s, rounded up.
+            waiter_frame(24, 97_501, 3, ""),
+            end_frame(4, 0),
+        ]
+    );
+    // Held since the grant, not since the renewal at 4 s; 4,499.7 ms
+    // rounded down.
+    assert_eq!(
+        holders(&mut fake, 9, "plain"),
+        vec![
+            grant_frame(plain, 11, 8_500, 4_499, 0, ""),
+            waiter_frame(31, 17_500, 0, "dave"),
+            end_frame(2, 0),
+        ]
+    );
+    // A key that gets a limit keeps its grant's moment.
+    assert_eq!(
+        fake.permits(2, "plain", 0, 5, 32, 4, 1, ""),
+        vec![(2, timeout(32))]
+    );
+    assert_eq!(fake.permits(2, "plain", 10, 5, 33, 4, 1, ""), vec![]);
+    let frames = holders(&mut fake, 9, "plain");
+    assert_eq!(frames[0], grant_frame(plain, 11, 8_500, 4_499, 0, ""));
+    assert_eq!(frames.len(), 4);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn holders_never_lists_a_lease_that_ran_out_even_before_its_timer_fired() {
+    let mut fake = Fake::with_conns(3);
+    fake.set_now(700);
+    let token = fake.grant(1, "a", 3, 1);
+    fake.grant(1, "b", 3, 2);
+    fake.enqueue(2, "b", 100, 7, 3);
+    // The deadline 3.0007 s is kept as tick 3001: the lease may have run
+    // out from 3.000001 s on (the earliest deadline of that tick), so
+    // `H` shows it until 3 s with 1 ms left (held 2,999.3 ms, rounded
+    // down)...
+    fake.set_now(3 * S);
+    assert_eq!(
+        holders(&mut fake, 9, "a"),
+        vec![grant_frame(token, 1, 1, 2_999, 0, ""), end_frame(1, 0)]
+    );
+    // ...and never after, although its timer fires only at tick 3001.
+    fake.set_now(3 * S + 1);
+    assert_eq!(holders(&mut fake, 9, "a"), vec![end_frame(0, 0)]);
+    assert_eq!(fake.query("a"), (token, 1, 0, 0));
+    // From tick 3001 on the key is gone, even before any
+    // `handle_timeout`: `H` fires what is due first, so "b" goes to its
+    // waiter (its `A` on connection 2 before the answer).
+    fake.set_now(3_001_000);
+    let out = fake.request(0, &Request::Holders { id: 9, key: "a" });
+    assert_eq!(out, vec![(2, acquired(3, token + 2)), (0, end_frame(0, 0))]);
+    assert_eq!(
+        holders(&mut fake, 9, "b"),
+        vec![grant_frame(token + 2, 3, 7_000, 0, 0, ""), end_frame(1, 0)]
+    );
+    assert_eq!(fake.core.stats().expired, 2);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn holders_sends_at_most_1000_grants_and_1000_waiters_and_counts_the_rest() {
+    let limits = Limits {
+        max_waits_per_conn: 2_000,
+        ..Limits::default()
+    };
+    let mut fake = Fake::new(limits, 2);
+    for owner in 0..1_005 {
+        fake.grant_permits(1, "k", 30, owner, 65535, 1);
+    }
+    fake.enqueue_permits(1, "k", 60, 30, 5_000, 65535, 0);
+    for owner in 0..1_002 {
+        fake.enqueue_permits(1, "k", 60, 30, 6_000 + owner, 65535, 1);
+    }
+    let frames = holders(&mut fake, 9, "k");
+    assert_eq!(frames.len(), 2_001);
+    assert_eq!(frames[2_000], end_frame(2_000, 8));
+    let tokens: Vec<u64> = frames[..1_000]
+        .iter()
+        .map(|frame| match frame {
+            Response::Grant { token, .. } => *token,
+            other => panic!("not a grant: {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        tokens,
+        (FIRST_TOKEN..FIRST_TOKEN + 1_000).collect::<Vec<_>>()
+    );
+    assert_eq!(frames[1_000], waiter_frame(5_000, 60_000, 0, ""));
+    assert_eq!(frames[1_999], waiter_frame(6_998, 60_000, 1, ""));
+}
+
+#[test]
+fn holders_shows_the_unknown_grant_of_the_grace_as_token_0_and_adopted_grants_with_owner_0() {
+    let mut fake = Fake::with_conns(3);
+    fake.core.set_grace_until(10 * S);
+    fake.set_now(2 * S + 300);
+    let unknown = grant_frame(0, 0, 8_000, 0, 0, "");
+    assert_eq!(
+        holders(&mut fake, 9, "a"),
+        vec![unknown.clone(), end_frame(1, 0)]
+    );
+    fake.enqueue(1, "a", 100, 30, 1);
+    assert_eq!(
+        holders(&mut fake, 9, "a"),
+        vec![
+            unknown.clone(),
+            waiter_frame(1, 100_000, 0, ""),
+            end_frame(2, 0)
+        ]
+    );
+    // A permit key during the grace: the unknown grant, then the waiter.
+    fake.enqueue_permits(2, "p", 100, 30, 2, 5, 1);
+    assert_eq!(
+        holders(&mut fake, 9, "p"),
+        vec![unknown, waiter_frame(2, 100_000, 1, ""), end_frame(2, 0)]
+    );
+    // Adoption (spec §7.3) of an earlier run's token: owner 0, held since.
+    assert_eq!(fake.extend(2, "b", 5, 7), vec![(2, extended(7))]);
+    fake.set_now(3 * S + 300);
+    assert_eq!(
+        holders(&mut fake, 9, "b"),
+        // 1,000 ms rounded down from the millisecond after the adoption.
+        vec![grant_frame(7, 0, 4_000, 999, 0, ""), end_frame(1, 0)]
+    );
+    // After the horizon the waiter holds "a".
+    fake.set_now(10 * S);
+    let out = fake.request(0, &Request::Holders { id: 9, key: "a" });
+    assert_eq!(out[0], (1, acquired(1, FIRST_TOKEN)));
+    assert_eq!(out[1], (2, acquired(2, FIRST_TOKEN + 1)));
+    assert_eq!(out[2], (0, grant_frame(FIRST_TOKEN, 1, 30_000, 0, 0, "")));
+    fake.core.check_invariants();
+}
+
+/// Every `K` of one full listing with `prefix`, following the cursor from
+/// 0 with pages of `count`; `between` runs after each page.
+fn list_all(
+    fake: &mut Fake,
+    prefix: &str,
+    count: u16,
+    mut between: impl FnMut(&mut Fake),
+) -> Vec<(String, u32, u32, u16)> {
+    let mut keys = Vec::new();
+    let mut cursor = 0;
+    loop {
+        let frames = fake.request(
+            0,
+            &Request::List {
+                id: 5,
+                cursor,
+                count,
+                prefix,
+            },
+        );
+        let (last, page) = frames.split_last().expect("an answer");
+        let Response::End {
+            id: 5,
+            count: sent,
+            next,
+        } = last.1
+        else {
+            panic!("the page does not end with Z: {last:?}");
+        };
+        assert_eq!(page.len(), sent as usize);
+        assert!(page.len() <= usize::from(count));
+        for (conn, frame) in page {
+            assert_eq!(*conn, 0);
+            let Response::Key {
+                id: 5,
+                grants,
+                waiters,
+                limit,
+                key,
+            } = frame
+            else {
+                panic!("not a K: {frame:?}");
+            };
+            assert!(key.starts_with(prefix));
+            keys.push((key.clone(), *grants, *waiters, *limit));
+        }
+        if next == 0 {
+            return keys;
+        }
+        cursor = next;
+        between(fake);
+    }
+}
+
+#[test]
+fn list_pages_through_the_keys_with_a_prefix_and_their_counts() {
+    let mut fake = Fake::with_conns(3);
+    assert_eq!(list_all(&mut fake, "", 10, |_| {}), vec![]);
+    fake.grant(1, "job/a", 30, 1);
+    fake.enqueue(2, "job/a", 10, 30, 2);
+    fake.grant_permits(1, "job/b", 30, 3, 4, 1);
+    fake.grant_permits(1, "job/b", 30, 4, 4, 2);
+    fake.grant(1, "other", 30, 5);
+    for i in 0..50 {
+        fake.grant(1, &format!("job/n{i:02}"), 30, 100 + i);
+    }
+    let mut keys = list_all(&mut fake, "job/", 7, |_| {});
+    keys.sort();
+    assert_eq!(keys.len(), 52);
+    assert_eq!(keys[0], ("job/a".to_string(), 1, 1, 0));
+    assert_eq!(keys[1], ("job/b".to_string(), 2, 0, 4));
+    assert_eq!(keys[2], ("job/n00".to_string(), 1, 0, 0));
+    assert_eq!(list_all(&mut fake, "", 1_000, |_| {}).len(), 53);
+    // A stale cursor past the table ends the listing.
+    let out = fake.request(
+        0,
+        &Request::List {
+            id: 5,
+            cursor: 1 << 40,
+            count: 3,
+            prefix: "",
+        },
+    );
+    assert_eq!(
+        out,
+        vec![(
+            0,
+            Response::End {
+                id: 5,
+                count: 0,
+                next: 0
+            }
+        )]
+    );
+}
+
+#[test]
+fn one_list_examines_at_most_16_slots_per_frame_it_may_send() {
+    let mut fake = Fake::with_conns(2);
+    for i in 0..100 {
+        fake.grant(1, &format!("x{i}"), 30, i);
+    }
+    fake.grant(1, "wanted", 30, 1_000);
+    // 101 slots; with count 2 one page examines 32 of them.
+    let out = fake.request(
+        0,
+        &Request::List {
+            id: 5,
+            cursor: 0,
+            count: 2,
+            prefix: "wanted",
+        },
+    );
+    assert_eq!(
+        out,
+        vec![(
+            0,
+            Response::End {
+                id: 5,
+                count: 0,
+                next: 32
+            }
+        )]
+    );
+    let keys = list_all(&mut fake, "wanted", 2, |_| {});
+    assert_eq!(keys, vec![("wanted".to_string(), 1, 0, 0)]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 3, ..ProptestConfig::default() })]
+
+    /// 100,000 keys; between pages the table grows (new keys, so the index
+    /// doubles and the entries move to a larger array) and shrinks (keys
+    /// released, their slots reused by new keys): every key in the table
+    /// throughout is listed.
+    #[test]
+    fn a_listing_returns_every_key_present_throughout_while_the_table_changes(
+        seed in any::<u64>(),
+        count in 1u16..=1_000,
+    ) {
+        let limits = Limits { max_keys: 1 << 22, max_grants: 1 << 23, ..Limits::default() };
+        let mut fake = Fake::new(limits, 2);
+        let mut churn: Vec<(String, u64)> = Vec::new();
+        let mut stay = Vec::new();
+        for i in 0..100_000u64 {
+            let key = format!("k/{i}");
+            let token = fake.grant(1, &key, 255, i);
+            if i % 2 == 0 { stay.push(key) } else { churn.push((key, token)) }
+        }
+        fake.grant(1, "elsewhere", 255, 0);
+        let mut rng = seed;
+        let mut next_key = 0u64;
+        let keys = list_all(&mut fake, "k/", count, |fake| {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let removals = (rng >> 33) as usize % (usize::from(count) * 2 + 1);
+            for _ in 0..removals.min(churn.len()) {
+                let at = (rng >> 20) as usize % churn.len();
+                let (key, token) = churn.swap_remove(at);
+                assert_eq!(fake.release(1, &key, token), vec![(1, released(token))]);
+            }
+            for _ in 0..(rng >> 45) as usize % (usize::from(count) * 3 + 1) {
+                let key = format!("k/new{next_key}");
+                let token = fake.grant(1, &key, 255, next_key);
+                churn.push((key, token));
+                next_key += 1;
+            }
+        });
+        let listed: HashSet<String> = keys.into_iter().map(|(key, ..)| key).collect();
+        for key in &stay {
+            prop_assert!(listed.contains(key), "{key} was not listed");
+        }
+        prop_assert!(!listed.contains("elsewhere"));
+    }
 }

@@ -19,3 +19,4 @@ mod run_command;
 mod server;
 mod simulation;
 mod util;
+mod who_server;

@@ -57,7 +57,7 @@ const GRANT_TIMER: TimerId = 1 << 31;
 /// Capacity limits (spec §4). Every one is a bound on memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// Keys in the table, held or waited on (~62 B each).
+    /// Keys in the table, held or waited on (~66 B each).
     pub max_keys: usize,
     /// Queued waiters in total (~56 B each).
     pub max_waiters: usize,
@@ -150,6 +150,10 @@ pub struct Stats {
     pub errors_by_code: [u64; 14],
     /// How long queued acquires waited before their grant or timeout.
     pub acquire_wait: WaitHistogram,
+    /// `H` requests answered (spec §11.2).
+    pub holders: u64,
+    /// `L` requests answered (spec §11.3).
+    pub lists: u64,
 }
 
 impl Stats {
@@ -441,11 +445,13 @@ impl Core {
                 };
                 self.acquire(conn, &ask, now)
             }
-            // Listing (§11) is not served by this core yet: `H` and `L` get
-            // `X 13` (not permitted), which changes nothing.
-            Request::Holders { id, .. } | Request::List { id, .. } => {
-                self.send_error(conn, ErrorCode::NotPermitted, id);
-            }
+            Request::Holders { id, key } => self.holders(conn, id, key, now),
+            Request::List {
+                id,
+                cursor,
+                count,
+                prefix,
+            } => self.list(conn, id, cursor, count, prefix, now),
             // Without `--auth` (this core has none), `U` is answered with
             // an empty name (spec §12.2).
             Request::Authenticate { .. } => self.outbox.push((
@@ -608,6 +614,7 @@ impl Core {
         let held = self.table.get_mut(entry);
         held.token = token;
         held.owner = owner;
+        held.granted_at = lock_table::granted_at_ms(now);
         self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
         self.labels.put(LabelOf::Entry(entry), label);
         self.grants_held += 1;

@@ -205,9 +205,10 @@ impl Core {
             let grant = self.grants.insert(Grant {
                 token: held.token,
                 owner: held.owner,
-                // The moment of an inline grant is not kept: this one
-                // counts from when its key got a limit.
-                granted_at: now,
+                // The inline grant's moment, to the millisecond.
+                granted_at: now.saturating_sub(
+                    u64::from(super::lock_table::held_ms(held.granted_at, now)) * 1_000,
+                ),
                 lease: TimerLinks::UNARMED,
                 entry,
                 take: 0,

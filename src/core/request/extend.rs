@@ -1,5 +1,6 @@
 //! `E` (spec §5, §10.5): a new lease for the exact token.
 
+use crate::core::lock_table::granted_at_ms;
 use crate::core::{ConnId, Core, Held, MICROS_PER_S, Micros};
 use crate::protocol::Response;
 
@@ -19,7 +20,11 @@ impl Core {
             // Not this run's grant: maybe an earlier run's (spec §7.3),
             // which answered `N` already unless it was adopted.
             None => match self.adopt_earlier_token(conn, key, token, now) {
-                Some(entry) => self.arm_lease_at(entry, deadline),
+                Some(entry) => {
+                    // Held (as far as `H` shows) since its adoption.
+                    self.table.get_mut(entry).granted_at = granted_at_ms(now);
+                    self.arm_lease_at(entry, deadline)
+                }
                 None => return,
             },
         }

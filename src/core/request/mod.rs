@@ -5,7 +5,9 @@
 
 mod acquire;
 mod extend;
+mod holders;
 mod info;
+mod list;
 mod query;
 mod release;
 

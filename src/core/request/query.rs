@@ -55,7 +55,7 @@ impl Core {
     /// The tick rounded the true deadline up by less than one tick: the
     /// earliest deadline that rounds to it, so a fresh grant never shows
     /// more than its lease.
-    fn lease_deadline(&self, lease: &TimerLinks) -> Micros {
+    pub(in crate::core) fn lease_deadline(&self, lease: &TimerLinks) -> Micros {
         tick_start(self.wheel.deadline_of(lease)).saturating_sub(MICROS_PER_TICK - 1)
     }
 }
