@@ -18,3 +18,4 @@ mod run_command;
 mod server;
 mod simulation;
 mod util;
+mod who;
