@@ -3,6 +3,8 @@
 //! shutdown and the restart grace; then random sequences against the
 //! reference model.
 
+use std::collections::HashSet;
+
 use kunci::core::{Core, Limits, Output, RestoreError};
 use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 use kunci::server::state::{self, Clocks, Recorded, SavedGrant};
@@ -207,7 +209,7 @@ fn holder_connection_closing_changes_nothing() {
     let mut fake = Fake::with_conns(3);
     let token = fake.grant(1, "a", 5, 1);
     fake.enqueue(2, "a", 100, 5, 2);
-    fake.core.disconnect(1);
+    fake.core.disconnect(1, fake.now);
     assert_eq!(fake.drain(), vec![]);
     assert_eq!(fake.query("a"), (token, 1, 5_000, 1));
     // The lease still runs out on time and the key goes to the waiter.
@@ -215,7 +217,7 @@ fn holder_connection_closing_changes_nothing() {
     assert_eq!(fake.run_until(5 * S), vec![(2, acquired(2, token + 1))]);
     // And a grant whose connection is gone is still released by token.
     let token_b = fake.grant(2, "b", 5, 3);
-    fake.core.disconnect(2);
+    fake.core.disconnect(2, fake.now);
     assert_eq!(fake.release(0, "b", token_b), vec![(0, released(token_b))]);
 }
 
@@ -350,7 +352,7 @@ fn waiter_connection_closing_removes_its_waiters_silently() {
     fake.enqueue(2, "a", 100, 30, 5);
     fake.enqueue(2, "b", 100, 30, 6);
     assert_eq!(fake.core.waiter_count(), 4);
-    fake.core.disconnect(2);
+    fake.core.disconnect(2, fake.now);
     assert_eq!(fake.drain(), vec![]);
     assert_eq!(fake.core.waiter_count(), 1);
     assert_eq!(fake.query("a"), (token_a, 1, 10_000, 1));
@@ -377,7 +379,7 @@ fn hand_over_is_fifo_across_connections_timeouts_and_closes() {
         fake.enqueue((owner as u32 - 1) % 4 + 1, "k", wait, 100, owner);
     }
     assert_eq!(fake.run_until(2 * S), vec![(3, timeout(3))]);
-    fake.core.disconnect(4);
+    fake.core.disconnect(4, fake.now);
     let mut order = Vec::new();
     for _ in 0..5 {
         let out = fake.release(0, "k", token);
@@ -449,7 +451,7 @@ fn each_waiter_limit_answers_busy_and_changes_nothing() {
     assert_eq!(fake.acquire(1, "a", 5, 30, 5), vec![(1, busy(5))]);
     fake.enqueue(2, "a", 5, 30, 6);
     // Closing the connection gives its allowance back to a new one there.
-    fake.core.disconnect(1);
+    fake.core.disconnect(1, fake.now);
     fake.core.connect(1);
     fake.enqueue(1, "a", 5, 30, 7);
     fake.enqueue(1, "a", 5, 30, 8);
@@ -586,7 +588,7 @@ fn thousands_of_keys_and_waiters_come_and_go_and_the_table_empties() {
             assert_eq!(out[0], (0, released(tokens[i])));
             assert_eq!(out.len(), if i < 5_000 { 2 } else { 1 });
         }
-        fake.core.disconnect(5);
+        fake.core.disconnect(5, fake.now);
         fake.core.check_invariants();
         let start = fake.now;
         let out = fake.run_until(start + 100 * S);
@@ -759,7 +761,7 @@ fn info_names_every_counter_with_its_value() {
         },
     );
     fake.drain();
-    fake.core.disconnect(3);
+    fake.core.disconnect(3, fake.now);
     let mut small = Fake::new(limits(0, 0, 0, 0), 1);
     assert_eq!(small.acquire(0, "z", 0, 1, 1), vec![(0, busy(1))]);
     assert_eq!(small.info()["busy"], "1");
@@ -826,7 +828,7 @@ fn shutdown_answers_every_waiter_busy_then_every_connection_x_8() {
     fake.enqueue(2, "a", 100, 30, 3);
     fake.enqueue(3, "a", 100, 30, 4);
     fake.enqueue(2, "b", 100, 30, 5);
-    fake.core.disconnect(0);
+    fake.core.disconnect(0, fake.now);
     fake.core.shut_down();
     let out = fake.drain();
     let (busy_part, errors) = out.split_at(3);
@@ -929,7 +931,7 @@ fn grace_query_shows_token_0_and_the_time_left_to_the_horizon() {
     assert_eq!(fake.release(2, "b", 0), vec![(2, not_held(0))]);
     assert_eq!(fake.query("a").3, 1);
     // When the last waiter leaves, the key counts as not in the table.
-    fake.core.disconnect(1);
+    fake.core.disconnect(1, fake.now);
     assert_eq!(fake.core.keys(), 0);
     assert_eq!(fake.query("a"), (0, 0, 8_000, 0));
     assert_eq!(fake.core.poll_timeout(), None);
@@ -1531,7 +1533,7 @@ impl Pair {
             ),
             Op::Info { conn } => self.request(conn, &Request::Info),
             Op::Reconnect { conn } => {
-                self.fake.core.disconnect(conn);
+                self.fake.core.disconnect(conn, self.fake.now);
                 self.model.disconnect(conn);
                 prop_assert_eq!(self.fake.drain(), vec![]);
                 self.fake.core.connect(conn);
@@ -1603,5 +1605,731 @@ proptest! {
         pair.run(&Op::Advance { how: 3, micros: 3_000_000, late: true })?;
         prop_assert_eq!(pair.fake.core.keys(), 0);
         prop_assert_eq!(pair.fake.core.poll_timeout(), None);
+    }
+}
+
+// ---- permits: semaphores and shared locks (spec §10) ---------------------------
+
+fn mismatch(owner: u64, key_limit: u16) -> Response {
+    Response::limit_mismatch(owner, key_limit)
+}
+
+fn grants_held(fake: &mut Fake) -> String {
+    fake.info()["grants_held"].clone()
+}
+
+#[test]
+fn counted_grants_that_fit_are_granted_at_once_and_one_that_does_not_waits_or_times_out() {
+    let mut fake = Fake::with_conns(4);
+    let first = fake.grant_permits(1, "sem", 30, 11, 3, 1);
+    let second = fake.grant_permits(2, "sem", 20, 12, 3, 1);
+    assert_eq!(second, first + 1);
+    // 2 of 3 taken: a take of 2 does not fit; wait 0 times out at once.
+    assert_eq!(
+        fake.permits(3, "sem", 0, 30, 13, 3, 2, ""),
+        vec![(3, timeout(13))]
+    );
+    fake.enqueue_permits(3, "sem", 9, 30, 14, 3, 2);
+    // Q shows the grant with the smallest token; waiters counts the queue.
+    assert_eq!(fake.query("sem"), (first, 11, 30_000, 1));
+    assert_eq!(fake.core.held(), 1);
+    assert_eq!(grants_held(&mut fake), "2");
+    // Releasing one grant frees its permit: 1 + 2 fit now.
+    assert_eq!(
+        fake.release(1, "sem", first),
+        vec![(1, released(first)), (3, acquired(14, second + 1))]
+    );
+    assert_eq!(fake.query("sem"), (second, 12, 20_000, 0));
+    assert_eq!(grants_held(&mut fake), "2");
+    fake.core.check_invariants();
+}
+
+#[test]
+fn an_exclusive_request_waits_behind_counted_grants_and_nobody_overtakes_it() {
+    let mut fake = Fake::with_conns(5);
+    let reader = fake.grant_permits(1, "rw", 30, 1, 65535, 1);
+    // The writer (take 0, all permits) does not fit while a reader holds.
+    assert_eq!(
+        fake.permits(2, "rw", 0, 30, 2, 65535, 0, ""),
+        vec![(2, timeout(2))]
+    );
+    fake.enqueue_permits(2, "rw", 9, 30, 3, 65535, 0);
+    // A reader after the writer would fit, but the queue is not empty.
+    assert_eq!(
+        fake.permits(3, "rw", 0, 30, 4, 65535, 1, ""),
+        vec![(3, timeout(4))]
+    );
+    fake.enqueue_permits(3, "rw", 9, 30, 5, 65535, 1);
+    // A plain `A` (no limit: never a mismatch) is exclusive and queues too.
+    fake.enqueue(4, "rw", 9, 30, 6);
+    assert_eq!(fake.query("rw"), (reader, 1, 30_000, 3));
+    // The reader leaves: the writer alone; the reader behind it waits.
+    assert_eq!(
+        fake.release(1, "rw", reader),
+        vec![(1, released(reader)), (2, acquired(3, reader + 1))]
+    );
+    assert_eq!(fake.query("rw"), (reader + 1, 3, 30_000, 2));
+    // The writer leaves: the reader, then the `A` behind it does not fit.
+    assert_eq!(
+        fake.release(2, "rw", reader + 1),
+        vec![(2, released(reader + 1)), (3, acquired(5, reader + 2))]
+    );
+    assert_eq!(
+        fake.release(3, "rw", reader + 2),
+        vec![(3, released(reader + 2)), (4, acquired(6, reader + 3))]
+    );
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_small_take_behind_a_head_that_does_not_fit_waits_even_when_permits_are_free() {
+    let mut fake = Fake::with_conns(4);
+    let small = fake.grant_permits(1, "sem", 30, 1, 4, 1);
+    // The head wants 4 of 4 (3 are free): it does not fit...
+    fake.enqueue_permits(2, "sem", 9, 30, 2, 4, 4);
+    // ...so a take of 1, which would fit, waits behind it.
+    fake.enqueue_permits(3, "sem", 9, 30, 3, 4, 1);
+    assert_eq!(fake.query("sem"), (small, 1, 30_000, 2));
+    assert_eq!(fake.core.grants_held(), 1);
+    // When the head times out, the scan goes on to the next, which fits.
+    assert_eq!(
+        fake.run_until(9 * S),
+        vec![(2, timeout(2)), (3, acquired(3, small + 1))]
+    );
+    fake.core.check_invariants();
+}
+
+#[test]
+fn one_release_grants_every_waiter_that_fits_in_queue_order_with_increasing_tokens() {
+    let mut fake = Fake::with_conns(6);
+    // An exclusive grant that names the limit (sets it like any other).
+    let writer = fake.grant_permits(0, "sem", 30, 100, 3, 0);
+    for (conn, owner) in [(1, 101), (2, 102), (3, 103)] {
+        fake.enqueue_permits(conn, "sem", 9, 30, owner, 3, 1);
+    }
+    fake.enqueue_permits(4, "sem", 9, 30, 104, 3, 1);
+    fake.set_now(2 * S);
+    assert_eq!(
+        fake.release(0, "sem", writer),
+        vec![
+            (0, released(writer)),
+            (1, acquired(101, writer + 1)),
+            (2, acquired(102, writer + 2)),
+            (3, acquired(103, writer + 3)),
+        ]
+    );
+    // The fourth did not fit and stopped the scan.
+    assert_eq!(fake.query("sem"), (writer + 1, 101, 30_000, 1));
+    assert_eq!(fake.core.grants_held(), 3);
+    assert_eq!(fake.core.stats().grants, 4);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn expiry_of_one_of_several_grants_frees_only_its_permits() {
+    let mut fake = Fake::with_conns(4);
+    let short = fake.grant_permits(1, "sem", 10, 1, 2, 1);
+    let long = fake.grant_permits(2, "sem", 20, 2, 2, 1);
+    fake.enqueue_permits(3, "sem", 30, 5, 3, 2, 1);
+    fake.enqueue_permits(3, "sem", 30, 5, 4, 2, 1);
+    assert_eq!(fake.run_until(10 * S - 1), vec![]);
+    assert_eq!(fake.run_until(10 * S), vec![(3, acquired(3, long + 1))]);
+    assert_eq!(fake.core.stats().expired, 1);
+    // The other grant still holds with its own lease and token.
+    assert_eq!(fake.query("sem"), (long, 2, 10_000, 1));
+    assert_eq!(fake.extend(1, "sem", 10, short), vec![(1, not_held(short))]);
+    assert_eq!(fake.extend(2, "sem", 30, long), vec![(2, extended(long))]);
+    assert_eq!(fake.query("sem"), (long, 2, 30_000, 1));
+    // The next expiry is the hand-over grant's (5 s lease from 10 s).
+    assert_eq!(fake.run_until(15 * S), vec![(3, acquired(4, long + 2))]);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn release_and_extend_act_on_the_exact_token_of_any_grant() {
+    let mut fake = Fake::with_conns(2);
+    let tokens: Vec<u64> = (0..3)
+        .map(|owner| fake.grant_permits(1, "sem", 30, owner, 5, 1))
+        .collect();
+    fake.set_now(S);
+    assert_eq!(
+        fake.extend(1, "sem", 60, tokens[1]),
+        vec![(1, extended(tokens[1]))]
+    );
+    for wrong in [0, tokens[2] + 1, u64::MAX] {
+        assert_eq!(fake.release(1, "sem", wrong), vec![(1, not_held(wrong))]);
+    }
+    assert_eq!(
+        fake.release(1, "sem", tokens[0]),
+        vec![(1, released(tokens[0]))]
+    );
+    assert_eq!(
+        fake.release(1, "sem", tokens[0]),
+        vec![(1, not_held(tokens[0]))]
+    );
+    // The smallest live token is now the renewed one.
+    assert_eq!(fake.query("sem"), (tokens[1], 1, 60_000, 0));
+    assert_eq!(fake.run_until(31 * S), vec![]);
+    assert_eq!(fake.query("sem"), (tokens[1], 1, 30_000, 0));
+    assert_eq!(fake.core.grants_held(), 1);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_different_limit_gets_x_10_naming_the_keys_limit_and_changes_nothing() {
+    let mut fake = Fake::with_conns(3);
+    let token = fake.grant_permits(1, "sem", 30, 1, 3, 1);
+    let before = fake.core.next_token();
+    for (wait_s, take) in [(0, 1), (9, 1), (9, 0), (0, 4)] {
+        assert_eq!(
+            fake.permits(2, "sem", wait_s, 30, 7, 4, take, "x"),
+            vec![(2, mismatch(7, 3))]
+        );
+    }
+    match &mismatch(7, 3) {
+        Response::Error { code, id, text } => {
+            assert_eq!((*code, *id), (ErrorCode::LimitMismatch as u8, 7));
+            assert_eq!(text, "limit mismatch: key limit 3");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fake.core.next_token(), before);
+    assert_eq!(fake.query("sem"), (token, 1, 30_000, 0));
+    assert_eq!(fake.core.stats().errors, 4);
+    assert_eq!(fake.core.waiter_count(), 0);
+    // Limit 0 never mismatches: take 0 without a limit is exclusive.
+    assert_eq!(
+        fake.permits(2, "sem", 0, 30, 8, 0, 0, ""),
+        vec![(2, timeout(8))]
+    );
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_queued_request_sets_the_limit_and_it_goes_when_the_key_leaves_the_table() {
+    let mut fake = Fake::with_conns(3);
+    let plain = fake.grant(1, "k", 30, 1);
+    // The key has no limit; this request queues and sets it to 2.
+    fake.enqueue_permits(2, "k", 9, 30, 2, 2, 1);
+    assert_eq!(
+        fake.permits(2, "k", 9, 30, 3, 5, 1, ""),
+        vec![(2, mismatch(3, 2))]
+    );
+    // The plain grant still holds with its token, owner and lease.
+    assert_eq!(fake.query("k"), (plain, 1, 30_000, 1));
+    assert_eq!(fake.extend(1, "k", 40, plain), vec![(1, extended(plain))]);
+    assert_eq!(
+        fake.release(1, "k", plain),
+        vec![(1, released(plain)), (2, acquired(2, plain + 1))]
+    );
+    assert_eq!(
+        fake.release(2, "k", plain + 1),
+        vec![(2, released(plain + 1))]
+    );
+    assert_eq!(fake.core.keys(), 0);
+    // Gone with the key: any limit is the first again.
+    let again = fake.grant_permits(1, "k", 30, 4, 5, 5);
+    assert_eq!(again, plain + 2);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_request_that_ends_with_t_or_b_sets_no_limit() {
+    let mut fake = Fake::new(limits(10, 10, 0, 10), 3);
+    let plain = fake.grant(1, "k", 30, 1);
+    assert_eq!(
+        fake.permits(2, "k", 0, 30, 2, 2, 1, ""),
+        vec![(2, timeout(2))]
+    );
+    // No room on the key's queue: B, and no limit either.
+    assert_eq!(fake.permits(2, "k", 9, 30, 3, 3, 1, ""), vec![(2, busy(3))]);
+    assert_eq!(
+        fake.permits(2, "k", 0, 30, 4, 4, 1, ""),
+        vec![(2, timeout(4))]
+    );
+    // The key never got a limit: the plain grant frees it, and a new
+    // grant may name any limit.
+    assert_eq!(fake.release(1, "k", plain), vec![(1, released(plain))]);
+    assert_eq!(fake.core.keys(), 0);
+    fake.grant_permits(1, "k", 30, 5, 9, 1);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn max_grants_counts_grants_and_waiters_and_answers_busy_at_once() {
+    let mut fake = Fake::new(
+        Limits {
+            max_grants: 3,
+            ..Limits::default()
+        },
+        3,
+    );
+    let first = fake.grant_permits(1, "sem", 30, 1, 5, 1);
+    fake.grant_permits(1, "sem", 30, 2, 5, 1);
+    fake.enqueue_permits(2, "sem", 9, 30, 3, 5, 5);
+    // 2 grants + 1 waiter: a grant or a waiter more would pass it.
+    assert_eq!(
+        fake.permits(2, "sem", 9, 30, 4, 5, 1, ""),
+        vec![(2, busy(4))]
+    );
+    assert_eq!(fake.acquire(2, "other", 0, 30, 5), vec![(2, busy(5))]);
+    assert_eq!(fake.acquire(2, "sem", 9, 30, 6), vec![(2, busy(6))]);
+    assert_eq!(fake.core.next_token(), first + 2);
+    assert_eq!(fake.core.stats().busy, 3);
+    // A grant leaving makes room for one.
+    assert_eq!(fake.release(1, "sem", first), vec![(1, released(first))]);
+    assert_eq!(fake.grant(2, "other", 30, 7), first + 2);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn the_head_waiter_leaving_lets_the_ones_behind_it_in() {
+    let mut fake = Fake::with_conns(4);
+    let held = fake.grant_permits(1, "sem", 30, 1, 3, 2);
+    fake.enqueue_permits(2, "sem", 9, 30, 2, 3, 2);
+    fake.enqueue_permits(3, "sem", 9, 30, 3, 3, 1);
+    fake.enqueue_permits(3, "sem", 9, 30, 4, 3, 1);
+    fake.set_now(S);
+    // The head's connection closes: the next fits (2 + 1), the one after
+    // it does not (2 + 1 + 1).
+    fake.core.disconnect(2, fake.now);
+    assert_eq!(fake.drain(), vec![(3, acquired(3, held + 1))]);
+    assert_eq!(fake.query("sem"), (held, 1, 29_000, 1));
+    fake.core.check_invariants();
+}
+
+#[test]
+fn labels_travel_with_waiters_and_grants_and_change_no_answer() {
+    let mut fake = Fake::with_conns(3);
+    let label = "alice@host pid=42 backup.sh";
+    assert_eq!(
+        fake.permits(1, "sem", 0, 30, 1, 2, 2, label),
+        vec![(1, acquired(1, FIRST_TOKEN))]
+    );
+    assert_eq!(fake.permits(2, "sem", 9, 30, 2, 2, 1, label), vec![]);
+    assert_eq!(
+        fake.permits(2, "x", 9, 30, 3, 0, 0, label),
+        vec![(2, acquired(3, FIRST_TOKEN + 1))]
+    );
+    fake.core.check_invariants();
+    assert_eq!(
+        fake.release(1, "sem", FIRST_TOKEN),
+        vec![
+            (1, released(FIRST_TOKEN)),
+            (2, acquired(2, FIRST_TOKEN + 2))
+        ]
+    );
+    fake.run_until(40 * S);
+    assert_eq!(fake.core.keys(), 0);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn info_reports_grants_held_of_every_kind() {
+    let mut fake = Fake::with_conns(2);
+    assert_eq!(grants_held(&mut fake), "0");
+    fake.grant(1, "plain", 30, 1);
+    fake.grant_permits(1, "shared", 30, 2, 65535, 1);
+    fake.grant_permits(1, "shared", 30, 3, 65535, 1);
+    fake.grant_permits(1, "shared", 30, 4, 65535, 1);
+    fake.enqueue_permits(1, "shared", 60, 30, 5, 65535, 0);
+    let info = fake.info();
+    assert_eq!(info["grants_held"], "4");
+    assert_eq!(info["held"], "2");
+    assert_eq!(info["keys"], "2");
+    assert_eq!(info["waiters"], "1");
+    assert_eq!(info["grants"], "4");
+    fake.run_until(30 * S);
+    assert_eq!(grants_held(&mut fake), "1");
+    fake.run_until(60 * S);
+    assert_eq!(grants_held(&mut fake), "0");
+    fake.core.check_invariants();
+}
+
+// ---- `H` and `L` (spec §11) ----
+
+/// The frames answering `H id key` on connection 0 (all must go there).
+fn holders(fake: &mut Fake, id: u64, key: &str) -> Vec<Response> {
+    fake.request(0, &Request::Holders { id, key })
+        .into_iter()
+        .map(|(conn, frame)| {
+            assert_eq!(conn, 0, "{frame:?} went elsewhere");
+            frame
+        })
+        .collect()
+}
+
+fn grant_frame(
+    token: u64,
+    owner: u64,
+    lease_ms: u32,
+    held_ms: u32,
+    take: u16,
+    label: &str,
+) -> Response {
+    Response::Grant {
+        id: 9,
+        token,
+        owner,
+        lease_ms,
+        held_ms,
+        take,
+        label: label.into(),
+    }
+}
+
+fn waiter_frame(owner: u64, wait_ms: u32, take: u16, label: &str) -> Response {
+    Response::Waiter {
+        id: 9,
+        owner,
+        wait_ms,
+        take,
+        label: label.into(),
+    }
+}
+
+fn end_frame(count: u32, next: u64) -> Response {
+    Response::End { id: 9, count, next }
+}
+
+#[test]
+fn holders_lists_grants_in_token_order_then_waiters_in_queue_order_with_their_times() {
+    let mut fake = Fake::with_conns(4);
+    assert_eq!(holders(&mut fake, 9, "none"), vec![end_frame(0, 0)]);
+    fake.set_now(S);
+    let out = fake.permits(1, "shared", 0, 30, 21, 10, 1, "alice");
+    assert_eq!(out, vec![(1, acquired(21, FIRST_TOKEN))]);
+    fake.set_now(S + 300);
+    let plain = fake.grant(1, "plain", 30, 11);
+    fake.set_now(2 * S);
+    let out = fake.permits(2, "shared", 0, 20, 22, 10, 2, "bob é ✓");
+    assert_eq!(out, vec![(2, acquired(22, plain + 1))]);
+    fake.set_now(3 * S);
+    assert_eq!(
+        fake.permits(3, "shared", 10, 30, 23, 10, 0, "carol"),
+        vec![]
+    );
+    assert_eq!(fake.permits(3, "plain", 20, 30, 31, 0, 0, "dave"), vec![]);
+    fake.set_now(3 * S + 1);
+    fake.enqueue_permits(2, "shared", 100, 30, 24, 10, 3);
+    fake.set_now(4 * S);
+    assert_eq!(
+        fake.extend(1, "plain", 10, plain),
+        vec![(1, extended(plain))]
+    );
+    fake.set_now(5 * S + 500 * MS);
+    assert_eq!(
+        holders(&mut fake, 9, "shared"),
+        vec![
+            grant_frame(FIRST_TOKEN, 21, 25_500, 4_500, 1, "alice"),
+            grant_frame(plain + 1, 22, 16_500, 3_500, 2, "bob é ✓"),
+            waiter_frame(23, 7_500, 0, "carol"),
+            // 103.000001 s − 5.5 s, rounded up.
+            waiter_frame(24, 97_501, 3, ""),
+            end_frame(4, 0),
+        ]
+    );
+    // Held since the grant, not since the renewal at 4 s; 4,499.7 ms
+    // rounded down.
+    assert_eq!(
+        holders(&mut fake, 9, "plain"),
+        vec![
+            grant_frame(plain, 11, 8_500, 4_499, 0, ""),
+            waiter_frame(31, 17_500, 0, "dave"),
+            end_frame(2, 0),
+        ]
+    );
+    // A key that gets a limit keeps its grant's moment.
+    assert_eq!(
+        fake.permits(2, "plain", 0, 5, 32, 4, 1, ""),
+        vec![(2, timeout(32))]
+    );
+    assert_eq!(fake.permits(2, "plain", 10, 5, 33, 4, 1, ""), vec![]);
+    let frames = holders(&mut fake, 9, "plain");
+    assert_eq!(frames[0], grant_frame(plain, 11, 8_500, 4_499, 0, ""));
+    assert_eq!(frames.len(), 4);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn holders_never_lists_a_lease_that_ran_out_even_before_its_timer_fired() {
+    let mut fake = Fake::with_conns(3);
+    fake.set_now(700);
+    let token = fake.grant(1, "a", 3, 1);
+    fake.grant(1, "b", 3, 2);
+    fake.enqueue(2, "b", 100, 7, 3);
+    // The deadline 3.0007 s is kept as tick 3001: the lease may have run
+    // out from 3.000001 s on (the earliest deadline of that tick), so
+    // `H` shows it until 3 s with 1 ms left (held 2,999.3 ms, rounded
+    // down)...
+    fake.set_now(3 * S);
+    assert_eq!(
+        holders(&mut fake, 9, "a"),
+        vec![grant_frame(token, 1, 1, 2_999, 0, ""), end_frame(1, 0)]
+    );
+    // ...and never after, although its timer fires only at tick 3001.
+    fake.set_now(3 * S + 1);
+    assert_eq!(holders(&mut fake, 9, "a"), vec![end_frame(0, 0)]);
+    assert_eq!(fake.query("a"), (token, 1, 0, 0));
+    // From tick 3001 on the key is gone, even before any
+    // `handle_timeout`: `H` fires what is due first, so "b" goes to its
+    // waiter (its `A` on connection 2 before the answer).
+    fake.set_now(3_001_000);
+    let out = fake.request(0, &Request::Holders { id: 9, key: "a" });
+    assert_eq!(out, vec![(2, acquired(3, token + 2)), (0, end_frame(0, 0))]);
+    assert_eq!(
+        holders(&mut fake, 9, "b"),
+        vec![grant_frame(token + 2, 3, 7_000, 0, 0, ""), end_frame(1, 0)]
+    );
+    assert_eq!(fake.core.stats().expired, 2);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn holders_sends_at_most_1000_grants_and_1000_waiters_and_counts_the_rest() {
+    let limits = Limits {
+        max_waits_per_conn: 2_000,
+        ..Limits::default()
+    };
+    let mut fake = Fake::new(limits, 2);
+    for owner in 0..1_005 {
+        fake.grant_permits(1, "k", 30, owner, 65535, 1);
+    }
+    fake.enqueue_permits(1, "k", 60, 30, 5_000, 65535, 0);
+    for owner in 0..1_002 {
+        fake.enqueue_permits(1, "k", 60, 30, 6_000 + owner, 65535, 1);
+    }
+    let frames = holders(&mut fake, 9, "k");
+    assert_eq!(frames.len(), 2_001);
+    assert_eq!(frames[2_000], end_frame(2_000, 8));
+    let tokens: Vec<u64> = frames[..1_000]
+        .iter()
+        .map(|frame| match frame {
+            Response::Grant { token, .. } => *token,
+            other => panic!("not a grant: {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        tokens,
+        (FIRST_TOKEN..FIRST_TOKEN + 1_000).collect::<Vec<_>>()
+    );
+    assert_eq!(frames[1_000], waiter_frame(5_000, 60_000, 0, ""));
+    assert_eq!(frames[1_999], waiter_frame(6_998, 60_000, 1, ""));
+}
+
+#[test]
+fn holders_shows_the_unknown_grant_of_the_grace_as_token_0_and_adopted_grants_with_owner_0() {
+    let mut fake = Fake::with_conns(3);
+    fake.core.set_grace_until(10 * S);
+    fake.set_now(2 * S + 300);
+    let unknown = grant_frame(0, 0, 8_000, 0, 0, "");
+    assert_eq!(
+        holders(&mut fake, 9, "a"),
+        vec![unknown.clone(), end_frame(1, 0)]
+    );
+    fake.enqueue(1, "a", 100, 30, 1);
+    assert_eq!(
+        holders(&mut fake, 9, "a"),
+        vec![
+            unknown.clone(),
+            waiter_frame(1, 100_000, 0, ""),
+            end_frame(2, 0)
+        ]
+    );
+    // A permit key during the grace: the unknown grant, then the waiter.
+    fake.enqueue_permits(2, "p", 100, 30, 2, 5, 1);
+    assert_eq!(
+        holders(&mut fake, 9, "p"),
+        vec![unknown, waiter_frame(2, 100_000, 1, ""), end_frame(2, 0)]
+    );
+    // Adoption (spec §7.3) of an earlier run's token: owner 0, held since.
+    assert_eq!(fake.extend(2, "b", 5, 7), vec![(2, extended(7))]);
+    fake.set_now(3 * S + 300);
+    assert_eq!(
+        holders(&mut fake, 9, "b"),
+        // 1,000 ms rounded down from the millisecond after the adoption.
+        vec![grant_frame(7, 0, 4_000, 999, 0, ""), end_frame(1, 0)]
+    );
+    // After the horizon the waiter holds "a".
+    fake.set_now(10 * S);
+    let out = fake.request(0, &Request::Holders { id: 9, key: "a" });
+    assert_eq!(out[0], (1, acquired(1, FIRST_TOKEN)));
+    assert_eq!(out[1], (2, acquired(2, FIRST_TOKEN + 1)));
+    assert_eq!(out[2], (0, grant_frame(FIRST_TOKEN, 1, 30_000, 0, 0, "")));
+    fake.core.check_invariants();
+}
+
+/// Every `K` of one full listing with `prefix`, following the cursor from
+/// 0 with pages of `count`; `between` runs after each page.
+fn list_all(
+    fake: &mut Fake,
+    prefix: &str,
+    count: u16,
+    mut between: impl FnMut(&mut Fake),
+) -> Vec<(String, u32, u32, u16)> {
+    let mut keys = Vec::new();
+    let mut cursor = 0;
+    loop {
+        let frames = fake.request(
+            0,
+            &Request::List {
+                id: 5,
+                cursor,
+                count,
+                prefix,
+            },
+        );
+        let (last, page) = frames.split_last().expect("an answer");
+        let Response::End {
+            id: 5,
+            count: sent,
+            next,
+        } = last.1
+        else {
+            panic!("the page does not end with Z: {last:?}");
+        };
+        assert_eq!(page.len(), sent as usize);
+        assert!(page.len() <= usize::from(count));
+        for (conn, frame) in page {
+            assert_eq!(*conn, 0);
+            let Response::Key {
+                id: 5,
+                grants,
+                waiters,
+                limit,
+                key,
+            } = frame
+            else {
+                panic!("not a K: {frame:?}");
+            };
+            assert!(key.starts_with(prefix));
+            keys.push((key.clone(), *grants, *waiters, *limit));
+        }
+        if next == 0 {
+            return keys;
+        }
+        cursor = next;
+        between(fake);
+    }
+}
+
+#[test]
+fn list_pages_through_the_keys_with_a_prefix_and_their_counts() {
+    let mut fake = Fake::with_conns(3);
+    assert_eq!(list_all(&mut fake, "", 10, |_| {}), vec![]);
+    fake.grant(1, "job/a", 30, 1);
+    fake.enqueue(2, "job/a", 10, 30, 2);
+    fake.grant_permits(1, "job/b", 30, 3, 4, 1);
+    fake.grant_permits(1, "job/b", 30, 4, 4, 2);
+    fake.grant(1, "other", 30, 5);
+    for i in 0..50 {
+        fake.grant(1, &format!("job/n{i:02}"), 30, 100 + i);
+    }
+    let mut keys = list_all(&mut fake, "job/", 7, |_| {});
+    keys.sort();
+    assert_eq!(keys.len(), 52);
+    assert_eq!(keys[0], ("job/a".to_string(), 1, 1, 0));
+    assert_eq!(keys[1], ("job/b".to_string(), 2, 0, 4));
+    assert_eq!(keys[2], ("job/n00".to_string(), 1, 0, 0));
+    assert_eq!(list_all(&mut fake, "", 1_000, |_| {}).len(), 53);
+    // A stale cursor past the table ends the listing.
+    let out = fake.request(
+        0,
+        &Request::List {
+            id: 5,
+            cursor: 1 << 40,
+            count: 3,
+            prefix: "",
+        },
+    );
+    assert_eq!(
+        out,
+        vec![(
+            0,
+            Response::End {
+                id: 5,
+                count: 0,
+                next: 0
+            }
+        )]
+    );
+}
+
+#[test]
+fn one_list_examines_at_most_16_slots_per_frame_it_may_send() {
+    let mut fake = Fake::with_conns(2);
+    for i in 0..100 {
+        fake.grant(1, &format!("x{i}"), 30, i);
+    }
+    fake.grant(1, "wanted", 30, 1_000);
+    // 101 slots; with count 2 one page examines 32 of them.
+    let out = fake.request(
+        0,
+        &Request::List {
+            id: 5,
+            cursor: 0,
+            count: 2,
+            prefix: "wanted",
+        },
+    );
+    assert_eq!(
+        out,
+        vec![(
+            0,
+            Response::End {
+                id: 5,
+                count: 0,
+                next: 32
+            }
+        )]
+    );
+    let keys = list_all(&mut fake, "wanted", 2, |_| {});
+    assert_eq!(keys, vec![("wanted".to_string(), 1, 0, 0)]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 3, ..ProptestConfig::default() })]
+
+    /// 100,000 keys; between pages the table grows (new keys, so the index
+    /// doubles and the entries move to a larger array) and shrinks (keys
+    /// released, their slots reused by new keys): every key in the table
+    /// throughout is listed.
+    #[test]
+    fn a_listing_returns_every_key_present_throughout_while_the_table_changes(
+        seed in any::<u64>(),
+        count in 1u16..=1_000,
+    ) {
+        let limits = Limits { max_keys: 1 << 22, max_grants: 1 << 23, ..Limits::default() };
+        let mut fake = Fake::new(limits, 2);
+        let mut churn: Vec<(String, u64)> = Vec::new();
+        let mut stay = Vec::new();
+        for i in 0..100_000u64 {
+            let key = format!("k/{i}");
+            let token = fake.grant(1, &key, 255, i);
+            if i % 2 == 0 { stay.push(key) } else { churn.push((key, token)) }
+        }
+        fake.grant(1, "elsewhere", 255, 0);
+        let mut rng = seed;
+        let mut next_key = 0u64;
+        let keys = list_all(&mut fake, "k/", count, |fake| {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let removals = (rng >> 33) as usize % (usize::from(count) * 2 + 1);
+            for _ in 0..removals.min(churn.len()) {
+                let at = (rng >> 20) as usize % churn.len();
+                let (key, token) = churn.swap_remove(at);
+                assert_eq!(fake.release(1, &key, token), vec![(1, released(token))]);
+            }
+            for _ in 0..(rng >> 45) as usize % (usize::from(count) * 3 + 1) {
+                let key = format!("k/new{next_key}");
+                let token = fake.grant(1, &key, 255, next_key);
+                churn.push((key, token));
+                next_key += 1;
+            }
+        });
+        let listed: HashSet<String> = keys.into_iter().map(|(key, ..)| key).collect();
+        for key in &stay {
+            prop_assert!(listed.contains(key), "{key} was not listed");
+        }
+        prop_assert!(!listed.contains("elsewhere"));
     }
 }

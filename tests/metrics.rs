@@ -3,7 +3,7 @@
 
 use kunci::core::Stats;
 use kunci::metrics::{Snapshot, render};
-use kunci::protocol::ErrorCode;
+use kunci::protocol::{ErrorCode, Request};
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -38,7 +38,7 @@ fn queued_waits_are_observed_at_grant_and_timeout_only() {
     assert_eq!(cumulative[10], 2);
     // A waiter whose connection closes is neither granted nor timed out.
     fake.enqueue(2, "a", 5, 30, 5);
-    fake.core.disconnect(2);
+    fake.core.disconnect(2, fake.now);
     assert_eq!(fake.core.stats().acquire_wait.count, 2);
 }
 
@@ -51,6 +51,19 @@ fn not_held_is_split_by_request_and_errors_by_code() {
     fake.extend(1, "a", 5, token + 7);
     fake.extend(1, "a", 5, token);
     fake.core.send_error(1, ErrorCode::EmptyKey, 0);
+    fake.request(1, &Request::Holders { id: 1, key: "a" });
+    for cursor in [0, 1] {
+        let count = 1;
+        fake.request(
+            1,
+            &Request::List {
+                id: 2,
+                cursor,
+                count,
+                prefix: "",
+            },
+        );
+    }
     fake.core
         .stats_mut()
         .count_error(ErrorCode::ConnectionLimit);
@@ -81,6 +94,8 @@ fn not_held_is_split_by_request_and_errors_by_code() {
         "kunci_releases_total{result=\"not_held\"} 2",
         "kunci_renewals_total{result=\"extended\"} 1",
         "kunci_renewals_total{result=\"not_held\"} 1",
+        "kunci_listings_total{request=\"holders\"} 1",
+        "kunci_listings_total{request=\"keys\"} 2",
         "kunci_errors_total{code=\"3\"} 1",
         "kunci_errors_total{code=\"7\"} 1",
         "kunci_connections_accepted_total 2",

@@ -3,7 +3,7 @@
 //! Entries live in one dense `Vec`; an open-addressing index of entry
 //! indices with tag bytes ([`KeyIndex`], one cache line per bucket) finds
 //! them. A lookup costs one index line plus the entry, and a held lock
-//! with a key of up to [`INLINE_KEY_MAX`] bytes costs one 52-byte entry
+//! with a key of up to [`INLINE_KEY_MAX`] bytes costs one 56-byte entry
 //! plus 6.7–13.3 bytes of index and no allocation of its own.
 //! Indices of live entries are stable until [`LockTable::remove`]; the
 //! timer wheel and the waiter queues refer to entries by index.
@@ -65,10 +65,11 @@ const PREFETCH_MIN_KEYS: usize = 1 << 15;
 /// or — after an unclean restart — by an unknown grant of an earlier run
 /// (`token` = 0) until the lease horizon.
 ///
-/// Packed to 4-byte alignment so the entry is 52 bytes rather than 56: at
-/// a million held locks that is what keeps a lock, index included, under
-/// 64 bytes. Every field is read and written by value except the
-/// 4-aligned `lease` and `waiters`, which the core borrows.
+/// 56 bytes, packed to 4-byte alignment (which saved 4 bytes of padding
+/// at 52, before the entry kept the moment of its grant for `H`; that
+/// cost is in docs/DESIGN.md, "Who holds it"). Every field is read and written
+/// by value except the 4-aligned `lease` and `waiters`, which the core
+/// borrows.
 #[derive(Clone, Copy, Debug)]
 #[repr(C, packed(4))]
 pub struct LockEntry {
@@ -81,7 +82,27 @@ pub struct LockEntry {
     /// The head of the FIFO waiter queue, or [`NIL`]. On a free entry, the
     /// next free entry.
     pub waiters: u32,
+    /// When the active grant was made (not renewed), for `H` (spec §11):
+    /// core milliseconds modulo 2³² ([`granted_at_ms`]). A grant restored
+    /// after a restart counts from the restart (0).
+    pub granted_at: u32,
     key: StoredKey,
+}
+
+/// A grant instant as [`LockEntry::granted_at`] keeps it: milliseconds
+/// since the core's epoch, rounded *up*, modulo 2³².
+pub fn granted_at_ms(at: u64) -> u32 {
+    at.div_ceil(1_000) as u32
+}
+
+/// Whole milliseconds from `granted_at` (see [`granted_at_ms`]) to `now`,
+/// rounded down: the clock rounded down minus the grant rounded up never
+/// exceeds the true time, and is at most one short of it. Within the same
+/// millisecond that difference is −1, which wraps to `u32::MAX` and means
+/// 0. Exact for any grant held less than 2³² − 1 ms (49.7 days).
+pub fn held_ms(granted_at: u32, now: u64) -> u32 {
+    let held = ((now / 1_000) as u32).wrapping_sub(granted_at);
+    if held == u32::MAX { 0 } else { held }
 }
 
 /// A key stored inline (`len ≤ INLINE_KEY_MAX`) or as an index into the
@@ -203,6 +224,7 @@ impl LockTable {
             owner,
             lease: TimerLinks::UNARMED,
             waiters: NIL,
+            granted_at: 0,
             key: stored,
         };
         let index = match self.entries.get_mut(self.free_head as usize) {
@@ -280,6 +302,21 @@ impl LockTable {
     #[doc(hidden)]
     pub fn live_indices(&self) -> impl Iterator<Item = u32> + '_ {
         (0..self.entries.len() as u32).filter(|&index| self.entries[index as usize].key.len != 0)
+    }
+
+    /// How many entry slots exist, live or free: entry indices are below
+    /// it. A live entry keeps its index until it is removed, so a walk over
+    /// `0..slots()` meets every key that stays in the table throughout
+    /// (the `L` cursor, docs/DESIGN.md).
+    pub fn slots(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether `index` is a live entry (not on the free list).
+    pub fn is_live(&self, index: u32) -> bool {
+        self.entries
+            .get(index as usize)
+            .is_some_and(|entry| entry.key.len != 0)
     }
 
     pub fn get(&self, index: u32) -> &LockEntry {
@@ -377,7 +414,7 @@ mod tests {
 
     #[test]
     fn entry_stays_small() {
-        assert_eq!(std::mem::size_of::<LockEntry>(), 52);
+        assert_eq!(std::mem::size_of::<LockEntry>(), 56);
     }
 
     #[test]

@@ -122,6 +122,13 @@ pub fn render(snapshot: &Snapshot, process: Option<&ProcessStats>, out: &mut Str
         "result",
         &[("extended", s.extended), ("not_held", s.extend_not_held)],
     );
+    w.labelled(
+        "kunci_listings_total",
+        "counter",
+        "Listing requests answered (spec 11): holders (H), keys (L, one page each).",
+        "request",
+        &[("holders", s.holders), ("keys", s.lists)],
+    );
     w.single(
         "kunci_lease_expiries_total",
         "counter",
