@@ -27,7 +27,7 @@ from ._errors import (
     Timeout,
     Unavailable,
 )
-from ._common import KeyStatus
+from ._common import Grant, Holders, KeyInfo, KeyStatus, Waiter
 from ._protocol import DEFAULT_SERVER, TRANSPORT_DEADLINE, drift_margin
 from ._sync import Client, Ticket
 from . import aio
@@ -39,8 +39,11 @@ __all__ = [
     "Client",
     "DEFAULT_SERVER",
     "Error",
+    "Grant",
+    "Holders",
     "Indeterminate",
     "InvalidArgument",
+    "KeyInfo",
     "KeyStatus",
     "LimitMismatch",
     "LockLost",
@@ -49,6 +52,7 @@ __all__ = [
     "Ticket",
     "Timeout",
     "Unavailable",
+    "Waiter",
     "aio",
     "drift_margin",
 ]

@@ -26,6 +26,29 @@ time left on the lease in ms (rounded up) and the number of queued
 ``waiters``. It is out of date as soon as it arrives: never use it as a
 lock."""
 
+Grant = collections.namedtuple("Grant", "token owner take lease_left held_for label")
+Grant.__doc__ = """One grant of a key (a ``G`` frame): its fencing ``token`` (0 is the
+unknown grant of a crash grace), the ``owner`` id of the request that was
+granted, the permits it holds (``take``; 0 is all of them), the time left
+on its lease and the time it has been held (``lease_left``, ``held_for``:
+seconds as floats) and its ``label`` (``""`` when none)."""
+
+Waiter = collections.namedtuple("Waiter", "owner take wait_left label")
+Waiter.__doc__ = """One waiter of a key (a ``W`` frame): its ``owner`` id, the permits
+it asks for (``take``; 0 is all), the seconds left until its wait runs out
+(``wait_left``, a float) and its ``label``."""
+
+Holders = collections.namedtuple("Holders", "grants waiters left_out")
+Holders.__doc__ = """What ``holders(key)`` found: the key's ``grants`` in token order and
+its ``waiters`` in queue order (lists), and how many the server left out
+(``left_out``; it lists at most 1000 of each). A snapshot: out of date as
+soon as it arrives; never use it as a lock."""
+
+KeyInfo = collections.namedtuple("KeyInfo", "key grants waiters limit")
+KeyInfo.__doc__ = """One key of the server's table (a ``K`` frame): the ``key`` (str),
+its numbers of ``grants`` and ``waiters``, and its ``limit`` of permits
+(0 when no request named one)."""
+
 # Result kinds a call ends with. A tuple whose first item is one of these.
 INDETERMINATE = ("?",)
 MOVED = "moved"  # ("moved", reason, code): executed by nobody, may move on
@@ -50,11 +73,22 @@ class Call(object):
         "deadline", "result", "sent_at", "writing", "background", "abandoned",
         "reason", "refusals", "tried", "waiter", "signalled", "future", "timer",
         "session", "answered_at", "limit", "take", "label",
+        "ident", "cursor", "count", "gathered", "clean_up_for",
     )
 
     def __init__(self, op, key, deadline, owner=0, token=0, nonce=0, lease=0,
-                 wait_until=None, background=False, limit=0, take=0, label=b""):
+                 wait_until=None, background=False, limit=0, take=0, label=b"",
+                 ident=0, cursor=0, count=0, clean_up_for=None):
         self.op = op
+        # ``H`` and ``L`` (spec §11): the request's id, ``L``'s cursor and
+        # count, and the frames of the answer that came before its ``Z``.
+        self.ident = ident
+        self.cursor = cursor
+        self.count = count
+        self.gathered = ([], []) if op == "H" else []
+        # An ``H`` sent to clean up after an acquire by this owner ended
+        # indeterminate (spec §8 rule 11): its grants are released.
+        self.clean_up_for = clean_up_for
         self.key = key
         # An acquire's permits and label (spec §10, §11.1): with limit 0,
         # take 0 and no label it is sent as ``A``, else as ``S``.
@@ -120,6 +154,10 @@ class Call(object):
             return P.encode_query(self.key)
         if op == "P":
             return P.encode_ping(self.nonce)
+        if op == "H":
+            return P.encode_holders(self.ident, self.key)
+        if op == "L":
+            return P.encode_list(self.ident, self.cursor, self.count, self.key)
         return P.INFO_FRAME
 
     def error_id(self):
@@ -130,6 +168,8 @@ class Call(object):
             return self.token
         if self.op == "P":
             return self.nonce
+        if self.op in ("H", "L"):
+            return self.ident
         return 0
 
 
@@ -182,8 +222,16 @@ class Pending(object):
                 return call
         return None
 
+    def find_listing(self, op, ident):
+        """The ``H`` or ``L`` request with this id, left in place."""
+        for call in self.others:
+            if call.op == op and call.ident == ident:
+                return call
+        return None
+
     def correlate(self, frame):
-        """The request ``frame`` answers, taken out; ``None`` if none."""
+        """The request ``frame`` answers, taken out; ``None`` if none.
+        ``G``, ``W``, ``K`` and ``Z`` are handled by :func:`answered_call`."""
         kind = frame[0]
         if kind in ("A", "T", "B"):
             return self.acquires.pop(frame[1], None)
@@ -294,9 +342,52 @@ def answered_call(session, frame):
         return None, session.refused[0]
     if frame[0] == "X" and frame[1] not in P.NON_FATAL_ERRORS:
         return None, "server error %d: %s" % (frame[1], frame[3])
+    if frame[0] in _LISTING_FRAMES or frame[0] == "Z":
+        return _gather(session.pending, frame)
     call = session.pending.correlate(frame)
     if call is None:
         return None, "answer %r matches no request" % (frame,)
+    return call, None
+
+
+# The frames of a multi-frame answer and the op of the request they answer.
+_LISTING_FRAMES = {"G": "H", "W": "H", "K": "L"}
+
+
+def _gather(pending, frame):
+    """Keeps a ``G``, ``W`` or ``K`` frame with the ``H`` or ``L`` its id
+    names, until the ``Z`` (which ends the call). Returns as
+    :func:`answered_call` does; a frame out of order or past the spec's
+    bounds ends the session."""
+    kind, ident = frame[0], frame[1]
+    if kind == "Z":
+        call = pending.find_listing("H", ident) or pending.find_listing("L", ident)
+        if call is None:
+            return None, "answer %r matches no request" % (frame,)
+        count = frame[2]
+        got = len(call.gathered[0]) + len(call.gathered[1]) if call.op == "H" else len(call.gathered)
+        if count != got:
+            return None, "end of a list counts %d frames, %d came" % (count, got)
+        pending.remove(call)
+        return call, None
+    call = pending.find_listing(_LISTING_FRAMES[kind], ident)
+    if call is None:
+        return None, "answer %r matches no request" % (frame,)
+    if kind == "K":
+        if len(call.gathered) >= call.count:
+            return None, "more keys than the %d asked for" % call.count
+        call.gathered.append(KeyInfo(frame[5], frame[2], frame[3], frame[4]))
+    elif kind == "G":
+        grants, waiters = call.gathered
+        if waiters or len(grants) >= P.HOLDERS_MAX:
+            return None, "a grant after a waiter, or more than %d" % P.HOLDERS_MAX
+        grants.append(Grant(frame[2], frame[3], frame[6], frame[4] / 1000.0,
+                            frame[5] / 1000.0, frame[7]))
+    else:
+        waiters = call.gathered[1]
+        if len(waiters) >= P.HOLDERS_MAX:
+            return None, "more than %d waiters" % P.HOLDERS_MAX
+        waiters.append(Waiter(frame[2], frame[4], frame[3] / 1000.0, frame[5]))
     return call, None
 
 
@@ -324,6 +415,17 @@ def result_of(call, frame, now, compensate):
             compensate(call.key, token)
             return INDETERMINATE
         return ("A", token)
+    if kind in ("G", "W", "K"):
+        return None  # kept with the call until its ``Z``
+    if kind == "Z":
+        if call.op == "L":
+            return ("L", (list(call.gathered), frame[3]))
+        holders = Holders(call.gathered[0], call.gathered[1], frame[3])
+        if call.clean_up_for is not None:
+            for grant in holders.grants:
+                if grant.owner == call.clean_up_for:
+                    compensate(call.key, grant.token)
+        return ("H", holders) if call.waiting() else None
     if not call.waiting():
         return None
     if kind == "Q":
@@ -415,6 +517,24 @@ def query_call(key, now):
     return Call("Q", check_args(P.check_key, key), now + P.TRANSPORT_DEADLINE)
 
 
+def holders_call(key, ident, now, clean_up_for=None):
+    return Call("H", check_args(P.check_key, key), now + P.TRANSPORT_DEADLINE, ident=ident,
+                clean_up_for=clean_up_for)
+
+
+def list_call(prefix, cursor, count, ident, now):
+    prefix = check_args(P.check_prefix, prefix)
+    if not _is_u64(cursor):
+        raise InvalidArgument("cursor must be an unsigned 64-bit integer")
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= P.LIST_COUNT_MAX:
+        raise InvalidArgument("count must be 1..=%d" % P.LIST_COUNT_MAX)
+    return Call("L", prefix, now + P.TRANSPORT_DEADLINE, ident=ident, cursor=cursor, count=count)
+
+
+def _is_u64(value):
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _U64
+
+
 def info_call(now):
     return Call("I", b"", now + P.TRANSPORT_DEADLINE)
 
@@ -452,7 +572,16 @@ def outcome_of(call, result):
         return P.parse_info(result[1])
     if op == "P":
         return result[1]
+    if op in ("H", "L"):
+        return result[1]
     return None
+
+
+def needs_clean_up(call, result):
+    """Whether an acquire that ended with ``result`` may have been
+    granted without the grant reaching the caller, so that the client
+    should look for it with ``H`` and release it (spec §8 rule 11)."""
+    return call.op == "A" and result == INDETERMINATE and call.sent_at is not None
 
 
 class OwnerIds(object):

@@ -35,6 +35,11 @@ SHARED_LIMIT = PERMITS_MAX
 #: The longest label, in UTF-8 bytes (spec §11.1).
 LABEL_LEN_MAX = 128
 
+#: Most keys one ``L`` request may ask for, and most grants (or waiters)
+#: one ``H`` answer lists (spec §11).
+LIST_COUNT_MAX = 1000
+HOLDERS_MAX = 1000
+
 #: Longest ``I`` or ``X`` text a server may send (the Rust client's bound).
 RESPONSE_TEXT_MAX = 4096
 
@@ -52,7 +57,14 @@ _HEADER_LEN = {
     0x50: 8,  # P nonce
     0x49: 0,  # I text
     0x58: 9,  # X code id text
+    0x47: 34,  # G id token owner lease_ms held_ms take label
+    0x57: 22,  # W id owner wait_ms take label
+    0x4B: 18,  # K id grants waiters limit key
+    0x5A: 20,  # Z id count next
 }
+
+# The ops whose frame carries text between the fixed header and ``\n``.
+_TEXT_OPS = frozenset((0x49, 0x58, 0x47, 0x57, 0x4B))
 
 # Error codes (spec §6).
 ERROR_CONNECTION_LIMIT = 7
@@ -86,6 +98,11 @@ _UNPACK_Q64 = struct.Struct(">Q").unpack_from
 _UNPACK_A = struct.Struct(">QQ").unpack_from
 _UNPACK_QUERY = struct.Struct(">QQII").unpack_from
 _UNPACK_X = struct.Struct(">BQ").unpack_from
+_UNPACK_G = struct.Struct(">QQQIIH").unpack_from
+_UNPACK_W = struct.Struct(">QQIH").unpack_from
+_UNPACK_K = struct.Struct(">QIIH").unpack_from
+_UNPACK_Z = struct.Struct(">QIQ").unpack_from
+_PACK_L = struct.Struct(">QQH").pack
 
 
 class ProtocolError(Exception):
@@ -132,6 +149,16 @@ def check_key(key):
         raise ValueError("key is longer than 255 bytes")
     if b"\n" in data:
         raise ValueError("key contains a newline")
+    return data
+
+
+def check_prefix(prefix):
+    """A prefix of keys as UTF-8 bytes: like a key, but it may be empty."""
+    data = _utf8(prefix, "prefix")
+    if len(data) > KEY_LEN_MAX:
+        raise ValueError("prefix is longer than 255 bytes")
+    if b"\n" in data:
+        raise ValueError("prefix contains a newline")
     return data
 
 
@@ -259,12 +286,26 @@ def encode_ping(nonce):
 INFO_FRAME = b"I\n"
 
 
+def encode_holders(ident, key):
+    """``H id key``: the grants and waiters of one key (spec §11.2)."""
+    return b"H" + _PACK_Q64(ident) + key + b"\n"
+
+
+def encode_list(ident, cursor, count, prefix):
+    """``L id cursor count prefix``: one page of keys (spec §11.3)."""
+    return b"L" + _PACK_L(ident, cursor, count) + prefix + b"\n"
+
+
 def decode_frames(buf):
     """Decodes every whole response frame at the start of ``buf`` (a
     bytearray) and removes them from it. Returns a list of tuples:
     ``("A", owner, token)``, ``("T", owner)``, ``("B", owner)``,
     ``("R"|"E"|"N", token)``, ``("Q", token, owner, lease_ms, waiters)``,
-    ``("P", nonce)``, ``("I", text)``, ``("X", code, id, text)``.
+    ``("P", nonce)``, ``("I", text)``, ``("X", code, id, text)``,
+    ``("G", id, token, owner, lease_ms, held_ms, take, label)``,
+    ``("W", id, owner, wait_ms, take, label)``,
+    ``("K", id, grants, waiters, limit, key)``, ``("Z", id, count, next)``
+    (texts decoded as UTF-8, an invalid byte replaced).
     Raises :class:`ProtocolError` on bytes that cannot be a frame; the
     frames decoded before them are lost with the session anyway."""
     frames = []
@@ -276,7 +317,9 @@ def decode_frames(buf):
         if header_len is None:
             raise ProtocolError("unknown response op byte 0x%02x" % op)
         tail = pos + 1 + header_len
-        if op == 0x49 or op == 0x58:
+        if op in _TEXT_OPS:
+            if end < tail:
+                break
             newline = buf.find(b"\n", tail, min(end, tail + RESPONSE_TEXT_MAX + 1))
             if newline < 0:
                 if end - tail > RESPONSE_TEXT_MAX:
@@ -285,9 +328,15 @@ def decode_frames(buf):
             text = bytes(buf[tail:newline]).decode("utf-8", "replace")
             if op == 0x49:
                 frames.append(("I", text))
-            else:
+            elif op == 0x58:
                 code, ident = _UNPACK_X(buf, pos + 1)
                 frames.append(("X", code, ident, text))
+            elif op == 0x47:
+                frames.append(("G",) + _UNPACK_G(buf, pos + 1) + (text,))
+            elif op == 0x57:
+                frames.append(("W",) + _UNPACK_W(buf, pos + 1) + (text,))
+            else:
+                frames.append(("K",) + _UNPACK_K(buf, pos + 1) + (text,))
             pos = newline + 1
             continue
         if tail >= end:
@@ -299,6 +348,8 @@ def decode_frames(buf):
             frames.append(("A", owner, token))
         elif op == 0x51:
             frames.append(("Q",) + _UNPACK_QUERY(buf, pos + 1))
+        elif op == 0x5A:
+            frames.append(("Z",) + _UNPACK_Z(buf, pos + 1))
         else:
             frames.append((chr(op), _UNPACK_Q64(buf, pos + 1)[0]))
         pos = tail + 1

@@ -33,9 +33,9 @@ import weakref
 from . import _protocol as P
 from ._common import (
     INDETERMINATE, MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, TicketBase,
-    acquire_call, answered_call, check_args, closed_result, granted_token, info_call,
-    key_text, log, outcome_of, ping_call, query_call, release_call, renew_call,
-    renewal_retry_in, result_of,
+    acquire_call, answered_call, check_args, closed_result, granted_token, holders_call,
+    info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
+    release_call, renew_call, renewal_retry_in, result_of,
 )
 from ._errors import Error, Indeterminate, NotHeld, Unavailable
 
@@ -173,9 +173,24 @@ class Client(object):
         call = acquire_call(key, wait, lease, self._ids.next(), monotonic(),
                             limit, take, shared, label)
         result = self._run(call)
+        if needs_clean_up(call, result):
+            self._clean_up_after(call)
         token = granted_token(call, result, monotonic(), self._release_background)
         return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at,
                       call.limit, call.take)
+
+    def _clean_up_after(self, call):
+        """After ``call`` (an acquire) ended ``Indeterminate``: on a thread
+        of its own, asks who holds the key and releases the grant of the
+        call's owner, if the server granted it after all (spec §8 rule
+        11), so that the key is free long before the lease would end.
+        The ``H``'s id is that owner, which no other request uses."""
+        def clean_up():
+            try:
+                self._run(holders_call(call.key, call.owner, monotonic(), call.owner))
+            except Error as error:
+                log.debug("clean-up after an indeterminate acquire: %s", error)
+        threading.Thread(target=clean_up, name="kunci-clean-up", daemon=True).start()
 
     def lock(self, key, wait=0, lease=30, on_lost=None, *, limit=None, take=None,
              shared=False, label=None):
@@ -210,6 +225,40 @@ class Client(object):
         """``None`` if ``key`` is free, else a :class:`KeyStatus`."""
         call = query_call(key, monotonic())
         return outcome_of(call, self._run(call))
+
+    def holders(self, key):
+        """Who holds ``key`` and who waits for it, now (spec §11): a
+        :class:`Holders` with ``.grants`` (token order; each with ``.token
+        .owner .take .lease_left .held_for .label``, times in seconds) and
+        ``.waiters`` (queue order; ``.owner .take .wait_left .label``).
+        Ends by start + 5 s; ``Unavailable``/``Indeterminate`` as every
+        call."""
+        call = holders_call(key, self._ids.next(), monotonic())
+        return outcome_of(call, self._run(call))
+
+    def list_keys(self, prefix="", cursor=0, count=1000):
+        """One page of the keys that start with ``prefix``: ``(keys,
+        next)``, a list of :class:`KeyInfo` and the cursor to go on with
+        (0 at the end). A page may be short, even empty, before the end."""
+        call = list_call(prefix, cursor, count, self._ids.next(), monotonic())
+        return outcome_of(call, self._run(call))
+
+    def keys(self, prefix=""):
+        """Every key of the server's table that starts with ``prefix``: an
+        iterator of :class:`KeyInfo` (``.key .grants .waiters .limit``)
+        that asks for 1000 keys at a time and follows the cursor to the
+        end. A key in the table for the whole listing comes at least once;
+        one may come twice when the table grew meanwhile."""
+        check_args(P.check_prefix, prefix)
+        return self._keys(prefix)
+
+    def _keys(self, prefix):
+        cursor = 0
+        while True:
+            keys, cursor = self.list_keys(prefix, cursor)
+            yield from keys
+            if cursor == 0:
+                return
 
     def info(self):
         """The server's counters (the ``I`` line) as a dict."""

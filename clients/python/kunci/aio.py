@@ -22,9 +22,9 @@ import weakref
 from . import _protocol as P
 from ._common import (
     MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, TicketBase,
-    acquire_call, answered_call, check_args, closed_result, granted_token,
-    info_call, key_text, log, outcome_of, ping_call, query_call, release_call,
-    renew_call, renewal_retry_in, result_of,
+    acquire_call, answered_call, check_args, closed_result, granted_token, holders_call,
+    info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
+    release_call, renew_call, renewal_retry_in, result_of,
 )
 from ._errors import Error, Indeterminate, NotHeld, Unavailable
 from ._sync import CONNECT_TIMEOUT
@@ -88,9 +88,24 @@ class Client(object):
         call = acquire_call(key, wait, lease, self._ids.next(), monotonic(),
                             limit, take, shared, label)
         result = await self._run(call)
+        if needs_clean_up(call, result):
+            self._clean_up_after(call)
         token = granted_token(call, result, monotonic(), self._release_background)
         return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at,
                       call.limit, call.take)
+
+    def _clean_up_after(self, call):
+        """As :meth:`kunci.Client._clean_up_after`, as a task."""
+        async def clean_up():
+            try:
+                await self._run(holders_call(call.key, call.owner, monotonic(), call.owner))
+            except Error as error:
+                log.debug("clean-up after an indeterminate acquire: %s", error)
+        if self._closed:
+            return
+        task = self._loop.create_task(clean_up())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def lock(self, key, wait=0, lease=30, on_lost=None, *, limit=None, take=None,
              shared=False, label=None):
@@ -114,6 +129,28 @@ class Client(object):
     async def query(self, key):
         call = query_call(key, monotonic())
         return outcome_of(call, await self._run(call))
+
+    async def holders(self, key):
+        """As :meth:`kunci.Client.holders`."""
+        call = holders_call(key, self._ids.next(), monotonic())
+        return outcome_of(call, await self._run(call))
+
+    async def list_keys(self, prefix="", cursor=0, count=1000):
+        """As :meth:`kunci.Client.list_keys`."""
+        call = list_call(prefix, cursor, count, self._ids.next(), monotonic())
+        return outcome_of(call, await self._run(call))
+
+    async def keys(self, prefix=""):
+        """``async for key in client.keys(prefix)``: as
+        :meth:`kunci.Client.keys`."""
+        check_args(P.check_prefix, prefix)
+        cursor = 0
+        while True:
+            keys, cursor = await self.list_keys(prefix, cursor)
+            for key in keys:
+                yield key
+            if cursor == 0:
+                return
 
     async def info(self):
         call = info_call(monotonic())

@@ -1,0 +1,471 @@
+//! Who holds a key and which keys exist (spec §11) as the official client
+//! and the CLI ask for them and show them, and the clean-up after an
+//! indeterminate acquire (spec §8 rule 11) — against a scripted server
+//! that keeps a small lock table, so that every answer is known.
+
+use std::collections::BTreeMap;
+use std::process::{Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kunci::client::{Client, Config, Error, Grant, Holders, KeySummary, Waiter};
+use kunci::protocol::{Decoded, Request, Response, decode_request, encode_request};
+
+use crate::util::kunci_bin;
+use crate::util::proxy::{Faults, Proxy};
+use crate::util::scripted::Scripted;
+
+const MS: Duration = Duration::from_millis(1);
+const S: Duration = Duration::from_secs(1);
+
+/// One grant of the scripted table.
+#[derive(Clone)]
+struct Held {
+    token: u64,
+    owner: u64,
+    take: u16,
+    label: String,
+}
+
+/// A lock table just big enough for these tests: every acquire is
+/// granted at once (token 100, 101, …), `R` removes the grant, `H` lists
+/// the grants (lease 30 s, held 1.5 s) and one waiter on `queued`, `L`
+/// pages through the keys two at a time (the cursor is the index of the
+/// next key).
+#[derive(Default)]
+struct Table {
+    keys: BTreeMap<String, Vec<Held>>,
+    next_token: u64,
+}
+
+fn table_server() -> (Scripted, Arc<Mutex<Table>>) {
+    let table = Arc::new(Mutex::new(Table {
+        next_token: 100,
+        ..Table::default()
+    }));
+    let state = table.clone();
+    let server = Scripted::start(move |request| {
+        let mut table = state.lock().unwrap();
+        match *request {
+            Request::Acquire {
+                owner,
+                key,
+                take,
+                label,
+                ..
+            } => {
+                let token = table.next_token;
+                table.next_token += 1;
+                table.keys.entry(key.into()).or_default().push(Held {
+                    token,
+                    owner,
+                    take,
+                    label: label.into(),
+                });
+                vec![Response::Acquired { owner, token }]
+            }
+            Request::Release { token, key } => {
+                let grants = table.keys.entry(key.into()).or_default();
+                let before = grants.len();
+                grants.retain(|held| held.token != token);
+                let released = grants.len() < before;
+                if grants.is_empty() {
+                    table.keys.remove(key);
+                }
+                vec![if released {
+                    Response::Released { token }
+                } else {
+                    Response::NotHeld { token }
+                }]
+            }
+            Request::Holders { id, key } => {
+                let mut out: Vec<Response> = table
+                    .keys
+                    .get(key)
+                    .into_iter()
+                    .flatten()
+                    .map(|held| Response::Grant {
+                        id,
+                        token: held.token,
+                        owner: held.owner,
+                        lease_ms: 30_000,
+                        held_ms: 1_500,
+                        take: held.take,
+                        label: held.label.clone(),
+                    })
+                    .collect();
+                if key == "queued" {
+                    out.push(Response::Waiter {
+                        id,
+                        owner: 5,
+                        wait_ms: 2_001,
+                        take: 1,
+                        label: "next in line".into(),
+                    });
+                }
+                let count = out.len() as u32;
+                out.push(Response::End { id, count, next: 0 });
+                out
+            }
+            Request::List {
+                id, cursor, prefix, ..
+            } => {
+                let matching: Vec<(&String, &Vec<Held>)> = table
+                    .keys
+                    .iter()
+                    .filter(|(key, _)| key.starts_with(prefix))
+                    .collect();
+                let from = cursor as usize;
+                let page: Vec<Response> = matching
+                    .iter()
+                    .skip(from)
+                    .take(2)
+                    .map(|(key, grants)| Response::Key {
+                        id,
+                        grants: grants.len() as u32,
+                        waiters: 0,
+                        limit: 7,
+                        key: (*key).clone(),
+                    })
+                    .collect();
+                let next = if from + 2 < matching.len() {
+                    (from + 2) as u64
+                } else {
+                    0
+                };
+                let count = page.len() as u32;
+                let mut out = page;
+                out.push(Response::End { id, count, next });
+                out
+            }
+            _ => vec![],
+        }
+    });
+    (server, table)
+}
+
+fn client(addr: &str) -> Client {
+    Client::new([addr.parse().unwrap()], Config::default()).unwrap()
+}
+
+/// The frame as the server decoded it; the encoder makes the same bytes.
+fn decoded(frame: &[u8]) -> Request<'_> {
+    let Decoded::Request { request, len } = decode_request(frame) else {
+        panic!("not a valid request: {frame:?}");
+    };
+    assert_eq!(len, frame.len());
+    let mut again = Vec::new();
+    encode_request(&request, &mut again);
+    assert_eq!(again, frame);
+    request
+}
+
+#[test]
+fn holders_lists_grants_and_waiters_with_their_labels_byte_exact() {
+    let (server, _) = table_server();
+    let client = client(&server.addr);
+    let label = "ünïcødé \"label\" \\ 🔒";
+    let ticket = client
+        .acquire_with(
+            "queued",
+            Duration::ZERO,
+            30 * S,
+            kunci::client::AcquireOptions::new().label(label),
+        )
+        .unwrap();
+    let holders = client.holders("queued").unwrap();
+    assert_eq!(
+        holders,
+        Holders {
+            grants: vec![Grant {
+                token: ticket.token(),
+                owner: holders.grants[0].owner,
+                take: 0,
+                lease_left: 30 * S,
+                held_for: 1500 * MS,
+                label: label.into(),
+            }],
+            waiters: vec![Waiter {
+                owner: 5,
+                take: 1,
+                wait_left: 2001 * MS,
+                label: "next in line".into(),
+            }],
+            left_out: 0,
+        }
+    );
+    // The `H` frame, byte for byte: `H id key \n`, its id fresh.
+    let frames = server.frames();
+    let frame = frames.last().unwrap();
+    let Request::Holders { id, key } = decoded(frame) else {
+        panic!("{frame:?}")
+    };
+    assert_eq!(key, "queued");
+    let mut expected = vec![b'H'];
+    expected.extend_from_slice(&id.to_be_bytes());
+    expected.extend_from_slice(b"queued\n");
+    assert_eq!(*frame, expected);
+    assert!(client.holders("nobody").unwrap().is_free());
+    // Input is checked before anything is sent.
+    let sent = server.frames().len();
+    assert_eq!(
+        client.holders(""),
+        Err(Error::InvalidArgument("key is empty"))
+    );
+    assert_eq!(
+        client.list_keys("a\nb", 0, 10),
+        Err(Error::InvalidArgument("prefix contains a newline"))
+    );
+    assert_eq!(
+        client.list_keys("", 0, 1001),
+        Err(Error::InvalidArgument("count must be 1..=1000"))
+    );
+    assert_eq!(server.frames().len(), sent);
+    ticket.release().unwrap();
+}
+
+#[test]
+fn keys_follows_the_cursor_to_the_end() {
+    let (server, _) = table_server();
+    let client = client(&server.addr);
+    let mut tickets = Vec::new();
+    for key in ["jobs/a", "jobs/b", "jobs/c", "jobs/d", "jobs/e", "other"] {
+        tickets.push(client.acquire(key, Duration::ZERO, 30 * S).unwrap());
+    }
+    let keys: Vec<KeySummary> = client.keys("jobs/").map(Result::unwrap).collect();
+    let names: Vec<&str> = keys.iter().map(|key| key.key.as_str()).collect();
+    assert_eq!(names, ["jobs/a", "jobs/b", "jobs/c", "jobs/d", "jobs/e"]);
+    assert!(keys.iter().all(|key| key.grants == 1 && key.limit == 7));
+    // Three pages: cursors 0, 2, 4, each asking for 1000 keys.
+    let lists: Vec<(u64, u16, String)> = server
+        .frames()
+        .iter()
+        .filter(|frame| frame[0] == b'L')
+        .map(|frame| match decoded(frame) {
+            Request::List {
+                cursor,
+                count,
+                prefix,
+                ..
+            } => (cursor, count, prefix.to_owned()),
+            _ => unreachable!(),
+        })
+        .collect();
+    assert_eq!(
+        lists,
+        [
+            (0, 1000, "jobs/".into()),
+            (2, 1000, "jobs/".into()),
+            (4, 1000, "jobs/".into())
+        ]
+    );
+    assert_eq!(client.keys("").count(), 6);
+    assert_eq!(client.keys("none/").count(), 0);
+    // One page by hand.
+    let page = client.list_keys("", 2, 5).unwrap();
+    assert_eq!(page.next, 4);
+    assert_eq!(page.keys[0].key, "jobs/c");
+}
+
+/// Rule 11: a grant whose answer was lost is found by `H` and released,
+/// long before its lease would end.
+#[test]
+fn an_acquire_whose_grant_was_lost_is_cleaned_up_through_holders() {
+    let (server, table) = table_server();
+    let proxy = Proxy::start(&server.addr);
+    // The next answer — the grant — never reaches the client.
+    proxy.set_faults(Faults {
+        drop_answers: 1,
+        ..Faults::default()
+    });
+    let faulty = client(&proxy.addr);
+    // Another grant of the same key, which the clean-up leaves alone.
+    let direct = client(&server.addr);
+    let other = direct
+        .acquire_with(
+            "nightly",
+            Duration::ZERO,
+            60 * S,
+            kunci::client::Permits::shared(),
+        )
+        .unwrap();
+    let started = Instant::now();
+    let outcome = faulty.acquire_with(
+        "nightly",
+        Duration::ZERO,
+        60 * S,
+        kunci::client::Permits::shared(),
+    );
+    assert_eq!(outcome.unwrap_err(), Error::Indeterminate);
+    let lost = proxy
+        .forwarded()
+        .iter()
+        .find(|frame| frame.op == b'S')
+        .map(|frame| frame.id)
+        .expect("the acquire reached the server");
+    let deadline = Instant::now() + 2 * S;
+    loop {
+        let owners: Vec<u64> = table.lock().unwrap().keys["nightly"]
+            .iter()
+            .map(|held| held.owner)
+            .collect();
+        if !owners.contains(&lost) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the lost grant was not released: {owners:?}"
+        );
+        std::thread::sleep(5 * MS);
+    }
+    let elapsed = started.elapsed();
+    assert!(elapsed < 6 * S + 500 * MS, "{elapsed:?}");
+    // The clean-up asked `H` (its id the lost call's owner), then released
+    // exactly the lost grant; the other holder keeps its grant.
+    let after: Vec<(u8, u64)> = proxy
+        .forwarded()
+        .iter()
+        .filter(|frame| frame.op != b'S')
+        .map(|frame| (frame.op, frame.id))
+        .collect();
+    assert_eq!(after.len(), 2, "{after:?}");
+    assert_eq!(after[0], (b'H', lost));
+    assert_eq!(after[1].0, b'R');
+    assert_ne!(after[1].1, other.token());
+    let holders = direct.holders("nightly").unwrap();
+    assert_eq!(holders.grants.len(), 1);
+    assert_eq!(holders.grants[0].token, other.token());
+    other.release().unwrap();
+}
+
+fn kunci(server: &str, args: &[&str]) -> Output {
+    Command::new(kunci_bin())
+        .args(args)
+        .env("KUNCI_SERVER", server)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kunci")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8(output.stdout.clone()).expect("stdout is UTF-8")
+}
+
+#[test]
+fn cli_who_shows_a_table_or_one_json_object() {
+    let (server, _) = table_server();
+    let client = client(&server.addr);
+    let ticket = client
+        .acquire_with(
+            "queued",
+            Duration::ZERO,
+            30 * S,
+            kunci::client::AcquireOptions::new()
+                .permits(kunci::client::Permits::limit(7).take(2))
+                .label("bob@h2 pid=9 \"x\"\t→"),
+        )
+        .unwrap();
+    let owner = client.holders("queued").unwrap().grants[0].owner;
+    let output = kunci(&server.addr, &["who", "queued"]);
+    assert_eq!(output.status.code(), Some(0));
+    let token = ticket.token();
+    let token_width = token.to_string().len().max(5);
+    let owner_width = owner.to_string().len().max(5);
+    assert_eq!(
+        stdout(&output),
+        format!(
+            "queued: limit 7, 1 grant, 1 waiter\n\
+             {:<token_width$}  {:<owner_width$}  TAKE  LEASE LEFT  HELD FOR  LABEL\n\
+             {token:<token_width$}  {owner:<owner_width$}  2     30.0 s      1.500 s   bob@h2 pid=9 \"x\"\\t→\n\
+             waiting, next first:\n\
+             #  OWNER  TAKE  WAIT LEFT  LABEL\n\
+             1  5      1     2.001 s    next in line\n",
+            "TOKEN", "OWNER"
+        )
+    );
+    let output = kunci(&server.addr, &["who", "queued", "--json"]);
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(
+        stdout(&output),
+        format!(
+            "{{\"key\":\"queued\",\"limit\":7,\"grants\":[{{\"token\":{token},\"owner\":{owner},\
+             \"lease_ms\":30000,\"held_ms\":1500,\"take\":2,\"label\":\"bob@h2 pid=9 \\\"x\\\"\\u0009→\"}}],\
+             \"waiters\":[{{\"owner\":5,\"wait_ms\":2001,\"take\":1,\"label\":\"next in line\"}}]}}\n"
+        )
+    );
+    let output = kunci(&server.addr, &["who", "nobody"]);
+    assert_eq!(stdout(&output), "nobody: free (no grants, no waiters)\n");
+    let output = kunci(&server.addr, &["who", "nobody", "--json"]);
+    assert_eq!(
+        stdout(&output),
+        "{\"key\":\"nobody\",\"limit\":0,\"grants\":[],\"waiters\":[]}\n"
+    );
+    ticket.release().unwrap();
+}
+
+#[test]
+fn cli_list_prints_one_line_per_key_across_pages() {
+    let (server, _) = table_server();
+    let client = client(&server.addr);
+    let mut tickets = Vec::new();
+    for key in ["a", "b c", "d\"é", "e", "f"] {
+        tickets.push(client.acquire(key, Duration::ZERO, 30 * S).unwrap());
+    }
+    let output = kunci(&server.addr, &["list"]);
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(
+        stdout(&output),
+        "a  grants=1 waiters=0 limit=7\n\
+         b c  grants=1 waiters=0 limit=7\n\
+         d\"é  grants=1 waiters=0 limit=7\n\
+         e  grants=1 waiters=0 limit=7\n\
+         f  grants=1 waiters=0 limit=7\n"
+    );
+    let output = kunci(&server.addr, &["list", "d", "--json"]);
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(
+        stdout(&output),
+        "{\"key\":\"d\\\"é\",\"grants\":1,\"waiters\":0,\"limit\":7}\n"
+    );
+    let output = kunci(&server.addr, &["list", "zzz"]);
+    assert_eq!(
+        (output.status.code(), stdout(&output)),
+        (Some(0), "".into())
+    );
+}
+
+#[test]
+fn cli_who_and_list_exit_codes() {
+    let (server, _) = table_server();
+    // Usage errors, before any connection.
+    for args in [
+        &["who"][..],
+        &["who", "a", "b"],
+        &["list", "a", "b"],
+        &["who", "k", "--wait", "1"],
+        &["list", "--shared"],
+    ] {
+        let output = kunci(&server.addr, args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+    }
+    // etcd mode cannot answer them yet: a usage error that says so.
+    for args in [&["who", "k"][..], &["list"]] {
+        let output = kunci("etcd://127.0.0.1:1", args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        let text = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            text.contains("does not work on etcd:// addresses yet"),
+            "{text}"
+        );
+    }
+    assert_eq!(server.accepted(), 0);
+    // Nobody listens: unavailable.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = dead.local_addr().unwrap().to_string();
+    drop(dead);
+    for args in [&["who", "k"][..], &["list"]] {
+        let output = kunci(&addr, args);
+        assert_eq!(output.status.code(), Some(4), "{args:?}");
+    }
+}
