@@ -18,20 +18,40 @@ use std::fmt;
 /// Longest variable part (key) a request may carry, in bytes.
 pub const KEY_LEN_MAX: usize = 255;
 
+/// Longest label an `S` request (and so a grant or waiter) may carry, in
+/// bytes (spec §11).
+pub const LABEL_LEN_MAX: usize = 128;
+
 /// How many bytes after a request's fixed header may pass without a `\n`
 /// before the frame is "too long" (error 2): the variable part plus its
-/// terminator.
+/// terminator. `S` has its own bound, [`PERMITS_TAIL_MAX`] past its key.
 pub const REQUEST_TAIL_MAX: usize = KEY_LEN_MAX + 1;
 
-/// The largest request frame: `A`, its 10-byte header, a 255-byte key, `\n`.
-pub const REQUEST_FRAME_MAX: usize = 1 + 10 + REQUEST_TAIL_MAX;
+/// How many bytes after an `S` frame's key may pass without a `\n`: the
+/// label plus its terminator. The key itself is taken by its `klen`.
+pub const PERMITS_TAIL_MAX: usize = LABEL_LEN_MAX + 1;
+
+/// The fixed header of an `S` frame:
+/// `wait:u8 lease:u8 owner:u64 limit:u16 take:u16 klen:u8`.
+const PERMITS_HEADER_LEN: usize = 15;
+
+/// The largest request frame: `S`, its 15-byte header, a 255-byte key, a
+/// 128-byte label, `\n` (400 bytes; the other ops stop at 267).
+pub const REQUEST_FRAME_MAX: usize = 1 + PERMITS_HEADER_LEN + KEY_LEN_MAX + PERMITS_TAIL_MAX;
+
+/// Most keys one `L` request may ask for (spec §11).
+pub const LIST_COUNT_MAX: u16 = 1000;
+
+/// The limit of a shared lock: every reader takes one of 65535 permits.
+pub const SHARED_LIMIT: u16 = u16::MAX;
 
 /// Longest text a response (`I` or `X`) may carry before a client decoder
 /// gives up on the stream.
 pub const RESPONSE_TEXT_MAX: usize = 4096;
 
-/// The largest frame the server sends: an `I` line with every counter at
-/// its maximum is under 400 bytes; an `X` is at most 91.
+/// The largest single frame the server sends: an `I` line with every
+/// counter at its maximum is under 400 bytes, a `K` with a 255-byte key
+/// 275, a `G` with a 128-byte label 164; an `X` is at most 91.
 pub const RESPONSE_FRAME_MAX: usize = 512;
 
 /// Longest text the server puts in an `X` frame.
@@ -41,14 +61,24 @@ pub const ERROR_TEXT_MAX: usize = 80;
 pub const WAIT_S_MAX: u8 = u8::MAX;
 
 /// A request from a client to the server. Keys borrow from the read buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Its `Debug` shows a secret's length, never the secret.
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Request<'a> {
-    /// `A wait:u8 lease:u8 owner:u64 key \n`
+    /// `A wait:u8 lease:u8 owner:u64 key \n`, or
+    /// `S wait:u8 lease:u8 owner:u64 limit:u16 take:u16 klen:u8 key label \n`
+    /// (spec §10). `A` is `S` with limit 0, take 0 and no label, so both
+    /// decode to this; the encoder writes `A` whenever it can.
     Acquire {
         wait_s: u8,
         lease_s: u8,
         owner: u64,
         key: &'a str,
+        /// The key's number of permits; 0 names none.
+        limit: u16,
+        /// How many permits to take; 0 takes them all (exclusive).
+        take: u16,
+        /// Who is asking, 0..=128 bytes without `\n` (spec §11).
+        label: &'a str,
     },
     /// `R token:u64 key \n`
     Release { token: u64, key: &'a str },
@@ -64,6 +94,93 @@ pub enum Request<'a> {
     Ping { nonce: u64 },
     /// `I \n`
     Info,
+    /// `H id:u64 key \n` — the grants and waiters of one key (spec §11).
+    Holders { id: u64, key: &'a str },
+    /// `L id:u64 cursor:u64 count:u16 prefix \n` — one page of the keys
+    /// in the table (spec §11).
+    List {
+        id: u64,
+        cursor: u64,
+        count: u16,
+        prefix: &'a str,
+    },
+    /// `U secret \n` — the first request of a session on a server with
+    /// `--auth` (spec §12).
+    Authenticate { secret: &'a [u8] },
+}
+
+/// A `Debug` for a secret that never shows it, only its length.
+impl fmt::Debug for Secret<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "<{} bytes>", self.0.len())
+    }
+}
+
+/// Wraps a secret so that debug output cannot leak it.
+struct Secret<'a>(&'a [u8]);
+
+impl fmt::Debug for Request<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Request::Acquire {
+                wait_s,
+                lease_s,
+                owner,
+                key,
+                limit,
+                take,
+                label,
+            } => f
+                .debug_struct("Acquire")
+                .field("wait_s", &wait_s)
+                .field("lease_s", &lease_s)
+                .field("owner", &owner)
+                .field("key", &key)
+                .field("limit", &limit)
+                .field("take", &take)
+                .field("label", &label)
+                .finish(),
+            Request::Release { token, key } => f
+                .debug_struct("Release")
+                .field("token", &token)
+                .field("key", &key)
+                .finish(),
+            Request::Extend {
+                lease_s,
+                token,
+                key,
+            } => f
+                .debug_struct("Extend")
+                .field("lease_s", &lease_s)
+                .field("token", &token)
+                .field("key", &key)
+                .finish(),
+            Request::Query { key } => f.debug_struct("Query").field("key", &key).finish(),
+            Request::Ping { nonce } => f.debug_struct("Ping").field("nonce", &nonce).finish(),
+            Request::Info => f.write_str("Info"),
+            Request::Holders { id, key } => f
+                .debug_struct("Holders")
+                .field("id", &id)
+                .field("key", &key)
+                .finish(),
+            Request::List {
+                id,
+                cursor,
+                count,
+                prefix,
+            } => f
+                .debug_struct("List")
+                .field("id", &id)
+                .field("cursor", &cursor)
+                .field("count", &count)
+                .field("prefix", &prefix)
+                .finish(),
+            Request::Authenticate { secret } => f
+                .debug_struct("Authenticate")
+                .field("secret", &Secret(secret))
+                .finish(),
+        }
+    }
 }
 
 impl Request<'_> {
@@ -76,7 +193,25 @@ impl Request<'_> {
             Request::Query { .. } => Correlation::Query,
             Request::Ping { nonce } => Correlation::Ping { nonce },
             Request::Info => Correlation::Info,
+            Request::Holders { id, .. } => Correlation::Holders { id },
+            Request::List { id, .. } => Correlation::List { id },
+            Request::Authenticate { .. } => Correlation::Authenticate,
         }
+    }
+
+    /// Whether this acquire is the plain exclusive `A` (spec §10.1: limit
+    /// 0, take 0, no label), which the encoder writes as an `A` frame.
+    /// `false` for every other op.
+    pub fn is_plain_acquire(&self) -> bool {
+        matches!(
+            *self,
+            Request::Acquire {
+                limit: 0,
+                take: 0,
+                label: "",
+                ..
+            }
+        )
     }
 
     /// The identifier an `X` answer to this request carries: the owner of an
@@ -87,10 +222,14 @@ impl Request<'_> {
 }
 
 /// The part of a request its answer is recognised by (spec §2.3, §6): the
-/// op and the id the answer echoes. `A`, `T` and `B` answer an acquire by
-/// `owner`; `R`, `E` and `N` a release or extend by `token`; `P` a ping by
-/// `nonce`; `Q` and `I` carry no id and answer the oldest query or info
-/// request, in order; an `X` carries the request's [`error_id`](Self::error_id).
+/// op and the id the answer echoes. `A`, `T` and `B` answer an acquire
+/// (`A` or `S`) by `owner`; `R`, `E` and `N` a release or extend by
+/// `token`; `P` a ping by `nonce`; `Q`, `I` and `U` carry no id and answer
+/// the oldest query, info or authenticate request, in order; `G` and `W`
+/// answer a holders request and `K` a list request by `id`, several frames
+/// per request, the last one always a `Z` with that `id`
+/// ([`Response::ends_answer`]); an `X` carries the request's
+/// [`error_id`](Self::error_id).
 /// Every loop that correlates answers (server tests, client, bench) uses
 /// this one rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -101,6 +240,9 @@ pub enum Correlation {
     Query,
     Ping { nonce: u64 },
     Info,
+    Holders { id: u64 },
+    List { id: u64 },
+    Authenticate,
 }
 
 impl Correlation {
@@ -110,13 +252,15 @@ impl Correlation {
             Correlation::Acquire { owner } => owner,
             Correlation::Release { token } | Correlation::Extend { token } => token,
             Correlation::Ping { nonce } => nonce,
-            Correlation::Query | Correlation::Info => 0,
+            Correlation::Holders { id } | Correlation::List { id } => id,
+            Correlation::Query | Correlation::Info | Correlation::Authenticate => 0,
         }
     }
 
-    /// Whether `response` answers the request. A fatal `X` ends the whole
-    /// session rather than answering one request; callers decide on it
-    /// before they correlate.
+    /// Whether `response` answers the request, or is one frame of its
+    /// answer (`G`, `W`, `K`: see [`Response::ends_answer`]). A fatal `X`
+    /// ends the whole session rather than answering one request; callers
+    /// decide on it before they correlate.
     pub fn is_answered_by(self, response: &Response) -> bool {
         match (response, self) {
             (
@@ -133,7 +277,16 @@ impl Correlation {
             ) => *token == sent,
             (Response::Pong { nonce }, Correlation::Ping { nonce: sent }) => *nonce == sent,
             (Response::Query { .. }, Correlation::Query)
-            | (Response::Info(_), Correlation::Info) => true,
+            | (Response::Info(_), Correlation::Info)
+            | (Response::Authenticated { .. }, Correlation::Authenticate) => true,
+            (
+                Response::Grant { id, .. } | Response::Waiter { id, .. } | Response::End { id, .. },
+                Correlation::Holders { id: sent },
+            )
+            | (
+                Response::Key { id, .. } | Response::End { id, .. },
+                Correlation::List { id: sent },
+            ) => *id == sent,
             (Response::Error { id, .. }, sent) => *id == sent.error_id(),
             _ => false,
         }
@@ -167,25 +320,98 @@ pub enum Response {
     /// `I text \n` — server counters as `name=value` pairs.
     Info(String),
     /// `X code:u8 id:u64 text \n`. The server's texts are static, so an
-    /// `X` costs no allocation; a decoded one owns its text.
+    /// `X` costs no allocation, except `X 10`, which names the key's limit
+    /// ([`Response::limit_mismatch`]); a decoded one owns its text.
     Error {
         code: u8,
         id: u64,
         text: Cow<'static, str>,
     },
+    /// `G id:u64 token:u64 owner:u64 lease_ms:u32 held_ms:u32 take:u16 label \n`
+    /// — one grant of the key a holders request (`H`) asked about.
+    Grant {
+        id: u64,
+        token: u64,
+        owner: u64,
+        lease_ms: u32,
+        held_ms: u32,
+        take: u16,
+        label: String,
+    },
+    /// `W id:u64 owner:u64 wait_ms:u32 take:u16 label \n` — one waiter of
+    /// the key a holders request (`H`) asked about.
+    Waiter {
+        id: u64,
+        owner: u64,
+        wait_ms: u32,
+        take: u16,
+        label: String,
+    },
+    /// `K id:u64 grants:u32 waiters:u32 limit:u16 key \n` — one key of a
+    /// list request (`L`).
+    Key {
+        id: u64,
+        grants: u32,
+        waiters: u32,
+        limit: u16,
+        key: String,
+    },
+    /// `Z id:u64 count:u32 next:u64 \n` — the last frame of the answer to
+    /// `H` or `L`: `count` frames were sent; `next` is the number left out
+    /// (`H`) or the cursor to continue with, 0 at the end (`L`).
+    End { id: u64, count: u32, next: u64 },
+    /// `U name \n` — the session is authenticated as `name` (empty on a
+    /// server without `--auth`).
+    Authenticated { name: String },
+}
+
+impl Response {
+    /// Whether this frame is the last of its request's answer: everything
+    /// but `G`, `W` and `K`, which a `Z` follows.
+    pub fn ends_answer(&self) -> bool {
+        !matches!(
+            self,
+            Response::Grant { .. } | Response::Waiter { .. } | Response::Key { .. }
+        )
+    }
+
+    /// The `X 10` answer to an `S` whose limit is not the key's: its text
+    /// names the key's limit, exactly `limit mismatch: key limit N`.
+    pub fn limit_mismatch(owner: u64, key_limit: u16) -> Response {
+        Response::Error {
+            code: ErrorCode::LimitMismatch as u8,
+            id: owner,
+            text: Cow::Owned(format!("{LIMIT_MISMATCH_PREFIX}{key_limit}")),
+        }
+    }
+}
+
+/// What the text of every `X 10` starts with; the key's limit follows.
+const LIMIT_MISMATCH_PREFIX: &str = "limit mismatch: key limit ";
+
+/// The key's limit named by the text of an `X 10`, if the text is the
+/// one the spec prescribes (`limit mismatch: key limit N`).
+pub fn parse_limit_mismatch(text: &str) -> Option<u16> {
+    let digits = text.strip_prefix(LIMIT_MISMATCH_PREFIX)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }
 
 /// The error codes of `X` frames.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum ErrorCode {
-    /// The op byte is not one of `A R E Q P I`: framing is lost.
+    /// The op byte is not one of `A R E Q P I S H L U`: framing is lost.
     UnknownOp = 1,
-    /// No `\n` within 256 bytes after the fixed header.
+    /// No `\n` within 256 bytes after the fixed header (`S`: within
+    /// `klen` + 129).
     FrameTooLong = 2,
     /// The key is empty.
     EmptyKey = 3,
-    /// The key is not valid UTF-8.
+    /// The key (or an `S` label, or an `L` prefix) is not valid UTF-8, or
+    /// an `S` key contains `\n`.
     KeyNotUtf8 = 4,
     /// A lease of 0 seconds in `A` or `E`.
     ZeroLease = 5,
@@ -197,6 +423,16 @@ pub enum ErrorCode {
     ShuttingDown = 8,
     /// The peer's address is not in the server's `--allow` list.
     NotAllowed = 9,
+    /// An `S` names a limit other than the key's (spec §10.2). Its text
+    /// names the key's limit: build it with [`Response::limit_mismatch`].
+    LimitMismatch = 10,
+    /// An `S` take/limit or an `L` count out of range.
+    InvalidCount = 11,
+    /// A request before a successful `U`, or a `U` with an unknown secret
+    /// (spec §12).
+    NotAuthenticated = 12,
+    /// The session's scopes do not cover this key or op (spec §12).
+    NotPermitted = 13,
 }
 
 impl ErrorCode {
@@ -209,14 +445,17 @@ impl ErrorCode {
                 | ErrorCode::ConnectionLimit
                 | ErrorCode::ShuttingDown
                 | ErrorCode::NotAllowed
+                | ErrorCode::NotAuthenticated
         )
     }
 
-    /// The short explanation the server sends with the code.
+    /// The short explanation the server sends with the code. For
+    /// [`LimitMismatch`](Self::LimitMismatch) the server sends
+    /// [`Response::limit_mismatch`] instead, which names the limit.
     pub fn text(self) -> &'static str {
         match self {
             ErrorCode::UnknownOp => "unknown op byte",
-            ErrorCode::FrameTooLong => "frame too long: no newline within 256 bytes",
+            ErrorCode::FrameTooLong => "frame too long: no newline where the frame must end",
             ErrorCode::EmptyKey => "key is empty",
             ErrorCode::KeyNotUtf8 => "key is not valid UTF-8",
             ErrorCode::ZeroLease => "lease must be 1..=255 seconds",
@@ -224,6 +463,10 @@ impl ErrorCode {
             ErrorCode::ConnectionLimit => "connection limit reached",
             ErrorCode::ShuttingDown => "server shutting down",
             ErrorCode::NotAllowed => "peer not allowed",
+            ErrorCode::LimitMismatch => "limit mismatch: not the key's limit",
+            ErrorCode::InvalidCount => "invalid count",
+            ErrorCode::NotAuthenticated => "not authenticated",
+            ErrorCode::NotPermitted => "not permitted",
         }
     }
 
@@ -239,6 +482,10 @@ impl ErrorCode {
             7 => ErrorCode::ConnectionLimit,
             8 => ErrorCode::ShuttingDown,
             9 => ErrorCode::NotAllowed,
+            10 => ErrorCode::LimitMismatch,
+            11 => ErrorCode::InvalidCount,
+            12 => ErrorCode::NotAuthenticated,
+            13 => ErrorCode::NotPermitted,
             _ => return None,
         })
     }
@@ -293,8 +540,10 @@ pub fn request_header_len(op: u8) -> Option<usize> {
         b'A' => Some(10),
         b'R' => Some(8),
         b'E' => Some(9),
-        b'Q' | b'I' => Some(0),
-        b'P' => Some(8),
+        b'Q' | b'I' | b'U' => Some(0),
+        b'P' | b'H' => Some(8),
+        b'S' => Some(PERMITS_HEADER_LEN),
+        b'L' => Some(18),
         _ => None,
     }
 }
@@ -319,9 +568,19 @@ pub fn decode_request(buf: &[u8]) -> Decoded<'_> {
         return Decoded::Incomplete;
     };
     let id = header_id(op, header);
-    let tail = &buf[tail_start..buf.len().min(tail_start + REQUEST_TAIL_MAX)];
-    let Some(payload_len) = tail.iter().position(|&b| b == b'\n') else {
-        return if tail.len() == REQUEST_TAIL_MAX {
+    // `S` takes its key by the count in its header, and only then looks
+    // for the `\n` after the label; every other op looks right away.
+    let (search_start, tail_max) = if op == b'S' {
+        (tail_start + usize::from(header[14]), PERMITS_TAIL_MAX)
+    } else {
+        (tail_start, REQUEST_TAIL_MAX)
+    };
+    if buf.len() < search_start {
+        return Decoded::Incomplete;
+    }
+    let tail = &buf[search_start..buf.len().min(search_start + tail_max)];
+    let Some(newline_at) = tail.iter().position(|&b| b == b'\n') else {
+        return if tail.len() == tail_max {
             Decoded::Fatal(RequestError {
                 code: ErrorCode::FrameTooLong,
                 id,
@@ -330,8 +589,8 @@ pub fn decode_request(buf: &[u8]) -> Decoded<'_> {
             Decoded::Incomplete
         };
     };
-    let payload = &tail[..payload_len];
-    let len = tail_start + payload_len + 1;
+    let len = search_start + newline_at + 1;
+    let payload = &buf[tail_start..len - 1];
     match validate_request(op, header, payload) {
         Ok(request) => Decoded::Request { request, len },
         Err(code) => Decoded::Invalid {
@@ -343,8 +602,8 @@ pub fn decode_request(buf: &[u8]) -> Decoded<'_> {
 
 fn header_id(op: u8, header: &[u8]) -> u64 {
     match op {
-        b'A' => be_u64(header, 2),
-        b'R' | b'P' => be_u64(header, 0),
+        b'A' | b'S' => be_u64(header, 2),
+        b'R' | b'P' | b'H' | b'L' => be_u64(header, 0),
         b'E' => be_u64(header, 1),
         _ => 0,
     }
@@ -365,8 +624,54 @@ fn validate_request<'a>(
                 lease_s,
                 owner: be_u64(header, 2),
                 key,
+                limit: 0,
+                take: 0,
+                label: "",
             })
         }
+        b'S' => {
+            // The frame was found by `klen`, so the payload holds at least
+            // `klen` bytes: the key, then the label.
+            let (key, label) = payload.split_at(usize::from(header_byte(14)));
+            let key = validate_key(key)?;
+            if key.contains('\n') {
+                return Err(ErrorCode::KeyNotUtf8);
+            }
+            let label = std::str::from_utf8(label).map_err(|_| ErrorCode::KeyNotUtf8)?;
+            let lease_s = nonzero_lease(header_byte(1))?;
+            let limit = be_u16(header, 10);
+            let take = be_u16(header, 12);
+            if take >= 1 && (limit == 0 || take > limit) {
+                return Err(ErrorCode::InvalidCount);
+            }
+            Ok(Request::Acquire {
+                wait_s: header_byte(0),
+                lease_s,
+                owner: be_u64(header, 2),
+                key,
+                limit,
+                take,
+                label,
+            })
+        }
+        b'H' => Ok(Request::Holders {
+            id: be_u64(header, 0),
+            key: validate_key(payload)?,
+        }),
+        b'L' => {
+            let prefix = std::str::from_utf8(payload).map_err(|_| ErrorCode::KeyNotUtf8)?;
+            let count = be_u16(header, 16);
+            if count == 0 || count > LIST_COUNT_MAX {
+                return Err(ErrorCode::InvalidCount);
+            }
+            Ok(Request::List {
+                id: be_u64(header, 0),
+                cursor: be_u64(header, 8),
+                count,
+                prefix,
+            })
+        }
+        b'U' => Ok(Request::Authenticate { secret: payload }),
         b'R' => Ok(Request::Release {
             token: be_u64(header, 0),
             key: validate_key(payload)?,
@@ -415,6 +720,11 @@ fn be_u64(header: &[u8], at: usize) -> u64 {
     u64::from_be_bytes(bytes)
 }
 
+/// As [`be_u64`], for a u16.
+fn be_u16(header: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes([header[at], header[at + 1]])
+}
+
 /// As [`be_u64`], for a u32.
 fn be_u32(header: &[u8], at: usize) -> u32 {
     let mut bytes = [0u8; 4];
@@ -422,10 +732,13 @@ fn be_u32(header: &[u8], at: usize) -> u32 {
     u32::from_be_bytes(bytes)
 }
 
-/// Appends the frame for `request` to `out`.
+/// Appends the frame for `request` to `out`. An acquire with limit 0,
+/// take 0 and no label is written as `A`, any other as `S`.
 ///
-/// The caller is responsible for a valid key (1..=255 bytes without `\n`);
-/// this only writes bytes.
+/// The caller is responsible for valid fields (a key of 1..=255 bytes and
+/// a label of 0..=128 bytes, both without `\n`; take and limit as spec
+/// §10.1 wants; no `\n` in a secret); this only writes bytes. (An `S` key
+/// longer than 255 bytes would have its `klen` cut to the low byte.)
 pub fn encode_request(request: &Request<'_>, out: &mut Vec<u8>) {
     match *request {
         Request::Acquire {
@@ -433,10 +746,30 @@ pub fn encode_request(request: &Request<'_>, out: &mut Vec<u8>) {
             lease_s,
             owner,
             key,
+            limit: 0,
+            take: 0,
+            label: "",
         } => {
             out.extend_from_slice(&[b'A', wait_s, lease_s]);
             out.extend_from_slice(&owner.to_be_bytes());
             out.extend_from_slice(key.as_bytes());
+        }
+        Request::Acquire {
+            wait_s,
+            lease_s,
+            owner,
+            key,
+            limit,
+            take,
+            label,
+        } => {
+            out.extend_from_slice(&[b'S', wait_s, lease_s]);
+            out.extend_from_slice(&owner.to_be_bytes());
+            out.extend_from_slice(&limit.to_be_bytes());
+            out.extend_from_slice(&take.to_be_bytes());
+            out.push(key.len() as u8);
+            out.extend_from_slice(key.as_bytes());
+            out.extend_from_slice(label.as_bytes());
         }
         Request::Release { token, key } => {
             out.push(b'R');
@@ -461,6 +794,27 @@ pub fn encode_request(request: &Request<'_>, out: &mut Vec<u8>) {
             out.extend_from_slice(&nonce.to_be_bytes());
         }
         Request::Info => out.push(b'I'),
+        Request::Holders { id, key } => {
+            out.push(b'H');
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(key.as_bytes());
+        }
+        Request::List {
+            id,
+            cursor,
+            count,
+            prefix,
+        } => {
+            out.push(b'L');
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&cursor.to_be_bytes());
+            out.extend_from_slice(&count.to_be_bytes());
+            out.extend_from_slice(prefix.as_bytes());
+        }
+        Request::Authenticate { secret } => {
+            out.push(b'U');
+            out.extend_from_slice(secret);
+        }
     }
     out.push(b'\n');
 }
@@ -514,6 +868,65 @@ pub fn encode_response(response: &Response, out: &mut Vec<u8>) {
             out.extend_from_slice(&id.to_be_bytes());
             push_text(out, text);
         }
+        Response::Grant {
+            id,
+            token,
+            owner,
+            lease_ms,
+            held_ms,
+            take,
+            ref label,
+        } => {
+            out.push(b'G');
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&token.to_be_bytes());
+            out.extend_from_slice(&owner.to_be_bytes());
+            out.extend_from_slice(&lease_ms.to_be_bytes());
+            out.extend_from_slice(&held_ms.to_be_bytes());
+            out.extend_from_slice(&take.to_be_bytes());
+            push_text(out, label);
+        }
+        Response::Waiter {
+            id,
+            owner,
+            wait_ms,
+            take,
+            ref label,
+        } => {
+            out.push(b'W');
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&owner.to_be_bytes());
+            out.extend_from_slice(&wait_ms.to_be_bytes());
+            out.extend_from_slice(&take.to_be_bytes());
+            push_text(out, label);
+        }
+        Response::Key {
+            id,
+            grants,
+            waiters,
+            limit,
+            ref key,
+        } => {
+            out.push(b'K');
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&grants.to_be_bytes());
+            out.extend_from_slice(&waiters.to_be_bytes());
+            out.extend_from_slice(&limit.to_be_bytes());
+            push_text(out, key);
+        }
+        Response::End { id, count, next } => {
+            let mut frame = [0u8; 22];
+            frame[0] = b'Z';
+            frame[1..9].copy_from_slice(&id.to_be_bytes());
+            frame[9..13].copy_from_slice(&count.to_be_bytes());
+            frame[13..21].copy_from_slice(&next.to_be_bytes());
+            frame[21] = b'\n';
+            out.extend_from_slice(&frame);
+        }
+        Response::Authenticated { ref name } => {
+            out.push(b'U');
+            push_text(out, name);
+        }
     }
 }
 
@@ -531,7 +944,8 @@ pub enum ResponseError {
     UnknownOp(u8),
     /// A fixed-size frame is not followed by `\n`.
     MissingNewline(u8),
-    /// An `I` or `X` text ran past [`RESPONSE_TEXT_MAX`] bytes.
+    /// The text of an `I`, `X`, `G`, `W`, `K` or `U` ran past
+    /// [`RESPONSE_TEXT_MAX`] bytes.
     TextTooLong(u8),
 }
 
@@ -561,10 +975,19 @@ pub fn response_header_len(op: u8) -> Option<usize> {
         b'A' => Some(16),
         b'T' | b'B' | b'R' | b'E' | b'N' | b'P' => Some(8),
         b'Q' => Some(24),
-        b'I' => Some(0),
+        b'I' | b'U' => Some(0),
         b'X' => Some(9),
+        b'G' => Some(34),
+        b'W' => Some(22),
+        b'K' => Some(18),
+        b'Z' => Some(20),
         _ => None,
     }
+}
+
+/// Whether a response op carries text between its fixed header and `\n`.
+pub fn response_has_text(op: u8) -> bool {
+    matches!(op, b'I' | b'X' | b'G' | b'W' | b'K' | b'U')
 }
 
 /// Decodes the response frame at the start of `buf`: `Ok(None)` when more
@@ -579,7 +1002,7 @@ pub fn decode_response(buf: &[u8]) -> Result<Option<(Response, usize)>, Response
     let Some(header) = buf.get(1..tail_start) else {
         return Ok(None);
     };
-    let text_len = if op == b'I' || op == b'X' {
+    let text_len = if response_has_text(op) {
         let tail = &buf[tail_start..buf.len().min(tail_start + RESPONSE_TEXT_MAX + 1)];
         match tail.iter().position(|&b| b == b'\n') {
             Some(at) => at,
@@ -624,6 +1047,35 @@ pub fn decode_response(buf: &[u8]) -> Result<Option<(Response, usize)>, Response
             waiters: be_u32(header, 20),
         },
         b'I' => Response::Info(text()),
+        b'G' => Response::Grant {
+            id: be_u64(header, 0),
+            token: be_u64(header, 8),
+            owner: be_u64(header, 16),
+            lease_ms: be_u32(header, 24),
+            held_ms: be_u32(header, 28),
+            take: be_u16(header, 32),
+            label: text(),
+        },
+        b'W' => Response::Waiter {
+            id: be_u64(header, 0),
+            owner: be_u64(header, 8),
+            wait_ms: be_u32(header, 16),
+            take: be_u16(header, 20),
+            label: text(),
+        },
+        b'K' => Response::Key {
+            id: be_u64(header, 0),
+            grants: be_u32(header, 8),
+            waiters: be_u32(header, 12),
+            limit: be_u16(header, 16),
+            key: text(),
+        },
+        b'Z' => Response::End {
+            id: be_u64(header, 0),
+            count: be_u32(header, 8),
+            next: be_u64(header, 12),
+        },
+        b'U' => Response::Authenticated { name: text() },
         _ => Response::Error {
             code: header[0],
             id: be_u64(header, 1),

@@ -207,7 +207,7 @@ fn holder_connection_closing_changes_nothing() {
     let mut fake = Fake::with_conns(3);
     let token = fake.grant(1, "a", 5, 1);
     fake.enqueue(2, "a", 100, 5, 2);
-    fake.core.disconnect(1);
+    fake.core.disconnect(1, fake.now);
     assert_eq!(fake.drain(), vec![]);
     assert_eq!(fake.query("a"), (token, 1, 5_000, 1));
     // The lease still runs out on time and the key goes to the waiter.
@@ -215,7 +215,7 @@ fn holder_connection_closing_changes_nothing() {
     assert_eq!(fake.run_until(5 * S), vec![(2, acquired(2, token + 1))]);
     // And a grant whose connection is gone is still released by token.
     let token_b = fake.grant(2, "b", 5, 3);
-    fake.core.disconnect(2);
+    fake.core.disconnect(2, fake.now);
     assert_eq!(fake.release(0, "b", token_b), vec![(0, released(token_b))]);
 }
 
@@ -350,7 +350,7 @@ fn waiter_connection_closing_removes_its_waiters_silently() {
     fake.enqueue(2, "a", 100, 30, 5);
     fake.enqueue(2, "b", 100, 30, 6);
     assert_eq!(fake.core.waiter_count(), 4);
-    fake.core.disconnect(2);
+    fake.core.disconnect(2, fake.now);
     assert_eq!(fake.drain(), vec![]);
     assert_eq!(fake.core.waiter_count(), 1);
     assert_eq!(fake.query("a"), (token_a, 1, 10_000, 1));
@@ -377,7 +377,7 @@ fn hand_over_is_fifo_across_connections_timeouts_and_closes() {
         fake.enqueue((owner as u32 - 1) % 4 + 1, "k", wait, 100, owner);
     }
     assert_eq!(fake.run_until(2 * S), vec![(3, timeout(3))]);
-    fake.core.disconnect(4);
+    fake.core.disconnect(4, fake.now);
     let mut order = Vec::new();
     for _ in 0..5 {
         let out = fake.release(0, "k", token);
@@ -449,7 +449,7 @@ fn each_waiter_limit_answers_busy_and_changes_nothing() {
     assert_eq!(fake.acquire(1, "a", 5, 30, 5), vec![(1, busy(5))]);
     fake.enqueue(2, "a", 5, 30, 6);
     // Closing the connection gives its allowance back to a new one there.
-    fake.core.disconnect(1);
+    fake.core.disconnect(1, fake.now);
     fake.core.connect(1);
     fake.enqueue(1, "a", 5, 30, 7);
     fake.enqueue(1, "a", 5, 30, 8);
@@ -586,7 +586,7 @@ fn thousands_of_keys_and_waiters_come_and_go_and_the_table_empties() {
             assert_eq!(out[0], (0, released(tokens[i])));
             assert_eq!(out.len(), if i < 5_000 { 2 } else { 1 });
         }
-        fake.core.disconnect(5);
+        fake.core.disconnect(5, fake.now);
         fake.core.check_invariants();
         let start = fake.now;
         let out = fake.run_until(start + 100 * S);
@@ -759,7 +759,7 @@ fn info_names_every_counter_with_its_value() {
         },
     );
     fake.drain();
-    fake.core.disconnect(3);
+    fake.core.disconnect(3, fake.now);
     let mut small = Fake::new(limits(0, 0, 0, 0), 1);
     assert_eq!(small.acquire(0, "z", 0, 1, 1), vec![(0, busy(1))]);
     assert_eq!(small.info()["busy"], "1");
@@ -826,7 +826,7 @@ fn shutdown_answers_every_waiter_busy_then_every_connection_x_8() {
     fake.enqueue(2, "a", 100, 30, 3);
     fake.enqueue(3, "a", 100, 30, 4);
     fake.enqueue(2, "b", 100, 30, 5);
-    fake.core.disconnect(0);
+    fake.core.disconnect(0, fake.now);
     fake.core.shut_down();
     let out = fake.drain();
     let (busy_part, errors) = out.split_at(3);
@@ -929,7 +929,7 @@ fn grace_query_shows_token_0_and_the_time_left_to_the_horizon() {
     assert_eq!(fake.release(2, "b", 0), vec![(2, not_held(0))]);
     assert_eq!(fake.query("a").3, 1);
     // When the last waiter leaves, the key counts as not in the table.
-    fake.core.disconnect(1);
+    fake.core.disconnect(1, fake.now);
     assert_eq!(fake.core.keys(), 0);
     assert_eq!(fake.query("a"), (0, 0, 8_000, 0));
     assert_eq!(fake.core.poll_timeout(), None);
@@ -1492,6 +1492,9 @@ impl Pair {
                         lease_s,
                         owner,
                         key: keys[key as usize],
+                        limit: 0,
+                        take: 0,
+                        label: "",
                     },
                 )
             }
@@ -1528,7 +1531,7 @@ impl Pair {
             ),
             Op::Info { conn } => self.request(conn, &Request::Info),
             Op::Reconnect { conn } => {
-                self.fake.core.disconnect(conn);
+                self.fake.core.disconnect(conn, self.fake.now);
                 self.model.disconnect(conn);
                 prop_assert_eq!(self.fake.drain(), vec![]);
                 self.fake.core.connect(conn);
@@ -1601,4 +1604,342 @@ proptest! {
         prop_assert_eq!(pair.fake.core.keys(), 0);
         prop_assert_eq!(pair.fake.core.poll_timeout(), None);
     }
+}
+
+// ---- permits: semaphores and shared locks (spec §10) ---------------------------
+
+fn mismatch(owner: u64, key_limit: u16) -> Response {
+    Response::limit_mismatch(owner, key_limit)
+}
+
+fn grants_held(fake: &mut Fake) -> String {
+    fake.info()["grants_held"].clone()
+}
+
+#[test]
+fn counted_grants_that_fit_are_granted_at_once_and_one_that_does_not_waits_or_times_out() {
+    let mut fake = Fake::with_conns(4);
+    let first = fake.grant_permits(1, "sem", 30, 11, 3, 1);
+    let second = fake.grant_permits(2, "sem", 20, 12, 3, 1);
+    assert_eq!(second, first + 1);
+    // 2 of 3 taken: a take of 2 does not fit; wait 0 times out at once.
+    assert_eq!(
+        fake.permits(3, "sem", 0, 30, 13, 3, 2, ""),
+        vec![(3, timeout(13))]
+    );
+    fake.enqueue_permits(3, "sem", 9, 30, 14, 3, 2);
+    // Q shows the grant with the smallest token; waiters counts the queue.
+    assert_eq!(fake.query("sem"), (first, 11, 30_000, 1));
+    assert_eq!(fake.core.held(), 1);
+    assert_eq!(grants_held(&mut fake), "2");
+    // Releasing one grant frees its permit: 1 + 2 fit now.
+    assert_eq!(
+        fake.release(1, "sem", first),
+        vec![(1, released(first)), (3, acquired(14, second + 1))]
+    );
+    assert_eq!(fake.query("sem"), (second, 12, 20_000, 0));
+    assert_eq!(grants_held(&mut fake), "2");
+    fake.core.check_invariants();
+}
+
+#[test]
+fn an_exclusive_request_waits_behind_counted_grants_and_nobody_overtakes_it() {
+    let mut fake = Fake::with_conns(5);
+    let reader = fake.grant_permits(1, "rw", 30, 1, 65535, 1);
+    // The writer (take 0, all permits) does not fit while a reader holds.
+    assert_eq!(
+        fake.permits(2, "rw", 0, 30, 2, 65535, 0, ""),
+        vec![(2, timeout(2))]
+    );
+    fake.enqueue_permits(2, "rw", 9, 30, 3, 65535, 0);
+    // A reader after the writer would fit, but the queue is not empty.
+    assert_eq!(
+        fake.permits(3, "rw", 0, 30, 4, 65535, 1, ""),
+        vec![(3, timeout(4))]
+    );
+    fake.enqueue_permits(3, "rw", 9, 30, 5, 65535, 1);
+    // A plain `A` (no limit: never a mismatch) is exclusive and queues too.
+    fake.enqueue(4, "rw", 9, 30, 6);
+    assert_eq!(fake.query("rw"), (reader, 1, 30_000, 3));
+    // The reader leaves: the writer alone; the reader behind it waits.
+    assert_eq!(
+        fake.release(1, "rw", reader),
+        vec![(1, released(reader)), (2, acquired(3, reader + 1))]
+    );
+    assert_eq!(fake.query("rw"), (reader + 1, 3, 30_000, 2));
+    // The writer leaves: the reader, then the `A` behind it does not fit.
+    assert_eq!(
+        fake.release(2, "rw", reader + 1),
+        vec![(2, released(reader + 1)), (3, acquired(5, reader + 2))]
+    );
+    assert_eq!(
+        fake.release(3, "rw", reader + 2),
+        vec![(3, released(reader + 2)), (4, acquired(6, reader + 3))]
+    );
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_small_take_behind_a_head_that_does_not_fit_waits_even_when_permits_are_free() {
+    let mut fake = Fake::with_conns(4);
+    let small = fake.grant_permits(1, "sem", 30, 1, 4, 1);
+    // The head wants 4 of 4 (3 are free): it does not fit...
+    fake.enqueue_permits(2, "sem", 9, 30, 2, 4, 4);
+    // ...so a take of 1, which would fit, waits behind it.
+    fake.enqueue_permits(3, "sem", 9, 30, 3, 4, 1);
+    assert_eq!(fake.query("sem"), (small, 1, 30_000, 2));
+    assert_eq!(fake.core.grants_held(), 1);
+    // When the head times out, the scan goes on to the next, which fits.
+    assert_eq!(
+        fake.run_until(9 * S),
+        vec![(2, timeout(2)), (3, acquired(3, small + 1))]
+    );
+    fake.core.check_invariants();
+}
+
+#[test]
+fn one_release_grants_every_waiter_that_fits_in_queue_order_with_increasing_tokens() {
+    let mut fake = Fake::with_conns(6);
+    // An exclusive grant that names the limit (sets it like any other).
+    let writer = fake.grant_permits(0, "sem", 30, 100, 3, 0);
+    for (conn, owner) in [(1, 101), (2, 102), (3, 103)] {
+        fake.enqueue_permits(conn, "sem", 9, 30, owner, 3, 1);
+    }
+    fake.enqueue_permits(4, "sem", 9, 30, 104, 3, 1);
+    fake.set_now(2 * S);
+    assert_eq!(
+        fake.release(0, "sem", writer),
+        vec![
+            (0, released(writer)),
+            (1, acquired(101, writer + 1)),
+            (2, acquired(102, writer + 2)),
+            (3, acquired(103, writer + 3)),
+        ]
+    );
+    // The fourth did not fit and stopped the scan.
+    assert_eq!(fake.query("sem"), (writer + 1, 101, 30_000, 1));
+    assert_eq!(fake.core.grants_held(), 3);
+    assert_eq!(fake.core.stats().grants, 4);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn expiry_of_one_of_several_grants_frees_only_its_permits() {
+    let mut fake = Fake::with_conns(4);
+    let short = fake.grant_permits(1, "sem", 10, 1, 2, 1);
+    let long = fake.grant_permits(2, "sem", 20, 2, 2, 1);
+    fake.enqueue_permits(3, "sem", 30, 5, 3, 2, 1);
+    fake.enqueue_permits(3, "sem", 30, 5, 4, 2, 1);
+    assert_eq!(fake.run_until(10 * S - 1), vec![]);
+    assert_eq!(fake.run_until(10 * S), vec![(3, acquired(3, long + 1))]);
+    assert_eq!(fake.core.stats().expired, 1);
+    // The other grant still holds with its own lease and token.
+    assert_eq!(fake.query("sem"), (long, 2, 10_000, 1));
+    assert_eq!(fake.extend(1, "sem", 10, short), vec![(1, not_held(short))]);
+    assert_eq!(fake.extend(2, "sem", 30, long), vec![(2, extended(long))]);
+    assert_eq!(fake.query("sem"), (long, 2, 30_000, 1));
+    // The next expiry is the hand-over grant's (5 s lease from 10 s).
+    assert_eq!(fake.run_until(15 * S), vec![(3, acquired(4, long + 2))]);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn release_and_extend_act_on_the_exact_token_of_any_grant() {
+    let mut fake = Fake::with_conns(2);
+    let tokens: Vec<u64> = (0..3)
+        .map(|owner| fake.grant_permits(1, "sem", 30, owner, 5, 1))
+        .collect();
+    fake.set_now(S);
+    assert_eq!(
+        fake.extend(1, "sem", 60, tokens[1]),
+        vec![(1, extended(tokens[1]))]
+    );
+    for wrong in [0, tokens[2] + 1, u64::MAX] {
+        assert_eq!(fake.release(1, "sem", wrong), vec![(1, not_held(wrong))]);
+    }
+    assert_eq!(
+        fake.release(1, "sem", tokens[0]),
+        vec![(1, released(tokens[0]))]
+    );
+    assert_eq!(
+        fake.release(1, "sem", tokens[0]),
+        vec![(1, not_held(tokens[0]))]
+    );
+    // The smallest live token is now the renewed one.
+    assert_eq!(fake.query("sem"), (tokens[1], 1, 60_000, 0));
+    assert_eq!(fake.run_until(31 * S), vec![]);
+    assert_eq!(fake.query("sem"), (tokens[1], 1, 30_000, 0));
+    assert_eq!(fake.core.grants_held(), 1);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_different_limit_gets_x_10_naming_the_keys_limit_and_changes_nothing() {
+    let mut fake = Fake::with_conns(3);
+    let token = fake.grant_permits(1, "sem", 30, 1, 3, 1);
+    let before = fake.core.next_token();
+    for (wait_s, take) in [(0, 1), (9, 1), (9, 0), (0, 4)] {
+        assert_eq!(
+            fake.permits(2, "sem", wait_s, 30, 7, 4, take, "x"),
+            vec![(2, mismatch(7, 3))]
+        );
+    }
+    match &mismatch(7, 3) {
+        Response::Error { code, id, text } => {
+            assert_eq!((*code, *id), (ErrorCode::LimitMismatch as u8, 7));
+            assert_eq!(text, "limit mismatch: key limit 3");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fake.core.next_token(), before);
+    assert_eq!(fake.query("sem"), (token, 1, 30_000, 0));
+    assert_eq!(fake.core.stats().errors, 4);
+    assert_eq!(fake.core.waiter_count(), 0);
+    // Limit 0 never mismatches: take 0 without a limit is exclusive.
+    assert_eq!(
+        fake.permits(2, "sem", 0, 30, 8, 0, 0, ""),
+        vec![(2, timeout(8))]
+    );
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_queued_request_sets_the_limit_and_it_goes_when_the_key_leaves_the_table() {
+    let mut fake = Fake::with_conns(3);
+    let plain = fake.grant(1, "k", 30, 1);
+    // The key has no limit; this request queues and sets it to 2.
+    fake.enqueue_permits(2, "k", 9, 30, 2, 2, 1);
+    assert_eq!(
+        fake.permits(2, "k", 9, 30, 3, 5, 1, ""),
+        vec![(2, mismatch(3, 2))]
+    );
+    // The plain grant still holds with its token, owner and lease.
+    assert_eq!(fake.query("k"), (plain, 1, 30_000, 1));
+    assert_eq!(fake.extend(1, "k", 40, plain), vec![(1, extended(plain))]);
+    assert_eq!(
+        fake.release(1, "k", plain),
+        vec![(1, released(plain)), (2, acquired(2, plain + 1))]
+    );
+    assert_eq!(
+        fake.release(2, "k", plain + 1),
+        vec![(2, released(plain + 1))]
+    );
+    assert_eq!(fake.core.keys(), 0);
+    // Gone with the key: any limit is the first again.
+    let again = fake.grant_permits(1, "k", 30, 4, 5, 5);
+    assert_eq!(again, plain + 2);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn a_request_that_ends_with_t_or_b_sets_no_limit() {
+    let mut fake = Fake::new(limits(10, 10, 0, 10), 3);
+    let plain = fake.grant(1, "k", 30, 1);
+    assert_eq!(
+        fake.permits(2, "k", 0, 30, 2, 2, 1, ""),
+        vec![(2, timeout(2))]
+    );
+    // No room on the key's queue: B, and no limit either.
+    assert_eq!(fake.permits(2, "k", 9, 30, 3, 3, 1, ""), vec![(2, busy(3))]);
+    assert_eq!(
+        fake.permits(2, "k", 0, 30, 4, 4, 1, ""),
+        vec![(2, timeout(4))]
+    );
+    // The key never got a limit: the plain grant frees it, and a new
+    // grant may name any limit.
+    assert_eq!(fake.release(1, "k", plain), vec![(1, released(plain))]);
+    assert_eq!(fake.core.keys(), 0);
+    fake.grant_permits(1, "k", 30, 5, 9, 1);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn max_grants_counts_grants_and_waiters_and_answers_busy_at_once() {
+    let mut fake = Fake::new(
+        Limits {
+            max_grants: 3,
+            ..Limits::default()
+        },
+        3,
+    );
+    let first = fake.grant_permits(1, "sem", 30, 1, 5, 1);
+    fake.grant_permits(1, "sem", 30, 2, 5, 1);
+    fake.enqueue_permits(2, "sem", 9, 30, 3, 5, 5);
+    // 2 grants + 1 waiter: a grant or a waiter more would pass it.
+    assert_eq!(
+        fake.permits(2, "sem", 9, 30, 4, 5, 1, ""),
+        vec![(2, busy(4))]
+    );
+    assert_eq!(fake.acquire(2, "other", 0, 30, 5), vec![(2, busy(5))]);
+    assert_eq!(fake.acquire(2, "sem", 9, 30, 6), vec![(2, busy(6))]);
+    assert_eq!(fake.core.next_token(), first + 2);
+    assert_eq!(fake.core.stats().busy, 3);
+    // A grant leaving makes room for one.
+    assert_eq!(fake.release(1, "sem", first), vec![(1, released(first))]);
+    assert_eq!(fake.grant(2, "other", 30, 7), first + 2);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn the_head_waiter_leaving_lets_the_ones_behind_it_in() {
+    let mut fake = Fake::with_conns(4);
+    let held = fake.grant_permits(1, "sem", 30, 1, 3, 2);
+    fake.enqueue_permits(2, "sem", 9, 30, 2, 3, 2);
+    fake.enqueue_permits(3, "sem", 9, 30, 3, 3, 1);
+    fake.enqueue_permits(3, "sem", 9, 30, 4, 3, 1);
+    fake.set_now(S);
+    // The head's connection closes: the next fits (2 + 1), the one after
+    // it does not (2 + 1 + 1).
+    fake.core.disconnect(2, fake.now);
+    assert_eq!(fake.drain(), vec![(3, acquired(3, held + 1))]);
+    assert_eq!(fake.query("sem"), (held, 1, 29_000, 1));
+    fake.core.check_invariants();
+}
+
+#[test]
+fn labels_travel_with_waiters_and_grants_and_change_no_answer() {
+    let mut fake = Fake::with_conns(3);
+    let label = "alice@host pid=42 backup.sh";
+    assert_eq!(
+        fake.permits(1, "sem", 0, 30, 1, 2, 2, label),
+        vec![(1, acquired(1, FIRST_TOKEN))]
+    );
+    assert_eq!(fake.permits(2, "sem", 9, 30, 2, 2, 1, label), vec![]);
+    assert_eq!(
+        fake.permits(2, "x", 9, 30, 3, 0, 0, label),
+        vec![(2, acquired(3, FIRST_TOKEN + 1))]
+    );
+    fake.core.check_invariants();
+    assert_eq!(
+        fake.release(1, "sem", FIRST_TOKEN),
+        vec![
+            (1, released(FIRST_TOKEN)),
+            (2, acquired(2, FIRST_TOKEN + 2))
+        ]
+    );
+    fake.run_until(40 * S);
+    assert_eq!(fake.core.keys(), 0);
+    fake.core.check_invariants();
+}
+
+#[test]
+fn info_reports_grants_held_of_every_kind() {
+    let mut fake = Fake::with_conns(2);
+    assert_eq!(grants_held(&mut fake), "0");
+    fake.grant(1, "plain", 30, 1);
+    fake.grant_permits(1, "shared", 30, 2, 65535, 1);
+    fake.grant_permits(1, "shared", 30, 3, 65535, 1);
+    fake.grant_permits(1, "shared", 30, 4, 65535, 1);
+    fake.enqueue_permits(1, "shared", 60, 30, 5, 65535, 0);
+    let info = fake.info();
+    assert_eq!(info["grants_held"], "4");
+    assert_eq!(info["held"], "2");
+    assert_eq!(info["keys"], "2");
+    assert_eq!(info["waiters"], "1");
+    assert_eq!(info["grants"], "4");
+    fake.run_until(30 * S);
+    assert_eq!(grants_held(&mut fake), "1");
+    fake.run_until(60 * S);
+    assert_eq!(grants_held(&mut fake), "0");
+    fake.core.check_invariants();
 }

@@ -38,7 +38,7 @@ fn queued_waits_are_observed_at_grant_and_timeout_only() {
     assert_eq!(cumulative[10], 2);
     // A waiter whose connection closes is neither granted nor timed out.
     fake.enqueue(2, "a", 5, 30, 5);
-    fake.core.disconnect(2);
+    fake.core.disconnect(2, fake.now);
     assert_eq!(fake.core.stats().acquire_wait.count, 2);
 }
 

@@ -2,8 +2,9 @@
 //! every boundary, packed many to a buffer, and at every size limit.
 
 use kunci::protocol::{
-    Decoded, ErrorCode, REQUEST_FRAME_MAX, RESPONSE_TEXT_MAX, Request, RequestError, Response,
-    ResponseError, decode_request, decode_response, encode_request, encode_response,
+    Correlation, Decoded, ErrorCode, REQUEST_FRAME_MAX, RESPONSE_TEXT_MAX, Request, RequestError,
+    Response, ResponseError, decode_request, decode_response, encode_request, encode_response,
+    parse_limit_mismatch,
 };
 use proptest::prelude::*;
 
@@ -18,6 +19,9 @@ fn request_samples() -> Vec<(&'static [u8], Request<'static>)> {
                 lease_s: 30,
                 owner: 7,
                 key: "key",
+                limit: 0,
+                take: 0,
+                label: "",
             },
         ),
         (
@@ -43,6 +47,98 @@ fn request_samples() -> Vec<(&'static [u8], Request<'static>)> {
             },
         ),
         (b"I\n", Request::Info),
+        // `S`: a semaphore permit with a label; a shared lock; an exclusive
+        // request that names a limit; an exclusive request with a label
+        // (not an `A`, which cannot carry one); take == limit.
+        (
+            b"S\x05\x1e\x00\x00\x00\x00\x00\x00\x00\x07\x00\x03\x00\x01\x03keybob@h pid=1\n",
+            Request::Acquire {
+                wait_s: 5,
+                lease_s: 30,
+                owner: 7,
+                key: "key",
+                limit: 3,
+                take: 1,
+                label: "bob@h pid=1",
+            },
+        ),
+        (
+            b"S\x00\x01\x00\x00\x00\x00\x00\x00\x00\x08\xff\xff\x00\x01\x01k\n",
+            Request::Acquire {
+                wait_s: 0,
+                lease_s: 1,
+                owner: 8,
+                key: "k",
+                limit: 65535,
+                take: 1,
+                label: "",
+            },
+        ),
+        (
+            b"S\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x00\x05\x00\x00\x03k\xc3\xa9\n",
+            Request::Acquire {
+                wait_s: 255,
+                lease_s: 255,
+                owner: u64::MAX,
+                key: "k\u{e9}",
+                limit: 5,
+                take: 0,
+                label: "",
+            },
+        ),
+        (
+            b"S\x00\x01\x00\x00\x00\x00\x00\x00\x00\x09\x00\x00\x00\x00\x01kw \xc3\xa9\n",
+            Request::Acquire {
+                wait_s: 0,
+                lease_s: 1,
+                owner: 9,
+                key: "k",
+                limit: 0,
+                take: 0,
+                label: "w \u{e9}",
+            },
+        ),
+        (
+            b"S\x00\x01\x00\x00\x00\x00\x00\x00\x00\x09\x00\x02\x00\x02\x01k\n",
+            Request::Acquire {
+                wait_s: 0,
+                lease_s: 1,
+                owner: 9,
+                key: "k",
+                limit: 2,
+                take: 2,
+                label: "",
+            },
+        ),
+        (
+            b"H\x00\x00\x00\x00\x00\x00\x00\x2akey\n",
+            Request::Holders { id: 42, key: "key" },
+        ),
+        (
+            b"L\x00\x00\x00\x00\x00\x00\x00\x2b\x00\x00\x00\x00\x00\x00\x01\x02\x03\xe8jobs/\n",
+            Request::List {
+                id: 43,
+                cursor: 0x0102,
+                count: 1000,
+                prefix: "jobs/",
+            },
+        ),
+        (
+            b"L\x00\x00\x00\x00\x00\x00\x00\x2c\x00\x00\x00\x00\x00\x00\x00\x00\x00\x01\n",
+            Request::List {
+                id: 44,
+                cursor: 0,
+                count: 1,
+                prefix: "",
+            },
+        ),
+        (
+            b"Us3cret\xff\x00\n",
+            Request::Authenticate {
+                secret: b"s3cret\xff\x00",
+            },
+        ),
+        (b"U\n", Request::Authenticate { secret: b"" }),
     ]
 }
 
@@ -58,6 +154,9 @@ fn newline_header_samples() -> Vec<(&'static [u8], Request<'static>)> {
                 lease_s: 10,
                 owner: NL,
                 key: "k",
+                limit: 0,
+                take: 0,
+                label: "",
             },
         ),
         (
@@ -67,6 +166,9 @@ fn newline_header_samples() -> Vec<(&'static [u8], Request<'static>)> {
                 lease_s: 1,
                 owner: 10,
                 key: "k",
+                limit: 0,
+                take: 0,
+                label: "",
             },
         ),
         (
@@ -87,6 +189,33 @@ fn newline_header_samples() -> Vec<(&'static [u8], Request<'static>)> {
         (
             b"P\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\n",
             Request::Ping { nonce: NL },
+        ),
+        // Every header byte 0x0A, `klen` included: the 10-byte key is taken
+        // by count even though the label search would stop early.
+        (
+            b"S\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a0123456789l\n",
+            Request::Acquire {
+                wait_s: 10,
+                lease_s: 10,
+                owner: NL,
+                key: "0123456789",
+                limit: 0x0a0a,
+                take: 0x0a0a,
+                label: "l",
+            },
+        ),
+        (
+            b"H\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0ak\n",
+            Request::Holders { id: NL, key: "k" },
+        ),
+        (
+            b"L\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x00\x0a\n",
+            Request::List {
+                id: NL,
+                cursor: NL,
+                count: 10,
+                prefix: "",
+            },
         ),
         (
             b"P\x00\x00\x00\x00\x00\x00\x00\x0a\n",
@@ -150,7 +279,123 @@ fn invalid_samples() -> Vec<(Vec<u8>, RequestError)> {
         ),
         (b"Ixyz\n".to_vec(), error(ErrorCode::UnexpectedPayload, 0)),
         (b"I \n".to_vec(), error(ErrorCode::UnexpectedPayload, 0)),
+        // `S`: the id is the owner. 3 for klen 0, even with a label.
+        (
+            s_frame(1, 1, 0x31, 0, 0, b"", b""),
+            error(ErrorCode::EmptyKey, 0x31),
+        ),
+        (
+            s_frame(1, 1, 0x32, 0, 0, b"", b"label"),
+            error(ErrorCode::EmptyKey, 0x32),
+        ),
+        // 4 for a key that is not UTF-8, a key that holds a newline (the
+        // key is taken by count, so the frame is still whole), a label that
+        // is not UTF-8.
+        (
+            s_frame(1, 1, 0x33, 0, 0, b"\xff", b""),
+            error(ErrorCode::KeyNotUtf8, 0x33),
+        ),
+        (
+            s_frame(1, 1, 0x34, 0, 0, b"k\nk", b"l"),
+            error(ErrorCode::KeyNotUtf8, 0x34),
+        ),
+        (
+            s_frame(1, 1, 0x35, 0, 0, b"k", b"\xc3"),
+            error(ErrorCode::KeyNotUtf8, 0x35),
+        ),
+        // 5 for lease 0.
+        (
+            s_frame(1, 0, 0x36, 3, 1, b"k", b""),
+            error(ErrorCode::ZeroLease, 0x36),
+        ),
+        // 11: take without a limit, take above the limit.
+        (
+            s_frame(1, 1, 0x37, 0, 1, b"k", b""),
+            error(ErrorCode::InvalidCount, 0x37),
+        ),
+        (
+            s_frame(1, 1, 0x38, 3, 4, b"k", b""),
+            error(ErrorCode::InvalidCount, 0x38),
+        ),
+        (
+            s_frame(1, 1, 0x39, 1, 65535, b"k", b""),
+            error(ErrorCode::InvalidCount, 0x39),
+        ),
+        // Several faults: the lowest code of the request's own fields wins
+        // (spec §6: 3, 4, 5, then 11).
+        (
+            s_frame(1, 0, 0x3a, 0, 9, b"", b"\xff"),
+            error(ErrorCode::EmptyKey, 0x3a),
+        ),
+        (
+            s_frame(1, 0, 0x3b, 0, 9, b"k", b"\xff"),
+            error(ErrorCode::KeyNotUtf8, 0x3b),
+        ),
+        (
+            s_frame(1, 0, 0x3c, 0, 9, b"k", b""),
+            error(ErrorCode::ZeroLease, 0x3c),
+        ),
+        // `H`: the id is its id.
+        (
+            b"H\x00\x00\x00\x00\x00\x00\x00\x41\n".to_vec(),
+            error(ErrorCode::EmptyKey, 0x41),
+        ),
+        (
+            b"H\x00\x00\x00\x00\x00\x00\x00\x42\xc0\x80\n".to_vec(),
+            error(ErrorCode::KeyNotUtf8, 0x42),
+        ),
+        // `L`: count 0, 1001 and 65535 are out of range; a prefix that is
+        // not UTF-8 is 4, also when the count is bad too.
+        (l_frame(0x51, 0, b""), error(ErrorCode::InvalidCount, 0x51)),
+        (
+            l_frame(0x52, 1001, b"p"),
+            error(ErrorCode::InvalidCount, 0x52),
+        ),
+        (
+            l_frame(0x53, 65535, b"p"),
+            error(ErrorCode::InvalidCount, 0x53),
+        ),
+        (
+            l_frame(0x54, 10, b"\xff"),
+            error(ErrorCode::KeyNotUtf8, 0x54),
+        ),
+        (
+            l_frame(0x55, 0, b"\xff"),
+            error(ErrorCode::KeyNotUtf8, 0x55),
+        ),
     ]
+}
+
+/// An `S` frame, written field by field as spec §2.1 lays it out.
+fn s_frame(
+    wait_s: u8,
+    lease_s: u8,
+    owner: u64,
+    limit: u16,
+    take: u16,
+    key: &[u8],
+    label: &[u8],
+) -> Vec<u8> {
+    let mut frame = vec![b'S', wait_s, lease_s];
+    frame.extend_from_slice(&owner.to_be_bytes());
+    frame.extend_from_slice(&limit.to_be_bytes());
+    frame.extend_from_slice(&take.to_be_bytes());
+    frame.push(u8::try_from(key.len()).unwrap());
+    frame.extend_from_slice(key);
+    frame.extend_from_slice(label);
+    frame.push(b'\n');
+    frame
+}
+
+/// An `L` frame with cursor 7.
+fn l_frame(id: u64, count: u16, prefix: &[u8]) -> Vec<u8> {
+    let mut frame = vec![b'L'];
+    frame.extend_from_slice(&id.to_be_bytes());
+    frame.extend_from_slice(&7u64.to_be_bytes());
+    frame.extend_from_slice(&count.to_be_bytes());
+    frame.extend_from_slice(prefix);
+    frame.push(b'\n');
+    frame
 }
 
 fn encoded_request(request: &Request<'_>) -> Vec<u8> {
@@ -321,7 +566,7 @@ fn error_codes_carry_the_right_id_and_consume_the_whole_frame() {
 
 #[test]
 fn unknown_op_is_fatal_error_1_with_id_0() {
-    for op in (0..=255u8).filter(|op| !b"AREQPI".contains(op)) {
+    for op in (0..=255u8).filter(|op| !b"AREQPISHLU".contains(op)) {
         let fatal = Decoded::Fatal(RequestError {
             code: ErrorCode::UnknownOp,
             id: 0,
@@ -349,6 +594,12 @@ fn headers_with_ids() -> Vec<(Vec<u8>, u64)> {
         (b"Q".to_vec(), 0),
         (b"P\x00\x00\x00\x00\x00\x00\x00\x24".to_vec(), 0x24),
         (b"I".to_vec(), 0),
+        (b"H\x00\x00\x00\x00\x00\x00\x00\x25".to_vec(), 0x25),
+        (
+            b"L\x00\x00\x00\x00\x00\x00\x00\x26\x00\x00\x00\x00\x00\x00\x00\x00\x00\x01".to_vec(),
+            0x26,
+        ),
+        (b"U".to_vec(), 0),
     ]
 }
 
@@ -397,15 +648,309 @@ fn a_255_byte_key_is_accepted_and_256_bytes_is_fatal_error_2() {
         too_long.extend_from_slice(b"\nI\n");
         assert_eq!(decode_request(&too_long), fatal);
     }
-    assert_eq!(REQUEST_FRAME_MAX, 267);
-    let mut largest = b"A\x01\x01\x00\x00\x00\x00\x00\x00\x00\x01".to_vec();
-    largest.extend_from_slice(key_255.as_bytes());
-    largest.push(b'\n');
-    assert_eq!(largest.len(), REQUEST_FRAME_MAX);
+    let mut largest_a = b"A\x01\x01\x00\x00\x00\x00\x00\x00\x00\x01".to_vec();
+    largest_a.extend_from_slice(key_255.as_bytes());
+    largest_a.push(b'\n');
     assert!(matches!(
-        decode_request(&largest),
+        decode_request(&largest_a),
         Decoded::Request { len: 267, .. }
     ));
+}
+
+#[test]
+fn s_takes_its_key_by_klen_then_allows_a_128_byte_label_and_no_more() {
+    let key_255 = "k".repeat(255);
+    let label_128 = "l".repeat(128);
+    for key in ["k", key_255.as_str()] {
+        // A 128-byte label: the newline is the 129th byte after the key.
+        let frame = s_frame(2, 3, 0x61, 4, 4, key.as_bytes(), label_128.as_bytes());
+        let request = Request::Acquire {
+            wait_s: 2,
+            lease_s: 3,
+            owner: 0x61,
+            key,
+            limit: 4,
+            take: 4,
+            label: &label_128,
+        };
+        assert_incomplete_until_last_byte(
+            &frame,
+            Decoded::Request {
+                request,
+                len: frame.len(),
+            },
+        );
+        assert_eq!(encoded_request(&request), frame);
+        // A 129th label byte that is not the newline: too long, id = owner.
+        let mut too_long = frame[..frame.len() - 1].to_vec();
+        too_long.push(b'l');
+        let fatal = Decoded::Fatal(RequestError {
+            code: ErrorCode::FrameTooLong,
+            id: 0x61,
+        });
+        assert_eq!(decode_request(&too_long), fatal);
+        assert_eq!(
+            decode_request(&too_long[..too_long.len() - 1]),
+            Decoded::Incomplete
+        );
+        too_long.extend_from_slice(b"\nI\n");
+        assert_eq!(decode_request(&too_long), fatal);
+    }
+    // The largest request frame of all: klen 255 and a 128-byte label.
+    let largest = s_frame(1, 1, 1, 0, 0, key_255.as_bytes(), label_128.as_bytes());
+    assert_eq!(largest.len(), 400);
+    assert_eq!(REQUEST_FRAME_MAX, 400);
+    assert!(matches!(
+        decode_request(&largest),
+        Decoded::Request { len: 400, .. }
+    ));
+    // 128 bytes of multibyte label round-trip; 129 bytes of them do not fit.
+    let label_euro = "\u{20ac}".repeat(42) + "ab";
+    assert_eq!(label_euro.len(), 128);
+    let frame = s_frame(1, 1, 1, 0, 0, b"k", label_euro.as_bytes());
+    assert!(matches!(decode_request(&frame), Decoded::Request { .. }));
+    let frame = s_frame(1, 1, 1, 0, 0, b"k", (label_euro + "c").as_bytes());
+    assert_eq!(
+        decode_request(&frame),
+        Decoded::Fatal(RequestError {
+            code: ErrorCode::FrameTooLong,
+            id: 1
+        })
+    );
+    // klen 0 is a whole (invalid) frame whose bound starts at the header.
+    let frame = s_frame(1, 1, 5, 0, 0, b"", label_128.as_bytes());
+    assert_eq!(
+        decode_request(&frame),
+        Decoded::Invalid {
+            error: RequestError {
+                code: ErrorCode::EmptyKey,
+                id: 5
+            },
+            len: 1 + 15 + 128 + 1
+        }
+    );
+    // Newlines inside the key's klen bytes never end the frame early.
+    let frame = s_frame(1, 1, 6, 0, 0, b"\n\n\n", b"");
+    assert_incomplete_until_last_byte(
+        &frame,
+        Decoded::Invalid {
+            error: RequestError {
+                code: ErrorCode::KeyNotUtf8,
+                id: 6,
+            },
+            len: frame.len(),
+        },
+    );
+}
+
+#[test]
+fn s_counts_at_their_bounds() {
+    let decode = |limit, take| match decode_request(&s_frame(1, 1, 9, limit, take, b"k", b"")) {
+        Decoded::Request { .. } => Ok(()),
+        Decoded::Invalid { error, .. } => Err(error.code),
+        other => panic!("{other:?}"),
+    };
+    let invalid = Err(ErrorCode::InvalidCount);
+    assert_eq!(decode(0, 0), Ok(()));
+    assert_eq!(decode(65535, 0), Ok(()));
+    assert_eq!(decode(1, 1), Ok(()));
+    assert_eq!(decode(65535, 65535), Ok(()));
+    assert_eq!(decode(65535, 1), Ok(()));
+    assert_eq!(decode(0, 1), invalid);
+    assert_eq!(decode(0, 65535), invalid);
+    assert_eq!(decode(1, 2), invalid);
+    assert_eq!(decode(65534, 65535), invalid);
+}
+
+#[test]
+fn l_counts_at_their_bounds() {
+    let decode = |count| match decode_request(&l_frame(9, count, b"")) {
+        Decoded::Request { .. } => Ok(()),
+        Decoded::Invalid { error, .. } => Err(error.code),
+        other => panic!("{other:?}"),
+    };
+    for count in [1, 2, 999, 1000] {
+        assert_eq!(decode(count), Ok(()), "{count}");
+    }
+    for count in [0, 1001, 1002, 65535] {
+        assert_eq!(decode(count), Err(ErrorCode::InvalidCount), "{count}");
+    }
+}
+
+#[test]
+fn a_plain_acquire_is_written_as_a_and_s_without_permits_or_label_is_the_same_request() {
+    let a_frame: &[u8] = b"A\x05\x1e\x00\x00\x00\x00\x00\x00\x00\x07key\n";
+    let request = Request::Acquire {
+        wait_s: 5,
+        lease_s: 30,
+        owner: 7,
+        key: "key",
+        limit: 0,
+        take: 0,
+        label: "",
+    };
+    assert!(request.is_plain_acquire());
+    assert_eq!(encoded_request(&request), a_frame);
+    // The same request sent as `S` decodes to the same value (spec §10.1).
+    let s = s_frame(5, 30, 7, 0, 0, b"key", b"");
+    assert_eq!(
+        decode_request(&s),
+        Decoded::Request {
+            request,
+            len: s.len()
+        }
+    );
+    // Anything that `A` cannot say is written as `S`.
+    for (limit, take, label) in [(0, 0, "x"), (1, 0, ""), (2, 1, ""), (65535, 1, "r")] {
+        let request = Request::Acquire {
+            wait_s: 5,
+            lease_s: 30,
+            owner: 7,
+            key: "key",
+            limit,
+            take,
+            label,
+        };
+        assert!(!request.is_plain_acquire());
+        assert_eq!(
+            encoded_request(&request),
+            s_frame(5, 30, 7, limit, take, b"key", label.as_bytes())
+        );
+    }
+}
+
+#[test]
+fn a_secret_never_shows_in_debug_output() {
+    let request = Request::Authenticate {
+        secret: b"hunter2-hunter2-hunter2-hunter2!",
+    };
+    assert_eq!(
+        format!("{request:?}"),
+        "Authenticate { secret: <32 bytes> }"
+    );
+}
+
+#[test]
+fn new_requests_correlate_by_owner_or_id_and_their_answers_end_with_z() {
+    let (frame, _) = request_samples()[6];
+    let Decoded::Request { request: s, .. } = decode_request(frame) else {
+        panic!()
+    };
+    assert_eq!(s.correlation(), Correlation::Acquire { owner: 7 });
+    assert_eq!(s.error_id(), 7);
+    let holders = Request::Holders { id: 5, key: "k" };
+    let list = Request::List {
+        id: 6,
+        cursor: 0,
+        count: 1,
+        prefix: "",
+    };
+    let auth = Request::Authenticate { secret: b"s" };
+    assert_eq!(holders.error_id(), 5);
+    assert_eq!(list.error_id(), 6);
+    assert_eq!(auth.error_id(), 0);
+    let grant = |id| Response::Grant {
+        id,
+        token: 1,
+        owner: 2,
+        lease_ms: 3,
+        held_ms: 4,
+        take: 0,
+        label: String::new(),
+    };
+    let waiter = |id| Response::Waiter {
+        id,
+        owner: 2,
+        wait_ms: 3,
+        take: 1,
+        label: "w".into(),
+    };
+    let key = |id| Response::Key {
+        id,
+        grants: 1,
+        waiters: 0,
+        limit: 0,
+        key: "k".into(),
+    };
+    let end = |id| Response::End {
+        id,
+        count: 1,
+        next: 0,
+    };
+    let h = holders.correlation();
+    let l = list.correlation();
+    let u = auth.correlation();
+    for (response, by_h, by_l, by_u) in [
+        (grant(5), true, false, false),
+        (waiter(5), true, false, false),
+        (end(5), true, false, false),
+        (key(5), false, false, false),
+        (grant(6), false, false, false),
+        (key(6), false, true, false),
+        (end(6), false, true, false),
+        (ErrorCode::NotPermitted.response(5), true, false, false),
+        (ErrorCode::InvalidCount.response(6), false, true, false),
+        (
+            Response::Authenticated { name: "ci".into() },
+            false,
+            false,
+            true,
+        ),
+        (ErrorCode::NotPermitted.response(0), false, false, true),
+        (
+            Response::Query {
+                token: 0,
+                owner: 0,
+                lease_ms: 0,
+                waiters: 0,
+            },
+            false,
+            false,
+            false,
+        ),
+    ] {
+        assert_eq!(h.is_answered_by(&response), by_h, "{response:?}");
+        assert_eq!(l.is_answered_by(&response), by_l, "{response:?}");
+        assert_eq!(u.is_answered_by(&response), by_u, "{response:?}");
+    }
+    assert!(!grant(5).ends_answer() && !waiter(5).ends_answer() && !key(6).ends_answer());
+    assert!(end(5).ends_answer());
+    assert!(Response::limit_mismatch(7, 3).ends_answer());
+    assert!(
+        s.correlation()
+            .is_answered_by(&Response::limit_mismatch(7, 3))
+    );
+    assert!(
+        !s.correlation()
+            .is_answered_by(&Response::limit_mismatch(8, 3))
+    );
+}
+
+#[test]
+fn limit_mismatch_names_the_keys_limit_exactly_and_parses_back() {
+    for limit in [1u16, 7, 65535] {
+        let response = Response::limit_mismatch(0x77, limit);
+        let mut expected = b"X\x0a\x00\x00\x00\x00\x00\x00\x00\x77".to_vec();
+        expected.extend_from_slice(format!("limit mismatch: key limit {limit}\n").as_bytes());
+        assert_eq!(encoded_response(&response), expected);
+        let Response::Error { code, text, .. } = response else {
+            panic!()
+        };
+        assert_eq!(ErrorCode::from_u8(code), Some(ErrorCode::LimitMismatch));
+        assert_eq!(parse_limit_mismatch(&text), Some(limit));
+    }
+    for text in [
+        "",
+        "limit mismatch: key limit ",
+        "limit mismatch: key limit 65536",
+        "limit mismatch: key limit -1",
+        "limit mismatch: key limit +1",
+        "limit mismatch: key limit 3 ",
+        "limit mismatch",
+        ErrorCode::LimitMismatch.text(),
+    ] {
+        assert_eq!(parse_limit_mismatch(text), None, "{text:?}");
+    }
 }
 
 #[test]
@@ -422,16 +967,16 @@ fn a_255_byte_multibyte_key_round_trips() {
 }
 
 #[test]
-fn error_codes_are_fatal_exactly_for_1_2_7_8_9_and_have_short_ascii_texts() {
+fn error_codes_are_fatal_exactly_for_1_2_7_8_9_12_and_have_short_ascii_texts() {
     for value in 0..=255u8 {
         let Some(code) = ErrorCode::from_u8(value) else {
-            assert!(value == 0 || value > 9, "{value}");
+            assert!(value == 0 || value > 13, "{value}");
             continue;
         };
         assert_eq!(code as u8, value);
         assert_eq!(
             code.is_fatal(),
-            matches!(value, 1 | 2 | 7 | 8 | 9),
+            matches!(value, 1 | 2 | 7 | 8 | 9 | 12),
             "{code:?}"
         );
         let text = code.text();
@@ -525,6 +1070,82 @@ fn response_samples() -> Vec<(Vec<u8>, Response)> {
                 text: "".into(),
             },
         ),
+        (
+            b"X\x0a\x00\x00\x00\x00\x00\x00\x00\x07limit mismatch: key limit 3\n".to_vec(),
+            Response::limit_mismatch(7, 3),
+        ),
+        (
+            b"G\x00\x00\x00\x00\x00\x00\x00\x2a\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00\x00\x00\x07\x00\x00\x75\x30\x00\x00\x00\x0a\x00\x01bob@h pid=1\n".to_vec(),
+            Response::Grant {
+                id: 42,
+                token: 256,
+                owner: 7,
+                lease_ms: 30_000,
+                held_ms: 10,
+                take: 1,
+                label: "bob@h pid=1".into(),
+            },
+        ),
+        (
+            b"G\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x00\x00\n".to_vec(),
+            Response::Grant {
+                id: 0x0a0a_0a0a_0a0a_0a0a,
+                token: 0,
+                owner: 0,
+                lease_ms: 0x0a0a_0a0a,
+                held_ms: 0x0a0a_0a0a,
+                take: 0,
+                label: String::new(),
+            },
+        ),
+        (
+            b"W\x00\x00\x00\x00\x00\x00\x00\x2a\x00\x00\x00\x00\x00\x00\x00\x08\x00\x00\x13\x88\xff\xffw\n".to_vec(),
+            Response::Waiter {
+                id: 42,
+                owner: 8,
+                wait_ms: 5000,
+                take: 65535,
+                label: "w".into(),
+            },
+        ),
+        (
+            b"K\x00\x00\x00\x00\x00\x00\x00\x2b\x00\x00\x00\x03\x00\x00\x00\x02\xff\xffjobs/a\n".to_vec(),
+            Response::Key {
+                id: 43,
+                grants: 3,
+                waiters: 2,
+                limit: 65535,
+                key: "jobs/a".into(),
+            },
+        ),
+        (
+            b"Z\x00\x00\x00\x00\x00\x00\x00\x2b\x00\x00\x03\xe8\x00\x00\x00\x00\x00\x00\x01\x02\n".to_vec(),
+            Response::End {
+                id: 43,
+                count: 1000,
+                next: 0x0102,
+            },
+        ),
+        (
+            b"Z\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x0a\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\n".to_vec(),
+            Response::End {
+                id: 0x0a0a_0a0a_0a0a_0a0a,
+                count: 0,
+                next: 0,
+            },
+        ),
+        (
+            b"Uci-runner\n".to_vec(),
+            Response::Authenticated {
+                name: "ci-runner".into(),
+            },
+        ),
+        (
+            b"U\n".to_vec(),
+            Response::Authenticated {
+                name: String::new(),
+            },
+        ),
     ]
 }
 
@@ -578,7 +1199,7 @@ fn many_responses_in_one_buffer_decode_in_order() {
 
 #[test]
 fn response_decoder_errors() {
-    for op in [b'Z', b'a', b'\n', b'W', 0] {
+    for op in [b'S', b'a', b'\n', b'H', b'L', 0] {
         assert_eq!(
             decode_response(&[op, 0, 0]),
             Err(ResponseError::UnknownOp(op))
@@ -593,12 +1214,24 @@ fn response_decoder_errors() {
         decode_response(b"A\x00\x00\x00\x00\x00\x00\x00\x07\x00\x00\x00\x00\x00\x00\x00\x01\x00"),
         Err(ResponseError::MissingNewline(b'A'))
     );
+    let mut z = vec![b'Z'];
+    z.extend_from_slice(&[0; 20]);
+    z.push(b'x');
+    assert_eq!(
+        decode_response(&z),
+        Err(ResponseError::MissingNewline(b'Z'))
+    );
     // Text up to the limit is fine; one byte more without a newline is not.
-    for op in [b'I', b'X'] {
+    for (op, header_len) in [
+        (b'I', 0),
+        (b'X', 9),
+        (b'G', 34),
+        (b'W', 22),
+        (b'K', 18),
+        (b'U', 0),
+    ] {
         let mut frame = vec![op];
-        if op == b'X' {
-            frame.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0, 0]);
-        }
+        frame.extend(std::iter::repeat_n(1, header_len));
         let header = frame.len();
         frame.extend(std::iter::repeat_n(b't', RESPONSE_TEXT_MAX));
         assert_eq!(decode_response(&frame), Ok(None));
@@ -630,6 +1263,10 @@ fn key_strategy() -> impl Strategy<Value = String> {
 #[derive(Clone, Debug)]
 enum OwnedRequest {
     Acquire(u8, u8, u64, String),
+    Permits(u8, u8, u64, u16, u16, String, String),
+    Holders(u64, String),
+    List(u64, u64, u16, String),
+    Authenticate(Vec<u8>),
     Release(u64, String),
     Extend(u8, u64, String),
     Query(String),
@@ -645,7 +1282,29 @@ impl OwnedRequest {
                 lease_s: *lease_s,
                 owner: *owner,
                 key,
+                limit: 0,
+                take: 0,
+                label: "",
             },
+            OwnedRequest::Permits(wait_s, lease_s, owner, limit, take, key, label) => {
+                Request::Acquire {
+                    wait_s: *wait_s,
+                    lease_s: *lease_s,
+                    owner: *owner,
+                    key,
+                    limit: *limit,
+                    take: *take,
+                    label,
+                }
+            }
+            OwnedRequest::Holders(id, key) => Request::Holders { id: *id, key },
+            OwnedRequest::List(id, cursor, count, prefix) => Request::List {
+                id: *id,
+                cursor: *cursor,
+                count: *count,
+                prefix,
+            },
+            OwnedRequest::Authenticate(secret) => Request::Authenticate { secret },
             OwnedRequest::Release(token, key) => Request::Release { token: *token, key },
             OwnedRequest::Extend(lease_s, token, key) => Request::Extend {
                 lease_s: *lease_s,
@@ -669,6 +1328,48 @@ fn request_strategy() -> impl Strategy<Value = OwnedRequest> {
         key_strategy().prop_map(OwnedRequest::Query),
         any::<u64>().prop_map(OwnedRequest::Ping),
         Just(OwnedRequest::Info),
+        (
+            any::<u8>(),
+            1..=255u8,
+            any::<u64>(),
+            (1..=65535u16).prop_flat_map(|limit| (Just(limit), 0..=limit)),
+            key_strategy(),
+            label_strategy(),
+        )
+            .prop_map(|(w, l, o, (limit, take), k, label)| OwnedRequest::Permits(
+                w, l, o, limit, take, k, label
+            )),
+        (
+            any::<u8>(),
+            1..=255u8,
+            any::<u64>(),
+            key_strategy(),
+            label_strategy()
+        )
+            .prop_map(|(w, l, o, k, label)| OwnedRequest::Permits(w, l, o, 0, 0, k, label)),
+        (any::<u64>(), key_strategy()).prop_map(|(id, k)| OwnedRequest::Holders(id, k)),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            1..=1000u16,
+            prop_oneof![Just(String::new()), key_strategy()]
+        )
+            .prop_map(|(id, cursor, count, prefix)| OwnedRequest::List(id, cursor, count, prefix)),
+        prop::collection::vec(
+            any::<u8>().prop_filter("no newline", |b| *b != b'\n'),
+            0..=255
+        )
+        .prop_map(OwnedRequest::Authenticate),
+    ]
+}
+
+fn label_strategy() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just(String::new()),
+        "[ -~]{0,128}",
+        "\\PC{0,40}".prop_filter("fits", |label: &String| label.len() <= 128
+            && !label.contains('\n')),
+        Just("l".repeat(128)),
     ]
 }
 
@@ -690,6 +1391,61 @@ fn response_strategy() -> impl Strategy<Value = Response> {
             }
         ),
         any::<u64>().prop_map(|nonce| Response::Pong { nonce }),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<u16>(),
+            text.clone()
+        )
+            .prop_map(|(id, token, owner, lease_ms, held_ms, take, label)| {
+                Response::Grant {
+                    id,
+                    token,
+                    owner,
+                    lease_ms,
+                    held_ms,
+                    take,
+                    label,
+                }
+            }),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<u32>(),
+            any::<u16>(),
+            text.clone()
+        )
+            .prop_map(|(id, owner, wait_ms, take, label)| Response::Waiter {
+                id,
+                owner,
+                wait_ms,
+                take,
+                label
+            }),
+        (
+            any::<u64>(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<u16>(),
+            text.clone()
+        )
+            .prop_map(|(id, grants, waiters, limit, key)| Response::Key {
+                id,
+                grants,
+                waiters,
+                limit,
+                key
+            }),
+        (any::<u64>(), any::<u32>(), any::<u64>()).prop_map(|(id, count, next)| Response::End {
+            id,
+            count,
+            next
+        }),
+        text.clone()
+            .prop_map(|name| Response::Authenticated { name }),
         text.clone().prop_map(Response::Info),
         (any::<u8>(), any::<u64>(), text).prop_map(|(code, id, text)| Response::Error {
             code,
@@ -767,7 +1523,8 @@ proptest! {
     /// for the frame alone as for the frame with more bytes behind it.
     #[test]
     fn decoder_on_arbitrary_bytes(bytes in prop::collection::vec(
-        prop_oneof![any::<u8>(), Just(b'\n'), Just(b'A'), Just(b'Q'), Just(b'k')], 0..400)
+        prop_oneof![any::<u8>(), Just(b'\n'), Just(b'A'), Just(b'Q'), Just(b'k'), Just(b'S'),
+            Just(b'H'), Just(b'L'), Just(b'U'), Just(0u8), Just(1u8)], 0..500)
     ) {
         let decoded = decode_request(&bytes);
         if bytes.len() >= REQUEST_FRAME_MAX {

@@ -10,6 +10,7 @@ mod etcd;
 mod fencing;
 mod metrics;
 mod operations;
+mod permits_server;
 mod protocol;
 mod regression;
 mod restart;

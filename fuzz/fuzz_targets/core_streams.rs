@@ -1,12 +1,15 @@
 //! The whole server core fed arbitrary byte streams on four connections,
 //! interleaved with arbitrary time steps and disconnects, exactly as the
 //! event loop would feed it. Nothing a peer sends may panic it, break its
-//! invariants (`Core::check_invariants` after every command), or make
-//! tokens go backwards.
+//! invariants (`Core::check_invariants` after every command, which include
+//! spec §10's fit rule and that no head waiter that fits is left waiting),
+//! or make tokens go backwards. Besides raw bytes, a command may append a
+//! well-formed `S` (permits, spec §10) built from a few bytes, on a handful
+//! of keys, so that keys with limits are reached at once.
 #![no_main]
 
 use kunci::core::{Core, Limits};
-use kunci::protocol::{Decoded, Response, decode_request};
+use kunci::protocol::{Decoded, Request, Response, decode_request, encode_request};
 use libfuzzer_sys::fuzz_target;
 
 const CONNECTIONS: usize = 4;
@@ -17,6 +20,7 @@ fuzz_target!(|data: &[u8]| {
         max_waiters: 8,
         max_waiters_per_key: 4,
         max_waits_per_conn: 3,
+        max_grants: 12,
         max_connections: CONNECTIONS,
     };
     let mut core = Core::new(limits, 1);
@@ -34,7 +38,28 @@ fuzz_target!(|data: &[u8]| {
                     open[conn] = true;
                 }
                 let len = bytes.next().unwrap_or(0);
-                buffers[conn].extend(bytes.by_ref().take(usize::from(len)));
+                if command & 4 != 0 {
+                    // A well-formed `S` or `A` (limit 0, take 0) from 4 bytes.
+                    let mut field = || bytes.next().unwrap_or(0);
+                    let (shape, wait_s, lease_s, owner) = (len, field(), field(), field());
+                    let limit = [0, 1, 2, 3, 65535][usize::from(shape % 5)];
+                    let take = match limit {
+                        0 => 0,
+                        _ => u16::from(shape / 5 % 4).min(limit),
+                    };
+                    let request = Request::Acquire {
+                        wait_s: wait_s % 4,
+                        lease_s: lease_s % 4 + 1,
+                        owner: u64::from(owner),
+                        key: ["a", "b", "c"][usize::from(shape / 20 % 3)],
+                        limit,
+                        take,
+                        label: if owner & 1 == 0 { "" } else { "label" },
+                    };
+                    encode_request(&request, &mut buffers[conn]);
+                } else {
+                    buffers[conn].extend(bytes.by_ref().take(usize::from(len)));
+                }
                 let mut consumed = 0;
                 loop {
                     match decode_request(&buffers[conn][consumed..]) {
@@ -49,7 +74,7 @@ fuzz_target!(|data: &[u8]| {
                         }
                         Decoded::Fatal(error) => {
                             core.handle_invalid(conn as u32, error);
-                            core.disconnect(conn as u32);
+                            core.disconnect(conn as u32, now);
                             open[conn] = false;
                             consumed = buffers[conn].len();
                             break;
@@ -64,7 +89,7 @@ fuzz_target!(|data: &[u8]| {
                 core.handle_timeout(now);
             }
             2 => {
-                core.disconnect(conn as u32);
+                core.disconnect(conn as u32, now);
                 open[conn] = false;
                 buffers[conn].clear();
             }

@@ -2,7 +2,9 @@
 //! every frame, and the same frames however the bytes are split.
 #![no_main]
 
-use kunci::protocol::{RESPONSE_TEXT_MAX, decode_response, encode_response};
+use kunci::protocol::{
+    RESPONSE_TEXT_MAX, decode_response, encode_response, response_has_text, response_header_len,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -14,11 +16,10 @@ fuzz_target!(|data: &[u8]| {
         // not UTF-8 (then it was replaced, and may even have grown).
         let mut encoded = Vec::new();
         encode_response(&response, &mut encoded);
-        let text_start = match data[at] {
-            b'I' => Some(1),
-            b'X' => Some(10),
-            _ => None,
-        };
+        let op = data[at];
+        let text_start = response_has_text(op)
+            .then(|| response_header_len(op).map(|header| 1 + header))
+            .flatten();
         let text_is_utf8 = text_start.is_none_or(|start| std::str::from_utf8(&data[at + start..at + len - 1]).is_ok());
         if text_is_utf8 {
             assert_eq!(encoded, &data[at..at + len]);
@@ -28,7 +29,8 @@ fuzz_target!(|data: &[u8]| {
         at += len;
     }
     if let Ok(None) = decode_response(&data[at..]) {
-        assert!(data.len() - at <= 1 + 9 + RESPONSE_TEXT_MAX + 1);
+        // The longest fixed header of a text frame is `G`'s 34 bytes.
+        assert!(data.len() - at <= 1 + 34 + RESPONSE_TEXT_MAX + 1);
     }
     // Byte at a time.
     let mut buffer = Vec::new();

@@ -30,6 +30,11 @@ Options:
   --max-waiters-per-key N     queued waiters on one key (default {per_key})
   --max-waits-per-conn N      queued waits one connection may have
                               (default {per_conn})
+  --max-grants N              grants plus queued waiters across all keys
+                              (semaphores and shared locks hold several
+                              grants per key); one more gets `B` (default
+                              --max-keys + --max-waiters; ~48 B per extra
+                              shared holder)
   --max-connections N         open connections; one more gets `X 7` and is
                               closed (default {max_connections})
   --metrics ADDR              serve Prometheus metrics at http://ADDR/metrics
@@ -68,6 +73,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
     use lexopt::prelude::*;
     let mut config = Config::default();
     let mut listen = Vec::new();
+    let mut max_grants = None;
     let mut parser = lexopt::Parser::from_args(arguments);
     while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
         let limits: &mut Limits = &mut config.limits;
@@ -87,6 +93,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
             Long("max-connections") => {
                 limits.max_connections = positive("--max-connections", parser.value())?
             }
+            Long("max-grants") => max_grants = Some(args::number("--max-grants", parser.value())?),
             Long("unix-mode") => {
                 let text = args::text(parser.value())?;
                 config.unix_mode = u32::from_str_radix(&text, 8)
@@ -111,6 +118,13 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
     if !listen.is_empty() {
         config.listen = listen;
     }
+    // Spec §10.8: by default a server that only sees `A` never meets it.
+    config.limits.max_grants = max_grants.unwrap_or_else(|| {
+        config
+            .limits
+            .max_keys
+            .saturating_add(config.limits.max_waiters)
+    });
     config.limits.validate()?;
     Ok(Some(config))
 }
@@ -169,13 +183,14 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     let addresses: Vec<String> = server.addresses().iter().map(ToString::to_string).collect();
     info!(
         "kunci {} listening on {}; limits: max_keys={} max_waiters={} \
-         max_waiters_per_key={} max_waits_per_conn={} max_connections={}",
+         max_waiters_per_key={} max_waits_per_conn={} max_grants={} max_connections={}",
         env!("CARGO_PKG_VERSION"),
         addresses.join(" "),
         limits.max_keys,
         limits.max_waiters,
         limits.max_waiters_per_key,
         limits.max_waits_per_conn,
+        limits.max_grants,
         limits.max_connections,
     );
     if let Some(address) = server.metrics_address() {

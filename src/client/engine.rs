@@ -955,6 +955,9 @@ fn encode<R>(req: &Req<R>, now: Instant, out: &mut Vec<u8>) {
             lease_s,
             owner,
             key,
+            limit: 0,
+            take: 0,
+            label: "",
         },
         Op::Release { token } => Request::Release { token, key },
         Op::Extend { token, lease_s } => Request::Extend {

@@ -267,13 +267,13 @@ impl Endpoint {
                 self.begin_close(id, true, now);
             }
             Phase::Flushing { .. } => conn.phase = Phase::Flushing { peer_closed: true },
-            Phase::Lingering => self.close(id),
+            Phase::Lingering => self.close(id, now),
         }
     }
 
     /// Reading or writing `id`'s socket failed: it is gone.
-    pub fn handle_broken(&mut self, id: ConnId) {
-        self.close(id);
+    pub fn handle_broken(&mut self, id: ConnId, now: Micros) {
+        self.close(id, now);
     }
 
     /// The next connection with output to send. The shell writes it with
@@ -351,7 +351,7 @@ impl Endpoint {
             if self.connection(id).map(Connection::phase) == Some(Phase::Open) {
                 debug!("connection {id}: frame incomplete for 10 s");
             }
-            self.close(id);
+            self.close(id, now);
         }
     }
 
@@ -551,7 +551,7 @@ impl Endpoint {
         match conn.phase {
             Phase::Open | Phase::Lingering => {}
             Phase::Backpressured => self.resume(id, now),
-            Phase::Flushing { peer_closed: true } => self.close(id),
+            Phase::Flushing { peer_closed: true } => self.close(id, now),
             Phase::Flushing { peer_closed: false } => {
                 conn.phase = Phase::Lingering;
                 self.actions.push_back((id, Action::ShutWrite));
@@ -573,7 +573,10 @@ impl Endpoint {
         conn.phase = Phase::Flushing { peer_closed };
         conn.input = Vec::new();
         let drained = conn.output.is_empty();
-        self.core.disconnect(id);
+        // Waiters behind this connection's on a key with a limit may be
+        // granted now (spec §10.4): their answers go out like any other.
+        self.core.disconnect(id, now);
+        self.route();
         self.arm(id, now + LINGER_US, now);
         if drained {
             self.output_drained(id, now);
@@ -581,7 +584,7 @@ impl Endpoint {
     }
 
     /// Forgets `id` at once and tells the shell to close its socket.
-    fn close(&mut self, id: ConnId) {
+    fn close(&mut self, id: ConnId, now: Micros) {
         if self.connection(id).is_none() {
             return;
         }
@@ -589,7 +592,8 @@ impl Endpoint {
         let conn = self.conns[id as usize].take().expect("checked above");
         self.count -= 1;
         if conn.phase.is_live() {
-            self.core.disconnect(id);
+            self.core.disconnect(id, now);
+            self.route();
         }
         if conn.refused {
             self.refused_lingering -= 1;

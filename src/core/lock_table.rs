@@ -282,6 +282,13 @@ impl LockTable {
         (0..self.entries.len() as u32).filter(|&index| self.entries[index as usize].key.len != 0)
     }
 
+    /// Whether `index` is a live entry (not on the free list).
+    pub fn is_live(&self, index: u32) -> bool {
+        self.entries
+            .get(index as usize)
+            .is_some_and(|entry| entry.key.len != 0)
+    }
+
     pub fn get(&self, index: u32) -> &LockEntry {
         &self.entries[index as usize]
     }

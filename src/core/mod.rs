@@ -11,10 +11,15 @@
 //! Timers run on a 1 ms tick: a deadline rounds *up* to the next tick and
 //! fires once the clock has reached that tick, so nothing happens early.
 
+mod adoption;
 pub mod connection;
 pub mod endpoint;
+mod invariants;
 pub mod key_index;
+pub mod labels;
 pub mod lock_table;
+pub mod permits;
+mod request;
 #[doc(hidden)]
 pub mod script;
 pub mod timer_wheel;
@@ -22,16 +27,18 @@ pub mod wait_histogram;
 pub mod waiters;
 
 use std::collections::HashSet;
-use std::fmt::Write as _;
 
 use crate::protocol::{ErrorCode, Request, RequestError, Response};
+use labels::{LabelOf, Labels};
 use lock_table::{LockTable, NIL};
+use permits::{Grants, PERMITS, PermitKey};
 use timer_wheel::{
-    MICROS_PER_TICK, TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached,
-    tick_start,
+    TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
 };
 use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
+
+pub use adoption::{HeldGrant, RestoreError};
 
 /// A connection as the core knows it: the shell's slab index.
 pub type ConnId = u32;
@@ -41,8 +48,11 @@ pub type Micros = u64;
 
 const MICROS_PER_S: u64 = 1_000_000;
 
-/// Timer ids with this bit are waiters; without it, lock-table entries.
+/// Timer ids with this bit are waiters; with [`GRANT_TIMER`], grants of
+/// permit keys; with neither, lock-table entries.
 const WAITER_TIMER: TimerId = 1 << 30;
+/// Timer ids with this bit are grants of permit keys.
+const GRANT_TIMER: TimerId = 1 << 31;
 
 /// Capacity limits (spec §4). Every one is a bound on memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +65,9 @@ pub struct Limits {
     pub max_waiters_per_key: u32,
     /// Queued waits one connection may have.
     pub max_waits_per_conn: u32,
+    /// Grants plus queued waiters across all keys (spec §10.8); a server
+    /// that only sees `A` never meets it at `max_keys + max_waiters`.
+    pub max_grants: usize,
     /// Open connections (enforced by the shell).
     pub max_connections: usize,
 }
@@ -66,6 +79,7 @@ impl Default for Limits {
             max_waiters: 1 << 18,
             max_waiters_per_key: 1 << 14,
             max_waits_per_conn: 1 << 12,
+            max_grants: (1 << 20) + (1 << 18),
             max_connections: 1 << 14,
         }
     }
@@ -73,9 +87,10 @@ impl Default for Limits {
 
 impl Limits {
     /// Checks the limits against what the internal structures can index:
-    /// lock-table entries and waiters share one timer wheel (waiters'
-    /// timer ids carry [`WAITER_TIMER`]), and connection ids are the
-    /// connection wheel's timer ids. The error names the flag.
+    /// lock-table entries, waiters and grants share one timer wheel
+    /// (waiters' timer ids carry [`WAITER_TIMER`], grants'
+    /// [`GRANT_TIMER`]), and connection ids are the connection wheel's
+    /// timer ids. The error names the flag.
     pub fn validate(&self) -> Result<(), String> {
         let ids = WAITER_TIMER as usize;
         if self.max_keys >= ids {
@@ -85,6 +100,13 @@ impl Limits {
             return Err(format!(
                 "--max-waiters {} is above {}",
                 self.max_waiters,
+                ids - 1
+            ));
+        }
+        if self.max_grants >= ids {
+            return Err(format!(
+                "--max-grants {} is above {}",
+                self.max_grants,
                 ids - 1
             ));
         }
@@ -125,7 +147,7 @@ pub struct Stats {
     /// ...or because the process had no file descriptor left.
     pub refused_fd_limit: u64,
     /// `X` frames sent, by code (index = code; 0 unused).
-    pub errors_by_code: [u64; 10],
+    pub errors_by_code: [u64; 14],
     /// How long queued acquires waited before their grant or timeout.
     pub acquire_wait: WaitHistogram,
 }
@@ -142,37 +164,6 @@ impl Stats {
 
 /// A response and the connection it goes to.
 pub type Output = (ConnId, Response);
-
-/// A grant held now (see [`Core::grants`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HeldGrant<'a> {
-    pub key: &'a str,
-    pub token: u64,
-    pub owner: u64,
-    /// When the lease runs out.
-    pub deadline: Micros,
-}
-
-/// Why [`Core::restore_grant`] refused a grant.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RestoreError {
-    /// Token 0, or not below this run's first token.
-    TokenNotFromEarlierRun,
-    /// The key was restored already.
-    DuplicateKey,
-    /// The table cannot grow.
-    TableFull,
-}
-
-impl std::fmt::Display for RestoreError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            RestoreError::TokenNotFromEarlierRun => "token is 0 or not below this run's first",
-            RestoreError::DuplicateKey => "key listed twice",
-            RestoreError::TableFull => "lock table full",
-        })
-    }
-}
 
 #[derive(Clone, Copy, Debug, Default)]
 struct ConnState {
@@ -202,28 +193,34 @@ pub struct Core {
     first_token: u64,
     /// The latest lease deadline armed for a grant of this run.
     lease_deadline_max: Micros,
+    /// The permit state of keys with a limit (spec §10), by the index an
+    /// entry with token [`PERMITS`] keeps in its `owner`.
+    permit_keys: slab::Slab<PermitKey>,
+    /// The grants of permit keys.
+    grants: Grants,
+    /// Live grants of this run or adopted, of every kind: inline ones and
+    /// `grants` (spec §10.9 `grants_held`).
+    grants_held: usize,
+    /// The labels of grants and waiters that have one.
+    labels: Labels,
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
 }
 
-/// How a key held by the unknown grant is represented.
-enum Adoptable {
-    /// An entry with token 0: the unknown grant, with waiters queued.
-    Waited(u32),
-    /// Not in the table: every key during the grace.
-    Untracked,
-}
-
-/// Gives the timer wheel the links embedded in entries and waiters.
+/// Gives the timer wheel the links embedded in entries, waiters and
+/// grants.
 struct TimerNodes<'a> {
     table: &'a mut LockTable,
     waiters: &'a mut Waiters,
+    grants: &'a mut Grants,
 }
 
 impl TimerStore for TimerNodes<'_> {
     fn links(&mut self, id: TimerId) -> &mut TimerLinks {
-        if id & WAITER_TIMER != 0 {
+        if id & GRANT_TIMER != 0 {
+            &mut self.grants.get_mut(id & !GRANT_TIMER).lease
+        } else if id & WAITER_TIMER != 0 {
             &mut self.waiters.get_mut(id & !WAITER_TIMER).timer
         } else {
             &mut self.table.get_mut(id).lease
@@ -247,78 +244,25 @@ impl Core {
             freed_in_grace: HashSet::default(),
             first_token: first_token.max(1),
             lease_deadline_max: 0,
+            permit_keys: slab::Slab::new(),
+            grants: Grants::default(),
+            grants_held: 0,
+            labels: Labels::default(),
             next_token: first_token.max(1),
             stats: Stats::default(),
             outbox: Vec::new(),
         }
     }
 
-    /// Treat every key as held by an unknown grant until `until` (spec §7).
-    pub fn set_grace_until(&mut self, until: Micros) {
-        self.grace_until = until;
-    }
-
-    /// Until when keys count as held by unknown grants (0 = never).
-    pub fn grace_until(&self) -> Micros {
-        self.grace_until
-    }
-
-    /// The latest lease deadline ever armed for a grant of this run: no
-    /// lease this core granted runs past it.
-    pub fn lease_deadline_max(&self) -> Micros {
-        self.lease_deadline_max
-    }
-
-    /// The first token of this run; tokens below it are an earlier run's.
-    pub fn first_token(&self) -> u64 {
-        self.first_token
-    }
-
-    /// Restores a grant an earlier run held at a clean stop (spec §7.1):
-    /// `key` held by `token` (below this run's first token) for `owner`
-    /// until `deadline`. Call before any request, at time 0. Restored keys
-    /// count towards the key limit for new keys, but are restored even
-    /// beyond it: every grant of the earlier run comes back.
-    pub fn restore_grant(
-        &mut self,
-        key: &str,
-        token: u64,
-        owner: u64,
-        deadline: Micros,
-    ) -> Result<(), RestoreError> {
-        debug_assert!(self.wheel.elapsed() == 0 && self.stats == Stats::default());
-        if token == 0 || token >= self.first_token {
-            return Err(RestoreError::TokenNotFromEarlierRun);
-        }
-        let hash = self.table.hash(key);
-        if self.table.find(key, hash).is_some() {
-            return Err(RestoreError::DuplicateKey);
-        }
-        let entry = self
-            .table
-            .insert(key, hash, token, owner)
-            .ok_or(RestoreError::TableFull)?;
-        self.arm_lease_at(entry, deadline.max(1));
-        Ok(())
-    }
-
-    /// Every grant held now, for the snapshot at a clean stop; `deadline`
-    /// is when its lease runs out (on the 1 ms tick).
-    pub fn grants(&self) -> impl Iterator<Item = HeldGrant<'_>> + '_ {
-        self.table.live_indices().filter_map(move |entry| {
-            let held = self.table.get(entry);
-            (held.token != 0).then(|| HeldGrant {
-                key: self.table.key(entry),
-                token: held.token,
-                owner: held.owner,
-                deadline: self.wheel.deadline_of(&held.lease) * MICROS_PER_TICK,
-            })
-        })
-    }
-
-    /// Keys held by a grant of this run.
+    /// Keys held by a grant of this run (a key with a limit counts once,
+    /// however many grants it has).
     pub fn held(&self) -> usize {
         self.table.len() - self.unknown_holders
+    }
+
+    /// Live grants of every kind (spec §10.9).
+    pub fn grants_held(&self) -> usize {
+        self.grants_held
     }
 
     pub fn limits(&self) -> &Limits {
@@ -388,23 +332,34 @@ impl Core {
         }
     }
 
-    /// A connection closed: its waiters leave their queues unanswered.
-    /// Its grants stay (spec §1).
-    pub fn disconnect(&mut self, conn: ConnId) {
+    /// A connection closed at `now`: its waiters leave their queues
+    /// unanswered (which may let waiters behind them on a key with a limit
+    /// be granted, spec §10.4). Its grants stay (spec §1).
+    pub fn disconnect(&mut self, conn: ConnId, now: Micros) {
         let Some(state) = self.conns.get(conn as usize) else {
             return;
         };
         if !state.open {
             return;
         }
+        // Every waiter of the connection leaves first (newest first, the
+        // list's order), so that none of them is granted by a queue that
+        // moves; then each key they left lets its queue move.
+        let mut left = Vec::new();
         let mut waiter = state.waiters.head;
         while waiter != NIL {
             let next = self.waiters.next_of_conn(waiter);
-            self.remove_waiter(waiter);
+            left.push(self.unlink_waiter(waiter).0);
             waiter = next;
         }
         self.conns[conn as usize].open = false;
         self.connections -= 1;
+        for entry in left {
+            // A key may be left twice, and gone after the first.
+            if self.table.is_live(entry) {
+                self.waiter_left(entry, Some(now));
+            }
+        }
     }
 
     /// Answers a request that the decoder rejected.
@@ -452,17 +407,46 @@ impl Core {
             let mut nodes = TimerNodes {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
+                grants: &mut self.grants,
             };
             let fired = self.wheel.poll(&mut nodes, tick_reached(now));
             debug_assert!(fired.is_none());
         }
         match *request {
+            // `A` is `S` with limit 0, take 0 and no label (spec §10.1).
             Request::Acquire {
                 wait_s,
                 lease_s,
                 owner,
                 key,
-            } => self.acquire(conn, key, wait_s, lease_s, owner, now),
+                limit,
+                take,
+                label,
+            } => {
+                let ask = request::Ask {
+                    key,
+                    wait_s,
+                    lease_s,
+                    owner,
+                    limit,
+                    take,
+                    label,
+                };
+                self.acquire(conn, &ask, now)
+            }
+            // Listing (§11) is not served by this core yet: `H` and `L` get
+            // `X 13` (not permitted), which changes nothing.
+            Request::Holders { id, .. } | Request::List { id, .. } => {
+                self.send_error(conn, ErrorCode::NotPermitted, id);
+            }
+            // Without `--auth` (this core has none), `U` is answered with
+            // an empty name (spec §12.2).
+            Request::Authenticate { .. } => self.outbox.push((
+                conn,
+                Response::Authenticated {
+                    name: String::new(),
+                },
+            )),
             Request::Release { token, key } => self.release(conn, key, token, now),
             Request::Extend {
                 lease_s,
@@ -481,28 +465,36 @@ impl Core {
     /// Fires every timer due at `now`: lease expiries hand keys on, wait
     /// deadlines answer `T`.
     pub fn handle_timeout(&mut self, now: Micros) {
-        if now >= self.grace_until && !self.freed_in_grace.is_empty() {
-            self.freed_in_grace = HashSet::default();
-        }
+        self.forget_freed_after_grace(now);
         let now_tick = tick_reached(now);
         loop {
             let mut nodes = TimerNodes {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
+                grants: &mut self.grants,
             };
             let Some(id) = self.wheel.poll(&mut nodes, now_tick) else {
                 break;
             };
-            if id & WAITER_TIMER != 0 {
+            if id & GRANT_TIMER != 0 {
+                let grant = id & !GRANT_TIMER;
+                let entry = self.grants.get(grant).entry;
+                self.end_grant(entry, grant);
+                self.stats.expired += 1;
+                self.scan_permits(entry, now);
+            } else if id & WAITER_TIMER != 0 {
                 let waiter = id & !WAITER_TIMER;
                 let (conn, owner) = {
                     let node = self.waiters.get(waiter);
                     (node.conn, node.owner)
                 };
                 self.observe_wait(waiter, now);
-                self.remove_waiter(waiter);
+                let (entry, _) = self.unlink_waiter(waiter);
                 self.stats.timeouts += 1;
                 self.outbox.push((conn, Response::Timeout { owner }));
+                self.waiter_left(entry, Some(now));
+            } else if self.table.get(id).token == PERMITS {
+                self.unknown_permits_ended(id, now);
             } else {
                 if self.table.get(id).token != 0 {
                     self.stats.expired += 1;
@@ -525,7 +517,9 @@ impl Core {
             while waiter != NIL {
                 let next = self.waiters.next_of_conn(waiter);
                 let owner = self.waiters.get(waiter).owner;
-                self.remove_waiter(waiter);
+                let (entry, _) = self.unlink_waiter(waiter);
+                // Nobody is granted now: every waiter gets `B`.
+                self.waiter_left(entry, None);
                 self.stats.busy += 1;
                 self.outbox.push((conn as ConnId, Response::Busy { owner }));
                 waiter = next;
@@ -538,231 +532,33 @@ impl Core {
         }
     }
 
-    fn acquire(
-        &mut self,
-        conn: ConnId,
-        key: &str,
-        wait_s: u8,
-        lease_s: u8,
-        owner: u64,
-        now: Micros,
-    ) {
-        let hash = self.table.hash(key);
-        let entry = match self.table.find(key, hash) {
-            Some(_) if wait_s == 0 => return self.timeout(conn, owner),
-            Some(entry) => {
-                if !self.can_queue(conn, self.table.get(entry).waiters) {
-                    return self.busy(conn, owner);
-                }
-                entry
-            }
-            None if now >= self.grace_until || self.freed_in_grace.contains(key) => {
-                if self.next_token == u64::MAX {
-                    return self.busy(conn, owner);
-                }
-                let Some(entry) = self.insert_key(key, hash, 0, owner) else {
-                    return self.busy(conn, owner);
-                };
-                return self.grant(entry, conn, owner, lease_s, now);
-            }
-            None if wait_s == 0 => return self.timeout(conn, owner),
-            None => {
-                // The key may still be leased by the previous run: queue
-                // behind an unknown holder whose lease ends at the horizon.
-                if !self.can_queue(conn, NIL) {
-                    return self.busy(conn, owner);
-                }
-                let Some(entry) = self.insert_key(key, hash, 0, 0) else {
-                    return self.busy(conn, owner);
-                };
-                self.unknown_holders += 1;
-                self.arm_lease_at(entry, self.grace_until);
-                entry
-            }
-        };
-        let waiter = {
-            let queue = &mut self.table.get_mut(entry).waiters;
-            let conn_list = &mut self.conns[conn as usize].waiters;
-            self.waiters
-                .push_back(queue, conn_list, conn, entry, owner, lease_s)
-        };
-        self.waiters.get_mut(waiter).enqueued_at = enqueued_at(now);
-        let deadline = now + u64::from(wait_s) * MICROS_PER_S;
-        let mut nodes = TimerNodes {
-            table: &mut self.table,
-            waiters: &mut self.waiters,
-        };
-        self.wheel.arm(
-            &mut nodes,
-            waiter | WAITER_TIMER,
-            tick_at_or_after(deadline),
-        );
-    }
-
-    /// Whether one more waiter fits: in total, on the queue with head
-    /// `queue_head`, and on `conn`.
-    fn can_queue(&self, conn: ConnId, queue_head: u32) -> bool {
-        let Some(state) = self.conns.get(conn as usize).filter(|state| state.open) else {
-            return false;
-        };
-        self.waiters.len() < self.limits.max_waiters
-            && self.waiters.queue_len(queue_head) < self.limits.max_waiters_per_key
-            && state.waiters.len < self.limits.max_waits_per_conn
-    }
-
-    fn insert_key(&mut self, key: &str, hash: u64, token: u64, owner: u64) -> Option<u32> {
-        if self.table.len() >= self.limits.max_keys {
-            return None;
-        }
-        self.table.insert(key, hash, token, owner)
-    }
-
-    fn release(&mut self, conn: ConnId, key: &str, token: u64, now: Micros) {
-        let entry = match self.active_grant(key, token) {
-            Some(entry) => entry,
-            None => match self.adoptable(key, token, now) {
-                Some(Adoptable::Waited(entry)) => {
-                    self.unknown_holders -= 1;
-                    entry
-                }
-                Some(Adoptable::Untracked) => {
-                    self.stats.released += 1;
-                    self.outbox.push((conn, Response::Released { token }));
-                    return self.note_freed(key);
-                }
-                None => {
-                    self.stats.release_not_held += 1;
-                    return self.not_held(conn, token);
-                }
-            },
-        };
-        self.cancel_lease(entry);
-        self.stats.released += 1;
-        self.outbox.push((conn, Response::Released { token }));
-        self.hand_over(entry, now);
-    }
-
-    fn extend(&mut self, conn: ConnId, key: &str, token: u64, lease_s: u8, now: Micros) {
-        let entry = match self.active_grant(key, token) {
-            Some(entry) => entry,
-            None => match self.adoptable(key, token, now) {
-                Some(Adoptable::Waited(entry)) => {
-                    self.unknown_holders -= 1;
-                    let held = self.table.get_mut(entry);
-                    held.token = token;
-                    held.owner = 0;
-                    entry
-                }
-                Some(Adoptable::Untracked) => {
-                    // An earlier run's holders must not lose their keys to
-                    // this run's waiters filling the table, so adoption may
-                    // take it to twice the key limit: that run held at most
-                    // that many, and the bound on memory stays.
-                    let hash = self.table.hash(key);
-                    let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
-                        .then(|| self.table.insert(key, hash, token, 0))
-                        .flatten();
-                    match entry {
-                        Some(entry) => entry,
-                        // No room: nothing changed, and the key stays held
-                        // by the unknown grant until the horizon.
-                        None => {
-                            self.stats.extend_not_held += 1;
-                            return self.not_held(conn, token);
-                        }
-                    }
-                }
-                None => {
-                    self.stats.extend_not_held += 1;
-                    return self.not_held(conn, token);
-                }
-            },
-        };
-        self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
-        self.stats.extended += 1;
-        self.outbox.push((conn, Response::Extended { token }));
-    }
-
-    /// Whether `token` may adopt `key` (spec §7.3): it is an earlier run's
-    /// token and the key is held by the unknown grant — an entry with token
-    /// 0 (waited on), or, during the grace, a key not in the table and not
-    /// known free.
-    fn adoptable(&self, key: &str, token: u64, now: Micros) -> Option<Adoptable> {
-        if token == 0 || token >= self.first_token {
-            return None;
-        }
-        match self.table.find(key, self.table.hash(key)) {
-            Some(entry) => (self.table.get(entry).token == 0).then_some(Adoptable::Waited(entry)),
-            None => (now < self.grace_until && !self.freed_in_grace.contains(key))
-                .then_some(Adoptable::Untracked),
-        }
-    }
-
-    /// Remembers that `key`, not in the table, is free although the grace
-    /// runs. Without room it stays held by the unknown grant until the
-    /// horizon: later than it could be, never too early.
-    fn note_freed(&mut self, key: &str) {
-        if self.freed_in_grace.len() < self.limits.max_keys {
-            self.freed_in_grace.insert(key.into());
-        }
-    }
-
-    fn query(&mut self, conn: ConnId, key: &str, now: Micros) {
-        let response = match self.table.find(key, self.table.hash(key)) {
-            Some(entry) => {
-                let entry = self.table.get(entry);
-                // The tick rounded the true deadline up by less than one
-                // tick: report the earliest deadline that rounds to it, so
-                // a fresh grant never shows more than its lease. An unknown
-                // holder's lease ends exactly at the horizon.
-                let deadline = if entry.token == 0 {
-                    self.grace_until
-                } else {
-                    tick_start(self.wheel.deadline_of(&entry.lease))
-                        .saturating_sub(MICROS_PER_TICK - 1)
-                };
-                Response::Query {
-                    token: entry.token,
-                    owner: entry.owner,
-                    lease_ms: millis_left(deadline, now),
-                    waiters: self.waiters.queue_len(entry.waiters),
-                }
-            }
-            None if now < self.grace_until && !self.freed_in_grace.contains(key) => {
-                Response::Query {
-                    token: 0,
-                    owner: 0,
-                    lease_ms: millis_left(self.grace_until, now),
-                    waiters: 0,
-                }
-            }
-            None => Response::Query {
-                token: 0,
-                owner: 0,
-                lease_ms: 0,
-                waiters: 0,
-            },
-        };
-        self.outbox.push((conn, response));
-    }
-
-    /// The entry of `key` if `token` is its active grant. Token 0 (an
-    /// unknown holder) never matches.
-    fn active_grant(&self, key: &str, token: u64) -> Option<u32> {
+    /// The grant of `key` whose token is `token`, if it is live. Token 0
+    /// (an unknown holder) never matches.
+    fn find_grant(&self, key: &str, token: u64) -> Option<Held> {
         let entry = self.table.find(key, self.table.hash(key))?;
-        (token != 0 && self.table.get(entry).token == token).then_some(entry)
+        let held = self.table.get(entry);
+        if held.token == PERMITS {
+            let permits = self.permit_key(entry);
+            let position = permits.position(&self.grants, token)?;
+            let grant = permits.grants[position];
+            return Some(Held::Listed { entry, grant });
+        }
+        (token != 0 && held.token == token).then_some(Held::Inline(entry))
     }
 
-    /// The key's holder is gone: grant the head waiter, or drop the key
-    /// (remembered as free while the grace runs).
+    /// The key's holder is gone (its grant ended, or the unknown grant's):
+    /// grant the head waiter, or drop the key (remembered as free while the
+    /// grace runs). Only for keys without a limit; see
+    /// [`scan_permits`](Self::scan_permits) for the others.
     fn hand_over(&mut self, entry: u32, now: Micros) {
+        if self.table.get(entry).token != 0 {
+            self.grants_held -= 1;
+            self.labels.take(LabelOf::Entry(entry));
+        }
         loop {
             let head = self.table.get(entry).waiters;
             if head == NIL {
-                if now < self.grace_until {
-                    let key: Box<str> = self.table.key(entry).into();
-                    self.note_freed(&key);
-                }
+                self.note_freed_in_grace(entry, now);
                 self.table.remove(entry);
                 return;
             }
@@ -771,25 +567,48 @@ impl Core {
                 (waiter.conn, waiter.owner, waiter.lease_s)
             };
             self.observe_wait(head, now);
-            self.unlink_waiter(head);
+            let (_, label) = self.unlink_waiter(head);
             if self.next_token == u64::MAX {
                 self.busy(conn, owner);
                 continue;
             }
-            return self.grant(entry, conn, owner, lease_s, now);
+            return self.grant(entry, conn, owner, lease_s, label, now);
         }
     }
 
-    fn grant(&mut self, entry: u32, conn: ConnId, owner: u64, lease_s: u8, now: Micros) {
+    /// Grants `entry` (a key without a limit) to `owner` on `conn`.
+    fn grant(
+        &mut self,
+        entry: u32,
+        conn: ConnId,
+        owner: u64,
+        lease_s: u8,
+        label: Option<Box<str>>,
+        now: Micros,
+    ) {
         let token = self.next_token;
         self.next_token += 1;
         let held = self.table.get_mut(entry);
         held.token = token;
         held.owner = owner;
         self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
+        self.labels.put(LabelOf::Entry(entry), label);
+        self.grants_held += 1;
         self.stats.grants += 1;
         self.outbox
             .push((conn, Response::Acquired { owner, token }));
+    }
+
+    /// The timer wheel and the nodes it links, borrowed together.
+    fn timers(&mut self) -> (&mut TimerWheel, TimerNodes<'_>) {
+        (
+            &mut self.wheel,
+            TimerNodes {
+                table: &mut self.table,
+                waiters: &mut self.waiters,
+                grants: &mut self.grants,
+            },
+        )
     }
 
     fn arm_lease_at(&mut self, entry: u32, deadline: Micros) {
@@ -799,6 +618,7 @@ impl Core {
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
+            grants: &mut self.grants,
         };
         self.wheel
             .arm(&mut nodes, entry, tick_at_or_after(deadline));
@@ -808,17 +628,25 @@ impl Core {
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
+            grants: &mut self.grants,
         };
         self.wheel.cancel(&mut nodes, entry);
     }
 
-    /// Takes a waiter out of its queue and its connection's list, silently.
-    /// A key held only by an unknown grant and waited on by nobody is
-    /// dropped: it means the same as a key that is not in the table.
-    fn remove_waiter(&mut self, waiter: u32) {
-        let entry = self.unlink_waiter(waiter);
+    /// A waiter left `entry`'s queue without a grant (its deadline, its
+    /// connection closed, a shutdown). On a key with a limit the waiters
+    /// behind it may fit now (spec §10.4), unless `now` is `None` (a
+    /// shutdown, which grants nothing). A key held only by an unknown grant
+    /// and waited on by nobody is dropped: it means the same as a key that
+    /// is not in the table.
+    fn waiter_left(&mut self, entry: u32, now: Option<Micros>) {
         let held = self.table.get(entry);
-        if held.token == 0 && held.waiters == NIL {
+        if held.token == PERMITS {
+            match now {
+                Some(now) => self.scan_permits(entry, now),
+                None => self.drop_if_idle(entry, 0),
+            }
+        } else if held.token == 0 && held.waiters == NIL {
             self.cancel_lease(entry);
             self.unknown_holders -= 1;
             self.table.remove(entry);
@@ -826,11 +654,12 @@ impl Core {
     }
 
     /// Takes a waiter out of its queue and its connection's list and
-    /// returns the entry it queued on.
-    fn unlink_waiter(&mut self, waiter: u32) -> u32 {
+    /// returns the entry it queued on and its label.
+    fn unlink_waiter(&mut self, waiter: u32) -> (u32, Option<Box<str>>) {
         let mut nodes = TimerNodes {
             table: &mut self.table,
             waiters: &mut self.waiters,
+            grants: &mut self.grants,
         };
         self.wheel.cancel(&mut nodes, waiter | WAITER_TIMER);
         let (conn, entry) = {
@@ -840,7 +669,7 @@ impl Core {
         let queue = &mut self.table.get_mut(entry).waiters;
         let conn_list = &mut self.conns[conn as usize].waiters;
         self.waiters.remove(waiter, queue, conn_list);
-        entry
+        (entry, self.labels.take(LabelOf::Waiter(waiter)))
     }
 
     /// Records how long `waiter` has queued, as it leaves with a grant or
@@ -864,134 +693,14 @@ impl Core {
         self.stats.not_held += 1;
         self.outbox.push((conn, Response::NotHeld { token }));
     }
+}
 
-    /// Asserts the consistency of every internal structure: each key found
-    /// by its own name and leased, each queue and connection list linked and
-    /// counted right, every waiter armed and on an open connection, every
-    /// armed timer accounted for. A bug then fails here rather than in a
-    /// later, unrelated answer; simulations call it after every step.
-    #[doc(hidden)]
-    pub fn check_invariants(&self) {
-        let mut entries = 0;
-        let mut unknown = 0;
-        let mut queued = 0;
-        for entry in self.table.live_indices() {
-            entries += 1;
-            let held = self.table.get(entry);
-            let key = self.table.key(entry);
-            assert_eq!(
-                self.table.find(key, self.table.hash(key)),
-                Some(entry),
-                "key {key:?} not found by name"
-            );
-            assert!(held.lease.is_armed(), "key {key:?} has no lease timer");
-            if held.token == 0 {
-                unknown += 1;
-                assert_ne!(
-                    held.waiters, NIL,
-                    "key {key:?} held by an unknown grant and waited on by nobody"
-                );
-            } else {
-                assert!(
-                    held.token < self.next_token,
-                    "key {key:?} has token {} ≥ next {}",
-                    { held.token },
-                    self.next_token
-                );
-            }
-            let mut length = 0;
-            for waiter in self.waiters.queue(held.waiters) {
-                length += 1;
-                let node = self.waiters.get(waiter);
-                assert_eq!(
-                    node.lock, entry,
-                    "waiter {waiter} of key {key:?} points elsewhere"
-                );
-                assert!(
-                    node.timer.is_armed(),
-                    "waiter {waiter} of key {key:?} has no deadline timer"
-                );
-                assert!(
-                    self.conns[node.conn as usize].open,
-                    "waiter {waiter} on a closed connection"
-                );
-            }
-            assert_eq!(
-                length,
-                self.waiters.queue_len(held.waiters),
-                "queue length of key {key:?}"
-            );
-            queued += length as usize;
-        }
-        assert_eq!(entries, self.table.len(), "live entries vs table length");
-        assert_eq!(unknown, self.unknown_holders, "unknown holders");
-        assert_eq!(queued, self.waiters.len(), "queued waiters vs waiter count");
-        let mut open = 0;
-        let mut listed = 0;
-        for (conn, state) in self.conns.iter().enumerate() {
-            open += usize::from(state.open);
-            let mut length = 0;
-            let mut waiter = state.waiters.head;
-            while waiter != NIL {
-                length += 1;
-                assert_eq!(
-                    self.waiters.get(waiter).conn as usize,
-                    conn,
-                    "waiter {waiter} on the wrong connection list"
-                );
-                assert!(
-                    length <= self.waiters.len(),
-                    "connection {conn}'s waiter list loops"
-                );
-                waiter = self.waiters.next_of_conn(waiter);
-            }
-            assert_eq!(
-                length as u32, state.waiters.len,
-                "waiter count of connection {conn}"
-            );
-            assert!(
-                state.open || length == 0,
-                "closed connection {conn} still has waiters"
-            );
-            listed += length;
-        }
-        assert_eq!(open, self.connections, "open connections");
-        assert_eq!(listed, self.waiters.len(), "waiters on connection lists");
-        assert_eq!(
-            self.wheel.len(),
-            entries + queued,
-            "armed timers vs leases and waiters"
-        );
-    }
-
-    /// The `I` line: `name=value` pairs separated by single spaces.
-    pub fn info_text(&self, now: Micros) -> String {
-        let s = &self.stats;
-        let mut text = String::with_capacity(320);
-        let _ = write!(
-            text,
-            "version={} uptime_s={} connections={} keys={} held={} waiters={} \
-             grants={} timeouts={} busy={} expired={} released={} extended={} \
-             not_held={} errors={} refused={} next_token={}",
-            env!("CARGO_PKG_VERSION"),
-            now / MICROS_PER_S,
-            self.connections,
-            self.table.len(),
-            self.held(),
-            self.waiters.len(),
-            s.grants,
-            s.timeouts,
-            s.busy,
-            s.expired,
-            s.released,
-            s.extended,
-            s.not_held,
-            s.errors,
-            s.refused,
-            self.next_token,
-        );
-        text
-    }
+/// A live grant, as [`Core::find_grant`] finds it.
+enum Held {
+    /// The one grant of a key without a limit, inline in its entry.
+    Inline(u32),
+    /// A grant of a permit key.
+    Listed { entry: u32, grant: u32 },
 }
 
 /// A waiter's enqueue instant as it is kept: microseconds modulo 2³²

@@ -39,6 +39,7 @@ pub fn run(data: &[u8]) {
         max_waiters: 8,
         max_waiters_per_key: 4,
         max_waits_per_conn: 3,
+        max_grants: 16,
         max_connections: 3,
     };
     let allow: Vec<Network> = vec!["10.0.0.0/8".parse().expect("a network")];
@@ -68,7 +69,13 @@ pub fn run(data: &[u8]) {
             1 | 2 => {
                 let len = usize::from(bytes.next().unwrap_or(0));
                 chunk.clear();
-                chunk.extend(bytes.by_ref().take(len));
+                if command & 4 != 0 {
+                    // One well-formed acquire (`S` with permits, spec §10, or
+                    // `A`) from 4 bytes, on a handful of keys.
+                    permits_request(len as u8, &mut bytes, &mut chunk);
+                } else {
+                    chunk.extend(bytes.by_ref().take(len));
+                }
                 // Repeated, a few bytes become a flood that meets
                 // backpressure.
                 if command >> 5 == 2 {
@@ -89,7 +96,7 @@ pub fn run(data: &[u8]) {
             }
             4 => {
                 if sockets[index].open {
-                    endpoint.handle_broken(id);
+                    endpoint.handle_broken(id, now);
                 }
             }
             5 => {
@@ -156,4 +163,26 @@ pub fn run(data: &[u8]) {
             }
         }
     }
+}
+
+/// Appends to `out` an acquire built from `shape` and 3 more bytes: `A`
+/// or `S` with limits 1, 2, 3 or 65535 and any take, on keys `a`–`c`.
+fn permits_request(shape: u8, bytes: &mut impl Iterator<Item = u8>, out: &mut Vec<u8>) {
+    let mut field = || bytes.next().unwrap_or(0);
+    let (wait_s, lease_s, owner) = (field(), field(), field());
+    let limit = [0, 1, 2, 3, 65535][usize::from(shape % 5)];
+    let take = match limit {
+        0 => 0,
+        _ => u16::from(shape / 5 % 4).min(limit),
+    };
+    let request = protocol::Request::Acquire {
+        wait_s: wait_s % 4,
+        lease_s: lease_s % 4 + 1,
+        owner: u64::from(owner),
+        key: ["a", "b", "c"][usize::from(shape / 20 % 3)],
+        limit,
+        take,
+        label: if owner & 1 == 0 { "" } else { "label" },
+    };
+    protocol::encode_request(&request, out);
 }

@@ -27,6 +27,8 @@ pub struct Waiter {
     /// wait-time histogram.
     pub enqueued_at: u32,
     pub lease_s: u8,
+    /// Permits asked for (spec §10); 0 = all (exclusive).
+    pub take: u16,
 }
 
 /// Node storage for all waiters.
@@ -87,6 +89,7 @@ impl Waiters {
 
     /// Appends a waiter at the tail of the queue `queue` (a head index) and
     /// at the head of its connection's list.
+    #[allow(clippy::too_many_arguments)]
     pub fn push_back(
         &mut self,
         queue: &mut u32,
@@ -95,6 +98,7 @@ impl Waiters {
         lock: u32,
         owner: u64,
         lease_s: u8,
+        take: u16,
     ) -> u32 {
         let node = Waiter {
             owner,
@@ -108,6 +112,7 @@ impl Waiters {
             queue_len: 0,
             enqueued_at: 0,
             lease_s,
+            take,
         };
         let index = if self.free_head != NIL {
             let index = self.free_head;
@@ -207,7 +212,7 @@ mod tests {
 
     #[test]
     fn a_waiter_stays_56_bytes() {
-        // The enqueue instant lives in what was padding.
+        // The enqueue instant and the take live in what was padding.
         assert_eq!(std::mem::size_of::<Waiter>(), 56);
     }
 
@@ -220,7 +225,7 @@ mod tests {
         let w: Vec<u32> = (0..5)
             .map(|i| {
                 let conn = if i % 2 == 0 { &mut conn_a } else { &mut conn_b };
-                waiters.push_back(&mut queue, conn, (i % 2) as u32, 0, i, 1)
+                waiters.push_back(&mut queue, conn, (i % 2) as u32, 0, i, 1, 0)
             })
             .collect();
         assert_eq!(waiters.queue(queue).collect::<Vec<_>>(), w);
@@ -234,7 +239,7 @@ mod tests {
         assert_eq!(waiters.queue_len(queue), 3);
         assert_eq!(conn_a.len, 1);
         assert_eq!(conn_a.head, w[4]);
-        let reused = waiters.push_back(&mut queue, &mut conn_a, 0, 0, 9, 1);
+        let reused = waiters.push_back(&mut queue, &mut conn_a, 0, 0, 9, 1, 0);
         assert!(reused == w[0] || reused == w[2]);
         assert_eq!(
             waiters.queue(queue).collect::<Vec<_>>(),

@@ -414,7 +414,10 @@ impl Shell {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => return self.endpoint.handle_broken(id as ConnId),
+                Err(_) => {
+                    let now = self.now();
+                    return self.endpoint.handle_broken(id as ConnId, now);
+                }
             }
         }
     }
@@ -454,7 +457,8 @@ impl Shell {
             };
             match socket.stream.write(bytes) {
                 Ok(0) => {
-                    self.endpoint.handle_broken(id as ConnId);
+                    let now = self.now();
+                    self.endpoint.handle_broken(id as ConnId, now);
                     return Ok(());
                 }
                 Ok(n) => {
@@ -467,7 +471,8 @@ impl Shell {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
-                    self.endpoint.handle_broken(id as ConnId);
+                    let now = self.now();
+                    self.endpoint.handle_broken(id as ConnId, now);
                     return Ok(());
                 }
             }

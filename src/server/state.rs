@@ -465,6 +465,17 @@ impl StateDir {
     pub fn save_clean_stop(&mut self, core: &Core, now: Micros) -> io::Result<()> {
         let live = |deadline: Micros| deadline > now;
         let count = core.grants().filter(|grant| live(grant.deadline)).count();
+        let per_key = core.grants().count();
+        if core.grants_held() > per_key {
+            // The file holds one grant per key; permits (spec §7.4) are
+            // still to come. See `Core::grants`.
+            log::warn!(
+                "clean stop: {} grants on keys with a limit not saved: each such key is \
+                 saved held by its grant whose lease runs out last; the others get N \
+                 on renewal",
+                core.grants_held() - per_key
+            );
+        }
         let max_left = MAX_GRACE.as_millis() as u64;
         let mut grants = core
             .grants()

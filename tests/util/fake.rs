@@ -77,6 +77,9 @@ impl Fake {
                 lease_s,
                 owner,
                 key,
+                limit: 0,
+                take: 0,
+                label: "",
             },
         )
     }
@@ -89,6 +92,74 @@ impl Fake {
             }
             other => panic!("acquire of {key:?} not granted at once: {other:?}"),
         }
+    }
+
+    /// An `S` (spec §10): `limit` 0 names none, `take` 0 takes all.
+    #[allow(clippy::too_many_arguments)]
+    pub fn permits(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        wait_s: u8,
+        lease_s: u8,
+        owner: u64,
+        limit: u16,
+        take: u16,
+        label: &str,
+    ) -> Vec<Output> {
+        self.request(
+            conn,
+            &Request::Acquire {
+                wait_s,
+                lease_s,
+                owner,
+                key,
+                limit,
+                take,
+                label,
+            },
+        )
+    }
+
+    /// An `S` that must be granted at once; returns its token.
+    pub fn grant_permits(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        lease_s: u8,
+        owner: u64,
+        limit: u16,
+        take: u16,
+    ) -> u64 {
+        match self
+            .permits(conn, key, 0, lease_s, owner, limit, take, "")
+            .as_slice()
+        {
+            [(to, Response::Acquired { owner: got, token })] if *to == conn && *got == owner => {
+                *token
+            }
+            other => panic!("S {limit}/{take} on {key:?} not granted at once: {other:?}"),
+        }
+    }
+
+    /// An `S` that must be queued (no answer yet).
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue_permits(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        wait_s: u8,
+        lease_s: u8,
+        owner: u64,
+        limit: u16,
+        take: u16,
+    ) {
+        let out = self.permits(conn, key, wait_s, lease_s, owner, limit, take, "");
+        assert_eq!(
+            out,
+            vec![],
+            "S {limit}/{take} on {key:?} by {owner} was not queued"
+        );
     }
 
     /// An acquire that must be queued (no answer yet).

@@ -431,6 +431,9 @@ pub fn acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Vec<u8> {
         lease_s,
         owner,
         key,
+        limit: 0,
+        take: 0,
+        label: "",
     })
 }
 

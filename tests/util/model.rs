@@ -180,11 +180,30 @@ impl Model {
     /// The answers to `request` from `conn` at `now`, in order.
     pub fn request(&mut self, conn: ConnId, request: &Request<'_>, now: Micros) -> Vec<Output> {
         match *request {
+            // The core serves permits (§10) and holders/listing (§11) in
+            // a later change; until then it answers as below.
+            Request::Acquire {
+                owner, limit, take, ..
+            } if limit != 0 || take != 0 => {
+                self.counters.busy += 1;
+                vec![(conn, Response::Busy { owner })]
+            }
+            Request::Holders { id, .. } | Request::List { id, .. } => {
+                self.counters.errors += 1;
+                vec![(conn, ErrorCode::NotPermitted.response(id))]
+            }
+            Request::Authenticate { .. } => vec![(
+                conn,
+                Response::Authenticated {
+                    name: String::new(),
+                },
+            )],
             Request::Acquire {
                 wait_s,
                 lease_s,
                 owner,
                 key,
+                ..
             } => {
                 let waiters = self.waiters();
                 let queued_by_conn = self.conns[&conn];
@@ -574,4 +593,504 @@ pub fn same_as_multiset(core: &[Output], model: &[Output]) -> Result<(), String>
     } else {
         Err(format!("core fired {got:?}, the model {want:?}"))
     }
+}
+
+// ---- permits (spec §10) ---------------------------------------------------------
+
+/// A grant of the permit model.
+#[derive(Clone, Debug)]
+pub struct PermitGrant {
+    pub token: u64,
+    pub owner: u64,
+    /// 0 = all (exclusive).
+    pub take: u16,
+    pub lease_tick: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct PermitWaiter {
+    pub conn: ConnId,
+    pub owner: u64,
+    pub take: u16,
+    pub lease_s: u8,
+    pub deadline_tick: u64,
+    /// Arrival order across all keys (a connection's waiters leave, when
+    /// it closes, newest first).
+    pub seq: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct PermitKey {
+    /// None until a request names one; gone with the key.
+    pub limit: Option<u16>,
+    /// In token order.
+    pub grants: Vec<PermitGrant>,
+    pub queue: VecDeque<PermitWaiter>,
+}
+
+impl PermitKey {
+    /// Spec §10.3, written out.
+    pub fn fits(&self, take: u16) -> bool {
+        if take == 0 {
+            return self.grants.is_empty();
+        }
+        let exclusive = self.grants.iter().any(|grant| grant.take == 0);
+        let used: u32 = self.grants.iter().map(|grant| u32::from(grant.take)).sum();
+        let limit = self.limit.map_or(0, u32::from);
+        !exclusive && used + u32::from(take) <= limit
+    }
+}
+
+/// The reference model of keys with permits (and plain `A`, which is `S`
+/// with limit 0 and take 0), without restarts: every key, its limit, its
+/// grants in token order and its FIFO queue, with spec §10's rules as
+/// plainly as they can be written. Where the spec leaves the order of
+/// events at one tick open, [`PermitModel::timeout`] tries every order
+/// and keeps the one that gives exactly the core's answers, so the fit
+/// rule, FIFO and the tokens of every grant are still checked exactly.
+#[derive(Clone, Debug)]
+pub struct PermitModel {
+    pub limits: Limits,
+    pub keys: BTreeMap<String, PermitKey>,
+    pub next_token: u64,
+    pub conns: BTreeMap<ConnId, u32>,
+    pub counters: Counters,
+    seq: u64,
+}
+
+impl PermitModel {
+    pub fn new(limits: Limits, first_token: u64) -> PermitModel {
+        PermitModel {
+            limits,
+            keys: BTreeMap::new(),
+            next_token: first_token,
+            conns: BTreeMap::new(),
+            counters: Counters::default(),
+            seq: 0,
+        }
+    }
+
+    pub fn connect(&mut self, conn: ConnId) {
+        self.conns.entry(conn).or_insert(0);
+    }
+
+    pub fn grants_held(&self) -> usize {
+        self.keys.values().map(|key| key.grants.len()).sum()
+    }
+
+    pub fn waiters(&self) -> usize {
+        self.keys.values().map(|key| key.queue.len()).sum()
+    }
+
+    /// Every live grant: (key, token).
+    pub fn live(&self) -> Vec<(String, u64)> {
+        self.keys
+            .iter()
+            .flat_map(|(name, key)| key.grants.iter().map(|grant| (name.clone(), grant.token)))
+            .collect()
+    }
+
+    pub fn earliest_tick(&self) -> Option<u64> {
+        self.keys
+            .values()
+            .flat_map(|key| {
+                key.grants
+                    .iter()
+                    .map(|grant| grant.lease_tick)
+                    .chain(key.queue.iter().map(|waiter| waiter.deadline_tick))
+            })
+            .min()
+    }
+
+    fn grant(
+        &mut self,
+        name: &str,
+        conn: ConnId,
+        owner: u64,
+        take: u16,
+        lease_s: u8,
+        now: Micros,
+    ) -> Output {
+        let token = self.next_token;
+        self.next_token += 1;
+        self.counters.grants += 1;
+        self.keys
+            .get_mut(name)
+            .expect("granted on a key in the map")
+            .grants
+            .push(PermitGrant {
+                token,
+                owner,
+                take,
+                lease_tick: tick_of(now + u64::from(lease_s) * S),
+            });
+        (conn, Response::Acquired { owner, token })
+    }
+
+    /// Spec §10.4: the head is granted while it fits; a head that does not
+    /// fit stops the scan. A key left with nothing leaves the map.
+    fn scan(&mut self, name: &str, now: Micros) -> Vec<Output> {
+        let mut out = Vec::new();
+        loop {
+            let key = &self.keys[name];
+            let Some(head) = key.queue.front() else {
+                if key.grants.is_empty() {
+                    self.keys.remove(name);
+                }
+                return out;
+            };
+            if !key.fits(head.take) {
+                return out;
+            }
+            let head = self.keys.get_mut(name).unwrap().queue.pop_front().unwrap();
+            *self.conns.get_mut(&head.conn).unwrap() -= 1;
+            out.push(self.grant(name, head.conn, head.owner, head.take, head.lease_s, now));
+        }
+    }
+
+    pub fn invalid(&mut self, conn: ConnId, error: RequestError) -> Vec<Output> {
+        self.counters.errors += 1;
+        vec![(conn, error.response())]
+    }
+
+    pub fn request(&mut self, conn: ConnId, request: &Request<'_>, now: Micros) -> Vec<Output> {
+        match *request {
+            Request::Acquire {
+                wait_s,
+                lease_s,
+                owner,
+                key: name,
+                limit,
+                take,
+                ..
+            } => {
+                let busy = |model: &mut PermitModel| {
+                    model.counters.busy += 1;
+                    vec![(conn, Response::Busy { owner })]
+                };
+                let room = self.grants_held() + self.waiters() < self.limits.max_grants;
+                let Some(key) = self.keys.get(name) else {
+                    if !room || self.keys.len() >= self.limits.max_keys {
+                        return busy(self);
+                    }
+                    let key = PermitKey {
+                        limit: (limit != 0).then_some(limit),
+                        ..PermitKey::default()
+                    };
+                    self.keys.insert(name.to_owned(), key);
+                    return vec![self.grant(name, conn, owner, take, lease_s, now)];
+                };
+                if let Some(key_limit) = key
+                    .limit
+                    .filter(|&key_limit| limit != 0 && limit != key_limit)
+                {
+                    self.counters.errors += 1;
+                    return vec![(conn, Response::limit_mismatch(owner, key_limit))];
+                }
+                if key.queue.is_empty() && key.fits(take) {
+                    if !room {
+                        return busy(self);
+                    }
+                    return vec![self.grant(name, conn, owner, take, lease_s, now)];
+                }
+                if wait_s == 0 {
+                    self.counters.timeouts += 1;
+                    return vec![(conn, Response::Timeout { owner })];
+                }
+                let can_queue = self.waiters() < self.limits.max_waiters
+                    && key.queue.len() < self.limits.max_waiters_per_key as usize
+                    && self.conns[&conn] < self.limits.max_waits_per_conn
+                    && room;
+                if !can_queue {
+                    return busy(self);
+                }
+                self.seq += 1;
+                let seq = self.seq;
+                let key = self.keys.get_mut(name).unwrap();
+                if limit != 0 {
+                    key.limit.get_or_insert(limit);
+                }
+                key.queue.push_back(PermitWaiter {
+                    conn,
+                    owner,
+                    take,
+                    lease_s,
+                    deadline_tick: tick_of(now + u64::from(wait_s) * S),
+                    seq,
+                });
+                *self.conns.get_mut(&conn).unwrap() += 1;
+                vec![]
+            }
+            Request::Release { token, key: name } => {
+                let Some(at) = self.find(name, token) else {
+                    self.counters.not_held += 1;
+                    return vec![(conn, Response::NotHeld { token })];
+                };
+                self.keys.get_mut(name).unwrap().grants.remove(at);
+                self.counters.released += 1;
+                let mut out = vec![(conn, Response::Released { token })];
+                out.extend(self.scan(name, now));
+                out
+            }
+            Request::Extend {
+                lease_s,
+                token,
+                key: name,
+            } => {
+                let Some(at) = self.find(name, token) else {
+                    self.counters.not_held += 1;
+                    return vec![(conn, Response::NotHeld { token })];
+                };
+                self.keys.get_mut(name).unwrap().grants[at].lease_tick =
+                    tick_of(now + u64::from(lease_s) * S);
+                self.counters.extended += 1;
+                vec![(conn, Response::Extended { token })]
+            }
+            Request::Query { key: name } => {
+                let response = match self
+                    .keys
+                    .get(name)
+                    .and_then(|key| Some((key, key.grants.first()?)))
+                {
+                    Some((key, first)) => Response::Query {
+                        token: first.token,
+                        owner: first.owner,
+                        lease_ms: lease_ms_left(first.lease_tick, now),
+                        waiters: key.queue.len() as u32,
+                    },
+                    None => Response::Query {
+                        token: 0,
+                        owner: 0,
+                        lease_ms: 0,
+                        waiters: 0,
+                    },
+                };
+                vec![(conn, response)]
+            }
+            Request::Ping { nonce } => vec![(conn, Response::Pong { nonce })],
+            Request::Info => vec![(conn, Response::Info(self.info_text(now)))],
+            ref other => panic!("the permit model does not take {other:?}"),
+        }
+    }
+
+    fn find(&self, name: &str, token: u64) -> Option<usize> {
+        self.keys
+            .get(name)?
+            .grants
+            .iter()
+            .position(|grant| grant.token == token)
+    }
+
+    /// A connection closed: its waiters leave, and each key they left lets
+    /// its queue move, newest waiter's key first (the order of the core's
+    /// list).
+    pub fn disconnect(&mut self, conn: ConnId, now: Micros) -> Vec<Output> {
+        if self.conns.remove(&conn).is_none() {
+            return vec![];
+        }
+        let mut mine: Vec<(u64, String)> = self
+            .keys
+            .iter()
+            .flat_map(|(name, key)| {
+                key.queue
+                    .iter()
+                    .filter(|waiter| waiter.conn == conn)
+                    .map(|waiter| (waiter.seq, name.clone()))
+            })
+            .collect();
+        mine.sort_by_key(|&(seq, _)| std::cmp::Reverse(seq));
+        // All of them leave before any queue moves (none of them may be
+        // granted); then the keys they left, in that order, once each.
+        for key in self.keys.values_mut() {
+            key.queue.retain(|waiter| waiter.conn != conn);
+        }
+        let mut out = Vec::new();
+        let mut scanned = BTreeSet::new();
+        for (_, name) in mine {
+            if scanned.insert(name.clone()) && self.keys.contains_key(&name) {
+                out.extend(self.scan(&name, now));
+            }
+        }
+        out
+    }
+
+    pub fn shut_down(&mut self) -> Vec<Output> {
+        let mut out = Vec::new();
+        for key in self.keys.values_mut() {
+            for waiter in key.queue.drain(..) {
+                self.counters.busy += 1;
+                out.push((
+                    waiter.conn,
+                    Response::Busy {
+                        owner: waiter.owner,
+                    },
+                ));
+            }
+        }
+        for (&conn, queued) in self.conns.iter_mut() {
+            *queued = 0;
+            self.counters.errors += 1;
+            out.push((conn, ErrorCode::ShuttingDown.response(0)));
+        }
+        out
+    }
+
+    pub fn info_text(&self, now: Micros) -> String {
+        let c = &self.counters;
+        format!(
+            "uptime_s={} connections={} keys={} held={} waiters={} grants={} timeouts={} \
+             busy={} expired={} released={} extended={} not_held={} errors={} \
+             grants_held={} next_token={}",
+            now / S,
+            self.conns.len(),
+            self.keys.len(),
+            self.keys
+                .values()
+                .filter(|key| !key.grants.is_empty())
+                .count(),
+            self.waiters(),
+            c.grants,
+            c.timeouts,
+            c.busy,
+            c.expired,
+            c.released,
+            c.extended,
+            c.not_held,
+            c.errors,
+            self.grants_held(),
+            self.next_token,
+        )
+    }
+
+    /// Fires everything due at `now`, tick by tick. Within one tick the
+    /// spec leaves the order of expiries and wait deadlines open, and it
+    /// decides who is granted and which token each grant gets: every order
+    /// is tried, and the model takes the one whose answers are exactly the
+    /// core's (as a multiset: `core_out`). Fails if none is.
+    pub fn timeout(&mut self, now: Micros, core_out: &[Output]) -> Result<Vec<Output>, String> {
+        let mut budget: BTreeMap<String, usize> = BTreeMap::new();
+        for output in core_out {
+            *budget.entry(format!("{output:?}")).or_default() += 1;
+        }
+        let mut tries = 0u32;
+        match self.fire_from(now, &budget, Vec::new(), &mut tries) {
+            Some((model, out)) => {
+                *self = model;
+                Ok(out)
+            }
+            None => Err(format!(
+                "no order of the events due by {now} gives the core's answers {core_out:?} \
+                 ({tries} orders tried)"
+            )),
+        }
+    }
+
+    fn fire_from(
+        &self,
+        now: Micros,
+        budget: &BTreeMap<String, usize>,
+        out: Vec<Output>,
+        tries: &mut u32,
+    ) -> Option<(PermitModel, Vec<Output>)> {
+        let Some(tick) = self.earliest_tick().filter(|&tick| tick <= now / MS) else {
+            let produced = out.len();
+            let expected: usize = budget.values().sum();
+            return (produced == expected).then(|| (self.clone(), out));
+        };
+        // The events due at this tick: (key, Some(token)) for a lease,
+        // (key, None) with the waiter's owner for a wait.
+        let mut events: Vec<(String, Option<u64>, u64)> = Vec::new();
+        for (name, key) in &self.keys {
+            for grant in key.grants.iter().filter(|grant| grant.lease_tick == tick) {
+                events.push((name.clone(), Some(grant.token), 0));
+            }
+            for waiter in key
+                .queue
+                .iter()
+                .filter(|waiter| waiter.deadline_tick == tick)
+            {
+                events.push((name.clone(), None, waiter.owner));
+            }
+        }
+        let mut orders = Vec::new();
+        permutations(events.len(), &mut Vec::new(), &mut orders);
+        for order in orders {
+            *tries += 1;
+            if *tries > 200_000 {
+                return None;
+            }
+            let mut model = self.clone();
+            let mut more = Vec::new();
+            for &index in &order {
+                let (name, token, owner) = &events[index];
+                more.extend(model.fire_one(name, *token, *owner, now));
+            }
+            let mut all = out.clone();
+            all.extend(more);
+            if !within(&all, budget) {
+                continue;
+            }
+            if let Some(found) = model.fire_from(now, budget, all, tries) {
+                return Some(found);
+            }
+        }
+        None
+    }
+
+    fn fire_one(&mut self, name: &str, token: Option<u64>, owner: u64, now: Micros) -> Vec<Output> {
+        let Some(key) = self.keys.get_mut(name) else {
+            return vec![];
+        };
+        let mut out = Vec::new();
+        match token {
+            Some(token) => {
+                let Some(at) = key.grants.iter().position(|grant| grant.token == token) else {
+                    return vec![];
+                };
+                key.grants.remove(at);
+                self.counters.expired += 1;
+            }
+            None => {
+                // Granted (or gone) earlier in this same tick: nothing fires.
+                let Some(at) = key.queue.iter().position(|waiter| waiter.owner == owner) else {
+                    return vec![];
+                };
+                let waiter = key.queue.remove(at).unwrap();
+                *self.conns.get_mut(&waiter.conn).unwrap() -= 1;
+                self.counters.timeouts += 1;
+                out.push((waiter.conn, Response::Timeout { owner }));
+            }
+        }
+        out.extend(self.scan(name, now));
+        out
+    }
+}
+
+/// Every order of `0..n`, appended to `orders`.
+fn permutations(n: usize, prefix: &mut Vec<usize>, orders: &mut Vec<Vec<usize>>) {
+    if prefix.len() == n {
+        orders.push(prefix.clone());
+        return;
+    }
+    for next in 0..n {
+        if !prefix.contains(&next) {
+            prefix.push(next);
+            permutations(n, prefix, orders);
+            prefix.pop();
+        }
+    }
+}
+
+/// Whether every answer in `outputs` is one of `budget`'s (as a multiset).
+fn within(outputs: &[Output], budget: &BTreeMap<String, usize>) -> bool {
+    let mut used: BTreeMap<String, usize> = BTreeMap::new();
+    for output in outputs {
+        let line = format!("{output:?}");
+        let count = used.entry(line.clone()).or_default();
+        *count += 1;
+        if *count > budget.get(&line).copied().unwrap_or(0) {
+            return false;
+        }
+    }
+    true
 }

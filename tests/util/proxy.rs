@@ -255,7 +255,15 @@ fn record_frames(pending: &mut Vec<u8>, forwarded: bool, state: &State) {
                         lease_s,
                         owner,
                         key,
-                    } => (b'A', wait_s, lease_s, owner, key),
+                        ..
+                    } if request.is_plain_acquire() => (b'A', wait_s, lease_s, owner, key),
+                    Request::Acquire {
+                        wait_s,
+                        lease_s,
+                        owner,
+                        key,
+                        ..
+                    } => (b'S', wait_s, lease_s, owner, key),
                     Request::Release { token, key } => (b'R', 0, 0, token, key),
                     Request::Extend {
                         lease_s,
@@ -265,6 +273,9 @@ fn record_frames(pending: &mut Vec<u8>, forwarded: bool, state: &State) {
                     Request::Query { key } => (b'Q', 0, 0, 0, key),
                     Request::Ping { nonce } => (b'P', 0, 0, nonce, ""),
                     Request::Info => (b'I', 0, 0, 0, ""),
+                    Request::Holders { id, key } => (b'H', 0, 0, id, key),
+                    Request::List { id, prefix, .. } => (b'L', 0, 0, id, prefix),
+                    Request::Authenticate { .. } => (b'U', 0, 0, 0, ""),
                 };
                 let frame = Frame {
                     op,

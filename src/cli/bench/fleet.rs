@@ -102,6 +102,9 @@ impl Wire {
             lease_s,
             owner,
             key: self.keys.name(key),
+            limit: 0,
+            take: 0,
+            label: "",
         };
         encode_request(&request, &mut self.out[conn]);
         self.queued(conn, Kind::Acquire, owner, key, tag);

@@ -1,0 +1,193 @@
+//! The core's self-check, run by tests and simulations after every step.
+
+use super::Core;
+use super::lock_table::NIL;
+use super::permits::PERMITS;
+
+impl Core {
+    /// Asserts the consistency of every internal structure: each key found
+    /// by its own name and leased, each queue and connection list linked and
+    /// counted right, every waiter armed and on an open connection, every
+    /// armed timer accounted for; on keys with a limit, the grants in token
+    /// order within the limit and the scan finished (a head waiter that
+    /// fitted would have been granted). A bug then fails here rather than
+    /// in a later, unrelated answer; simulations call it after every step.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) {
+        let mut entries = 0;
+        let mut unknown = 0;
+        let mut queued = 0;
+        let mut inline_grants = 0;
+        let mut leased_entries = 0;
+        let mut permit_keys = 0;
+        let mut listed_grants = 0;
+        for entry in self.table.live_indices() {
+            entries += 1;
+            let held = self.table.get(entry);
+            let key = self.table.key(entry);
+            assert_eq!(
+                self.table.find(key, self.table.hash(key)),
+                Some(entry),
+                "key {key:?} not found by name"
+            );
+            let permits = (held.token == PERMITS).then(|| {
+                permit_keys += 1;
+                self.permit_key(entry)
+            });
+            if let Some(permits) = permits {
+                listed_grants += permits.grants.len();
+                assert_eq!(
+                    held.lease.is_armed(),
+                    permits.unknown,
+                    "key {key:?}: entry lease armed iff the unknown grant holds it"
+                );
+                if permits.unknown {
+                    unknown += 1;
+                    leased_entries += 1;
+                    assert!(
+                        permits.grants.is_empty(),
+                        "key {key:?}: unknown and granted"
+                    );
+                    assert_ne!(held.waiters, NIL, "key {key:?}: unknown, nobody waits");
+                } else {
+                    assert!(!permits.grants.is_empty(), "key {key:?}: limit, no grant");
+                }
+                let (mut used, mut exclusive, mut last) = (0u32, 0, 0);
+                for &grant in &permits.grants {
+                    let node = self.grants.get(grant);
+                    assert_eq!(
+                        node.entry, entry,
+                        "grant {grant} of {key:?} points elsewhere"
+                    );
+                    assert!(
+                        node.lease.is_armed(),
+                        "grant {grant} of {key:?} has no lease"
+                    );
+                    assert!(
+                        node.token > last && node.token < self.next_token,
+                        "grants of {key:?} out of token order"
+                    );
+                    last = node.token;
+                    used += u32::from(node.take);
+                    exclusive += usize::from(node.take == 0);
+                }
+                assert_eq!(used, u32::from(permits.used), "permits used on {key:?}");
+                assert!(used <= u32::from(permits.limit), "{key:?} over its limit");
+                assert_eq!(
+                    exclusive > 0,
+                    permits.exclusive,
+                    "exclusive flag of {key:?}"
+                );
+                assert!(
+                    exclusive == 0 || permits.grants.len() == 1,
+                    "{key:?}: an exclusive grant with others"
+                );
+                if held.waiters != NIL {
+                    let head = self.waiters.get(held.waiters);
+                    assert!(
+                        !permits.fits(head.take),
+                        "{key:?}: the head waiter fits but was not granted"
+                    );
+                }
+            } else if held.token == 0 {
+                assert!(held.lease.is_armed(), "key {key:?} has no lease timer");
+                leased_entries += 1;
+                unknown += 1;
+                assert_ne!(
+                    held.waiters, NIL,
+                    "key {key:?} held by an unknown grant and waited on by nobody"
+                );
+            } else {
+                assert!(held.lease.is_armed(), "key {key:?} has no lease timer");
+                leased_entries += 1;
+                inline_grants += 1;
+                assert!(
+                    held.token < self.next_token,
+                    "key {key:?} has token {} ≥ next {}",
+                    { held.token },
+                    self.next_token
+                );
+            }
+            let mut length = 0;
+            for waiter in self.waiters.queue(held.waiters) {
+                length += 1;
+                let node = self.waiters.get(waiter);
+                assert_eq!(
+                    node.lock, entry,
+                    "waiter {waiter} of key {key:?} points elsewhere"
+                );
+                assert!(
+                    node.timer.is_armed(),
+                    "waiter {waiter} of key {key:?} has no deadline timer"
+                );
+                assert!(
+                    self.conns[node.conn as usize].open,
+                    "waiter {waiter} on a closed connection"
+                );
+                match permits {
+                    Some(permits) => assert!(
+                        node.take <= permits.limit,
+                        "waiter {waiter} of {key:?} takes more than the limit"
+                    ),
+                    None => assert_eq!(node.take, 0, "counted waiter on {key:?} without limit"),
+                }
+            }
+            assert_eq!(
+                length,
+                self.waiters.queue_len(held.waiters),
+                "queue length of key {key:?}"
+            );
+            queued += length as usize;
+        }
+        assert_eq!(entries, self.table.len(), "live entries vs table length");
+        assert_eq!(unknown, self.unknown_holders, "unknown holders");
+        assert_eq!(queued, self.waiters.len(), "queued waiters vs waiter count");
+        assert_eq!(permit_keys, self.permit_keys.len(), "permit keys");
+        assert_eq!(listed_grants, self.grants.len(), "grants of permit keys");
+        assert_eq!(
+            inline_grants + listed_grants,
+            self.grants_held,
+            "grants held"
+        );
+        assert!(
+            self.labels.len() <= self.grants_held + queued,
+            "labels of nothing"
+        );
+        let mut open = 0;
+        let mut listed = 0;
+        for (conn, state) in self.conns.iter().enumerate() {
+            open += usize::from(state.open);
+            let mut length = 0;
+            let mut waiter = state.waiters.head;
+            while waiter != NIL {
+                length += 1;
+                assert_eq!(
+                    self.waiters.get(waiter).conn as usize,
+                    conn,
+                    "waiter {waiter} on the wrong connection list"
+                );
+                assert!(
+                    length <= self.waiters.len(),
+                    "connection {conn}'s waiter list loops"
+                );
+                waiter = self.waiters.next_of_conn(waiter);
+            }
+            assert_eq!(
+                length as u32, state.waiters.len,
+                "waiter count of connection {conn}"
+            );
+            assert!(
+                state.open || length == 0,
+                "closed connection {conn} still has waiters"
+            );
+            listed += length;
+        }
+        assert_eq!(open, self.connections, "open connections");
+        assert_eq!(listed, self.waiters.len(), "waiters on connection lists");
+        assert_eq!(
+            self.wheel.len(),
+            leased_entries + listed_grants + queued,
+            "armed timers vs leases, grants and waiters"
+        );
+    }
+}

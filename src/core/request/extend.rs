@@ -1,0 +1,29 @@
+//! `E` (spec §5, §10.5): a new lease for the exact token.
+
+use crate::core::{ConnId, Core, Held, MICROS_PER_S, Micros};
+use crate::protocol::Response;
+
+impl Core {
+    pub(in crate::core) fn extend(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        token: u64,
+        lease_s: u8,
+        now: Micros,
+    ) {
+        let deadline = now + u64::from(lease_s) * MICROS_PER_S;
+        match self.find_grant(key, token) {
+            Some(Held::Inline(entry)) => self.arm_lease_at(entry, deadline),
+            Some(Held::Listed { grant, .. }) => self.arm_grant_lease_at(grant, deadline),
+            // Not this run's grant: maybe an earlier run's (spec §7.3),
+            // which answered `N` already unless it was adopted.
+            None => match self.adopt_earlier_token(conn, key, token, now) {
+                Some(entry) => self.arm_lease_at(entry, deadline),
+                None => return,
+            },
+        }
+        self.stats.extended += 1;
+        self.outbox.push((conn, Response::Extended { token }));
+    }
+}
