@@ -332,6 +332,7 @@ impl Core {
 
     /// Whether `key`, not in the table, counts as held by the unknown
     /// grant: during the grace, unless it is known free.
+    #[inline]
     pub(super) fn held_by_unknown_grant(&self, key: &str, now: Micros) -> bool {
         now < self.grace_until && !self.freed_in_grace.contains(key)
     }
@@ -345,6 +346,7 @@ impl Core {
 
     /// `entry`'s key is about to leave the table free: while the grace
     /// runs, remember that it is free (not in the table would mean held).
+    #[inline]
     pub(super) fn note_freed_in_grace(&mut self, entry: u32, now: Micros) {
         if now < self.grace_until {
             let key: Box<str> = self.table.key(entry).into();

@@ -27,6 +27,7 @@ impl LabelOf {
 }
 
 /// `label` to keep, or `None` when it is empty (nothing is allocated).
+#[inline]
 pub fn owned(label: &str) -> Option<Box<str>> {
     (!label.is_empty()).then(|| label.into())
 }
@@ -38,6 +39,7 @@ pub struct Labels {
 
 impl Labels {
     /// Keeps `label` for `of`; an empty label is not stored.
+    #[inline]
     pub fn set(&mut self, of: LabelOf, label: &str) {
         if !label.is_empty() {
             self.map.insert(of.id(), label.into());
@@ -45,6 +47,7 @@ impl Labels {
     }
 
     /// Moves a label taken with [`take`](Self::take) to `of`.
+    #[inline]
     pub fn put(&mut self, of: LabelOf, label: Option<Box<str>>) {
         if let Some(label) = label {
             self.map.insert(of.id(), label);
@@ -52,10 +55,16 @@ impl Labels {
     }
 
     /// Removes and returns the label of `of`.
+    #[inline]
     pub fn take(&mut self, of: LabelOf) -> Option<Box<str>> {
         if self.map.is_empty() {
             return None;
         }
+        self.remove(of)
+    }
+
+    #[inline(never)]
+    fn remove(&mut self, of: LabelOf) -> Option<Box<str>> {
         let label = self.map.remove(&of.id());
         if self.map.is_empty() && self.map.capacity() > 64 {
             self.map = HashMap::default();
@@ -64,6 +73,7 @@ impl Labels {
     }
 
     /// The label of `of`, or "".
+    #[inline]
     pub fn get(&self, of: LabelOf) -> &str {
         if self.map.is_empty() {
             return "";
@@ -71,10 +81,12 @@ impl Labels {
         self.map.get(&of.id()).map_or("", |label| label)
     }
 
+    #[inline]
     pub fn len(&self) -> usize {
         self.map.len()
     }
 
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }

@@ -223,12 +223,12 @@ struct TimerNodes<'a> {
 
 impl TimerStore for TimerNodes<'_> {
     fn links(&mut self, id: TimerId) -> &mut TimerLinks {
-        if id & GRANT_TIMER != 0 {
-            &mut self.grants.get_mut(id & !GRANT_TIMER).lease
+        if id & (GRANT_TIMER | WAITER_TIMER) == 0 {
+            &mut self.table.get_mut(id).lease
         } else if id & WAITER_TIMER != 0 {
             &mut self.waiters.get_mut(id & !WAITER_TIMER).timer
         } else {
-            &mut self.table.get_mut(id).lease
+            &mut self.grants.get_mut(id & !GRANT_TIMER).lease
         }
     }
 }
@@ -541,16 +541,24 @@ impl Core {
 
     /// The grant of `key` whose token is `token`, if it is live. Token 0
     /// (an unknown holder) never matches.
+    #[inline]
     fn find_grant(&self, key: &str, token: u64) -> Option<Held> {
         let entry = self.table.find(key, self.table.hash(key))?;
         let held = self.table.get(entry);
         if held.token == PERMITS {
-            let permits = self.permit_key(entry);
-            let position = permits.position(&self.grants, token)?;
-            let grant = permits.grants[position];
-            return Some(Held::Listed { entry, grant });
+            return self.find_listed_grant(entry, token);
         }
         (token != 0 && held.token == token).then_some(Held::Inline(entry))
+    }
+
+    /// The grant of permit key `entry` whose token is `token` (kept out of
+    /// [`find_grant`](Self::find_grant), which the `A` path inlines).
+    #[inline(never)]
+    fn find_listed_grant(&self, entry: u32, token: u64) -> Option<Held> {
+        let permits = self.permit_key(entry);
+        let position = permits.position(&self.grants, token)?;
+        let grant = permits.grants[position];
+        Some(Held::Listed { entry, grant })
     }
 
     /// The key's holder is gone (its grant ended, or the unknown grant's):
@@ -560,7 +568,9 @@ impl Core {
     fn hand_over(&mut self, entry: u32, now: Micros) {
         if self.table.get(entry).token != 0 {
             self.grants_held -= 1;
-            self.labels.take(LabelOf::Entry(entry));
+            if !self.labels.is_empty() {
+                self.labels.take(LabelOf::Entry(entry));
+            }
         }
         loop {
             let head = self.table.get(entry).waiters;

@@ -159,6 +159,7 @@ impl Core {
 
     /// Whether one more grant or waiter stays within `--max-grants` (spec
     /// §10.8). A hand-over turns a waiter into a grant, so it never passes.
+    #[inline]
     pub(in crate::core) fn can_grant(&self) -> bool {
         self.grants_held + self.waiters.len() < self.limits.max_grants
     }
