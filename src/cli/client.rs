@@ -824,7 +824,11 @@ fn release_own_grant(client: &Client, key: &str, owner: u64) {
         match client.holders(key) {
             Ok(holders) => {
                 let mut released = true;
-                for grant in holders.grants.iter().filter(|g| g.owner == owner && g.token != 0) {
+                for grant in holders
+                    .grants
+                    .iter()
+                    .filter(|g| g.owner == owner && g.token != 0)
+                {
                     match client.release(key, grant.token) {
                         Ok(()) | Err(Error::NotHeld) => {}
                         Err(error) => {
@@ -989,6 +993,7 @@ mod tests {
             &client,
             "unseen",
             Duration::from_secs(30),
+            &AcquireOptions::new(),
             Duration::from_secs(1),
         )
         .unwrap();
@@ -1025,9 +1030,14 @@ mod tests {
             std::thread::sleep(Duration::from_millis(6000));
             start_server(&listen)
         });
-        let ticket =
-            acquire_until_granted(&client, "outage", Duration::from_secs(5), Duration::ZERO)
-                .unwrap();
+        let ticket = acquire_until_granted(
+            &client,
+            "outage",
+            Duration::from_secs(5),
+            &AcquireOptions::new(),
+            Duration::ZERO,
+        )
+        .unwrap();
         let waited = started.elapsed();
         let (_, stop, running) = later.join().unwrap();
         assert!(waited >= Duration::from_secs(6), "{waited:?}");

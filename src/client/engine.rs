@@ -786,7 +786,7 @@ impl<R> Engine<R> {
                 };
                 if let Some(why) = refusal.filter(|_| !heard_from) {
                     log::debug!("session {s}: refused at accept: {text}");
-                    self.refused(s, why);
+                    self.refused(s, why, now);
                     return false;
                 }
                 if ErrorCode::from_u8(code) == Some(ErrorCode::ShuttingDown) {
@@ -1082,7 +1082,7 @@ impl<R> Engine<R> {
     /// none of its requests (spec §6, §8 rule 4), so each is certainly not
     /// sent and may move to another session until `D`; if none takes it,
     /// its `Unavailable` names `why`.
-    fn refused(&mut self, s: SessionId, why: Unavailable) {
+    fn refused(&mut self, s: SessionId, why: Unavailable, now: Instant) {
         let mut sent = Vec::new();
         for (id, req) in self.requests.slab.iter_mut() {
             match req.place {
@@ -1109,14 +1109,14 @@ impl<R> Engine<R> {
             if let Some(refused) = self.not_allowed_at.get_mut(s / self.per_server) {
                 *refused = Some(self.refusals);
             }
-            self.end_refused_everywhere();
+            self.end_refused_everywhere(now);
         }
     }
 
     /// Rule 4: `X 9` cannot change within one call, so a certainly-not-sent
     /// request that every address has refused with it since the call began
     /// is `Unavailable` at once instead of waiting for `D`.
-    fn end_refused_everywhere(&mut self) {
+    fn end_refused_everywhere(&mut self, now: Instant) {
         let refused_since = self
             .not_allowed_at
             .iter()
@@ -1141,7 +1141,7 @@ impl<R> Engine<R> {
             session.queue.retain(|id| !done.contains(id));
         }
         for id in done {
-            self.complete(id, Outcome::Unavailable(Unavailable::NotAllowed));
+            self.complete(id, Outcome::Unavailable(Unavailable::NotAllowed), now);
         }
     }
 
