@@ -87,6 +87,7 @@ fn not_held_is_split_by_request_and_errors_by_code() {
     render(&Snapshot::of(&fake.core), None, &mut text);
     for line in [
         "kunci_locks_held 1",
+        "kunci_grants_held 1",
         "kunci_keys 1",
         "kunci_connections 2",
         "kunci_acquires_total{result=\"acquired\"} 1",

@@ -28,6 +28,8 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Snapshot {
     pub held: usize,
+    /// Live grants of every kind: a shared or counted key has several.
+    pub grants_held: usize,
     pub keys: usize,
     pub waiters: usize,
     pub connections: usize,
@@ -40,6 +42,7 @@ impl Snapshot {
     pub fn of(core: &Core) -> Snapshot {
         Snapshot {
             held: core.held(),
+            grants_held: core.grants_held(),
             keys: core.keys(),
             waiters: core.waiter_count(),
             connections: core.connections(),
@@ -51,7 +54,8 @@ impl Snapshot {
 
 /// The meaning of each `X` code, for the errors metric's help text.
 const ERROR_CODES: &str = "1 unknown op, 2 frame too long, 3 empty key, 4 key not UTF-8, \
-5 lease 0, 6 unexpected payload, 7 connection limit, 8 shutting down, 9 peer not allowed";
+5 lease 0, 6 unexpected payload, 7 connection limit, 8 shutting down, 9 peer not allowed, \
+10 limit mismatch, 11 invalid count, 12 not authenticated, 13 not permitted";
 
 /// Writes the exposition of `snapshot` and, when it could be read,
 /// `process` into `out`.
@@ -63,6 +67,12 @@ pub fn render(snapshot: &Snapshot, process: Option<&ProcessStats>, out: &mut Str
         "gauge",
         "Keys held by a grant now.",
         snapshot.held as u64,
+    );
+    w.single(
+        "kunci_grants_held",
+        "gauge",
+        "Grants live now, of every kind (a shared or counted key may have several).",
+        snapshot.grants_held as u64,
     );
     w.single(
         "kunci_keys",
@@ -87,13 +97,14 @@ pub fn render(snapshot: &Snapshot, process: Option<&ProcessStats>, out: &mut Str
         "kunci_limit",
         "gauge",
         "The configured capacity limits: keys (--max-keys), waiters (--max-waiters), \
-         waiters_per_key, waits_per_conn, connections (--max-connections).",
+         waiters_per_key, waits_per_conn, grants (--max-grants), connections (--max-connections).",
         "limit",
         &[
             ("keys", limits.max_keys as u64),
             ("waiters", limits.max_waiters as u64),
             ("waiters_per_key", u64::from(limits.max_waiters_per_key)),
             ("waits_per_conn", u64::from(limits.max_waits_per_conn)),
+            ("grants", limits.max_grants as u64),
             ("connections", limits.max_connections as u64),
         ],
     );
@@ -153,8 +164,10 @@ pub fn render(snapshot: &Snapshot, process: Option<&ProcessStats>, out: &mut Str
             ("fd_limit", s.refused_fd_limit),
         ],
     );
-    let mut by_code = [("", 0); 9];
-    const CODES: [&str; 9] = ["1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    const CODES: [&str; 13] = [
+        "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13",
+    ];
+    let mut by_code = [("", 0); CODES.len()];
     for (index, code) in CODES.iter().enumerate() {
         by_code[index] = (code, s.errors_by_code.get(index + 1).copied().unwrap_or(0));
     }
@@ -304,6 +317,7 @@ mod tests {
     fn idle() -> Snapshot {
         Snapshot {
             held: 0,
+            grants_held: 0,
             keys: 0,
             waiters: 0,
             connections: 0,
@@ -329,10 +343,12 @@ mod tests {
             "# HELP kunci_locks_held Keys held by a grant now.",
             "# TYPE kunci_locks_held gauge",
             "kunci_locks_held 0",
+            "kunci_grants_held 0",
             "kunci_acquires_total{result=\"busy\"} 0",
             "kunci_releases_total{result=\"not_held\"} 0",
             "kunci_connections_refused_total{reason=\"fd_limit\"} 0",
             "kunci_errors_total{code=\"9\"} 0",
+            "kunci_errors_total{code=\"13\"} 0",
             "kunci_limit{limit=\"keys\"} 1048576",
             "kunci_limit{limit=\"connections\"} 16384",
             "kunci_acquire_wait_seconds_bucket{le=\"0.001\"} 0",
@@ -355,6 +371,7 @@ mod tests {
     fn counters_and_process_figures_are_written_exactly() {
         let mut snapshot = Snapshot {
             held: 3,
+            grants_held: 7,
             keys: 4,
             waiters: 5,
             connections: 6,
@@ -378,6 +395,7 @@ mod tests {
         render(&snapshot, Some(&process), &mut text);
         for line in [
             "kunci_locks_held 3",
+            "kunci_grants_held 7",
             "kunci_keys 4",
             "kunci_waiters 5",
             "kunci_connections 6",

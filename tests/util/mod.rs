@@ -332,14 +332,19 @@ impl Peer {
 
     fn fill(&mut self) -> Option<usize> {
         let mut chunk = [0u8; 4096];
-        match self.stream.read(&mut chunk) {
-            Ok(0) => None,
-            Ok(n) => {
-                self.buffer.extend_from_slice(&chunk[..n]);
-                Some(n)
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
-            Err(e) => panic!("read failed (timeout is {PATIENCE:?}): {e}"),
+        loop {
+            return match self.stream.read(&mut chunk) {
+                Ok(0) => None,
+                Ok(n) => {
+                    self.buffer.extend_from_slice(&chunk[..n]);
+                    Some(n)
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
+                // A signal meant for another test's thread (one installs a
+                // SIGUSR1 handler) may land here: not this peer's failure.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => panic!("read failed (timeout is {PATIENCE:?}): {e}"),
+            };
         }
     }
 }
