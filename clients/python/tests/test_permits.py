@@ -1,7 +1,7 @@
 """Permits (spec §10, §8 rule 12): semaphores and shared locks in both
 clients — the frames they send byte for byte, the checks made before
-anything is sent, and the answers `X 10` / `X 11` from a fake server. (The
-same against a real server needs a server with `S`.)"""
+anything is sent, and the answers `X 10` / `X 11` from a fake server.
+test_permits_e2e.py runs them against a real server."""
 
 import struct
 
