@@ -469,3 +469,172 @@ fn cli_who_and_list_exit_codes() {
         assert_eq!(output.status.code(), Some(4), "{args:?}");
     }
 }
+
+// ------------------------------------------------- against a real server
+
+/// Rule 11 end to end: the grant's answer is lost on the way, the call
+/// ends `Indeterminate` at its deadline, and the key is free again at
+/// once, not 60 s later when the lease would end.
+#[test]
+fn a_lost_grant_frees_the_key_long_before_its_lease_against_a_real_server() {
+    let server = crate::util::TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    proxy.set_faults(Faults {
+        drop_answers: 1,
+        ..Faults::default()
+    });
+    let faulty = client(&proxy.addr);
+    let direct = client(&server.addr);
+    let outcome = faulty.acquire("orphan", Duration::ZERO, 60 * S);
+    assert_eq!(outcome.unwrap_err(), Error::Indeterminate);
+    let indeterminate_at = Instant::now();
+    let granted = proxy
+        .answers()
+        .iter()
+        .any(|answer| matches!(answer, Response::Acquired { .. }));
+    assert!(!granted, "the grant was to be dropped");
+    let deadline = indeterminate_at + 2 * S;
+    while !direct.holders("orphan").unwrap().is_free() {
+        assert!(
+            Instant::now() < deadline,
+            "the lost grant still holds the key"
+        );
+        std::thread::sleep(5 * MS);
+    }
+    // A new acquire gets it at once.
+    direct
+        .acquire("orphan", Duration::ZERO, 5 * S)
+        .unwrap()
+        .release()
+        .unwrap();
+}
+
+#[test]
+fn who_shows_run_s_default_label_and_the_queue_in_order_against_a_real_server() {
+    let server = crate::util::TestServer::start(&[]);
+    let mut run = Command::new(kunci_bin())
+        .args(["run", "job", "--lease", "30", "--", "sleep", "30"])
+        .env("KUNCI_SERVER", &server.addr)
+        .env("USER", "tester")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let direct = client(&server.addr);
+    let deadline = Instant::now() + 10 * S;
+    while direct.holders("job").unwrap().grants.is_empty() {
+        assert!(Instant::now() < deadline, "kunci run did not take the lock");
+        std::thread::sleep(10 * MS);
+    }
+    // Two waiters, in this order, with their labels.
+    let waiters: Vec<_> = ["first ⏳", "second"]
+        .into_iter()
+        .enumerate()
+        .map(|(index, label)| {
+            let client = client(&server.addr);
+            let label = label.to_owned();
+            let waiting = std::thread::spawn(move || {
+                client.acquire_with(
+                    "job",
+                    3 * S,
+                    5 * S,
+                    kunci::client::AcquireOptions::new().label(label),
+                )
+            });
+            let queued = Instant::now() + 5 * S;
+            loop {
+                if direct.holders("job").unwrap().waiters.len() > index {
+                    break;
+                }
+                assert!(Instant::now() < queued);
+                std::thread::sleep(5 * MS);
+            }
+            waiting
+        })
+        .collect();
+    let holders = direct.holders("job").unwrap();
+    let [grant] = holders.grants.as_slice() else {
+        panic!("{holders:?}")
+    };
+    let label = format!("tester@{}", grant.label.split_once('@').unwrap().1);
+    assert_eq!(grant.label, label);
+    assert!(
+        grant.label.contains(&format!(" pid={} sleep 30", run.id())),
+        "{}",
+        grant.label
+    );
+    assert_eq!(grant.take, 0);
+    assert!(
+        grant.lease_left <= 30 * S && grant.lease_left > 20 * S,
+        "{grant:?}"
+    );
+    assert!(grant.held_for < 10 * S, "{grant:?}");
+    let labels: Vec<&str> = holders.waiters.iter().map(|w| w.label.as_str()).collect();
+    assert_eq!(labels, ["first ⏳", "second"]);
+    assert!(holders.waiters[0].wait_left <= 3 * S && holders.waiters[1].wait_left > S);
+    // The CLI shows the same, as JSON.
+    let output = kunci(&server.addr, &["who", "job", "--json"]);
+    assert_eq!(output.status.code(), Some(0));
+    let text = stdout(&output);
+    assert!(
+        text.starts_with(&format!(
+            "{{\"key\":\"job\",\"limit\":0,\"grants\":[{{\"token\":{},\"owner\":{},",
+            grant.token, grant.owner
+        )),
+        "{text}"
+    );
+    assert!(text.contains(&format!("\"take\":0,\"label\":\"{}\"}}]", grant.label)));
+    assert!(
+        text.contains("\"take\":0,\"label\":\"first ⏳\"},{\"owner\":"),
+        "{text}"
+    );
+    assert!(
+        text.ends_with("\"take\":0,\"label\":\"second\"}]}\n"),
+        "{text}"
+    );
+    let output = kunci(&server.addr, &["list", "--json"]);
+    assert_eq!(
+        stdout(&output),
+        "{\"key\":\"job\",\"grants\":1,\"waiters\":2,\"limit\":0}\n"
+    );
+    // SIGTERM ends the command; kunci releases and the waiters get it.
+    // SAFETY: kill(2) on a child we spawned.
+    unsafe { libc::kill(run.id() as i32, libc::SIGTERM) };
+    run.wait().unwrap();
+    for waiting in waiters {
+        let outcome = waiting.join().unwrap();
+        assert!(
+            matches!(outcome, Ok(_) | Err(Error::Timeout)),
+            "{outcome:?}"
+        );
+    }
+}
+
+#[test]
+fn keys_lists_every_key_across_pages_against_a_real_server() {
+    let server = crate::util::TestServer::start(&[]);
+    let client = client(&server.addr);
+    let mut expected = std::collections::BTreeSet::new();
+    let mut tickets = Vec::new();
+    for n in 0..2_500 {
+        let key = format!("k/{n:04}");
+        tickets.push(client.acquire(&key, Duration::ZERO, 60 * S).unwrap());
+        expected.insert(key);
+    }
+    tickets.push(client.acquire("other", Duration::ZERO, 60 * S).unwrap());
+    let listed: Vec<KeySummary> = client.keys("k/").map(Result::unwrap).collect();
+    let names: std::collections::BTreeSet<String> =
+        listed.iter().map(|key| key.key.clone()).collect();
+    assert_eq!(names, expected);
+    assert!(listed.iter().all(|key| key.grants == 1 && key.waiters == 0));
+    let output = kunci(&server.addr, &["list", "k/"]);
+    assert_eq!(output.status.code(), Some(0));
+    let lines: std::collections::BTreeSet<String> =
+        stdout(&output).lines().map(str::to_owned).collect();
+    let wanted: std::collections::BTreeSet<String> = expected
+        .iter()
+        .map(|key| format!("{key}  grants=1 waiters=0 limit=none"))
+        .collect();
+    assert_eq!(lines, wanted);
+    assert_eq!(client.keys("").count(), 2_501);
+}

@@ -308,9 +308,12 @@ def test_no_answer_by_the_deadline_is_indeterminate(server, make_proxy, make_cli
     proxy.down = "pass"
     assert client.ping() > 0
     assert proxy.accepted == 2
-    # The request was sent once: never again on the new session.
+    # The request was sent once: never again on the new session. (The
+    # clean-up of rule 11 may come too, an `H` and, once answers pass
+    # again, the `R` of the grant it found; neither is an acquire.)
     ops = [op for op, _, _ in request_frames(proxy.upstream_bytes())]
-    assert ops == [b"P", b"A", b"P"]
+    assert [op for op in ops if op not in (b"H", b"R")] == [b"P", b"A", b"P"]
+    assert ops.count(b"H") <= 1 and ops.count(b"R") <= ops.count(b"H")
 
 
 def test_connection_that_died_while_idle_is_not_used(server, make_proxy, make_client):

@@ -234,3 +234,53 @@ def test_an_acquire_whose_grant_was_lost_is_released_after_holders(make_proxy, m
     assert [op for op, _ in ops] == [b"S", b"H", b"R"]
     assert ops[1][1] == owner  # the `H`'s id is the lost call's owner
     assert ops[2][1] == struct.pack(">Q", 100)
+
+
+# ------------------------------------------------- against a real server
+
+
+def test_holders_and_keys_against_a_real_server(server, make_client):
+    client = make_client(server.address)
+    tickets = [client.acquire("jobs/%04d" % n, lease=60) for n in range(1200)]
+    shared = [client.acquire("catalog", lease=30, shared=True, label=label)
+              for label in (LABEL, "second reader")]
+    keys = all_keys(client, "jobs/")
+    assert sorted(key.key for key in keys) == ["jobs/%04d" % n for n in range(1200)]
+    assert all((key.grants, key.waiters, key.limit) == (1, 0, 0) for key in keys)
+    [catalog] = all_keys(client, "cat")
+    assert catalog == kunci.KeyInfo("catalog", 2, 0, 65535)
+    holders = client.holders("catalog")
+    assert [(g.token, g.take, g.label) for g in holders.grants] == [
+        (shared[0].token, 1, LABEL), (shared[1].token, 1, "second reader")]
+    assert all(29.0 < g.lease_left <= 30.0 and 0 <= g.held_for < 5.0 for g in holders.grants)
+    assert holders.waiters == [] and holders.left_out == 0
+    assert client.holders("nobody") == kunci.Holders([], [], 0)
+    for ticket in tickets + shared:
+        ticket.release()
+    assert all_keys(client) == []
+
+
+def test_a_lost_grant_frees_the_key_at_once_against_a_real_server(server, make_proxy,
+                                                                  make_client):
+    """Rule 11 end to end: the proxy drops the server's answers while the
+    acquire goes through, then lets answers pass again; the call ends
+    ``Indeterminate`` at its deadline and the clean-up frees the key long
+    before its 60 s lease would end."""
+    proxy = make_proxy(server.port)
+    proxy.down = "drop"
+    client = make_client(proxy.address)
+    direct = make_client(server.address)
+
+    def pass_answers_once_sent():
+        wait_for(lambda: b"orphan" in proxy.upstream_bytes(), 5.0)
+        time.sleep(0.2)  # the grant's answer is dropped meanwhile
+        proxy.down = "pass"
+
+    import threading
+    threading.Thread(target=pass_answers_once_sent, daemon=True).start()
+    with pytest.raises(kunci.Indeterminate):
+        client.acquire("orphan", wait=0, lease=60)
+    returned = time.monotonic()
+    wait_for(lambda: direct.holders("orphan") == kunci.Holders([], [], 0), 2.0)
+    assert time.monotonic() - returned < 2.0
+    direct.acquire("orphan", wait=0, lease=5).release()
