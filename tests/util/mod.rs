@@ -412,14 +412,20 @@ impl Peer {
 
     fn fill(&mut self) -> Option<usize> {
         let mut chunk = [0u8; 4096];
-        match self.stream.read(&mut chunk) {
-            Ok(0) => None,
-            Ok(n) => {
-                self.buffer.extend_from_slice(&chunk[..n]);
-                Some(n)
+        loop {
+            match self.stream.read(&mut chunk) {
+                Ok(0) => return None,
+                Ok(n) => {
+                    self.buffer.extend_from_slice(&chunk[..n]);
+                    return Some(n);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return None,
+                // A read with a timeout is not restarted after a signal
+                // handler ran on this thread (other tests in this process
+                // install handlers): read again.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => panic!("read failed (timeout is {PATIENCE:?}): {e}"),
             }
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
-            Err(e) => panic!("read failed (timeout is {PATIENCE:?}): {e}"),
         }
     }
 }
