@@ -333,6 +333,7 @@ impl Peer {
     fn fill(&mut self) -> Option<usize> {
         let mut chunk = [0u8; 4096];
         loop {
+<<<<<<< ours
             return match self.stream.read(&mut chunk) {
                 Ok(0) => None,
                 Ok(n) => {
@@ -345,6 +346,21 @@ impl Peer {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => panic!("read failed (timeout is {PATIENCE:?}): {e}"),
             };
+=======
+            match self.stream.read(&mut chunk) {
+                Ok(0) => return None,
+                Ok(n) => {
+                    self.buffer.extend_from_slice(&chunk[..n]);
+                    return Some(n);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return None,
+                // A read with a timeout is not restarted after a signal
+                // handler ran on this thread (other tests in this process
+                // install handlers): read again.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => panic!("read failed (timeout is {PATIENCE:?}): {e}"),
+            }
+>>>>>>> theirs
         }
     }
 }
