@@ -690,3 +690,101 @@ fn etcd_kunci_run_with_a_limit_of_2_from_5_shells_never_overlaps_more_than_2() {
         "{other:?}"
     );
 }
+
+#[test]
+fn etcd_kunci_who_and_list_show_grants_waiters_and_every_key() {
+    if !require_tool("etcd", "etcd-server") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let server = cluster.address();
+    let client = cluster.client();
+    let label = "nightly ü  \"x\" 1 2";
+    let acquired = kunci(
+        &server,
+        &["acquire", "w/job", "--lease", "30", "--label", label],
+    );
+    assert_eq!(code(&acquired), 0, "{acquired:?}");
+    let token: u64 = stdout(&acquired).parse().unwrap();
+    let waiting = {
+        let client = client.clone();
+        std::thread::spawn(move || {
+            let options = AcquireOptions::new().label("second in line");
+            client.acquire_with("w/job", 4 * S, 30 * S, options)
+        })
+    };
+    until_waiters(&client, "w/job", 1);
+
+    // The JSON object, exactly; the lease left is etcd's whole seconds,
+    // so it is taken from a look just before that saw the same.
+    let mut tries = 0;
+    let (holders, json) = loop {
+        let before = client.holders("w/job").unwrap();
+        let who = kunci(&server, &["who", "w/job", "--json"]);
+        assert_eq!(code(&who), 0, "{who:?}");
+        if client.holders("w/job").unwrap() == before {
+            break (before, stdout(&who));
+        }
+        tries += 1;
+        assert!(tries < 5, "the lease left never held still");
+    };
+    assert_eq!(holders.grants.len(), 1);
+    let (grant, waiter) = (&holders.grants[0], &holders.waiters[0]);
+    assert_eq!(grant.token, token);
+    assert!((28_000..=30_000).contains(&grant.lease_left.as_millis()));
+    assert_eq!(
+        json,
+        format!(
+            r#"{{"key":"w/job","limit":0,"grants":[{{"token":{token},"owner":{},"lease_ms":{},"held_ms":0,"take":0,"label":"nightly ü  \"x\" 1 2"}}],"waiters":[{{"owner":{},"wait_ms":0,"take":0,"label":"second in line"}}]}}"#,
+            grant.owner,
+            grant.lease_left.as_millis(),
+            waiter.owner,
+        )
+    );
+    let table = stdout(&kunci(&server, &["who", "w/job"]));
+    assert!(
+        table.starts_with("w/job: limit none, 1 grant, 1 waiter\n"),
+        "{table}"
+    );
+    assert!(table.contains(&format!("{token} ")), "{table}");
+    assert!(
+        table.contains(label) && table.contains("second in line"),
+        "{table}"
+    );
+    assert_eq!(waiting.join().unwrap().unwrap_err(), Error::Timeout);
+
+    // `list` follows the cursor past one page of 1,000 entries.
+    let keys: Vec<String> = (0..1001).map(|index| format!("many/{index:04}")).collect();
+    std::thread::scope(|scope| {
+        for chunk in keys.chunks(126) {
+            let client = client.clone();
+            scope.spawn(move || {
+                for key in chunk {
+                    client
+                        .acquire(key, Duration::ZERO, 60 * S)
+                        .unwrap()
+                        .into_token();
+                }
+            });
+        }
+    });
+    let listed = kunci(&server, &["list", "many/", "--json"]);
+    assert_eq!(code(&listed), 0, "{listed:?}");
+    let mut lines: Vec<String> = stdout(&listed).lines().map(str::to_owned).collect();
+    lines.sort();
+    let expected: Vec<String> = keys
+        .iter()
+        .map(|key| format!(r#"{{"key":"{key}","grants":1,"waiters":0,"limit":0}}"#))
+        .collect();
+    assert_eq!(lines, expected);
+    let every = kunci(&server, &["list"]);
+    assert_eq!(code(&every), 0, "{every:?}");
+    let every = stdout(&every);
+    assert_eq!(every.lines().count(), 1002, "{every}");
+    assert!(
+        every
+            .lines()
+            .any(|line| line == "w/job  grants=1 waiters=0 limit=none"),
+        "{every}"
+    );
+}
