@@ -333,20 +333,6 @@ impl Peer {
     fn fill(&mut self) -> Option<usize> {
         let mut chunk = [0u8; 4096];
         loop {
-<<<<<<< ours
-            return match self.stream.read(&mut chunk) {
-                Ok(0) => None,
-                Ok(n) => {
-                    self.buffer.extend_from_slice(&chunk[..n]);
-                    Some(n)
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
-                // A signal meant for another test's thread (one installs a
-                // SIGUSR1 handler) may land here: not this peer's failure.
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => panic!("read failed (timeout is {PATIENCE:?}): {e}"),
-            };
-=======
             match self.stream.read(&mut chunk) {
                 Ok(0) => return None,
                 Ok(n) => {
@@ -360,7 +346,6 @@ impl Peer {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => panic!("read failed (timeout is {PATIENCE:?}): {e}"),
             }
->>>>>>> theirs
         }
     }
 }
