@@ -289,7 +289,10 @@ mod tests {
             ),
             (&["--limit", "0"], "--limit: a semaphore needs at least 1"),
             (&["--limit", "3", "--take", "0"], "--take: take at least 1"),
-            (&["--limit", "65536"], "--limit: 65536 is out of range 0..=65535"),
+            (
+                &["--limit", "65536"],
+                "--limit: 65536 is out of range 0..=65535",
+            ),
             (&["--limit", "-1"], "--limit: invalid value"),
             (&["--limit", "x"], "--limit: invalid value"),
         ] {
