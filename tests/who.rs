@@ -449,15 +449,13 @@ fn cli_who_and_list_exit_codes() {
         let output = kunci(&server.addr, args);
         assert_eq!(output.status.code(), Some(2), "{args:?}");
     }
-    // etcd mode cannot answer them yet: a usage error that says so.
+    // etcd mode answers them too (docs/ETCD.md): an etcd member that is
+    // not there is unavailable, and named as etcd.
     for args in [&["who", "k"][..], &["list"]] {
         let output = kunci("etcd://127.0.0.1:1", args);
-        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        assert_eq!(output.status.code(), Some(4), "{args:?}");
         let text = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            text.contains("does not work on etcd:// addresses yet"),
-            "{text}"
-        );
+        assert!(text.contains("no etcd member"), "{text}");
     }
     assert_eq!(server.accepted(), 0);
     // Nobody listens: unavailable.
