@@ -346,11 +346,19 @@ impl Core {
 
     /// `entry`'s key is about to leave the table free: while the grace
     /// runs, remember that it is free (not in the table would mean held).
-    #[inline]
+    #[inline(always)]
     pub(super) fn note_freed_in_grace(&mut self, entry: u32, now: Micros) {
         if now < self.grace_until {
-            let key: Box<str> = self.table.key(entry).into();
-            self.note_freed(&key);
+            self.note_entry_freed(entry);
         }
+    }
+
+    /// [`note_freed_in_grace`](Self::note_freed_in_grace) while the grace
+    /// runs, out of the release path.
+    #[cold]
+    #[inline(never)]
+    fn note_entry_freed(&mut self, entry: u32) {
+        let key: Box<str> = self.table.key(entry).into();
+        self.note_freed(&key);
     }
 }

@@ -415,13 +415,7 @@ impl Core {
             // so an idle wheel may stand far behind `now`; deadlines are
             // kept relative to its position (modulo 2³² ticks), so bring it
             // up to date before this request arms one. Nothing can fire.
-            let mut nodes = TimerNodes {
-                table: &mut self.table,
-                waiters: &mut self.waiters,
-                grants: &mut self.grants,
-            };
-            let fired = self.wheel.poll(&mut nodes, tick_reached(now));
-            debug_assert!(fired.is_none());
+            self.wheel.catch_up_idle(tick_reached(now));
         }
         match *request {
             // `A` is `S` with limit 0, take 0 and no label (spec §10.1).
@@ -571,6 +565,7 @@ impl Core {
     /// grant the head waiter, or drop the key (remembered as free while the
     /// grace runs). Only for keys without a limit; see
     /// [`scan_permits`](Self::scan_permits) for the others.
+    #[inline(always)]
     fn hand_over(&mut self, entry: u32, now: Micros) {
         if self.table.get(entry).token != 0 {
             self.grants_held -= 1;
