@@ -355,7 +355,9 @@ def test_uncorrelated_answer_ends_the_session(server, make_proxy, make_client):
     client = make_client(proxy.address)
     kind, elapsed, _ = outcome(client.acquire, "k", wait=0)
     assert kind is kunci.Indeterminate and elapsed < 1
-    wait_for(lambda: proxy.closed_by_client == 1, 2)
+    # The session closes; the clean-up's `H` (rule 11) may open and close
+    # another one, which this responder answers no better.
+    wait_for(lambda: proxy.closed_by_client >= 1, 2)
 
 
 def test_garbage_from_the_server_ends_the_session(server, make_proxy, make_client):
