@@ -1249,17 +1249,17 @@ fn after_a_crash_two_readers_one_releases_and_the_writer_waits_for_the_other_lea
         next.core.connect(conn);
     }
     restart.resume(&mut next.core, recorded.grants()).unwrap();
-    // The first reader renews, then releases: neither frees the key. (This
-    // core keeps no adopted grant beside the unknown grant: both get N,
-    // and the reader knows its lock is gone.)
+    // The first reader renews, then releases: neither frees the key. Its
+    // renewal adopts its token beside the unknown grant (spec §7.4).
     next.set_now(S);
     assert_eq!(
         next.extend(0, "rw", 10, reader_1),
-        vec![(0, not_held(reader_1))]
+        vec![(0, extended(reader_1))]
     );
+    assert_eq!(next.query("rw").0, reader_1);
     assert_eq!(
         next.release(0, "rw", reader_1),
-        vec![(0, not_held(reader_1))]
+        vec![(0, released(reader_1))]
     );
     // The writer asks; it must wait until the second reader's lease
     // (29 s from the restart) can no longer run.
@@ -1365,38 +1365,217 @@ fn adoption_by_release_frees_the_key_and_hands_it_to_the_head_waiter() {
 }
 
 /// Spec §7.4: after a run that made a counted grant no adoption may free a
-/// key before the horizon. This core keeps one grant per key, so it cannot
-/// hold several adopted grants: an earlier token's `E` and `R` get `N`,
-/// and every key — waited on or not — stays held until the horizon.
+/// key before the horizon. An earlier run's `E` adds its token as an
+/// adopted grant (several on one key), `R` of an adopted or old token
+/// answers `R`; the unknown grant holds the key until the horizon, and
+/// then each remaining adopted grant holds it as if exclusive.
 #[test]
-fn after_a_run_with_counted_grants_no_earlier_token_frees_a_key_before_the_horizon() {
-    let mut fake = Fake::with_conns(3);
+fn after_a_run_with_counted_grants_adopted_grants_hold_their_key_past_the_horizon() {
+    let mut fake = Fake::with_conns(4);
     fake.core.set_grace_until(10 * S);
     fake.core.set_grace_counted(true);
     assert!(fake.core.counted_grants());
-    fake.enqueue(2, "waited", 60, 30, 1);
     fake.set_now(S);
-    for key in ["waited", "untracked"] {
-        assert_eq!(fake.release(1, key, EARLIER), vec![(1, not_held(EARLIER))]);
-        assert_eq!(
-            fake.extend(1, key, 5, EARLIER + 1),
-            vec![(1, not_held(EARLIER + 1))]
-        );
-    }
-    assert_eq!(fake.query("waited"), (0, 0, 9_000, 1));
-    assert_eq!(fake.query("untracked"), (0, 0, 9_000, 0));
+    // Two old tokens of one key are both adopted, in any order.
     assert_eq!(
-        fake.acquire(3, "untracked", 0, 30, 2),
-        vec![(3, timeout(2))]
+        fake.extend(1, "rw", 5, EARLIER + 1),
+        vec![(1, extended(EARLIER + 1))]
     );
-    // At the horizon the waiter gets the key, and a new request too.
-    assert_eq!(fake.run_until(10 * S - 1), vec![]);
-    assert_eq!(fake.run_until(10 * S), vec![(2, acquired(1, FIRST_TOKEN))]);
     assert_eq!(
-        fake.acquire(3, "untracked", 0, 30, 3),
-        vec![(3, acquired(3, FIRST_TOKEN + 1))]
+        fake.extend(1, "rw", 20, EARLIER),
+        vec![(1, extended(EARLIER))]
+    );
+    assert_eq!(fake.query("rw"), (EARLIER, 0, 20_000, 0));
+    fake.core.check_invariants();
+    // A writer and a reader wait; nothing is granted at once.
+    fake.enqueue_permits(2, "rw", 60, 30, 2, 65_535, 0);
+    fake.enqueue_permits(3, "rw", 60, 30, 3, 65_535, 1);
+    assert_eq!(
+        fake.permits(0, "rw", 0, 30, 4, 65_535, 1, ""),
+        vec![(0, timeout(4))]
+    );
+    assert_eq!(
+        holders(&mut fake, 9, "rw"),
+        vec![
+            grant_frame(0, 0, 9_000, 0, 0, ""),
+            grant_frame(EARLIER, 0, 20_000, 0, 0, ""),
+            grant_frame(EARLIER + 1, 0, 5_000, 0, 0, ""),
+            waiter_frame(2, 60_000, 0, ""),
+            waiter_frame(3, 60_000, 1, ""),
+            end_frame(5, 0)
+        ]
+    );
+    // `R` of an adopted token, and of an old token never adopted, answer
+    // `R`; neither frees the key.
+    assert_eq!(
+        fake.release(1, "rw", EARLIER + 1),
+        vec![(1, released(EARLIER + 1))]
+    );
+    assert_eq!(
+        fake.release(1, "rw", EARLIER + 2),
+        vec![(1, released(EARLIER + 2))]
+    );
+    assert_eq!(
+        fake.release(1, "untracked", EARLIER + 3),
+        vec![(1, released(EARLIER + 3))]
+    );
+    assert_eq!(fake.query("rw"), (EARLIER, 0, 20_000, 2));
+    assert_eq!(fake.query("untracked"), (0, 0, 9_000, 0));
+    // A key whose only adopted grant was released stays held too.
+    assert_eq!(
+        fake.extend(1, "gone", 5, EARLIER + 4),
+        vec![(1, extended(EARLIER + 4))]
+    );
+    assert_eq!(
+        fake.release(1, "gone", EARLIER + 4),
+        vec![(1, released(EARLIER + 4))]
+    );
+    assert_eq!(fake.query("gone"), (0, 0, 9_000, 0));
+    assert_eq!(fake.acquire(0, "gone", 0, 30, 5), vec![(0, timeout(5))]);
+    fake.core.check_invariants();
+    // The horizon passes; the adopted grant still holds "rw".
+    assert_eq!(fake.run_until(10 * S), vec![]);
+    assert_eq!(fake.query("rw"), (EARLIER, 0, 11_000, 2));
+    assert_eq!(
+        holders(&mut fake, 9, "rw"),
+        vec![
+            grant_frame(EARLIER, 0, 11_000, 9_000, 0, ""),
+            waiter_frame(2, 51_000, 0, ""),
+            waiter_frame(3, 51_000, 1, ""),
+            end_frame(3, 0)
+        ]
+    );
+    // After the horizon an old token not adopted is not held.
+    assert_eq!(
+        fake.extend(1, "rw", 5, EARLIER + 2),
+        vec![(1, not_held(EARLIER + 2))]
+    );
+    assert_eq!(
+        fake.release(1, "rw", EARLIER + 2),
+        vec![(1, not_held(EARLIER + 2))]
+    );
+    assert_eq!(
+        fake.acquire(0, "untracked", 0, 30, 6),
+        vec![(0, acquired(6, FIRST_TOKEN))]
     );
     fake.core.check_invariants();
+    // The writer gets "rw" only when the adopted lease runs out.
+    assert_eq!(fake.run_until(21 * S - 1), vec![]);
+    assert_eq!(
+        fake.run_until(21 * S),
+        vec![(2, acquired(2, FIRST_TOKEN + 1))]
+    );
+    fake.core.check_invariants();
+}
+
+/// Spec §7.4 on a key a waiter queued on before the adoption: after the
+/// horizon the waiter gets it as soon as the adopted grant is released.
+#[test]
+fn after_a_run_with_counted_grants_a_waiter_gets_the_key_when_the_adopted_grant_is_released() {
+    let mut fake = Fake::with_conns(3);
+    fake.core.set_grace_until(10 * S);
+    fake.core.set_grace_counted(true);
+    fake.enqueue(2, "waited", 60, 30, 1);
+    fake.set_now(S);
+    assert_eq!(
+        fake.extend(1, "waited", 30, EARLIER),
+        vec![(1, extended(EARLIER))]
+    );
+    assert_eq!(fake.query("waited"), (EARLIER, 0, 30_000, 1));
+    assert_eq!(fake.run_until(10 * S), vec![]);
+    fake.core.check_invariants();
+    fake.set_now(12 * S);
+    assert_eq!(
+        fake.release(1, "waited", EARLIER),
+        vec![(1, released(EARLIER)), (2, acquired(1, FIRST_TOKEN))]
+    );
+    fake.core.check_invariants();
+}
+
+/// Spec §7.4: adopted grants a clean stop saves (several exclusive ones on
+/// one key, owner 0) come back as they were, and still hold their key as
+/// if exclusive.
+#[test]
+fn a_clean_stop_saves_and_restores_several_adopted_grants_of_one_key() {
+    let dir = crate::util::TempDir::new("adopted");
+    let mut fake = Fake::with_conns(2);
+    {
+        let mut state = state::StateDir::open(&dir.0).unwrap();
+        state.resume(&mut fake.core).unwrap();
+        fake.core.set_grace_until(5 * S);
+        fake.core.set_grace_counted(true);
+        fake.set_now(S);
+        for token in [EARLIER + 1, EARLIER] {
+            assert_eq!(fake.extend(1, "rw", 60, token), vec![(1, extended(token))]);
+        }
+        fake.run_until(6 * S);
+        fake.core.shut_down();
+        fake.drain();
+        state
+            .save_clean_stop(&CleanStop::of(&fake.core, fake.now))
+            .unwrap();
+    }
+    let mut state = state::StateDir::open(&dir.0).unwrap();
+    let mut next = Fake::new(Limits::default(), 1);
+    next.core = Core::new(Limits::default(), FIRST_TOKEN + 1_000);
+    next.core.connect(0);
+    state.resume(&mut next.core).unwrap();
+    next.core.check_invariants();
+    let tokens: Vec<(u64, u64, u16)> = next
+        .core
+        .grants()
+        .map(|grant| (grant.token, grant.owner, grant.take))
+        .collect();
+    assert_eq!(tokens, vec![(EARLIER, 0, 0), (EARLIER + 1, 0, 0)]);
+    assert_eq!(
+        next.permits(0, "rw", 0, 30, 4, 65_535, 1, ""),
+        vec![(0, timeout(4))]
+    );
+    assert_eq!(next.release(0, "rw", EARLIER), vec![(0, released(EARLIER))]);
+    assert_eq!(next.acquire(0, "rw", 0, 30, 5), vec![(0, timeout(5))]);
+    next.core.check_invariants();
+}
+
+/// A clean stop during a grace after a run with counted grants, with
+/// adopted grants (two on a key a waiting request gave a limit): the next
+/// run restores them and, while the inherited grace runs, keeps their keys
+/// held by the unknown grant even after they are released, for holders
+/// that did not adopt theirs yet (spec §7.4).
+#[test]
+fn adopted_grants_restored_within_the_grace_keep_their_key_held_until_the_horizon() {
+    let dir = crate::util::TempDir::new("adopted-grace");
+    let mut fake = Fake::with_conns(2);
+    {
+        let mut state = state::StateDir::open(&dir.0).unwrap();
+        state.resume(&mut fake.core).unwrap();
+        fake.core.set_grace_until(60 * S);
+        fake.core.set_grace_counted(true);
+        fake.set_now(S);
+        for (key, token) in [("rw", EARLIER + 1), ("rw", EARLIER), ("one", EARLIER + 2)] {
+            assert_eq!(fake.extend(1, key, 60, token), vec![(1, extended(token))]);
+        }
+        fake.enqueue_permits(0, "rw", 60, 30, 3, 65_535, 1);
+        fake.core.shut_down();
+        fake.drain();
+        state
+            .save_clean_stop(&CleanStop::of(&fake.core, fake.now))
+            .unwrap();
+    }
+    let mut state = state::StateDir::open(&dir.0).unwrap();
+    let mut next = Fake::new(Limits::default(), 1);
+    next.core = Core::new(Limits::default(), FIRST_TOKEN + 1_000);
+    next.core.connect(0);
+    state.resume(&mut next.core).unwrap();
+    next.core.check_invariants();
+    assert!(next.core.counted_grants() && next.core.grace_until() > 50 * S);
+    for (key, token) in [("rw", EARLIER), ("rw", EARLIER + 1), ("one", EARLIER + 2)] {
+        assert_eq!(next.release(0, key, token), vec![(0, released(token))]);
+    }
+    for key in ["rw", "one"] {
+        assert_eq!(next.query(key).0, 0, "{key} held by the unknown grant");
+        assert_eq!(next.acquire(0, key, 0, 30, 5), vec![(0, timeout(5))]);
+    }
+    next.core.check_invariants();
 }
 
 /// The flag travels through the file: a crash of a run whose grace may
@@ -1421,13 +1600,15 @@ fn the_counted_grants_flag_survives_a_crash_and_governs_the_next_grace() {
         let mut next = Fake::new(Limits::default(), 1);
         state.resume(&mut next.core).unwrap();
         assert_eq!(next.core.counted_grants(), counted);
-        let answer = next.extend(0, "k", 5, EARLIER);
-        let expected = if counted {
-            not_held(EARLIER)
-        } else {
-            extended(EARLIER)
-        };
-        assert_eq!(answer, vec![(0, expected)], "counted {counted}");
+        assert_eq!(
+            next.extend(0, "k", 5, EARLIER),
+            vec![(0, extended(EARLIER))]
+        );
+        assert_eq!(next.release(0, "k", EARLIER), vec![(0, released(EARLIER))]);
+        // Under §7.4 the key stays held by the unknown grant; under §7.3
+        // the release freed it.
+        let token_0_lease = next.query("k").2;
+        assert_eq!(token_0_lease > 0, counted, "counted {counted}");
         assert!(next.core.grace_until() > 50 * S);
     }
 }

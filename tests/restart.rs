@@ -792,7 +792,8 @@ fn after_kill_9_a_writer_waits_for_every_reader_lease_though_one_reader_released
     let server = start_on(&dir, port);
     let mut peer = server.peer();
     peer.send(&release(reader_1, "rw"));
-    assert_eq!(peer.recv(), Response::NotHeld { token: reader_1 });
+    // Spec §7.4: `R` of an old token answers `R`, and frees nothing.
+    assert_eq!(peer.recv(), Response::Released { token: reader_1 });
     let (token, _, lease_ms, _) = query_key(&mut peer, "rw");
     assert_eq!(token, 0, "held by the unknown grant");
     assert!(lease_ms > 0);

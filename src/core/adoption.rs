@@ -8,9 +8,9 @@ use std::collections::HashSet;
 
 use super::labels::{self, LabelOf};
 use super::permits::PERMITS;
-use super::{ConnId, Core, Micros};
+use super::{ConnId, Core, Micros, TimerNodes};
 use crate::protocol::Response;
-use crate::timer_wheel::MICROS_PER_TICK;
+use crate::timer_wheel::{MICROS_PER_TICK, tick_at_or_after};
 
 /// A grant held now (see [`Core::grants`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,12 +87,53 @@ impl Core {
 
     /// The grace's unknown grants may include counted grants (spec §7.4:
     /// the earlier run recorded that it made one). Then no adoption frees
-    /// a key before the horizon. This core does not keep adopted grants
-    /// beside the unknown grant: an earlier run's `E` and `R` get `N`
-    /// during such a grace, and every key stays held until the horizon —
-    /// never an overlap, at the cost of the holders' locks.
+    /// a key before the horizon: an earlier run's `E` during the grace
+    /// adds its token as an adopted grant beside the unknown grant, which
+    /// holds the key until the horizon; after it each adopted grant holds
+    /// the key as if exclusive until it is released or expires.
     pub fn set_grace_counted(&mut self, counted: bool) {
         self.grace_counted = counted;
+        if counted && self.grace_until > 0 {
+            self.hold_restored_adopted_keys();
+        }
+    }
+
+    /// A clean stop during such a grace saved its adopted grants as grants
+    /// of owner 0 and take 0; other holders of their keys may not have
+    /// adopted theirs yet. So a restored key whose grants all look like
+    /// that stays held by the unknown grant until the horizon, as it was
+    /// (spec §7.4). A genuine grant of owner 0 is held the same way: later
+    /// than it could be, never too early. Call after restoring.
+    fn hold_restored_adopted_keys(&mut self) {
+        let entries: Vec<u32> = self.table.live_indices().collect();
+        for entry in entries {
+            let held = *self.table.get(entry);
+            let adopted_shape = if held.token == PERMITS {
+                let permits = self.permit_key(entry);
+                !permits.unknown
+                    && permits.grants.iter().all(|&grant| {
+                        let node = self.grants.get(grant);
+                        node.owner == 0 && node.take == 0
+                    })
+            } else {
+                held.token != 0 && held.owner == 0
+            };
+            if !adopted_shape {
+                continue;
+            }
+            if held.token != PERMITS {
+                self.set_limit(entry, 0, 0);
+            }
+            self.permit_key_mut(entry).unknown = true;
+            self.unknown_holders += 1;
+            let mut nodes = TimerNodes {
+                table: &mut self.table,
+                waiters: &mut self.waiters,
+                grants: &mut self.grants,
+            };
+            self.wheel
+                .arm(&mut nodes, entry, tick_at_or_after(self.grace_until));
+        }
     }
 
     /// Whether a lease this core must account for (its own grants, restored
@@ -146,8 +187,35 @@ impl Core {
         let hash = self.table.hash(key);
         let found = self.table.find(key, hash);
         if limit == 0 {
-            if found.is_some() {
-                return Err(RestoreError::DuplicateKey);
+            if let Some(entry) = found {
+                // Several exclusive grants of owner 0 without a limit on
+                // one key: adopted grants (spec §7.4) a clean stop
+                // persisted. They come back as they were, each as if
+                // exclusive.
+                let held = self.table.get(entry);
+                let last = if held.token == PERMITS {
+                    let permits = self.permit_key(entry);
+                    let last = permits.grants.back().map(|&g| self.grants.get(g).token);
+                    (permits.limit == 0).then_some(last).flatten()
+                } else {
+                    Some(held.token)
+                };
+                if take != 0 || owner != 0 || last.is_none_or(|last| last >= token) {
+                    return Err(RestoreError::DuplicateKey);
+                }
+                if self.table.get(entry).token != PERMITS {
+                    self.set_limit(entry, 0, 0);
+                }
+                self.restore_permits(
+                    entry,
+                    token,
+                    owner,
+                    0,
+                    labels::owned(label),
+                    deadline.max(1),
+                );
+                self.grants_held += 1;
+                return Ok(());
             }
             let entry = self
                 .table
@@ -168,7 +236,15 @@ impl Core {
                 if permits.limit != limit || last.is_some_and(|last| last >= token) {
                     return Err(RestoreError::DuplicateKey);
                 }
-                if !permits.fits(take) {
+                // Adopted grants (spec §7.4, owner 0, take 0) beside one
+                // another, on a key a request gave a limit.
+                let adopted = take == 0
+                    && owner == 0
+                    && permits.grants.iter().all(|&grant| {
+                        let node = self.grants.get(grant);
+                        node.owner == 0 && node.take == 0
+                    });
+                if !permits.fits(take) && !adopted {
                     return Err(RestoreError::DoesNotFit);
                 }
                 entry
@@ -248,6 +324,72 @@ impl Core {
         }
     }
 
+    /// Spec §7.4: whether `key` is held by the unknown grant of a grace
+    /// that may hide counted grants, for an earlier run's `token`: `None`
+    /// if not; else the key's entry, if it is in the table (token 0 with
+    /// waiters, or a permit key the unknown grant holds).
+    fn held_by_counted_unknown(&self, key: &str, token: u64, now: Micros) -> Option<Option<u32>> {
+        if token == 0 || token >= self.first_token || now >= self.grace_until {
+            return None;
+        }
+        match self.table.find(key, self.table.hash(key)) {
+            Some(entry) => {
+                let held = self.table.get(entry);
+                let unknown =
+                    held.token == 0 || (held.token == PERMITS && self.permit_key(entry).unknown);
+                unknown.then_some(Some(entry))
+            }
+            None => self.held_by_unknown_grant(key, now).then_some(None),
+        }
+    }
+
+    /// `E` of an earlier run's `token` that is not adopted yet, during a
+    /// grace that may hide counted grants (spec §7.4): on a key the
+    /// unknown grant holds it becomes an adopted grant (owner 0, take 0,
+    /// the lease to `deadline`), the key turned into a permit key without
+    /// a limit if it was not one; the unknown grant keeps the key until
+    /// the horizon. Answers `E`, or `N` when the key is not held by the
+    /// unknown grant or there is no room (then nothing changed).
+    fn adopt_beside_unknown_grant(
+        &mut self,
+        conn: ConnId,
+        key: &str,
+        token: u64,
+        deadline: Micros,
+        now: Micros,
+    ) {
+        // As in §7.3, adoption may take the table to twice the key limit
+        // and the grants to twice their limit: the earlier run held at
+        // most that many, and the bound on memory stays.
+        let room = self.grants_held + self.waiters.len() < self.limits.max_grants.saturating_mul(2);
+        let entry = match self.held_by_counted_unknown(key, token, now) {
+            Some(_) if !room => None,
+            Some(Some(entry)) => Some(entry),
+            Some(None) => {
+                let hash = self.table.hash(key);
+                let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
+                    .then(|| self.table.insert(key, hash, 0, 0))
+                    .flatten();
+                if let Some(entry) = entry {
+                    self.unknown_holders += 1;
+                    self.arm_lease_at(entry, self.grace_until);
+                }
+                entry
+            }
+            None => None,
+        };
+        let Some(entry) = entry else {
+            self.stats.extend_not_held += 1;
+            return self.not_held(conn, token);
+        };
+        if self.table.get(entry).token != PERMITS {
+            self.set_limit(entry, 0, now);
+        }
+        self.adopt_grant(entry, token, deadline, now);
+        self.stats.extended += 1;
+        self.outbox.push((conn, Response::Extended { token }));
+    }
+
     /// Remembers that `key`, not in the table, is free although the grace
     /// runs. Without room it stays held by the unknown grant until the
     /// horizon: later than it could be, never too early.
@@ -268,6 +410,19 @@ impl Core {
         token: u64,
         now: Micros,
     ) -> Option<u32> {
+        if self.grace_counted {
+            // Spec §7.4: the key stays held by the unknown grant until the
+            // horizon, whoever releases; an adopted token was found as a
+            // grant of the key before this.
+            if self.held_by_counted_unknown(key, token, now).is_some() {
+                self.stats.released += 1;
+                self.outbox.push((conn, Response::Released { token }));
+            } else {
+                self.stats.release_not_held += 1;
+                self.not_held(conn, token);
+            }
+            return None;
+        }
         match self.adoptable(key, token, now) {
             Some(Adoptable::Waited(entry)) => {
                 self.unknown_holders -= 1;
@@ -290,14 +445,20 @@ impl Core {
     /// `E` of a token that is not this run's active grant of `key`: an
     /// earlier run's token on a key held by the unknown grant adopts it
     /// (spec §7.3): it becomes the key's holder, owner 0. Returns the entry
-    /// whose lease to arm, or `None` once it has answered `N`.
+    /// whose lease to arm, or `None` once it has answered (`N`, or after a
+    /// run with counted grants, §7.4, `E` or `N`).
     pub(super) fn adopt_earlier_token(
         &mut self,
         conn: ConnId,
         key: &str,
         token: u64,
+        deadline: Micros,
         now: Micros,
     ) -> Option<u32> {
+        if self.grace_counted {
+            self.adopt_beside_unknown_grant(conn, key, token, deadline, now);
+            return None;
+        }
         let entry = match self.adoptable(key, token, now) {
             Some(Adoptable::Waited(entry)) => {
                 self.unknown_holders -= 1;

@@ -44,15 +44,22 @@ impl Core {
                 if permits.unknown {
                     unknown += 1;
                     leased_entries += 1;
+                    // Only adopted grants (spec §7.4) beside the unknown one.
                     assert!(
-                        permits.grants.is_empty(),
-                        "key {key:?}: unknown and granted"
+                        permits.grants.iter().all(|&grant| {
+                            let node = self.grants.get(grant);
+                            node.token < self.first_token && node.take == 0 && node.owner == 0
+                        }),
+                        "key {key:?}: unknown and granted by this run"
                     );
-                    assert_ne!(held.waiters, NIL, "key {key:?}: unknown, nobody waits");
+                    assert!(
+                        held.waiters != NIL || !permits.grants.is_empty(),
+                        "key {key:?}: unknown, nobody waits or holds"
+                    );
                 } else {
                     assert!(!permits.grants.is_empty(), "key {key:?}: limit, no grant");
                 }
-                let (mut used, mut exclusive, mut last) = (0u32, 0, 0);
+                let (mut used, mut exclusive, mut last) = (0u32, 0u32, 0);
                 for &grant in &permits.grants {
                     let node = self.grants.get(grant);
                     assert_eq!(
@@ -69,17 +76,19 @@ impl Core {
                     );
                     last = node.token;
                     used += u32::from(node.take);
-                    exclusive += usize::from(node.take == 0);
+                    exclusive += u32::from(node.take == 0);
                 }
                 assert_eq!(used, u32::from(permits.used), "permits used on {key:?}");
                 assert!(used <= u32::from(permits.limit), "{key:?} over its limit");
-                assert_eq!(
-                    exclusive > 0,
-                    permits.exclusive,
-                    "exclusive flag of {key:?}"
-                );
+                assert_eq!(exclusive, permits.exclusive, "exclusive count of {key:?}");
+                // Several exclusive grants only as an earlier run's
+                // (adopted, spec §7.4, or restored from them).
+                let earlier = permits.grants.iter().all(|&grant| {
+                    let node = self.grants.get(grant);
+                    node.token < self.first_token && node.take == 0
+                });
                 assert!(
-                    exclusive == 0 || permits.grants.len() == 1,
+                    exclusive == 0 || permits.grants.len() == 1 || earlier,
                     "{key:?}: an exclusive grant with others"
                 );
                 if held.waiters != NIL {

@@ -29,15 +29,19 @@ pub const PERMITS: u64 = u64::MAX;
 pub struct PermitKey {
     /// The key's grants (indices into [`Grants`]) in token order.
     pub grants: VecDeque<u32>,
-    /// The key's limit, 1..=65535.
+    /// The key's limit, 1..=65535; 0 for a key made a permit key by an
+    /// adoption (spec §7.4) until a request names one.
     pub limit: u16,
     /// Permits taken by its counted grants (≤ `limit`).
     pub used: u16,
-    /// Whether its one grant is exclusive (`take` 0).
-    pub exclusive: bool,
+    /// How many of its grants are exclusive (`take` 0): at most one of
+    /// this run, or any number of adopted ones (spec §7.4), each of which
+    /// counts as exclusive because its take is unknown.
+    pub exclusive: u32,
     /// Held by the unknown grant of an earlier run until the horizon
     /// (spec §7.2; the entry's own lease timer runs to it). Nothing fits
-    /// meanwhile, and the key then has no grant of this run.
+    /// meanwhile, and the key then has no grant of this run, only adopted
+    /// ones (§7.4).
     pub unknown: bool,
 }
 
@@ -59,7 +63,7 @@ impl PermitKey {
         if take == 0 {
             self.grants.is_empty()
         } else {
-            !self.exclusive && u32::from(self.used) + u32::from(take) <= u32::from(self.limit)
+            self.exclusive == 0 && u32::from(self.used) + u32::from(take) <= u32::from(self.limit)
         }
     }
 
@@ -67,7 +71,7 @@ impl PermitKey {
     pub fn add(&mut self, grant: u32, take: u16) {
         self.grants.push_back(grant);
         if take == 0 {
-            self.exclusive = true;
+            self.exclusive += 1;
         } else {
             self.used += take;
         }
@@ -80,10 +84,21 @@ impl PermitKey {
             self.grants.remove(position);
         }
         if take == 0 {
-            self.exclusive = false;
+            self.exclusive -= 1;
         } else {
             self.used -= take;
         }
+    }
+
+    /// Adds adopted grant `grant` (an earlier run's `token`, spec §7.4) in
+    /// token order: adopted tokens come in any order. It counts as
+    /// exclusive.
+    pub fn adopt(&mut self, grants: &Grants, grant: u32, token: u64) {
+        let position = self
+            .grants
+            .partition_point(|&other| grants.get(other).token < token);
+        self.grants.insert(position, grant);
+        self.exclusive += 1;
     }
 
     /// Where the grant with `token` is in [`grants`](Self::grants).
@@ -181,7 +196,7 @@ impl Core {
         &self.permit_keys[self.table.get(entry).owner as usize]
     }
 
-    fn permit_key_mut(&mut self, entry: u32) -> &mut PermitKey {
+    pub(super) fn permit_key_mut(&mut self, entry: u32) -> &mut PermitKey {
         let index = self.table.get(entry).owner as usize;
         &mut self.permit_keys[index]
     }
@@ -264,6 +279,24 @@ impl Core {
         self.stats.grants += 1;
         self.outbox
             .push((conn, Response::Acquired { owner, token }));
+    }
+
+    /// Adds `token`, an earlier run's, to permit key `entry` (held by the
+    /// unknown grant) as an adopted grant (spec §7.4): owner 0, take 0, its
+    /// lease to `deadline`.
+    pub(super) fn adopt_grant(&mut self, entry: u32, token: u64, deadline: Micros, now: Micros) {
+        let grant = self.grants.insert(Grant {
+            token,
+            owner: 0,
+            granted_at: now,
+            lease: TimerLinks::UNARMED,
+            entry,
+            take: 0,
+        });
+        let index = self.table.get(entry).owner as usize;
+        self.permit_keys[index].adopt(&self.grants, grant, token);
+        self.arm_grant_lease_at(grant, deadline);
+        self.grants_held += 1;
     }
 
     /// Adds a grant of an earlier run to permit key `entry` (spec §7.4),

@@ -90,6 +90,11 @@ impl Core {
 
     /// An acquire on a key with a limit (spec §10.2–4).
     fn acquire_permits(&mut self, conn: ConnId, entry: u32, ask: &Ask<'_>, now: Micros) {
+        if ask.limit != 0 && self.permit_key(entry).limit == 0 {
+            // A key held by adopted grants (spec §7.4) has no limit until
+            // a request names one.
+            self.permit_key_mut(entry).limit = ask.limit;
+        }
         let permits = self.permit_key(entry);
         if ask.limit != 0 && ask.limit != permits.limit {
             let limit = permits.limit;

@@ -18,8 +18,8 @@ impl Core {
             Some(Held::Inline(entry)) => self.arm_lease_at(entry, deadline),
             Some(Held::Listed { grant, .. }) => self.arm_grant_lease_at(grant, deadline),
             // Not this run's grant: maybe an earlier run's (spec §7.3),
-            // which answered `N` already unless it was adopted.
-            None => match self.adopt_earlier_token(conn, key, token, now) {
+            // which answered already unless it was adopted inline.
+            None => match self.adopt_earlier_token(conn, key, token, deadline, now) {
                 Some(entry) => {
                     // Held (as far as `H` shows) since its adoption.
                     self.table.get_mut(entry).granted_at = granted_at_ms(now);
