@@ -6,9 +6,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use kunci::client::{AcquireOptions, Client, Config, Error, Permits};
-use kunci::protocol::{Decoded, Request, Response, decode_request, encode_request};
+use kunci::protocol::{Request, Response};
 
-use crate::util::kunci_bin;
+use crate::util::{decoded, kunci_bin};
 use crate::util::scripted::Scripted;
 
 const S: Duration = Duration::from_secs(1);
@@ -35,19 +35,6 @@ fn mismatching() -> Scripted {
 
 fn client(server: &Scripted) -> Client {
     Client::new([server.addr.parse().unwrap()], Config::default()).unwrap()
-}
-
-/// The frame as the server decoded it, and the bytes the protocol encoder
-/// makes of that request: they must be the frame itself.
-fn decoded(frame: &[u8]) -> Request<'_> {
-    let Decoded::Request { request, len } = decode_request(frame) else {
-        panic!("not a valid request: {frame:?}");
-    };
-    assert_eq!(len, frame.len());
-    let mut again = Vec::new();
-    encode_request(&request, &mut again);
-    assert_eq!(again, frame);
-    request
 }
 
 #[test]

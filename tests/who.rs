@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kunci::client::{Client, Config, Error, Grant, Holders, KeySummary, Waiter};
-use kunci::protocol::{Decoded, Request, Response, decode_request, encode_request};
+use kunci::protocol::{Request, Response};
 
-use crate::util::kunci_bin;
+use crate::util::{decoded, kunci_bin};
 use crate::util::proxy::{Faults, Proxy};
 use crate::util::scripted::Scripted;
 
@@ -146,18 +146,6 @@ fn table_server() -> (Scripted, Arc<Mutex<Table>>) {
 
 fn client(addr: &str) -> Client {
     Client::new([addr.parse().unwrap()], Config::default()).unwrap()
-}
-
-/// The frame as the server decoded it; the encoder makes the same bytes.
-fn decoded(frame: &[u8]) -> Request<'_> {
-    let Decoded::Request { request, len } = decode_request(frame) else {
-        panic!("not a valid request: {frame:?}");
-    };
-    assert_eq!(len, frame.len());
-    let mut again = Vec::new();
-    encode_request(&request, &mut again);
-    assert_eq!(again, frame);
-    request
 }
 
 #[test]

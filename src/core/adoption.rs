@@ -28,20 +28,9 @@ pub struct HeldGrant<'a> {
     pub label: &'a str,
 }
 
-/// A grant of an earlier run to restore (see [`Core::restore_grant`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct EarlierGrant<'a> {
-    pub key: &'a str,
-    pub token: u64,
-    pub owner: u64,
-    /// When its lease runs out on this run's clock.
-    pub deadline: Micros,
-    /// Permits it holds; 0 = all (exclusive).
-    pub take: u16,
-    /// Its key's limit; 0 = none.
-    pub limit: u16,
-    pub label: &'a str,
-}
+/// A grant of an earlier run to restore (see [`Core::restore_grant`]): the
+/// same fields as a grant held now, its deadline on this run's clock.
+pub type EarlierGrant<'a> = HeldGrant<'a>;
 
 /// Why [`Core::restore_grant`] refused a grant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -350,6 +350,19 @@ impl Peer {
     }
 }
 
+/// The request `frame` decodes to, checking that it is one whole frame and
+/// that the encoder makes the same bytes of it.
+pub fn decoded(frame: &[u8]) -> Request<'_> {
+    let protocol::Decoded::Request { request, len } = protocol::decode_request(frame) else {
+        panic!("not a valid request: {frame:?}");
+    };
+    assert_eq!(len, frame.len());
+    let mut again = Vec::new();
+    protocol::encode_request(&request, &mut again);
+    assert_eq!(again, frame);
+    request
+}
+
 /// Request builders.
 pub fn acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Vec<u8> {
     encode(&Request::Acquire {
