@@ -8,8 +8,8 @@ use std::time::Duration;
 use kunci::client::{AcquireOptions, Client, Config, Error, Permits};
 use kunci::protocol::{Request, Response};
 
-use crate::util::{decoded, kunci_bin};
 use crate::util::scripted::Scripted;
+use crate::util::{decoded, kunci_bin};
 
 const S: Duration = Duration::from_secs(1);
 

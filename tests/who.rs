@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use kunci::client::{Client, Config, Error, Grant, Holders, KeySummary, Waiter};
 use kunci::protocol::{Request, Response};
 
-use crate::util::{decoded, kunci_bin};
 use crate::util::proxy::{Faults, Proxy};
 use crate::util::scripted::Scripted;
+use crate::util::{decoded, kunci_bin};
 
 const MS: Duration = Duration::from_millis(1);
 const S: Duration = Duration::from_secs(1);
