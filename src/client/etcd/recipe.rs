@@ -1032,29 +1032,34 @@ impl Cluster {
         }
     }
 
+    /// Every entry of `key` in create-revision order, in one read; the
+    /// outcome to end the call with when that read fails.
+    fn key_entries(&self, key: Key, deadline: Instant) -> Result<Vec<Entry>, Outcome> {
+        match self.read(
+            "/v3/kv/range",
+            &range_body(&prefix(key), 0, "ASCEND", 0),
+            deadline,
+        ) {
+            Ok((_, value)) => entries(&value).ok_or(Outcome::Indeterminate),
+            Err(fault) => Err(fault.outcome()),
+        }
+    }
+
     /// `Q`: the grant with the smallest token (the first entry, which
     /// always holds), its owner and its lease's time to live, and the
     /// number of entries that do not hold (the queue). One read of every
     /// entry: which ones hold depends on all of them.
     pub(crate) fn query(&self, key: Key, deadline: Instant) -> Outcome {
-        let all = match self.read(
-            "/v3/kv/range",
-            &range_body(&prefix(key), 0, "ASCEND", 0),
-            deadline,
-        ) {
-            Ok((_, value)) => match entries(&value) {
-                Some(all) => all,
-                None => return Outcome::Indeterminate,
-            },
-            Err(fault) => return fault.outcome(),
+        let all = match self.key_entries(key, deadline) {
+            Ok(all) => all,
+            Err(outcome) => return outcome,
         };
         let Some(entry) = all.first() else {
             return Outcome::Query(KeyStatus::default());
         };
         let queued = all.len() - holders(&all);
-        let body = format!(r#"{{"ID":"{}"}}"#, entry.lease);
-        let ttl = match self.read("/v3/kv/lease/timetolive", &body, deadline) {
-            Ok((_, value)) => json::int(&value, "TTL").unwrap_or(0),
+        let ttl = match self.time_to_live(entry.lease, deadline) {
+            Ok(ttl) => ttl,
             Err(fault) => return fault.outcome(),
         };
         Outcome::Query(KeyStatus {
@@ -1081,16 +1086,9 @@ impl Cluster {
     /// as held. etcd stores no wall time: time held and wait left are
     /// unknown and given as 0 (docs/ETCD.md, "Who holds it").
     pub(crate) fn holders(&self, key: Key, deadline: Instant) -> Outcome {
-        let all = match self.read(
-            "/v3/kv/range",
-            &range_body(&prefix(key), 0, "ASCEND", 0),
-            deadline,
-        ) {
-            Ok((_, value)) => match entries(&value) {
-                Some(all) => all,
-                None => return Outcome::Indeterminate,
-            },
-            Err(fault) => return fault.outcome(),
+        let all = match self.key_entries(key, deadline) {
+            Ok(all) => all,
+            Err(outcome) => return outcome,
         };
         let (held, queued) = all.split_at(holders(&all));
         let mut grants = Vec::new();
@@ -1199,16 +1197,9 @@ impl Cluster {
             if more && index + 1 == group_count {
                 // The page may have cut this key's entries: read them all.
                 let Ok(key) = Key::new(&name) else { continue };
-                group = match self.read(
-                    "/v3/kv/range",
-                    &range_body(&prefix(key), 0, "ASCEND", 0),
-                    deadline,
-                ) {
-                    Ok((_, value)) => match entries(&value) {
-                        Some(all) => all,
-                        None => return Outcome::Indeterminate,
-                    },
-                    Err(fault) => return fault.outcome(),
+                group = match self.key_entries(key, deadline) {
+                    Ok(all) => all,
+                    Err(outcome) => return outcome,
                 };
             }
             group.sort_by_key(|entry| entry.create_revision);
