@@ -621,7 +621,8 @@ impl Core {
     /// for `H`.
     fn set_grant_time(&mut self, entry: u32, now: Micros) {
         let queue = &mut self.table.get_mut(entry).waiters;
-        self.waiters.set_grant_time(queue, waiters::grant_time_ms(now));
+        self.waiters
+            .set_grant_time(queue, waiters::grant_time_ms(now));
     }
 
     /// The timer wheel and the nodes it links, borrowed together.

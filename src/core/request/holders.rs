@@ -3,8 +3,8 @@
 //! each.
 
 use crate::core::labels::LabelOf;
-use crate::core::waiters::held_ms;
 use crate::core::permits::PERMITS;
+use crate::core::waiters::held_ms;
 use crate::core::{ConnId, Core, Micros, millis_left};
 use crate::protocol::Response;
 
