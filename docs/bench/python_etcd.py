@@ -180,12 +180,10 @@ def rust_pairs(address, connections):
         [KUNCI_BIN, "bench", "pairs", "--server", address, "--connections", str(connections),
          "--duration", str(DURATION), "--warmup", "1"],
         capture_output=True, text=True, timeout=DURATION + 120)
-    found = re.search(r"([0-9][0-9,. ]*) pairs/s", done.stdout)
-    if found is None:
-        found = re.search(r"pairs/s\D*([0-9][0-9,. ]*)", done.stdout)
+    found = re.search(r"^\s*pairs\s+\d+\s+([0-9.]+) /s", done.stdout, re.M)
     if found is None:
         raise RuntimeError("kunci bench said:\n%s%s" % (done.stdout, done.stderr))
-    return float(re.sub(r"[ ,]", "", found.group(1)))
+    return float(found.group(1))
 
 
 def hot(take_and_release):
