@@ -187,7 +187,8 @@ def rust_pairs(address, connections):
 
 
 def hot(take_and_release):
-    """50 threads on one key: ``take_and_release(thread, hold)``."""
+    """50 threads on one key: ``take_and_release(thread, hold)`` calls
+    ``hold()`` while it holds the key and says whether it got it."""
     counts = [0] * HOT_THREADS
     waits = []
     lock = threading.Lock()
@@ -202,8 +203,8 @@ def hot(take_and_release):
                     waits.append(time.monotonic() - started)
                 time.sleep(HOLD)
 
-            take_and_release(index, hold)
-            counts[index] += 1
+            if take_and_release(index, hold):
+                counts[index] += 1
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(HOT_THREADS)]
     for thread in threads:
@@ -221,6 +222,7 @@ def kunci_hot(address):
     def take(_, hold):
         with client.lock("hot", wait=60, lease=30):
             hold()
+        return True
 
     try:
         return hot(take)
@@ -236,12 +238,13 @@ def gw_hot(endpoints, sleep):
         give_up = time.monotonic() + 60
         while not lock.acquire():
             if time.monotonic() > give_up:
-                return
+                return False
             time.sleep(sleep)
         try:
             hold()
         finally:
             lock.release()
+        return True
 
     return hot(take)
 

@@ -843,24 +843,24 @@ class Cluster(object):
 
     def acquire(self, call):
         """``A``, and ``S`` with permits: docs/ETCD.md, "The mapping"."""
-        lease = None
+        granted = []
         try:
-            result, lease = self._acquire(call)
-            return result
+            return self._acquire(call, granted)
         except BaseException:
             # Interrupted (KeyboardInterrupt): the entry goes with its lease.
-            if lease is not None:
+            for lease in granted:
                 self.revoke_in_background(lease)
             raise
 
-    def _acquire(self, call):
+    def _acquire(self, call, granted):
         slot = (call.limit, call.take)
         plain = slot == EXCLUSIVE
         deadline = call.deadline
         try:
             set_at, lease, _ = self._grant(call.lease, deadline)
         except Fault as fault:
-            return fault.result(), None
+            return fault.result()
+        granted.append(lease)
         prefix = prefix_of(call.key)
         name = b"%s%016x" % (prefix, lease)
         put = {"request_put": {
@@ -884,23 +884,23 @@ class Cluster(object):
             _, answer = self._write("/v3/kv/txn", txn, deadline)
         except Fault as fault:
             self.revoke_in_background(lease)
-            return fault.result(), lease
+            return fault.result()
         while True:
             revision = _header_revision(answer)
             if revision is None:
                 self.revoke_in_background(lease)  # an error answer: applied or not
-                return INDETERMINATE, lease
+                return INDETERMINATE
             if answer.get("succeeded") is True:
                 call.sent_at = set_at
-                return ("A", revision), lease
+                return ("A", revision)
             if not waits and plain:
                 self.revoke_in_background(lease)
-                return ("T",), lease
+                return ("T",)
             ranges = _txn_ranges(answer)
             snapshot = _entries(ranges[0]) if ranges else None
             if snapshot is None:
                 self.revoke_in_background(lease)
-                return INDETERMINATE, lease
+                return INDETERMINATE
             verdict = judge(slot, snapshot, not plain)
             if not waits:
                 # Nothing was put. Where it would fit, put it now unless an
@@ -908,31 +908,31 @@ class Cluster(object):
                 # gone, which never makes it fit less).
                 if verdict[0] == "mismatch":
                     self.revoke_in_background(lease)
-                    return _mismatch(verdict[1]), lease
+                    return _mismatch(verdict[1])
                 if verdict[0] == "waits":
                     self.revoke_in_background(lease)
-                    return ("T",), lease
+                    return ("T",)
                 txn = {"compare": [dict(whole, result="LESS", create_revision=str(revision + 1))],
                        "success": [put], "failure": [earlier]}
                 try:
                     _, answer = self._write("/v3/kv/txn", txn, deadline)
                 except Fault as fault:
                     self.revoke_in_background(lease)
-                    return fault.result(), lease
+                    return fault.result()
                 continue
             # Our entry is in the queue, created at ``revision``.
             if verdict[0] == "holds":
                 call.sent_at = set_at
-                return ("A", revision), lease
+                return ("A", revision)
             if verdict[0] == "mismatch":
                 try:
                     self._revoke(lease, deadline)
                 except Fault:
-                    return INDETERMINATE, lease
-                return _mismatch(verdict[1]), None
+                    return INDETERMINATE
+                return _mismatch(verdict[1])
             wake = [entry.name for entry in verdict[1]]
             place = (call.key, name, revision, slot)
-            return self._wait_turn(call, place, (wake, revision), lease, set_at), lease
+            return self._wait_turn(call, place, (wake, revision), lease, set_at)
 
     def _wait_turn(self, call, place, first, lease, set_at):
         """Waits until the entry at ``place`` holds, keeping its lease
