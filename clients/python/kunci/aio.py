@@ -256,6 +256,10 @@ class Client(object):
             outcome = await future
         except asyncio.CancelledError:
             call.abandoned = True
+            if future.done() and not future.cancelled():
+                # The outcome came, but the task was cancelled before it
+                # resumed: a grant in it goes to nobody.
+                release_if_granted(future.result())
             raise
         if isinstance(outcome, BaseException):
             raise outcome

@@ -15,7 +15,7 @@ import pytest
 
 import kunci
 import kunci._protocol
-from conftest import Proxy, kunci_bin, outcome, wait_for
+from conftest import free_port, kunci_bin, outcome, wait_for
 
 
 def gateway(cluster, path, body):
@@ -166,7 +166,6 @@ def test_etcd_cancelled_asyncio_waiter_leaves_the_queue(etcd_cluster):
 
 def test_etcd_unavailable_when_no_member_answers_and_moves_past_dead_ones(
         etcd_cluster, make_client, short_deadline):
-    from conftest import free_port
     nobody = make_client("etcd://127.0.0.1:%d" % free_port())
     kind, elapsed, error = outcome(nobody.acquire, "u", wait=0)
     assert kind is kunci.Unavailable and 1.0 <= elapsed < 2.5, (kind, elapsed, error)
