@@ -1,6 +1,7 @@
 //! kunci's integration tests: one binary, one module per area.
 
 mod abuse;
+mod access;
 mod bench;
 mod client;
 mod core;
