@@ -54,13 +54,18 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         return usage(&reason);
     }
     let mut random = [0u8; SECRET_BYTES];
-    if let Err(e) = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut random)) {
+    if let Err(e) = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut random))
+    {
         eprintln!("kunci secret: cannot read /dev/urandom: {e}");
         return 1;
     }
     let secret: String = random.iter().map(|byte| format!("{byte:02x}")).collect();
     println!("{secret}");
-    println!("{name} {} {}", hash_hex(secret.as_bytes()), scope_words.join(" "));
+    println!(
+        "{name} {} {}",
+        hash_hex(secret.as_bytes()),
+        scope_words.join(" ")
+    );
     exit::DONE
 }
 
