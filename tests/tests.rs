@@ -2,6 +2,7 @@
 
 mod abuse;
 mod access;
+mod access_client;
 mod access_server;
 mod bench;
 mod client;
