@@ -198,7 +198,12 @@ fn every_op_is_held_to_the_scopes() {
         Nothing,
     }
     let label = "";
-    let ops: Vec<(&str, Needs, Box<dyn Fn(&str) -> (Vec<u8>, u64)>)> = vec![
+    /// A frame for a key, and the id its `X` carries.
+    type Build = Box<dyn Fn(&str) -> (Vec<u8>, u64)>;
+    /// Whether an identity may make a request that needs this, on a key
+    /// inside its prefix or not.
+    type Permitted = fn(Needs, bool) -> bool;
+    let ops: Vec<(&str, Needs, Build)> = vec![
         (
             "A",
             Needs::Lock,
@@ -259,7 +264,7 @@ fn every_op_is_held_to_the_scopes() {
             Box::new(|_| (encode(&Request::Ping { nonce: 17 }), 17)),
         ),
     ];
-    let identities: [(&[u8], &str, fn(Needs, bool) -> bool); 4] = [
+    let identities: [(&[u8], &str, Permitted); 4] = [
         (LOCKER, "locker", |needs, inside| match needs {
             Needs::Lock | Needs::Read => inside,
             Needs::List | Needs::Nothing => true,
