@@ -84,9 +84,6 @@ pub struct Connection {
     pub(super) transmit_queued: bool,
     /// Refused at accept (`X 7`, `X 9`): never known to the core.
     pub(super) refused: bool,
-    /// With `--auth`: the index of the identity the session authenticated
-    /// as, or [`UNAUTHENTICATED`](Self::UNAUTHENTICATED).
-    pub(super) identity: u32,
 }
 
 impl Connection {
@@ -98,12 +95,8 @@ impl Connection {
             timer: TimerLinks::UNARMED,
             transmit_queued: false,
             refused: false,
-            identity: Connection::UNAUTHENTICATED,
         }
     }
-
-    /// The session has not sent a good `U` (yet).
-    pub const UNAUTHENTICATED: u32 = u32::MAX;
 
     pub fn phase(&self) -> Phase {
         self.phase

@@ -94,10 +94,18 @@ pub struct Endpoint {
     durability: Option<Durability>,
     /// With `--auth`: the identities a session may authenticate as.
     access: Option<AccessList>,
+    /// With `--auth`, by connection id: the index of the identity the
+    /// session authenticated as, or [`UNAUTHENTICATED`]. Kept here rather
+    /// than in [`Connection`], which it would grow by 8 bytes on a server
+    /// without `--auth` too.
+    identities: Vec<u32>,
     /// With `--auth`: the peers of connections not yet authenticated, for
     /// the log line of a failure.
     unauthenticated_peers: HashMap<ConnId, Option<IpAddr>>,
 }
+
+/// A session that has not sent a good `U` (yet).
+const UNAUTHENTICATED: u32 = u32::MAX;
 
 /// Gives the connection timer wheel the links inside connections.
 struct ConnTimers<'a>(&'a mut [Option<Connection>]);
@@ -128,6 +136,7 @@ impl Endpoint {
             spare_outputs: Vec::new(),
             durability: None,
             access: None,
+            identities: Vec::new(),
             unauthenticated_peers: HashMap::new(),
         }
     }
@@ -251,6 +260,10 @@ impl Endpoint {
         self.conns[index] = Some(Connection::new(Phase::Open));
         self.core.connect(id);
         if self.access.is_some() {
+            if self.identities.len() <= index {
+                self.identities.resize(index + 1, UNAUTHENTICATED);
+            }
+            self.identities[index] = UNAUTHENTICATED;
             self.unauthenticated_peers.insert(id, peer);
         }
     }
@@ -562,8 +575,9 @@ impl Endpoint {
 
     /// Whether `id` has authenticated (with `--auth`).
     fn is_authenticated(&self, id: ConnId) -> bool {
-        self.connection(id)
-            .is_some_and(|conn| conn.identity != Connection::UNAUTHENTICATED)
+        self.identities
+            .get(id as usize)
+            .is_some_and(|&identity| identity != UNAUTHENTICATED)
     }
 
     /// Evaluates a well-framed request of `id` on a server with `--auth`
@@ -577,10 +591,10 @@ impl Endpoint {
             self.core.handle_request(id, request, now);
             return true;
         };
-        let Some(conn) = self.conns.get_mut(id as usize).and_then(Option::as_mut) else {
+        let Some(session) = self.identities.get_mut(id as usize) else {
             return true;
         };
-        let Some(identity) = access.identity(conn.identity) else {
+        let Some(identity) = access.identity(*session) else {
             let authenticated = match *request {
                 Request::Authenticate { secret } => access.authenticate(secret),
                 _ => None,
@@ -589,7 +603,7 @@ impl Endpoint {
                 self.fail_authentication(id);
                 return false;
             };
-            conn.identity = index;
+            *session = index;
             self.unauthenticated_peers.remove(&id);
             let name = access.identity(index).map(|identity| &*identity.name);
             self.core.send_authenticated(id, name.unwrap_or_default());
