@@ -219,6 +219,27 @@ pub(super) fn secret(file: Option<OsString>) -> Result<Option<Secret>, String> {
     Ok(Some(secret))
 }
 
+fn is_etcd(servers: &[Address]) -> bool {
+    servers
+        .iter()
+        .any(|address| matches!(address, Address::Etcd(_)))
+}
+
+/// The etcd user and password from `$KUNCI_ETCD_USER` and
+/// `$KUNCI_ETCD_PASSWORD` (docs/ETCD.md), if the user is set.
+#[cfg(feature = "etcd")]
+fn etcd_credentials() -> Result<Option<crate::client::EtcdCredentials>, String> {
+    let Some(user) = std::env::var("KUNCI_ETCD_USER")
+        .ok()
+        .filter(|u| !u.is_empty())
+    else {
+        return Ok(None);
+    };
+    let password = std::env::var("KUNCI_ETCD_PASSWORD")
+        .map_err(|_| "KUNCI_ETCD_USER is set but KUNCI_ETCD_PASSWORD is not".to_owned())?;
+    Ok(Some(crate::client::EtcdCredentials { user, password }))
+}
+
 /// `$KUNCI_SERVER` (comma-separated), else the default address.
 pub(super) fn default_servers() -> Result<Vec<Address>, String> {
     let text = match std::env::var(SERVER_ENV) {
@@ -248,6 +269,8 @@ pub(super) fn client(servers: Vec<Address>, secret: Option<Secret>) -> Result<Cl
     let config = Config {
         sessions_per_server: 1,
         secret,
+        #[cfg(feature = "etcd")]
+        etcd_credentials: etcd_credentials()?,
         ..Config::default()
     };
     Client::new(servers, config).map_err(|e| format!("cannot start the client: {e}"))
@@ -401,6 +424,15 @@ pub(super) fn message(
         Error::LimitMismatch { key_limit: None } => format!(
             "{key} has another limit of permits than the one this request named; \
              nothing was acquired or queued"
+        ),
+        Error::PermissionDenied(Denied::NotAuthenticated) if is_etcd(servers) => {
+            "etcd has authentication on and did not take this client's user: set \
+             KUNCI_ETCD_USER and KUNCI_ETCD_PASSWORD (docs/ETCD.md); nothing was executed"
+                .to_owned()
+        }
+        Error::PermissionDenied(Denied::NotPermitted) if is_etcd(servers) => format!(
+            "the etcd user's roles do not allow {} on {key}; nothing changed",
+            if command.is_empty() { "that" } else { command }
         ),
         Error::PermissionDenied(Denied::NotAuthenticated) => format!(
             "the server wants a secret its --auth file knows, and this client gave none \

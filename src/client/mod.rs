@@ -48,6 +48,8 @@ use std::time::{Duration, Instant};
 use crate::addr::Address;
 use engine::{Key, Op, Outcome, Submission};
 
+#[cfg(feature = "etcd")]
+pub use etcd::EtcdCredentials;
 pub use keep_alive::Loss;
 pub use kept::KeptLease;
 pub use listing::{Grant, Holders, KeyPage, KeySummary, Keys, Waiter};
@@ -80,6 +82,10 @@ pub struct Config {
     /// bytes makes every call fail [`Error::InvalidArgument`] before
     /// anything is sent.
     pub secret: Option<Secret>,
+    /// With `etcd://` addresses: the etcd user and password, when etcd has
+    /// authentication on (docs/ETCD.md). Ignored for kunci servers.
+    #[cfg(feature = "etcd")]
+    pub etcd_credentials: Option<EtcdCredentials>,
 }
 
 impl Default for Config {
@@ -88,6 +94,8 @@ impl Default for Config {
             sessions_per_server: 2,
             connect_timeout: Duration::from_secs(1),
             secret: None,
+            #[cfg(feature = "etcd")]
+            etcd_credentials: None,
         }
     }
 }
@@ -361,7 +369,12 @@ impl Backend {
                     _ => Vec::new(),
                 })
                 .collect();
-            etcd::Shared::start(endpoints, config.connect_timeout).map(Backend::Etcd)
+            etcd::Shared::start(
+                endpoints,
+                config.connect_timeout,
+                config.etcd_credentials.clone(),
+            )
+            .map(Backend::Etcd)
         }
         #[cfg(not(feature = "etcd"))]
         Err(std::io::Error::new(
