@@ -149,3 +149,30 @@ fn client_commands_take_a_secret_and_exit_7_when_refused() {
     let missing = with(&["ping", "--secret-file", "/nonexistent/secret"], &[]);
     assert_eq!(missing.status.code(), Some(2));
 }
+
+#[test]
+fn bench_sends_the_secret_on_every_connection() {
+    let (_dir, path) = auth_dir("auth-bench");
+    let server = TestServer::start(&["--auth", &path]);
+    let root = std::str::from_utf8(EVERYTHING).unwrap();
+    let args = [
+        "bench",
+        "pairs",
+        "--server",
+        &server.addr,
+        "--connections",
+        "3",
+        "--duration",
+        "0.3",
+        "--warmup",
+        "0",
+    ];
+    let output = kunci(&args, &[("KUNCI_SECRET", root)]);
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(!text.contains("X 12"), "{text}");
+    let info = server.info_with(EVERYTHING);
+    assert_eq!(info["auth_failures"], "0");
+    assert_ne!(info["grants"], "0");
+}
