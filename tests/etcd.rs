@@ -788,3 +788,98 @@ fn etcd_kunci_who_and_list_show_grants_waiters_and_every_key() {
         "{every}"
     );
 }
+
+/// POSTs `body` to etcd's gateway at `member` (`HOST:PORT`) and returns
+/// the status line and body.
+fn etcd_post(member: &str, path: &str, body: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(member).unwrap();
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nHost: etcd\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{path}: {answer}");
+    answer
+}
+
+#[test]
+fn etcd_with_authentication_takes_a_user_and_refuses_the_rest() {
+    if !require_tool("etcd", "etcd-server") {
+        return;
+    }
+    // Tokens that expire after 1 s unused, so the client must get new ones.
+    let cluster = Cluster::start_with(1, &["--auth-token-ttl", "1"]);
+    let member = cluster.address().trim_start_matches("etcd://").to_owned();
+    for (path, body) in [
+        (
+            "/v3/auth/user/add",
+            r#"{"name":"root","password":"root-password"}"#,
+        ),
+        ("/v3/auth/user/grant", r#"{"user":"root","role":"root"}"#),
+        (
+            "/v3/auth/user/add",
+            r#"{"name":"nobody","password":"nobody-password"}"#,
+        ),
+        ("/v3/auth/enable", "{}"),
+    ] {
+        etcd_post(&member, path, body);
+    }
+    let client = |credentials: Option<(&str, &str)>| {
+        let config = Config {
+            etcd_credentials: credentials.map(|(user, password)| kunci::client::EtcdCredentials {
+                user: user.into(),
+                password: password.into(),
+            }),
+            ..Config::default()
+        };
+        Client::new([cluster.address().parse().unwrap()], config).unwrap()
+    };
+    let lease = Duration::from_secs(30);
+    let refused = [
+        (None, kunci::client::Denied::NotAuthenticated),
+        (
+            Some(("root", "wrong")),
+            kunci::client::Denied::NotAuthenticated,
+        ),
+        (
+            Some(("nobody", "nobody-password")),
+            kunci::client::Denied::NotPermitted,
+        ),
+    ];
+    for (credentials, why) in refused {
+        let started = Instant::now();
+        let result = client(credentials).acquire("job", Duration::from_secs(2), lease);
+        assert_eq!(
+            result.map(drop),
+            Err(Error::PermissionDenied(why)),
+            "{credentials:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{credentials:?}"
+        );
+    }
+    let root = client(Some(("root", "root-password")));
+    let ticket = root.acquire("job", Duration::ZERO, lease).unwrap();
+    // The token expires; the next calls get a new one.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(root.query("job").unwrap().token, ticket.token());
+    ticket.release().unwrap();
+    assert!(root.query("job").unwrap().is_free());
+
+    let unauthenticated = kunci(&cluster.address(), &["acquire", "job"]);
+    assert_eq!(code(&unauthenticated), 7);
+    let mut command = Command::new(kunci_bin());
+    let with_user = command
+        .args(["acquire", "job", "--server", &cluster.address()])
+        .env("KUNCI_ETCD_USER", "root")
+        .env("KUNCI_ETCD_PASSWORD", "root-password")
+        .output()
+        .unwrap();
+    assert_eq!(code(&with_user), 0, "{with_user:?}");
+}

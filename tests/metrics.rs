@@ -164,7 +164,7 @@ fn promtool_accepts_the_exposition_of_a_busy_core() {
 
 /// Starts a server with `--metrics 127.0.0.1:0` and returns it with the
 /// metrics address its log names.
-fn server_with_metrics(args: &[&str]) -> (TestServer, String) {
+pub fn server_with_metrics(args: &[&str]) -> (TestServer, String) {
     let mut all = vec!["--metrics", "127.0.0.1:0"];
     all.extend_from_slice(args);
     let server = TestServer::start(&all);
@@ -197,7 +197,7 @@ fn http(address: &str, request: &[u8]) -> (String, String) {
     (head.to_owned(), body.to_owned())
 }
 
-fn scrape(address: &str) -> String {
+pub fn scrape(address: &str) -> String {
     let (head, body) = http(
         address,
         b"GET /metrics HTTP/1.1\r\nHost: kunci\r\nAccept: text/plain\r\n\r\n",
@@ -213,7 +213,7 @@ fn scrape(address: &str) -> String {
     body
 }
 
-fn assert_lines(text: &str, lines: &[&str]) {
+pub fn assert_lines(text: &str, lines: &[&str]) {
     for line in lines {
         assert!(
             text.lines().any(|l| l == *line),

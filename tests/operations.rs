@@ -35,6 +35,9 @@ const SERVER_LINES: &str = "  --server ADDR   a server address: HOST:PORT or uni
                   $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862);
                   etcd://HOST:PORT[,HOST:PORT]... takes the locks on an
                   etcd cluster instead (docs/ETCD.md)
+  --secret-file FILE
+                  the secret for a server with --auth (one trailing
+                  newline is ignored); default: $KUNCI_SECRET, else none
   -h, --help      show this help
 ";
 
@@ -58,6 +61,7 @@ fn every_client_command_help_ends_with_the_indented_server_lines() {
 fn help_command_prints_that_commands_help() {
     for command in [
         "serve", "acquire", "release", "renew", "query", "info", "ping", "top", "bench", "run",
+        "secret",
     ] {
         let by_help = kunci(&["help", command], &[]);
         let by_flag = kunci(&[command, "--help"], &[]);
@@ -83,7 +87,7 @@ fn top_level_help_names_version_server_variable_and_exit_codes() {
         "  kunci --version                           print the version\n",
         "  kunci top [--interval S]                  watch the server's counters\n",
         "in $KUNCI_SERVER, else to 127.0.0.1:5862. With etcd://HOST:PORT[,...] they\n",
-        "Exit status of client commands:\n  0 done            1 timeout (the key is held by another)   2 usage error\n  3 busy (no room on the server, or it is shutting down)\n  4 unavailable (nothing was done)   5 indeterminate (no answer in time)\n  6 not held / lock lost\n",
+        "Exit status of client commands:\n  0 done            1 timeout (the key is held by another)   2 usage error\n  3 busy (no room on the server, or it is shutting down)\n  4 unavailable (nothing was done)   5 indeterminate (no answer in time)\n  6 not held / lock lost   7 permission denied (secret or scopes)\n",
     ] {
         assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
     }

@@ -1,6 +1,9 @@
 //! kunci's integration tests: one binary, one module per area.
 
 mod abuse;
+mod access;
+mod access_client;
+mod access_server;
 mod bench;
 mod client;
 mod core;

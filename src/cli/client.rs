@@ -9,11 +9,15 @@ use super::args;
 use super::exit;
 use super::permits::{self, PermitFlags};
 use crate::addr::{Address, DEFAULT_ADDRESS};
-use crate::client::{AcquireOptions, Client, Config, Error, Ticket, WAIT_MAX};
+use crate::client::{AcquireOptions, Client, Config, Denied, Error, Secret, Ticket, WAIT_MAX};
 
 /// The environment variable that names the servers when `--server` is not
 /// given: addresses separated by commas.
 pub const SERVER_ENV: &str = "KUNCI_SERVER";
+
+/// The environment variable that holds the secret itself, when
+/// `--secret-file` is not given.
+pub const SECRET_ENV: &str = "KUNCI_SECRET";
 
 // Not a `\`-continued literal: that would strip the first line's indent.
 const SERVER_HELP: &str = "  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
@@ -21,12 +25,17 @@ const SERVER_HELP: &str = "  --server ADDR   a server address: HOST:PORT or unix
                   $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862);
                   etcd://HOST:PORT[,HOST:PORT]... takes the locks on an
                   etcd cluster instead (docs/ETCD.md)
+  --secret-file FILE
+                  the secret for a server with --auth (one trailing
+                  newline is ignored); default: $KUNCI_SECRET, else none
   -h, --help      show this help
 ";
 
 /// Options of the client commands. Each command accepts only some of them.
 pub(super) struct Options {
     pub servers: Vec<Address>,
+    /// `--secret-file`, else `$KUNCI_SECRET`.
+    pub secret: Option<Secret>,
     pub wait: Duration,
     /// `--wait inf`: wait until acquired.
     pub wait_forever: bool,
@@ -76,6 +85,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
     use lexopt::prelude::*;
     let mut options = Options {
         servers: Vec::new(),
+        secret: None,
         wait: Duration::ZERO,
         wait_forever: false,
         conflict_exit_code: exit::TIMEOUT,
@@ -88,6 +98,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         command: Vec::new(),
     };
     let mut permit_flags = PermitFlags::default();
+    let mut secret_file = None;
     let mut parser = lexopt::Parser::from_args(arguments);
     loop {
         // `--` ends the options; with a command, what follows it is the
@@ -107,6 +118,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         };
         match argument {
             Long("server") => options.servers.push(args::address(parser.value())?),
+            Long("secret-file") => secret_file = Some(parser.value().map_err(|e| e.to_string())?),
             Long("wait") if accepts.wait => {
                 let text = args::text(parser.value())?;
                 options.wait_forever = text == "inf";
@@ -165,6 +177,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         options.servers = default_servers()?;
     }
     check_servers(&options.servers)?;
+    options.secret = secret(secret_file)?;
     Ok(Parsed::Run(options))
 }
 
@@ -181,6 +194,50 @@ pub(super) fn check_servers(servers: &[Address]) -> Result<(), String> {
             .into());
     }
     Ok(())
+}
+
+/// The secret in `--secret-file` (without one trailing newline), else
+/// `$KUNCI_SECRET`, else none. One no server could take is a usage error.
+pub(super) fn secret(file: Option<OsString>) -> Result<Option<Secret>, String> {
+    let secret = match file {
+        Some(path) => Secret::from_file(&path).map_err(|e| {
+            format!(
+                "--secret-file {}: {e}",
+                std::path::Path::new(&path).display()
+            )
+        })?,
+        None => match std::env::var_os(SECRET_ENV) {
+            Some(value) if !value.is_empty() => {
+                Secret::new(std::os::unix::ffi::OsStringExt::into_vec(value))
+            }
+            _ => return Ok(None),
+        },
+    };
+    if let Some(problem) = secret.problem() {
+        return Err(format!("invalid argument: {problem}"));
+    }
+    Ok(Some(secret))
+}
+
+fn is_etcd(servers: &[Address]) -> bool {
+    servers
+        .iter()
+        .any(|address| matches!(address, Address::Etcd(_)))
+}
+
+/// The etcd user and password from `$KUNCI_ETCD_USER` and
+/// `$KUNCI_ETCD_PASSWORD` (docs/ETCD.md), if the user is set.
+#[cfg(feature = "etcd")]
+fn etcd_credentials() -> Result<Option<crate::client::EtcdCredentials>, String> {
+    let Some(user) = std::env::var("KUNCI_ETCD_USER")
+        .ok()
+        .filter(|u| !u.is_empty())
+    else {
+        return Ok(None);
+    };
+    let password = std::env::var("KUNCI_ETCD_PASSWORD")
+        .map_err(|_| "KUNCI_ETCD_USER is set but KUNCI_ETCD_PASSWORD is not".to_owned())?;
+    Ok(Some(crate::client::EtcdCredentials { user, password }))
 }
 
 /// `$KUNCI_SERVER` (comma-separated), else the default address.
@@ -208,9 +265,12 @@ pub(super) fn default_servers() -> Result<Vec<Address>, String> {
 }
 
 /// A client for one-shot commands: one session per address is enough.
-pub(super) fn client(servers: Vec<Address>) -> Result<Client, String> {
+pub(super) fn client(servers: Vec<Address>, secret: Option<Secret>) -> Result<Client, String> {
     let config = Config {
         sessions_per_server: 1,
+        secret,
+        #[cfg(feature = "etcd")]
+        etcd_credentials: etcd_credentials()?,
         ..Config::default()
     };
     Client::new(servers, config).map_err(|e| format!("cannot start the client: {e}"))
@@ -226,6 +286,7 @@ pub(super) fn exit_code(error: &Error) -> u8 {
         Error::Indeterminate => exit::INDETERMINATE,
         Error::NotHeld => exit::NOT_HELD,
         Error::LimitMismatch { .. } => exit::USAGE,
+        Error::PermissionDenied(_) => exit::PERMISSION_DENIED,
     }
 }
 
@@ -250,6 +311,7 @@ pub(super) fn report(command: &str, error: Error, servers: &[Address], attempt: 
         Error::InvalidArgument(_) => "invalid argument",
         Error::NotHeld => "not held",
         Error::LimitMismatch { .. } => "limit mismatch",
+        Error::PermissionDenied(_) => "permission denied",
     };
     eprintln!(
         "kunci {command}: {outcome}: {}",
@@ -362,6 +424,25 @@ pub(super) fn message(
         Error::LimitMismatch { key_limit: None } => format!(
             "{key} has another limit of permits than the one this request named; \
              nothing was acquired or queued"
+        ),
+        Error::PermissionDenied(Denied::NotAuthenticated) if is_etcd(servers) => {
+            "etcd has authentication on and did not take this client's user: set \
+             KUNCI_ETCD_USER and KUNCI_ETCD_PASSWORD (docs/ETCD.md); nothing was executed"
+                .to_owned()
+        }
+        Error::PermissionDenied(Denied::NotPermitted) if is_etcd(servers) => format!(
+            "the etcd user's roles do not allow {} on {key}; nothing changed",
+            if command.is_empty() { "that" } else { command }
+        ),
+        Error::PermissionDenied(Denied::NotAuthenticated) => format!(
+            "the server wants a secret its --auth file knows, and this client gave none \
+             or another; nothing was executed. Give it with --secret-file FILE or \
+             ${SECRET_ENV}"
+        ),
+        Error::PermissionDenied(Denied::NotPermitted) => format!(
+            "this secret's scopes do not allow {} on {key}; nothing changed. The \
+             server's --auth file names them (lock:PREFIX, read:PREFIX, info)",
+            if command.is_empty() { "that" } else { command }
         ),
     }
 }
@@ -683,7 +764,7 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
         Err(message) => return usage_error(name, &message),
     };
     init_logging();
-    let client = match client(options.servers.clone()) {
+    let client = match client(options.servers.clone(), options.secret.clone()) {
         Ok(client) => client,
         Err(message) => {
             eprintln!("kunci {name}: {message}");

@@ -7,6 +7,7 @@ mod client;
 mod logging;
 mod permits;
 mod run;
+mod secret;
 mod serve;
 mod top;
 mod who;
@@ -23,6 +24,7 @@ pub mod exit {
     pub const UNAVAILABLE: u8 = 4;
     pub const INDETERMINATE: u8 = 5;
     pub const NOT_HELD: u8 = 6;
+    pub const PERMISSION_DENIED: u8 = 7;
 }
 
 const USAGE: &str = "\
@@ -42,6 +44,7 @@ Usage:
   kunci ping                                measure the round-trip time
   kunci run KEY [options] -- CMD [ARGS]...  run a command under a lock
   kunci bench [WORKLOAD] [options]          load-test a server
+  kunci secret NAME SCOPE...                make a secret and its --auth line
   kunci help [COMMAND]                      show this help, or a command's
   kunci --version                           print the version
 
@@ -50,18 +53,19 @@ Usage:
 Client commands talk to --server ADDR (HOST:PORT or unix:PATH; repeat for
 several addresses of one service), else to the comma-separated addresses
 in $KUNCI_SERVER, else to 127.0.0.1:5862. With etcd://HOST:PORT[,...] they
-take their locks on an etcd v3 cluster instead (docs/ETCD.md).
+take their locks on an etcd v3 cluster instead (docs/ETCD.md). A server
+with --auth wants a secret: --secret-file FILE, or $KUNCI_SECRET.
 
 Exit status of client commands:
   0 done            1 timeout (the key is held by another)   2 usage error
   3 busy (no room on the server, or it is shutting down)
   4 unavailable (nothing was done)   5 indeterminate (no answer in time)
-  6 not held / lock lost
+  6 not held / lock lost   7 permission denied (secret or scopes)
 ";
 
 /// Every command `kunci help COMMAND` knows.
 fn is_command(name: &str) -> bool {
-    matches!(name, "serve" | "run" | "bench" | "top") || client::is_command(name)
+    matches!(name, "serve" | "run" | "bench" | "top" | "secret") || client::is_command(name)
 }
 
 /// Runs `name` with `arguments`; `None` when there is no such command.
@@ -71,6 +75,7 @@ fn dispatch(name: &str, arguments: Vec<OsString>) -> Option<u8> {
         "run" => run::main(arguments),
         "bench" => bench::main(arguments),
         "top" => top::main(arguments),
+        "secret" => secret::main(arguments),
         name if client::is_command(name) => client::main(name, arguments),
         _ => return None,
     })

@@ -7,6 +7,7 @@ use log::{error, info, warn};
 use super::args;
 use super::exit;
 use crate::core::Limits;
+use crate::core::access::AccessList;
 use crate::server::{Config, Server};
 
 fn help() -> String {
@@ -46,6 +47,13 @@ Options:
                               (e.g. 10.0.0.0/8, ::1/128); repeat for several.
                               Others are closed at once and counted as
                               `refused`. Default: anyone who can connect.
+  --auth FILE                 require every session to authenticate first
+                              (U with a secret) and hold it to the scopes of
+                              its line: NAME SHA256HEX SCOPE... per line,
+                              scopes lock:PREFIX, read:PREFIX, info (PREFIX
+                              * = every key). `kunci secret` makes a line.
+                              Read at start only (default: no
+                              authentication)
   --state-dir DIR             keep restart state in DIR: a clean stop saves
                               every held grant and the next start restores
                               it; after a crash every key counts as held for
@@ -71,9 +79,16 @@ saved (with --state-dir), then exit 0.
     )
 }
 
-fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
+/// The parsed flags, and the `--auth` file to read once logging is set up.
+struct Parsed {
+    config: Config,
+    auth: Option<std::path::PathBuf>,
+}
+
+fn parse(arguments: Vec<OsString>) -> Result<Option<Parsed>, String> {
     use lexopt::prelude::*;
     let mut config = Config::default();
+    let mut auth = None;
     let mut listen = Vec::new();
     let mut max_grants = None;
     let mut parser = lexopt::Parser::from_args(arguments);
@@ -110,6 +125,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
                     .map_err(|e: crate::addr::AddressError| format!("--allow: {e}"))?;
                 config.allow.push(network);
             }
+            Long("auth") => auth = Some(parser.value().map_err(|e| e.to_string())?.into()),
             Long("state-dir") => {
                 config.state_dir = Some(parser.value().map_err(|e| e.to_string())?.into())
             }
@@ -128,7 +144,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Config>, String> {
             .saturating_add(config.limits.max_waiters)
     });
     config.limits.validate()?;
-    Ok(Some(config))
+    Ok(Some(Parsed { config, auth }))
 }
 
 /// SIGTERM, SIGINT and SIGHUP shut the server down gracefully (spec §4):
@@ -175,6 +191,12 @@ fn state_dir_hint(error: &str) -> &'static str {
     }
 }
 
+/// Reads and parses the `--auth` file; the error names the line.
+fn read_access_list(path: &std::path::Path) -> Result<AccessList, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    AccessList::parse(&text).map_err(|e| e.to_string())
+}
+
 fn positive(option: &str, value: Result<OsString, lexopt::Error>) -> Result<usize, String> {
     let number: usize = args::number(option, value)?;
     if number == 0 {
@@ -184,8 +206,8 @@ fn positive(option: &str, value: Result<OsString, lexopt::Error>) -> Result<usiz
 }
 
 pub fn main(arguments: Vec<OsString>) -> u8 {
-    let config = match parse(arguments) {
-        Ok(Some(config)) => config,
+    let Parsed { mut config, auth } = match parse(arguments) {
+        Ok(Some(parsed)) => parsed,
         Ok(None) => {
             print!("{}", help());
             return exit::DONE;
@@ -196,6 +218,16 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     super::logging::init_server();
+    if let Some(path) = &auth {
+        match read_access_list(path) {
+            Ok(access) => config.access = Some(access),
+            Err(message) => {
+                error!("cannot start: --auth {}: {message}", path.display());
+                return 1;
+            }
+        }
+    }
+    let identities = config.access.as_ref().map(AccessList::len);
     if let Some(dir) = &config.state_dir
         && dir.exists()
         && !dir.is_dir()
@@ -232,6 +264,10 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     if !allow.is_empty() {
         options.push_str(&format!("; allow {}", allow.join(" ")));
     }
+    if let Some(count) = identities {
+        let noun = if count == 1 { "identity" } else { "identities" };
+        options.push_str(&format!("; auth: {count} {noun}"));
+    }
     if let Some(address) = server.metrics_address() {
         options.push_str(&format!("; {}", metrics_location(address)));
     }
@@ -247,6 +283,13 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         limits.max_grants,
         limits.max_connections,
     );
+    for address in server.unguarded_addresses() {
+        warn!(
+            "{address} is reachable beyond this host and nothing checks who connects: \
+             anyone who reaches it may take, release and list every lock. \
+             Use --auth, --allow or a loopback/unix listener"
+        );
+    }
     if let Err(e) = shut_down_on_signals(&server) {
         error!("cannot install signal handlers: {e}");
         return 1;

@@ -48,6 +48,7 @@ const RATES: [(&str, &str); 5] = [
 
 struct Options {
     servers: Vec<Address>,
+    secret: Option<crate::client::Secret>,
     interval: Duration,
     count: Option<u64>,
 }
@@ -56,13 +57,16 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
     use lexopt::prelude::*;
     let mut options = Options {
         servers: Vec::new(),
+        secret: None,
         interval: Duration::from_secs(1),
         count: None,
     };
+    let mut secret_file = None;
     let mut parser = lexopt::Parser::from_args(arguments);
     while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
         match argument {
             Long("server") => options.servers.push(args::address(parser.value())?),
+            Long("secret-file") => secret_file = Some(parser.value().map_err(|e| e.to_string())?),
             Long("interval") => {
                 let interval = args::seconds("--interval", &args::text(parser.value())?)?;
                 if interval < Duration::from_millis(10) {
@@ -85,6 +89,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
         options.servers = common::default_servers()?;
     }
     common::check_servers(&options.servers)?;
+    options.secret = common::secret(secret_file)?;
     if options
         .servers
         .iter()
@@ -113,7 +118,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     common::init_logging();
-    let client = match common::client(options.servers.clone()) {
+    let client = match common::client(options.servers.clone(), options.secret.clone()) {
         Ok(client) => client,
         Err(message) => {
             eprintln!("kunci top: {message}");

@@ -32,7 +32,7 @@ use crate::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 
 use super::listing::{Grant, HOLDERS_MAX, Holders, KeyPage, KeySummary, Waiter};
 use super::permits::{Label, Permits};
-use super::{KeyStatus, TRANSPORT_DEADLINE, Unavailable};
+use super::{Denied, KeyStatus, Secret, TRANSPORT_DEADLINE, Unavailable};
 
 /// A session: one connection slot, numbered from 0.
 pub(crate) type SessionId = usize;
@@ -206,6 +206,20 @@ pub(crate) enum Outcome {
     LimitMismatch {
         key_limit: Option<u16>,
     },
+    /// `X 12` as a session's first answer (none of its requests ran), or
+    /// `X 13` for this request (spec §12).
+    PermissionDenied(Denied),
+}
+
+/// Where a session is with its `U` (spec §8 rule 12).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Authentication {
+    /// No secret is configured, or the server took it.
+    Done,
+    /// The `U` must be the next frame written.
+    Due,
+    /// The `U` is written (or being written) and its answer not yet read.
+    Awaiting,
 }
 
 /// What the engine asks the I/O layer to do.
@@ -293,6 +307,9 @@ struct Session {
     /// A frame has arrived on this connection: an `X 7` or `X 9` after it
     /// is not a refusal at accept.
     heard_from: bool,
+    authentication: Authentication,
+    /// The bytes at the start of `out` that are the `U`, not a request's.
+    batch_lead: usize,
 }
 
 impl Session {
@@ -310,6 +327,8 @@ impl Session {
             input: Vec::new(),
             expiring: false,
             heard_from: false,
+            authentication: Authentication::Done,
+            batch_lead: 0,
         }
     }
 }
@@ -355,6 +374,8 @@ pub(crate) struct Engine<R> {
     refusals: u64,
     /// `X 8` (server shutting down) frames seen so far.
     shutdown_notices: u64,
+    /// Sent as `U` first on every session.
+    secret: Option<Secret>,
 }
 
 impl<R> Engine<R> {
@@ -387,7 +408,15 @@ impl<R> Engine<R> {
             not_allowed_at: vec![None; servers],
             refusals: 0,
             shutdown_notices: 0,
+            secret: None,
         }
+    }
+
+    /// Makes every session start with `U secret` (spec §12.2). A secret
+    /// no server could take ends every request `Invalid` at once, before
+    /// anything is sent.
+    pub(crate) fn authenticate_with(&mut self, secret: Secret) {
+        self.secret = Some(secret);
     }
 
     /// How many times a server said it is shutting down (`X 8`).
@@ -417,6 +446,9 @@ impl<R> Engine<R> {
         });
         if let Op::Acquire { owner, .. } = submission.op {
             self.owners.insert(owner, id);
+        }
+        if let Some(problem) = self.secret.as_ref().and_then(Secret::problem) {
+            return self.complete(id, Outcome::Invalid(problem), now);
         }
         let tick = self.tick_at_or_after(submission.deadline);
         self.wheel.arm(&mut self.requests, id as TimerId, tick);
@@ -567,6 +599,10 @@ impl<R> Engine<R> {
             && matches!(session.link, Link::Connecting { .. })
         {
             session.link = Link::Up;
+            session.authentication = match self.secret {
+                Some(_) => Authentication::Due,
+                None => Authentication::Done,
+            };
             self.assign(now);
         }
     }
@@ -608,6 +644,16 @@ impl<R> Engine<R> {
         session.out.clear();
         session.out_sent = 0;
         session.batch.clear();
+        if session.authentication == Authentication::Due
+            && let Some(secret) = &self.secret
+        {
+            let request = Request::Authenticate {
+                secret: secret.as_bytes(),
+            };
+            protocol::encode_request(&request, &mut session.out);
+            session.batch_lead = session.out.len();
+            session.authentication = Authentication::Awaiting;
+        }
         while session.out.len() < BATCH_BYTES_MAX {
             let Some(id) = session.queue.pop_front() else {
                 break;
@@ -636,12 +682,14 @@ impl<R> Engine<R> {
         };
         let start = session.out_sent;
         session.out_sent = (start + written).min(session.out.len());
+        // A `U` that is not fully written stays, ahead of everything.
+        let lead = std::mem::take(&mut session.batch_lead);
         if session.batch.is_empty() {
             return;
         }
         let sent_at = session.batch_at.take();
-        let mut frame_start = 0;
-        let mut kept = 0;
+        let mut frame_start = lead;
+        let mut kept = lead;
         let mut unsent_from = session.batch.len();
         for (index, &(id, frame_end)) in session.batch.iter().enumerate() {
             if frame_start >= session.out_sent {
@@ -679,7 +727,9 @@ impl<R> Engine<R> {
     pub(crate) fn wants_write(&self, s: SessionId) -> bool {
         self.sessions.get(s).is_some_and(|session| {
             session.link == Link::Up
-                && (session.out_sent < session.out.len() || !session.queue.is_empty())
+                && (session.out_sent < session.out.len()
+                    || !session.queue.is_empty()
+                    || session.authentication == Authentication::Due)
         })
     }
 
@@ -789,6 +839,10 @@ impl<R> Engine<R> {
                     self.refused(s, why, now);
                     return false;
                 }
+                if ErrorCode::from_u8(code) == Some(ErrorCode::NotAuthenticated) && !heard_from {
+                    self.denied(s, now);
+                    return false;
+                }
                 if ErrorCode::from_u8(code) == Some(ErrorCode::ShuttingDown) {
                     // A routine stop or restart: the requests it leaves
                     // open end as the rules say; nothing to warn about.
@@ -811,12 +865,24 @@ impl<R> Engine<R> {
                     ErrorCode::LimitMismatch => Outcome::LimitMismatch {
                         key_limit: protocol::parse_limit_mismatch(text),
                     },
+                    ErrorCode::NotPermitted => Outcome::PermissionDenied(Denied::NotPermitted),
                     code => Outcome::Invalid(code.text()),
                 };
                 (request, outcome)
             }
             Response::Grant { .. } | Response::Waiter { .. } | Response::Key { .. } => {
                 return self.gather(s, response);
+            }
+            Response::Authenticated { ref name } => {
+                let Some(session) = self.sessions.get_mut(s) else {
+                    return false;
+                };
+                if session.authentication != Authentication::Awaiting {
+                    return self.uncorrelated(s, &response);
+                }
+                session.authentication = Authentication::Done;
+                log::debug!("session {s}: authenticated as {name:?}");
+                return true;
             }
             Response::End { count, next, .. } => {
                 let matches = |op: &Op| op.correlation().is_answered_by(&response);
@@ -1113,6 +1179,33 @@ impl<R> Engine<R> {
         }
     }
 
+    /// Session `s`'s first answer was `X 12`: the server executed none of
+    /// its requests and will not with this secret (spec §8 rule 12), so
+    /// every request on it ends `PermissionDenied` at once instead of
+    /// moving to another session (which has the same secret).
+    fn denied(&mut self, s: SessionId, now: Instant) {
+        log::debug!(
+            "session {s}: X 12: the server did not take the secret (one given: {})",
+            self.secret.is_some()
+        );
+        let on_session: Vec<ReqId> = self
+            .requests
+            .slab
+            .iter()
+            .filter(|(_, req)| {
+                matches!(req.place, Place::Sent(at) | Place::Batch(at) | Place::Queued(at) if at == s)
+            })
+            .map(|(id, _)| id)
+            .collect();
+        if let Some(session) = self.sessions.get_mut(s) {
+            session.queue.clear();
+            session.batch.clear();
+        }
+        for id in on_session {
+            self.complete(id, Outcome::PermissionDenied(Denied::NotAuthenticated), now);
+        }
+    }
+
     /// Rule 4: `X 9` cannot change within one call, so a certainly-not-sent
     /// request that every address has refused with it since the call began
     /// is `Unavailable` at once instead of waiting for `D`.
@@ -1171,6 +1264,8 @@ impl<R> Engine<R> {
         session.batch_at = None;
         session.input.clear();
         session.heard_from = false;
+        session.authentication = Authentication::Done;
+        session.batch_lead = 0;
         for &id in unsent.iter().rev() {
             if let Some(req) = self.requests.slab.get_mut(id) {
                 req.place = Place::Unassigned;

@@ -180,11 +180,8 @@ impl Shared {
 }
 
 /// Starts the I/O thread for these addresses, `per_server` sessions each.
-pub(crate) fn start(
-    addresses: Vec<Address>,
-    per_server: usize,
-    connect_timeout: Duration,
-) -> io::Result<Arc<Shared>> {
+pub(crate) fn start(addresses: Vec<Address>, config: &super::Config) -> io::Result<Arc<Shared>> {
+    let per_server = config.sessions_per_server;
     let poll = Poll::new()?;
     let waker = Waker::new(poll.registry(), WAKER)?;
     let shared = Arc::new(Shared {
@@ -196,7 +193,15 @@ pub(crate) fn start(
     });
     let per_server = per_server.max(1);
     let sessions = addresses.len() * per_server;
-    let engine = Engine::new(addresses.len(), per_server, connect_timeout, Instant::now());
+    let mut engine = Engine::new(
+        addresses.len(),
+        per_server,
+        config.connect_timeout,
+        Instant::now(),
+    );
+    if let Some(secret) = &config.secret {
+        engine.authenticate_with(secret.clone());
+    }
     let mut shell = Shell {
         poll,
         shared: shared.clone(),

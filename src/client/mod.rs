@@ -48,6 +48,8 @@ use std::time::{Duration, Instant};
 use crate::addr::Address;
 use engine::{Key, Op, Outcome, Submission};
 
+#[cfg(feature = "etcd")]
+pub use etcd::EtcdCredentials;
 pub use keep_alive::Loss;
 pub use kept::KeptLease;
 pub use listing::{Grant, Holders, KeyPage, KeySummary, Keys, Waiter};
@@ -75,6 +77,15 @@ pub struct Config {
     /// (default 1 s). A failed attempt is retried, after a short backoff,
     /// while requests wait for a session.
     pub connect_timeout: Duration,
+    /// The secret for a server with `--auth` (spec §12): sent as `U`, the
+    /// first frame of every session (default: none). One shorter than 32
+    /// bytes makes every call fail [`Error::InvalidArgument`] before
+    /// anything is sent.
+    pub secret: Option<Secret>,
+    /// With `etcd://` addresses: the etcd user and password, when etcd has
+    /// authentication on (docs/ETCD.md). Ignored for kunci servers.
+    #[cfg(feature = "etcd")]
+    pub etcd_credentials: Option<EtcdCredentials>,
 }
 
 impl Default for Config {
@@ -82,7 +93,61 @@ impl Default for Config {
         Config {
             sessions_per_server: 2,
             connect_timeout: Duration::from_secs(1),
+            secret: None,
+            #[cfg(feature = "etcd")]
+            etcd_credentials: None,
         }
+    }
+}
+
+/// A secret that lets a client in to a server with `--auth` (see
+/// `kunci secret`). Its `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(Vec<u8>);
+
+impl Secret {
+    /// The shortest secret a server takes.
+    pub const MIN_LEN: usize = crate::core::access::SECRET_MIN;
+
+    pub fn new(secret: impl Into<Vec<u8>>) -> Secret {
+        Secret(secret.into())
+    }
+
+    /// The secret in `path`, without one trailing newline (`\n` or
+    /// `\r\n`), so that a file written by `echo` or an editor works.
+    pub fn from_file(path: impl AsRef<std::path::Path>) -> std::io::Result<Secret> {
+        let mut bytes = std::fs::read(path)?;
+        if bytes.last() == Some(&b'\n') {
+            bytes.pop();
+            if bytes.last() == Some(&b'\r') {
+                bytes.pop();
+            }
+        }
+        Ok(Secret(bytes))
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// Whether a server could take it: at least [`MIN_LEN`](Self::MIN_LEN)
+    /// bytes without a newline (it is one frame's payload).
+    pub(crate) fn problem(&self) -> Option<&'static str> {
+        if self.0.len() < Self::MIN_LEN {
+            Some("secret is shorter than 32 bytes")
+        } else if self.0.contains(&b'\n') {
+            Some("secret contains a newline")
+        } else if self.0.len() > usize::from(u8::MAX) {
+            Some("secret is longer than 255 bytes")
+        } else {
+            None
+        }
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Secret({} bytes)", self.0.len())
     }
 }
 
@@ -126,6 +191,20 @@ pub enum Error {
     /// was acquired or queued. `key_limit` is the key's limit, as the
     /// server's message names it.
     LimitMismatch { key_limit: Option<u16> },
+    /// The server refused the request (spec §12). Definitive: nothing was
+    /// executed; trying again with the same secret gives the same answer.
+    PermissionDenied(Denied),
+}
+
+/// Why a request was [`Error::PermissionDenied`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Denied {
+    /// The server has `--auth` and did not take this client's secret (none
+    /// configured, or one it does not know): `X 12` as the first answer of
+    /// a session, which executed none of its requests.
+    NotAuthenticated,
+    /// The secret's scopes do not cover this key or operation (`X 13`).
+    NotPermitted,
 }
 
 /// Why a request was [`Error::Unavailable`].
@@ -169,6 +248,14 @@ impl fmt::Display for Error {
             ),
             Error::LimitMismatch { key_limit: None } => f.write_str(
                 "limit mismatch: the key has another limit of permits; nothing was acquired",
+            ),
+            Error::PermissionDenied(Denied::NotAuthenticated) => f.write_str(
+                "permission denied: the server wants a secret it knows (--secret-file or \
+                 KUNCI_SECRET); nothing was executed",
+            ),
+            Error::PermissionDenied(Denied::NotPermitted) => f.write_str(
+                "permission denied: this secret's scopes do not cover that key or request; \
+                 nothing changed",
             ),
         }
     }
@@ -265,8 +352,7 @@ impl Backend {
             .filter(|address| matches!(address, Address::Etcd(_)))
             .collect();
         if etcd.is_empty() {
-            return io::start(servers, config.sessions_per_server, config.connect_timeout)
-                .map(Backend::Kunci);
+            return io::start(servers, config).map(Backend::Kunci);
         }
         if etcd.len() != servers.len() {
             return Err(std::io::Error::new(
@@ -283,7 +369,12 @@ impl Backend {
                     _ => Vec::new(),
                 })
                 .collect();
-            etcd::Shared::start(endpoints, config.connect_timeout).map(Backend::Etcd)
+            etcd::Shared::start(
+                endpoints,
+                config.connect_timeout,
+                config.etcd_credentials.clone(),
+            )
+            .map(Backend::Etcd)
         }
         #[cfg(not(feature = "etcd"))]
         Err(std::io::Error::new(
@@ -676,6 +767,7 @@ fn outcome_error(outcome: Outcome) -> Error {
         Outcome::NotHeld => Error::NotHeld,
         Outcome::Invalid(why) => Error::InvalidArgument(why),
         Outcome::LimitMismatch { key_limit } => Error::LimitMismatch { key_limit },
+        Outcome::PermissionDenied(why) => Error::PermissionDenied(why),
         // Every other outcome answers a different request: the engine
         // correlates by op, so it cannot come here; treat it as unknown.
         _ => Error::Indeterminate,

@@ -63,6 +63,9 @@ enum Frame {
         count: u16,
         prefix: String,
     },
+    U {
+        secret: Vec<u8>,
+    },
 }
 
 fn frames(mut bytes: &[u8]) -> Vec<Frame> {
@@ -132,7 +135,9 @@ fn frames(mut bytes: &[u8]) -> Vec<Frame> {
                 count,
                 prefix: prefix.into(),
             },
-            other => panic!("the client sent {other:?}, which it never sends"),
+            Request::Authenticate { secret } => Frame::U {
+                secret: secret.to_vec(),
+            },
         });
         bytes = &bytes[len..];
     }
@@ -1274,4 +1279,162 @@ fn an_indeterminate_acquire_is_cleaned_up_by_holders_and_a_release_of_its_owners
     assert_eq!(h.completions(), [(2, Outcome::Indeterminate)]);
     h.engine.connected(0, h.now);
     assert_eq!(h.write(0), []);
+}
+
+// ---- secrets (spec §8 rule 12, §12) ------------------------------------------------
+
+const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+fn u() -> Frame {
+    Frame::U {
+        secret: SECRET.to_vec(),
+    }
+}
+
+fn authenticated(name: &str) -> Response {
+    Response::Authenticated { name: name.into() }
+}
+
+impl Harness {
+    fn with_secret(servers: usize, secret: &[u8]) -> Harness {
+        let mut h = Harness::new(servers);
+        h.engine.authenticate_with(Secret::new(secret));
+        h
+    }
+}
+
+#[test]
+fn every_session_starts_with_u_also_after_a_reconnect() {
+    let mut h = Harness::with_secret(1, SECRET);
+    h.acquire(1, 42, S);
+    h.other(2, Op::Query);
+    assert_eq!(h.actions(), [Action::Connect(0)]);
+    h.engine.connected(0, h.now);
+    // The requests are pipelined behind the `U`, not held back.
+    assert_eq!(h.write(0), [u(), a(1, 42), Frame::Q { key: "k".into() }]);
+    h.input(0, authenticated("ci"));
+    assert_eq!(h.completions(), []);
+    h.input(0, Response::Timeout { owner: 42 });
+    h.input(
+        0,
+        Response::Query {
+            token: 0,
+            owner: 0,
+            lease_ms: 0,
+            waiters: 0,
+        },
+    );
+    assert_eq!(
+        h.completions(),
+        [
+            (1, Outcome::Timeout),
+            (2, Outcome::Query(KeyStatus::default()))
+        ]
+    );
+    h.engine.session_closed(0, h.now);
+    h.other(3, Op::Ping { nonce: 5 });
+    h.timeout();
+    h.engine.connected(0, h.now);
+    assert_eq!(h.write(0), [u(), Frame::P { nonce: 5 }]);
+    // A second `U` answer matches nothing: the session is closed.
+    h.input(0, authenticated("ci"));
+    h.input(0, authenticated("ci"));
+    assert!(h.actions().contains(&Action::Close(0)));
+}
+
+#[test]
+fn a_u_the_socket_took_part_of_is_finished_before_anything_else() {
+    let mut h = Harness::with_secret(1, SECRET);
+    h.acquire(1, 7, S);
+    h.engine.connected(0, h.now);
+    let first = h.engine.poll_transmit(0, h.now).unwrap().to_vec();
+    h.engine.transmitted(0, 3);
+    // The acquire was not sent: it is encoded again, after the rest of the `U`.
+    let mut all = first[..3].to_vec();
+    while let Some(bytes) = h.engine.poll_transmit(0, h.now) {
+        all.extend_from_slice(bytes);
+        let n = bytes.len();
+        h.engine.transmitted(0, n);
+    }
+    assert_eq!(frames(&all), [u(), a(1, 7)]);
+}
+
+#[test]
+fn x12_first_ends_every_request_of_the_session_permission_denied_at_once() {
+    let mut h = Harness::with_secret(1, SECRET);
+    h.acquire(1, 42, 10 * S);
+    h.other(2, Op::Info);
+    h.engine.connected(0, h.now);
+    h.write(0);
+    h.other(3, Op::Ping { nonce: 9 });
+    assert_eq!(h.actions(), [Action::Connect(0)]);
+    h.at(30 * MS);
+    h.input(0, protocol::ErrorCode::NotAuthenticated.response(0));
+    let denied = Outcome::PermissionDenied(Denied::NotAuthenticated);
+    assert_eq!(
+        h.completions(),
+        [(1, denied.clone()), (2, denied.clone()), (3, denied)]
+    );
+    // Nothing is left to send again, so nothing reconnects.
+    assert_eq!(h.actions(), [Action::Close(0)]);
+    assert!(h.engine.is_idle());
+}
+
+#[test]
+fn x13_ends_only_its_own_request() {
+    let mut h = Harness::with_secret(1, SECRET);
+    h.acquire(1, 42, S);
+    h.other(2, Op::Info);
+    h.other(3, Op::Ping { nonce: 9 });
+    h.engine.connected(0, h.now);
+    h.write(0);
+    assert_eq!(h.actions(), [Action::Connect(0)]);
+    h.input(0, authenticated("reader"));
+    h.input(0, protocol::ErrorCode::NotPermitted.response(42));
+    h.input(0, protocol::ErrorCode::NotPermitted.response(0));
+    h.input(0, Response::Pong { nonce: 9 });
+    let denied = Outcome::PermissionDenied(Denied::NotPermitted);
+    assert_eq!(
+        h.completions(),
+        [
+            (1, denied.clone()),
+            (2, denied),
+            (
+                3,
+                Outcome::Pong {
+                    round_trip: Duration::ZERO
+                }
+            )
+        ]
+    );
+    assert_eq!(h.actions(), []);
+    assert_eq!(
+        outcome_error(Outcome::PermissionDenied(Denied::NotPermitted)),
+        Error::PermissionDenied(Denied::NotPermitted)
+    );
+}
+
+#[test]
+fn a_short_secret_is_invalid_before_anything_is_sent() {
+    let mut h = Harness::with_secret(1, &SECRET[..31]);
+    h.acquire(1, 42, S);
+    assert_eq!(
+        h.completions(),
+        [(1, Outcome::Invalid("secret is shorter than 32 bytes"))]
+    );
+    assert_eq!(h.actions(), []);
+    assert!(h.engine.is_idle());
+}
+
+#[test]
+fn secrets_are_read_without_one_trailing_newline_and_never_shown() {
+    let dir = std::env::temp_dir().join(format!("kunci-secret-{}", std::process::id()));
+    std::fs::write(&dir, b"0123456789abcdef0123456789abcdef\n\n").unwrap();
+    let secret = Secret::from_file(&dir).unwrap();
+    std::fs::remove_file(&dir).unwrap();
+    assert_eq!(secret.as_bytes(), b"0123456789abcdef0123456789abcdef\n");
+    assert_eq!(secret.problem(), Some("secret contains a newline"));
+    let secret = Secret::new(SECRET);
+    assert_eq!(secret.problem(), None);
+    assert_eq!(format!("{secret:?}"), "Secret(32 bytes)");
 }

@@ -16,18 +16,19 @@
 //! rule about reading, answering, backpressure and closing lives here or
 //! in [`Connection`], where the simulation and the fuzzers reach it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 
-use log::debug;
+use log::{debug, warn};
 
+use super::access::AccessList;
 use super::connection::{
     Connection, LINGER_US, OUTPUT_HIGH_WATER, OUTPUT_LOW_WATER, PARTIAL_FRAME_TIMEOUT_US, Phase,
 };
 use super::restart::{Durability, Promise};
 use super::{ConnId, Core, Micros};
 use crate::addr::Network;
-use crate::protocol::{self, Decoded, ErrorCode, RESPONSE_FRAME_MAX};
+use crate::protocol::{self, Decoded, ErrorCode, RESPONSE_FRAME_MAX, Request};
 use crate::timer_wheel::{
     TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
 };
@@ -91,7 +92,20 @@ pub struct Endpoint {
     spare_outputs: Vec<Vec<u8>>,
     /// With a state directory: what the file on disk promises (spec §7).
     durability: Option<Durability>,
+    /// With `--auth`: the identities a session may authenticate as.
+    access: Option<AccessList>,
+    /// With `--auth`, by connection id: the index of the identity the
+    /// session authenticated as, or [`UNAUTHENTICATED`]. Kept here rather
+    /// than in [`Connection`], which it would grow by 8 bytes on a server
+    /// without `--auth` too.
+    identities: Vec<u32>,
+    /// With `--auth`: the peers of connections not yet authenticated, for
+    /// the log line of a failure.
+    unauthenticated_peers: HashMap<ConnId, Option<IpAddr>>,
 }
+
+/// A session that has not sent a good `U` (yet).
+const UNAUTHENTICATED: u32 = u32::MAX;
 
 /// Gives the connection timer wheel the links inside connections.
 struct ConnTimers<'a>(&'a mut [Option<Connection>]);
@@ -121,7 +135,28 @@ impl Endpoint {
             shutdown_deadline: None,
             spare_outputs: Vec::new(),
             durability: None,
+            access: None,
+            identities: Vec::new(),
+            unauthenticated_peers: HashMap::new(),
         }
+    }
+
+    /// Turns authentication on (spec §12.2): from now on a connection's
+    /// first request must be a `U` whose secret `access` knows, and every
+    /// later one must lie within that identity's scopes. Call it before
+    /// accepting.
+    pub fn require_authentication(&mut self, access: AccessList) {
+        self.access = Some(access);
+    }
+
+    /// Whether authentication is on.
+    pub fn authenticates(&self) -> bool {
+        self.access.is_some()
+    }
+
+    /// Whether TCP peers are checked against an `--allow` list.
+    pub fn checks_peers(&self) -> bool {
+        !self.allow.is_empty()
     }
 
     /// Makes every answer wait until what it reveals (tokens, leases) is
@@ -224,6 +259,13 @@ impl Endpoint {
         }
         self.conns[index] = Some(Connection::new(Phase::Open));
         self.core.connect(id);
+        if self.access.is_some() {
+            if self.identities.len() <= index {
+                self.identities.resize(index + 1, UNAUTHENTICATED);
+            }
+            self.identities[index] = UNAUTHENTICATED;
+            self.unauthenticated_peers.insert(id, peer);
+        }
     }
 
     fn refuse(&mut self, id: ConnId, code: ErrorCode, now: Micros) {
@@ -503,12 +545,22 @@ impl Endpoint {
             match protocol::decode_request(&buf[at..]) {
                 Decoded::Incomplete => return (at, Stop::Incomplete),
                 Decoded::Request { request, len } => {
-                    self.core.handle_request(id, &request, now);
                     at += len;
+                    if self.access.is_none() {
+                        self.core.handle_request(id, &request, now);
+                    } else if !self.evaluate_authenticated(id, &request, now) {
+                        self.route();
+                        return (buf.len(), Stop::Fatal);
+                    }
                 }
                 Decoded::Invalid { error, len } => {
-                    self.core.handle_invalid(id, error);
                     at += len;
+                    if self.access.is_some() && !self.is_authenticated(id) {
+                        self.fail_authentication(id);
+                        self.route();
+                        return (buf.len(), Stop::Fatal);
+                    }
+                    self.core.handle_invalid(id, error);
                 }
                 Decoded::Fatal(error) => {
                     debug!("connection {id}: {}", error.code);
@@ -518,6 +570,66 @@ impl Endpoint {
                 }
             }
             self.route();
+        }
+    }
+
+    /// Whether `id` has authenticated (with `--auth`).
+    fn is_authenticated(&self, id: ConnId) -> bool {
+        self.identities
+            .get(id as usize)
+            .is_some_and(|&identity| identity != UNAUTHENTICATED)
+    }
+
+    /// Evaluates a well-framed request of `id` on a server with `--auth`
+    /// (spec §12.2, §12.3). Its fields were checked by the decoder, so what
+    /// is left in the order of checks (spec §6) is the session, then the
+    /// scopes, then the key. Returns `false` when the connection must
+    /// close: it has not authenticated, and this is not a `U` that does.
+    #[inline(never)]
+    fn evaluate_authenticated(&mut self, id: ConnId, request: &Request<'_>, now: Micros) -> bool {
+        let Some(access) = self.access.as_ref() else {
+            self.core.handle_request(id, request, now);
+            return true;
+        };
+        let Some(session) = self.identities.get_mut(id as usize) else {
+            return true;
+        };
+        let Some(identity) = access.identity(*session) else {
+            let authenticated = match *request {
+                Request::Authenticate { secret } => access.authenticate(secret),
+                _ => None,
+            };
+            let Some(index) = authenticated else {
+                self.fail_authentication(id);
+                return false;
+            };
+            *session = index;
+            self.unauthenticated_peers.remove(&id);
+            let name = access.identity(index).map(|identity| &*identity.name);
+            self.core.send_authenticated(id, name.unwrap_or_default());
+            return true;
+        };
+        if matches!(request, Request::Authenticate { .. }) {
+            // A session authenticates once; nothing changes.
+            self.core.send_error(id, ErrorCode::NotPermitted, 0);
+        } else if !identity.scopes.permit(request) {
+            self.core
+                .send_error(id, ErrorCode::NotPermitted, request.error_id());
+        } else {
+            self.core
+                .handle_request_within(id, request, &identity.scopes, now);
+        }
+        true
+    }
+
+    /// `id` sent something other than a good `U` first: `X 12`, counted
+    /// and logged with the peer (never the secret); the caller closes it.
+    fn fail_authentication(&mut self, id: ConnId) {
+        self.core.send_error(id, ErrorCode::NotAuthenticated, 0);
+        self.core.stats_mut().auth_failures += 1;
+        match self.unauthenticated_peers.remove(&id).flatten() {
+            Some(ip) => warn!("authentication failed: peer {ip}; connection closed"),
+            None => warn!("authentication failed: peer on a unix socket; connection closed"),
         }
     }
 
@@ -626,6 +738,9 @@ impl Endpoint {
         self.cancel(id);
         let conn = self.conns[id as usize].take().expect("checked above");
         self.count -= 1;
+        if self.access.is_some() {
+            self.unauthenticated_peers.remove(&id);
+        }
         if conn.phase.is_live() {
             self.core.disconnect(id, now);
             self.route();

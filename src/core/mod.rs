@@ -11,6 +11,7 @@
 //! Timers run on a 1 ms tick: a deadline rounds *up* to the next tick and
 //! fires once the clock has reached that tick, so nothing happens early.
 
+pub mod access;
 mod adoption;
 pub mod connection;
 pub mod endpoint;
@@ -154,6 +155,8 @@ pub struct Stats {
     pub holders: u64,
     /// `L` requests answered (spec §11.3).
     pub lists: u64,
+    /// Connections closed with `X 12` (spec §12.2).
+    pub auth_failures: u64,
 }
 
 impl Stats {
@@ -445,7 +448,7 @@ impl Core {
                 cursor,
                 count,
                 prefix,
-            } => self.list(conn, id, cursor, count, prefix, now),
+            } => self.list(conn, id, cursor, count, prefix, None, now),
             // Without `--auth` (this core has none), `U` is answered with
             // an empty name (spec §12.2).
             Request::Authenticate { .. } => self.outbox.push((
@@ -467,6 +470,37 @@ impl Core {
                 self.outbox.push((conn, Response::Info(text)));
             }
         }
+    }
+
+    /// Evaluates a request of a session with these scopes, which the caller
+    /// has checked it against: only `L` differs, listing no key outside
+    /// them (spec §12.3).
+    pub fn handle_request_within(
+        &mut self,
+        conn: ConnId,
+        request: &Request<'_>,
+        scopes: &access::Scopes,
+        now: Micros,
+    ) {
+        match *request {
+            Request::List {
+                id,
+                cursor,
+                count,
+                prefix,
+            } => self.list(conn, id, cursor, count, prefix, Some(scopes), now),
+            _ => self.handle_request(conn, request, now),
+        }
+    }
+
+    /// Answers a successful `U` (spec §12.2).
+    pub fn send_authenticated(&mut self, conn: ConnId, name: &str) {
+        self.outbox.push((
+            conn,
+            Response::Authenticated {
+                name: name.to_owned(),
+            },
+        ));
     }
 
     /// Fires every timer due at `now`: lease expiries hand keys on, wait

@@ -9,7 +9,14 @@
 //! writes were split); that tokens strictly increase on each connection;
 //! that nothing is queued for a connection once it stopped being live;
 //! that the shell is never told to act on a socket it does not have.
+//!
+//! When the first byte is odd the server runs with `--auth` (spec §12):
+//! sessions may send `U` with a secret that locks key `a` only, one that
+//! reads every key and sees `I`, a wrong one or a short one. Then also:
+//! nothing is granted to a session that has not authenticated, and
+//! nothing follows an `X 12`.
 
+use super::access::{AccessList, hash_hex};
 use super::connection::READ_CHUNK;
 use super::endpoint::{Action, Endpoint};
 use super::{ConnId, Core, Limits, Micros};
@@ -30,6 +37,28 @@ struct Socket {
     /// order on each connection; across connections the order in which
     /// peers read them says nothing.
     last_token: u64,
+    /// An `U` was answered with a name.
+    authenticated: bool,
+    /// An `X 12` came: nothing may follow it.
+    denied: bool,
+}
+
+/// The secrets a session may send with `--auth`: one for each line of
+/// [`access_list`], an unknown one and a short one.
+const SECRETS: [&[u8]; 4] = [
+    b"locks-key-a-only-0123456789abcdef",
+    b"reads-every-key-0123456789abcdef",
+    b"not-in-the-file-0123456789abcdef",
+    b"short",
+];
+
+fn access_list() -> AccessList {
+    let text = format!(
+        "locker {} lock:a\nreader {} read:* info\n",
+        hash_hex(SECRETS[0]),
+        hash_hex(SECRETS[1])
+    );
+    AccessList::parse(&text).expect("a valid file")
 }
 
 /// Runs the script in `data`. Panics on any broken rule.
@@ -44,6 +73,10 @@ pub fn run(data: &[u8]) {
     };
     let allow: Vec<Network> = vec!["10.0.0.0/8".parse().expect("a network")];
     let mut endpoint = Endpoint::new(Core::new(limits, 1), allow);
+    let authenticates = data.first().is_some_and(|first| first & 1 == 1);
+    if authenticates {
+        endpoint.require_authentication(access_list());
+    }
     let mut sockets: [Socket; CONNECTIONS] = Default::default();
     let mut now: Micros = 0;
     let mut bytes = data.iter().copied();
@@ -69,7 +102,11 @@ pub fn run(data: &[u8]) {
             1 | 2 => {
                 let len = usize::from(bytes.next().unwrap_or(0));
                 chunk.clear();
-                if command & 4 != 0 {
+                if command & 8 != 0 {
+                    let secret = SECRETS[len % SECRETS.len()];
+                    let request = protocol::Request::Authenticate { secret };
+                    protocol::encode_request(&request, &mut chunk);
+                } else if command & 4 != 0 {
                     // One well-formed acquire (`S` with permits, spec §10, or
                     // `A`) from 4 bytes, on a handful of keys.
                     permits_request(len as u8, &mut bytes, &mut chunk);
@@ -140,10 +177,20 @@ pub fn run(data: &[u8]) {
                 .expect("the server writes only whole, valid frames")
             {
                 at += len;
-                if let Response::Acquired { token, .. } = response {
-                    let last = socket.last_token;
-                    assert!(token > last, "token {token} after {last}");
-                    socket.last_token = token;
+                assert!(!socket.denied, "{response:?} after X 12");
+                match response {
+                    Response::Acquired { token, .. } => {
+                        let last = socket.last_token;
+                        assert!(token > last, "token {token} after {last}");
+                        socket.last_token = token;
+                        assert!(
+                            !authenticates || socket.authenticated,
+                            "a grant to a session that did not authenticate"
+                        );
+                    }
+                    Response::Authenticated { .. } => socket.authenticated = true,
+                    Response::Error { code: 12, .. } => socket.denied = true,
+                    _ => {}
                 }
             }
             socket.received.drain(..at);

@@ -164,6 +164,13 @@ pub fn render(snapshot: &Snapshot, process: Option<&ProcessStats>, out: &mut Str
             ("fd_limit", s.refused_fd_limit),
         ],
     );
+    w.single(
+        "kunci_auth_failures_total",
+        "counter",
+        "Connections closed because they did not authenticate (X 12: no U first, \
+         or a secret that is too short or unknown).",
+        s.auth_failures,
+    );
     const CODES: [&str; 13] = [
         "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13",
     ];
@@ -349,6 +356,8 @@ mod tests {
             "kunci_connections_refused_total{reason=\"fd_limit\"} 0",
             "kunci_errors_total{code=\"9\"} 0",
             "kunci_errors_total{code=\"13\"} 0",
+            "# TYPE kunci_auth_failures_total counter",
+            "kunci_auth_failures_total 0",
             "kunci_limit{limit=\"keys\"} 1048576",
             "kunci_limit{limit=\"connections\"} 16384",
             "kunci_acquire_wait_seconds_bucket{le=\"0.001\"} 0",
@@ -381,6 +390,7 @@ mod tests {
         s.grants = 10;
         s.release_not_held = 2;
         s.errors_by_code[7] = 1;
+        s.auth_failures = 4;
         s.acquire_wait.observe(1_500);
         s.acquire_wait.observe(2_000_000);
         let process = ProcessStats {
@@ -402,6 +412,7 @@ mod tests {
             "kunci_acquires_total{result=\"acquired\"} 10",
             "kunci_releases_total{result=\"not_held\"} 2",
             "kunci_errors_total{code=\"7\"} 1",
+            "kunci_auth_failures_total 4",
             "kunci_acquire_wait_seconds_bucket{le=\"0.001\"} 0",
             "kunci_acquire_wait_seconds_bucket{le=\"0.0025\"} 1",
             "kunci_acquire_wait_seconds_bucket{le=\"1\"} 1",

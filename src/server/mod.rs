@@ -26,6 +26,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use slab::Slab;
 
 use crate::addr::{Address, Network};
+use crate::core::access::AccessList;
 use crate::core::connection::READ_CHUNK;
 use crate::core::endpoint::{Action, Endpoint};
 use crate::core::restart::CleanStop;
@@ -66,6 +67,9 @@ pub struct Config {
     /// Where to serve Prometheus metrics over HTTP (see [`crate::metrics`]);
     /// `None` serves none.
     pub metrics: Option<Address>,
+    /// With `--auth`: who may connect and what each may do (spec §12);
+    /// `None` lets every session do everything.
+    pub access: Option<AccessList>,
 }
 
 impl Default for Config {
@@ -77,6 +81,7 @@ impl Default for Config {
             allow: Vec::new(),
             state_dir: None,
             metrics: None,
+            access: None,
         }
     }
 }
@@ -281,6 +286,9 @@ impl Server {
             state.resume(&mut core)?;
         }
         let mut endpoint = Endpoint::new(core, config.allow.clone());
+        if let Some(access) = config.access {
+            endpoint.require_authentication(access);
+        }
         if let Some(state) = state.as_mut() {
             endpoint.require_durability();
             // This run's first promise replaces the earlier run's file
@@ -326,6 +334,32 @@ impl Server {
 
     pub fn limits(&self) -> &Limits {
         self.shell.endpoint.core().limits()
+    }
+
+    /// The bound addresses that any host that can reach them may use with
+    /// nothing checking who it is (spec §12.4): `kunci serve` warns about
+    /// each at start.
+    pub fn unguarded_addresses(&self) -> Vec<&Address> {
+        (0..self.addresses.len())
+            .filter(|&index| !self.is_guarded(index))
+            .map(|index| &self.addresses[index])
+            .collect()
+    }
+
+    /// Whether the listener with this index checks its peers, or only this
+    /// host can reach it: a loopback or unix listener, or a server with
+    /// `--auth` or an `--allow` list. Every other check that says who a
+    /// peer is belongs here.
+    fn is_guarded(&self, index: usize) -> bool {
+        let endpoint = &self.shell.endpoint;
+        let only_this_host = match &self.addresses[index] {
+            Address::Unix(_) => true,
+            Address::Tcp(text) => text
+                .parse::<std::net::SocketAddr>()
+                .is_ok_and(|address| address.ip().is_loopback()),
+            Address::Etcd(_) => false,
+        };
+        only_this_host || endpoint.authenticates() || endpoint.checks_peers()
     }
 
     /// A handle that shuts the server down gracefully (spec §4) from any

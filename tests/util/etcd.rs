@@ -39,6 +39,11 @@ impl Cluster {
     /// timeout (500 ms), so that a leader change takes well under a second,
     /// and waits until the cluster takes writes.
     pub fn start(size: usize) -> Cluster {
+        Cluster::start_with(size, &[])
+    }
+
+    /// As [`start`](Self::start), each member with `extra` flags too.
+    pub fn start_with(size: usize, extra: &[&str]) -> Cluster {
         let dir = TempDir::new("etcd");
         let peers: Vec<(String, u16, u16)> = (0..size)
             .map(|i| (format!("m{i}"), free_port(), free_port()))
@@ -74,6 +79,7 @@ impl Cluster {
                     .args(["--initial-cluster-state", "new"])
                     .args(["--initial-cluster-token", &token])
                     .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+                    .args(extra)
                     .stdin(Stdio::null())
                     .stdout(Stdio::null())
                     .stderr(log)

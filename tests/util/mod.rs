@@ -187,6 +187,18 @@ impl TestServer {
             .unwrap_or(0)
     }
 
+    /// The `I` line of a server with `--auth`, asked with `secret`.
+    pub fn info_with(&self, secret: &[u8]) -> std::collections::HashMap<String, String> {
+        let mut peer = self.peer();
+        peer.request(&Request::Authenticate { secret });
+        assert!(matches!(peer.recv(), Response::Authenticated { .. }));
+        peer.send(b"I\n");
+        match peer.recv() {
+            Response::Info(text) => parse_info(&text),
+            other => panic!("expected info, got {other:?}"),
+        }
+    }
+
     /// The server's `I` line as name → value.
     pub fn info(&self) -> std::collections::HashMap<String, String> {
         let mut peer = self.peer();

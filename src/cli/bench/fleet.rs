@@ -11,6 +11,7 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::stats::{Kind, Stats};
 use crate::addr::Address;
+use crate::client::Secret;
 use crate::protocol::{Correlation, Request, Response, decode_response, encode_request};
 use crate::stream::Stream;
 
@@ -204,19 +205,27 @@ pub trait Workload {
 }
 
 /// Connects, blocking, then hands the socket to mio non-blocking.
-fn connect(address: &Address) -> io::Result<Stream> {
+fn connect(address: &Address, secret: Option<&Secret>) -> io::Result<Stream> {
     match address {
         Address::Tcp(host_port) => {
             let target = host_port.to_socket_addrs()?.next().ok_or_else(|| {
                 io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address")
             })?;
-            let stream = std::net::TcpStream::connect(target)?;
+            let mut stream = std::net::TcpStream::connect(target)?;
             stream.set_nodelay(true)?;
+            if let Some(secret) = secret {
+                stream.set_read_timeout(Some(AUTHENTICATION_TIMEOUT))?;
+                authenticate(&mut stream, secret)?;
+            }
             stream.set_nonblocking(true)?;
             Ok(Stream::Tcp(mio::net::TcpStream::from_std(stream)))
         }
         Address::Unix(path) => {
-            let stream = std::os::unix::net::UnixStream::connect(path)?;
+            let mut stream = std::os::unix::net::UnixStream::connect(path)?;
+            if let Some(secret) = secret {
+                stream.set_read_timeout(Some(AUTHENTICATION_TIMEOUT))?;
+                authenticate(&mut stream, secret)?;
+            }
             stream.set_nonblocking(true)?;
             Ok(Stream::Unix(mio::net::UnixStream::from_std(stream)))
         }
@@ -224,6 +233,48 @@ fn connect(address: &Address) -> io::Result<Stream> {
             io::ErrorKind::Unsupported,
             "the connection fleet speaks kunci's protocol, not etcd's",
         )),
+    }
+}
+
+/// How long a connection waits for the answer to its `U`.
+const AUTHENTICATION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Sends `U secret` on a fresh blocking connection and waits for its
+/// answer, before the connection joins the fleet (spec §12.2).
+fn authenticate(stream: &mut (impl Read + Write), secret: &Secret) -> io::Result<()> {
+    let mut frame = Vec::new();
+    let request = Request::Authenticate {
+        secret: secret.as_bytes(),
+    };
+    encode_request(&request, &mut frame);
+    stream.write_all(&frame)?;
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 256];
+    loop {
+        match decode_response(&answer) {
+            Ok(Some((Response::Authenticated { .. }, _))) => return Ok(()),
+            Ok(Some((other, _))) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("the server did not take the secret: {other:?}"),
+                ));
+            }
+            Ok(None) => {}
+            Err(error) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    error.to_string(),
+                ));
+            }
+        }
+        let n = stream.read(&mut buffer)?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the server closed the connection before answering U",
+            ));
+        }
+        answer.extend_from_slice(&buffer[..n]);
     }
 }
 
@@ -256,11 +307,16 @@ pub struct Fleet {
 
 impl Fleet {
     /// Opens `count` connections to `address`, one after another.
-    pub fn connect(address: &Address, count: usize, key_prefix: &str) -> io::Result<Fleet> {
+    pub fn connect(
+        address: &Address,
+        count: usize,
+        key_prefix: &str,
+        secret: Option<&Secret>,
+    ) -> io::Result<Fleet> {
         let poll = Poll::new()?;
         let mut conns = Vec::with_capacity(count);
         for index in 0..count {
-            let mut stream = connect(address).map_err(|e| {
+            let mut stream = connect(address, secret).map_err(|e| {
                 io::Error::new(
                     e.kind(),
                     format!("connection {} of {count} to {address}: {e}", index + 1),

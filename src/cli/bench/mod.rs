@@ -60,6 +60,8 @@ semaphore and rw as contended, with 1 key and --hold 1):
                        etcd://HOST:PORT[,...]: pairs and contended only, as
                        closed loops through the client (one thread per
                        connection, --pipeline 1)
+  --secret-file FILE   the secret for a server with --auth (default:
+                       $KUNCI_SECRET): each connection sends U first
   --connections C      connections (50 / 50 / 4 / 1+N/4000 / N / 8 probes)
   --pipeline P         requests in flight per connection (32 / 1 / 128)
   --keys K             key space (1000000 / 8 / N / 1000)
@@ -109,6 +111,7 @@ enum Which {
 #[derive(Default)]
 struct Options {
     server: Option<Address>,
+    secret_file: Option<OsString>,
     workload: Option<Which>,
     connections: Option<usize>,
     pipeline: Option<usize>,
@@ -172,6 +175,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
     while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
         match argument {
             Long("server") => o.server = Some(args::address(parser.value())?),
+            Long("secret-file") => o.secret_file = Some(parser.value().map_err(|e| e.to_string())?),
             Long("connections") => o.connections = Some(positive("--connections", parser.value())?),
             Long("pipeline") => o.pipeline = Some(positive("--pipeline", parser.value())?),
             Long("keys") => o.keys = Some(count("--keys", parser.value())?),
@@ -267,6 +271,8 @@ fn positive(option: &str, value: Result<OsString, lexopt::Error>) -> Result<usiz
 struct Run {
     which: Which,
     server: Address,
+    /// Sent as `U` first on every connection (a server with `--auth`).
+    secret: Option<crate::client::Secret>,
     plan: Plan,
     mix: workloads::Mix,
     key_prefix: String,
@@ -351,6 +357,7 @@ impl Run {
         let duration = o.duration.unwrap_or(Duration::from_secs(duration));
         Ok(Run {
             which,
+            secret: super::client::secret(o.secret_file)?,
             server: match o.server {
                 Some(server) => server,
                 // One server is driven: the first of $KUNCI_SERVER's.
@@ -412,8 +419,13 @@ impl Run {
             let stats = closed_loop::execute(self, &stop)?;
             return Ok(self.report(stats));
         }
-        let mut fleet = Fleet::connect(&self.server, self.plan.connections, &self.key_prefix)
-            .map_err(|e| e.to_string())?;
+        let mut fleet = Fleet::connect(
+            &self.server,
+            self.plan.connections,
+            &self.key_prefix,
+            self.secret.as_ref(),
+        )
+        .map_err(|e| e.to_string())?;
         let mut workload = self.workload();
         let mut progress = Progress::new(std::io::stderr().is_terminal());
 

@@ -14,6 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::client::Denied;
+
 /// The largest response body accepted. etcd's answers to the requests the
 /// client makes are a few hundred bytes (a range is limited to one key).
 const BODY_MAX: usize = 1 << 20;
@@ -35,6 +37,26 @@ pub(crate) enum Failure {
     /// It may have reached a member, but no complete answer came by the
     /// deadline (or the connection broke first).
     Unanswered,
+    /// etcd has authentication on and refused this client: no or wrong
+    /// user and password, or a role without permission for the key. etcd
+    /// executed nothing.
+    Denied(Denied),
+}
+
+/// An etcd user and password (etcd's own authentication): each request
+/// carries a token from `/v3/auth/authenticate`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdCredentials {
+    pub user: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdCredentials")
+            .field("user", &self.user)
+            .finish_non_exhaustive()
+    }
 }
 
 /// An answer: the instant just before the request's first byte was handed
@@ -52,6 +74,9 @@ pub(crate) struct Members {
     /// The member that answered last: tried first.
     preferred: AtomicUsize,
     connect_timeout: Duration,
+    credentials: Option<EtcdCredentials>,
+    /// The token the credentials got, while etcd takes it.
+    token: Mutex<Option<String>>,
 }
 
 fn remaining(deadline: Instant) -> Option<Duration> {
@@ -75,7 +100,62 @@ impl Members {
             idle,
             preferred: AtomicUsize::new(0),
             connect_timeout,
+            credentials: None,
+            token: Mutex::new(None),
         }
+    }
+
+    /// Authenticates every request with these credentials.
+    pub(crate) fn with_credentials(mut self, credentials: Option<EtcdCredentials>) -> Members {
+        self.credentials = credentials;
+        self
+    }
+
+    /// The token to send, getting one first if there is none. etcd answers
+    /// a request without a valid one before executing anything, so a
+    /// failure here leaves the request certainly unsent.
+    fn token(&self, deadline: Instant) -> Result<Option<String>, Failure> {
+        let Some(credentials) = &self.credentials else {
+            return Ok(None);
+        };
+        let mut token = self.token.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(token) = token.as_ref() {
+            return Ok(Some(token.clone()));
+        }
+        let body = format!(
+            r#"{{"name":{},"password":{}}}"#,
+            json_text(&credentials.user),
+            json_text(&credentials.password)
+        );
+        let answer = self
+            .post_once("/v3/auth/authenticate", &body, None, deadline)
+            .map_err(|failure| match failure {
+                Failure::Unanswered => Failure::Unsent,
+                other => other,
+            })?;
+        let value = super::json::parse(&answer.body);
+        let fresh = value
+            .as_ref()
+            .map(|value| super::json::text(value, "token"))
+            .filter(|text| !text.is_empty());
+        match fresh {
+            Some(fresh) if answer.status == 200 => {
+                *token = Some(fresh.to_owned());
+                Ok(Some(fresh.to_owned()))
+            }
+            _ => {
+                log::debug!(
+                    "etcd authenticate: status {}: {}",
+                    answer.status,
+                    String::from_utf8_lossy(&answer.body)
+                );
+                Err(Failure::Denied(Denied::NotAuthenticated))
+            }
+        }
+    }
+
+    fn forget_token(&self) {
+        *self.token.lock().unwrap_or_else(PoisonError::into_inner) = None;
     }
 
     pub(crate) fn endpoints(&self) -> &[String] {
@@ -88,13 +168,43 @@ impl Members {
     /// (rule 4) until the deadline, then fails [`Failure::Unsent`]. Once a
     /// byte of it is in a socket it is never sent again: no complete
     /// answer by the deadline is [`Failure::Unanswered`].
+    ///
+    /// With credentials, the request carries a token; a token etcd no
+    /// longer takes (it expires when unused) is replaced and the request
+    /// sent again once, since etcd executed nothing. A refusal for lack of
+    /// authentication or permission is [`Failure::Denied`].
     pub(crate) fn post(
         &self,
         path: &str,
         body: &str,
         deadline: Instant,
     ) -> Result<Answer, Failure> {
-        let request = request_bytes(path, body);
+        let token = self.token(deadline)?;
+        let mut answer = self.post_once(path, body, token.as_deref(), deadline)?;
+        if answer.status == 401 && self.credentials.is_some() {
+            self.forget_token();
+            let token = self.token(deadline)?;
+            answer = self.post_once(path, body, token.as_deref(), deadline)?;
+        }
+        let message = || String::from_utf8_lossy(&answer.body).into_owned();
+        match answer.status {
+            401 => Err(Failure::Denied(Denied::NotAuthenticated)),
+            403 => Err(Failure::Denied(Denied::NotPermitted)),
+            400 if message().contains("user name is empty") => {
+                Err(Failure::Denied(Denied::NotAuthenticated))
+            }
+            _ => Ok(answer),
+        }
+    }
+
+    fn post_once(
+        &self,
+        path: &str,
+        body: &str,
+        token: Option<&str>,
+        deadline: Instant,
+    ) -> Result<Answer, Failure> {
+        let request = request_bytes(path, body, token);
         let count = self.endpoints.len();
         loop {
             let first = self.preferred.load(Ordering::Relaxed);
@@ -154,7 +264,8 @@ impl Members {
     /// the reader positioned at the body, after the `200` head. Any failure
     /// is `None`: the caller retries (a watch changes nothing).
     pub(crate) fn open_stream(&self, path: &str, body: &str, deadline: Instant) -> Option<Stream> {
-        let request = request_bytes(path, body);
+        let token = self.token(deadline).ok()?;
+        let request = request_bytes(path, body, token.as_deref());
         let count = self.endpoints.len();
         let first = self.preferred.load(Ordering::Relaxed);
         for step in 0..count {
@@ -234,13 +345,27 @@ impl Members {
     }
 }
 
-fn request_bytes(path: &str, body: &str) -> Vec<u8> {
+fn request_bytes(path: &str, body: &str, token: Option<&str>) -> Vec<u8> {
+    let authorization = match token {
+        // etcd's tokens are printable ASCII; anything else is not sent.
+        Some(token) if token.bytes().all(|b| b.is_ascii_graphic()) => {
+            format!("Authorization: {token}\r\n")
+        }
+        _ => String::new(),
+    };
     format!(
         "POST {path} HTTP/1.1\r\nHost: etcd\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
+         {authorization}Content-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .into_bytes()
+}
+
+/// `text` as a JSON string.
+fn json_text(text: &str) -> String {
+    super::json::JsonValue::String(text.to_owned())
+        .stringify()
+        .unwrap_or_else(|_| "\"\"".to_owned())
 }
 
 /// Whether an idle connection is still usable: nothing to read and not

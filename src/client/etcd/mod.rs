@@ -12,6 +12,8 @@ mod http;
 mod json;
 mod recipe;
 
+pub use http::EtcdCredentials;
+
 use std::collections::HashMap;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -42,8 +44,10 @@ impl Shared {
     pub(crate) fn start(
         endpoints: Vec<String>,
         connect_timeout: Duration,
+        credentials: Option<EtcdCredentials>,
     ) -> std::io::Result<Arc<Shared>> {
-        let cluster = Arc::new(Cluster::new(http::Members::new(endpoints, connect_timeout)));
+        let members = http::Members::new(endpoints, connect_timeout).with_credentials(credentials);
+        let cluster = Arc::new(Cluster::new(members));
         let (sender, notes) = mpsc::channel();
         let keeper = Keeper {
             cluster: cluster.clone(),

@@ -41,6 +41,8 @@ enum Fault {
     Unsent,
     /// Possibly sent and no usable answer: it may or may not have applied.
     Unknown,
+    /// etcd refused the client's user or its permissions: nothing applied.
+    Denied(crate::client::Denied),
 }
 
 impl Fault {
@@ -48,6 +50,7 @@ impl Fault {
         match self {
             Fault::Unsent => Outcome::Unavailable(Unavailable::Unreachable),
             Fault::Unknown => Outcome::Indeterminate,
+            Fault::Denied(why) => Outcome::PermissionDenied(why),
         }
     }
 }
@@ -447,6 +450,7 @@ impl Cluster {
             .map_err(|failure| match failure {
                 Failure::Unsent => Fault::Unsent,
                 Failure::Unanswered => Fault::Unknown,
+                Failure::Denied(why) => Fault::Denied(why),
             })?;
         let value = json::parse(&answer.body).ok_or(Fault::Unknown)?;
         Ok((answer.sent_at, value))
@@ -484,6 +488,7 @@ impl Cluster {
                 }
                 Err(Failure::Unanswered) => sent = true,
                 Err(Failure::Unsent) => {}
+                Err(Failure::Denied(why)) => return Err(Fault::Denied(why)),
             }
             pause_before_retry(deadline, sent)?;
         }
@@ -509,6 +514,7 @@ impl Cluster {
                 }
                 Err(Failure::Unanswered) => sent = true,
                 Err(Failure::Unsent) => {}
+                Err(Failure::Denied(why)) => return Err(Fault::Denied(why)),
             }
             pause_before_retry(deadline, sent)?;
         }
@@ -540,8 +546,11 @@ impl Cluster {
     fn grant(&self, lease_s: u8, deadline: Instant) -> Result<(Instant, i64, i64), Fault> {
         let body = format!(r#"{{"TTL":"{lease_s}"}}"#);
         loop {
-            if let Ok((sent_at, value)) =
-                self.write("/v3/lease/grant", &body, attempt_until(deadline))
+            let answer = self.write("/v3/lease/grant", &body, attempt_until(deadline));
+            if let Err(denied @ Fault::Denied(_)) = answer {
+                return Err(denied);
+            }
+            if let Ok((sent_at, value)) = answer
                 && let Some(id) = json::int(&value, "ID").filter(|id| *id != 0)
                 && let Some(ttl) = json::int(&value, "TTL").filter(|ttl| *ttl >= lease_s.into())
             {
@@ -573,6 +582,7 @@ impl Cluster {
                 }
                 Err(Fault::Unknown) => sent = true,
                 Err(Fault::Unsent) => {}
+                Err(denied @ Fault::Denied(_)) => return Err(denied),
             }
             pause_before_retry(deadline, sent)?;
         }

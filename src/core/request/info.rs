@@ -13,7 +13,7 @@ impl Core {
             text,
             "version={} uptime_s={} connections={} keys={} held={} waiters={} \
              grants={} timeouts={} busy={} expired={} released={} extended={} \
-             not_held={} errors={} refused={} grants_held={} next_token={}",
+             not_held={} errors={} refused={} grants_held={} next_token={} auth_failures={}",
             env!("CARGO_PKG_VERSION"),
             now / MICROS_PER_S,
             self.connections,
@@ -31,6 +31,7 @@ impl Core {
             s.refused,
             self.grants_held,
             self.next_token,
+            s.auth_failures,
         );
         text
     }

@@ -3,6 +3,7 @@
 //! keys") has the argument that every key in the table throughout a
 //! listing is returned.
 
+use crate::core::access::Scopes;
 use crate::core::permits::PERMITS;
 use crate::core::{ConnId, Core, Micros};
 use crate::protocol::Response;
@@ -11,6 +12,10 @@ use crate::protocol::Response;
 pub const SLOTS_PER_FRAME: usize = 16;
 
 impl Core {
+    /// With `within`, keys outside those scopes are skipped like keys
+    /// outside `prefix`: they count as examined, so the cursor means the
+    /// same with and without them.
+    #[allow(clippy::too_many_arguments)]
     pub(in crate::core) fn list(
         &mut self,
         conn: ConnId,
@@ -18,6 +23,7 @@ impl Core {
         cursor: u64,
         count: u16,
         prefix: &str,
+        within: Option<&Scopes>,
         now: Micros,
     ) {
         // Leases that ran out by `now` end first, so the counts are live.
@@ -38,7 +44,7 @@ impl Core {
                 continue;
             }
             let key = self.table.key(entry);
-            if !key.starts_with(prefix) {
+            if !key.starts_with(prefix) || within.is_some_and(|scopes| !scopes.lists(key)) {
                 continue;
             }
             let held = self.table.get(entry);

@@ -1,0 +1,75 @@
+//! `kunci secret NAME SCOPE…`: a new random secret and the `--auth` file
+//! line that lets it in (spec §12.1).
+
+use std::ffi::OsString;
+use std::io::Read;
+
+use super::exit;
+use crate::core::access::{self, hash_hex};
+
+const HELP: &str = "\
+kunci secret — make a secret and its --auth file line
+
+Usage: kunci secret NAME SCOPE...
+
+Prints a new random secret (256 bits from the operating system, as 64 hex
+digits) on the first line, and the line for `kunci serve --auth FILE` on the
+second. The file line holds only the secret's SHA-256: keep the first line
+where the client reads it (--secret-file FILE or KUNCI_SECRET), put the
+second in the server's file.
+
+Scopes (at least one):
+  lock:PREFIX   take, release, renew, query and list keys starting with
+                PREFIX (lock:* = every key)
+  read:PREFIX   query and list keys starting with PREFIX (read:* = every key)
+  info          the server's counters (kunci info, kunci top)
+Every authenticated client may ping.
+
+Example: kunci secret ci lock:ci/ read:* info
+";
+
+/// The secret's length in random bytes.
+const SECRET_BYTES: usize = 32;
+
+pub fn main(arguments: Vec<OsString>) -> u8 {
+    let mut words = Vec::new();
+    for argument in arguments {
+        match argument.to_str() {
+            Some("-h" | "--help") => {
+                print!("{HELP}");
+                return exit::DONE;
+            }
+            Some(word) => words.push(word.to_owned()),
+            None => return usage(&format!("not UTF-8: {argument:?}")),
+        }
+    }
+    let Some((name, scopes)) = words.split_first() else {
+        return usage("missing NAME and SCOPE");
+    };
+    if let Err(reason) = access::validate_name(name) {
+        return usage(&reason);
+    }
+    let scope_words: Vec<&str> = scopes.iter().map(String::as_str).collect();
+    if let Err(reason) = access::parse_scopes(&scope_words) {
+        return usage(&reason);
+    }
+    let mut random = [0u8; SECRET_BYTES];
+    if let Err(e) = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut random))
+    {
+        eprintln!("kunci secret: cannot read /dev/urandom: {e}");
+        return 1;
+    }
+    let secret: String = random.iter().map(|byte| format!("{byte:02x}")).collect();
+    println!("{secret}");
+    println!(
+        "{name} {} {}",
+        hash_hex(secret.as_bytes()),
+        scope_words.join(" ")
+    );
+    exit::DONE
+}
+
+fn usage(message: &str) -> u8 {
+    eprintln!("kunci secret: {message}\n(see kunci secret --help)");
+    exit::USAGE
+}

@@ -1,0 +1,353 @@
+//! Who may do what (spec §12.1–12.3): the `--auth` file, the secret check
+//! of `U`, and the scopes every later request of a session is held to.
+//!
+//! The file holds SHA-256 hashes, never secrets. A `U` hashes its secret
+//! once and compares the hash with every line in constant time, so neither
+//! the answer's timing nor an early exit says how much of a hash matched.
+//! The endpoint applies the result per connection; the core only filters
+//! `L` by the session's prefixes.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+use subtle::{ConditionallySelectable, ConstantTimeEq};
+
+use crate::protocol::Request;
+
+/// A secret shorter than this is refused without being looked up.
+pub const SECRET_MIN: usize = 32;
+/// The longest name a line may have (it is sent back in `U`).
+pub const NAME_MAX: usize = 128;
+
+/// What one line of the `--auth` file allows. A prefix of `*` in the file
+/// is kept as the empty prefix, which every key starts with.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Scopes {
+    /// `lock:PREFIX`: every op on these keys.
+    lock: Vec<Box<str>>,
+    /// `read:PREFIX`: `Q` and `H` on these keys.
+    read: Vec<Box<str>>,
+    /// `info`: `I`.
+    info: bool,
+}
+
+impl Scopes {
+    /// Whether `request` is within these scopes (spec §12.1). `U` is not
+    /// judged here: a second `U` is refused whatever the scopes.
+    pub fn permit(&self, request: &Request<'_>) -> bool {
+        match *request {
+            Request::Acquire { key, .. }
+            | Request::Release { key, .. }
+            | Request::Extend { key, .. } => covers(&self.lock, key),
+            Request::Query { key } | Request::Holders { key, .. } => {
+                covers(&self.lock, key) || covers(&self.read, key)
+            }
+            Request::Info => self.info,
+            Request::Ping { .. } => true,
+            Request::List { .. } => !self.lock.is_empty() || !self.read.is_empty(),
+            Request::Authenticate { .. } => false,
+        }
+    }
+
+    /// Whether `L` shows `key` to this session: it lies within one of its
+    /// `lock:` or `read:` prefixes.
+    pub fn lists(&self, key: &str) -> bool {
+        covers(&self.lock, key) || covers(&self.read, key)
+    }
+}
+
+fn covers(prefixes: &[Box<str>], key: &str) -> bool {
+    prefixes.iter().any(|prefix| key.starts_with(&**prefix))
+}
+
+/// One line of the `--auth` file.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub name: Box<str>,
+    hash: [u8; 32],
+    pub scopes: Scopes,
+}
+
+impl fmt::Debug for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Identity")
+            .field("name", &self.name)
+            .field("scopes", &self.scopes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The parsed `--auth` file.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AccessList {
+    identities: Vec<Identity>,
+}
+
+/// A line of the `--auth` file that does not parse.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AccessError {
+    /// 1-based.
+    pub line: usize,
+    pub reason: String,
+}
+
+impl fmt::Display for AccessError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}: {}", self.line, self.reason)
+    }
+}
+
+impl std::error::Error for AccessError {}
+
+impl AccessList {
+    /// Parses the text of an `--auth` file: `NAME SHA256HEX SCOPE…` per
+    /// line, `#` comment lines and blank lines.
+    pub fn parse(text: &str) -> Result<AccessList, AccessError> {
+        let mut identities: Vec<Identity> = Vec::new();
+        for (index, line) in text.lines().enumerate() {
+            let error = |reason: String| AccessError {
+                line: index + 1,
+                reason,
+            };
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let mut words = line.split_ascii_whitespace();
+            let name = words.next().unwrap_or_default();
+            validate_name(name).map_err(error)?;
+            let hash = words
+                .next()
+                .ok_or_else(|| error("missing SHA256HEX after the name".into()))
+                .and_then(|hex| parse_hash(hex).map_err(error))?;
+            let scope_words: Vec<&str> = words.collect();
+            let scopes = parse_scopes(&scope_words).map_err(error)?;
+            if identities.iter().any(|known| *known.name == *name) {
+                return Err(error(format!("name {name:?} appears twice")));
+            }
+            if identities.iter().any(|known| known.hash == hash) {
+                return Err(error("the same hash appears twice".into()));
+            }
+            identities.push(Identity {
+                name: name.into(),
+                hash,
+                scopes,
+            });
+        }
+        Ok(AccessList { identities })
+    }
+
+    pub fn len(&self) -> usize {
+        self.identities.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.identities.is_empty()
+    }
+
+    /// The identity with this index (as returned by
+    /// [`authenticate`](Self::authenticate)).
+    pub fn identity(&self, index: u32) -> Option<&Identity> {
+        self.identities.get(index as usize)
+    }
+
+    /// The index of the line whose hash is the secret's, if any. A secret
+    /// under [`SECRET_MIN`] bytes matches nothing. Every line is compared,
+    /// each in constant time, whatever matches.
+    pub fn authenticate(&self, secret: &[u8]) -> Option<u32> {
+        if secret.len() < SECRET_MIN {
+            return None;
+        }
+        let digest: [u8; 32] = Sha256::digest(secret).into();
+        let mut found = u32::MAX;
+        for (index, identity) in self.identities.iter().enumerate() {
+            let index = u32::try_from(index).unwrap_or(u32::MAX);
+            found.conditional_assign(&index, identity.hash.ct_eq(&digest));
+        }
+        (found != u32::MAX).then_some(found)
+    }
+}
+
+/// The SHA-256 of `secret` as lowercase hex: the `--auth` file's form.
+pub fn hash_hex(secret: &[u8]) -> String {
+    Sha256::digest(secret)
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+/// Checks a line's name: 1..=128 printable ASCII characters, no blanks.
+pub fn validate_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > NAME_MAX {
+        return Err(format!("name must be 1..={NAME_MAX} characters"));
+    }
+    if !name.bytes().all(|byte| byte.is_ascii_graphic()) {
+        return Err(format!("name {name:?} is not printable ASCII"));
+    }
+    Ok(())
+}
+
+fn parse_hash(hex: &str) -> Result<[u8; 32], String> {
+    let bad = || format!("{hex:?} is not a SHA-256 in hex (64 hex digits)");
+    if hex.len() != 64 || !hex.is_ascii() {
+        return Err(bad());
+    }
+    let mut hash = [0; 32];
+    for (byte, pair) in hash.iter_mut().zip(hex.as_bytes().chunks(2)) {
+        let pair = std::str::from_utf8(pair).map_err(|_| bad())?;
+        *byte = u8::from_str_radix(pair, 16).map_err(|_| bad())?;
+    }
+    Ok(hash)
+}
+
+/// Parses the scopes of one line: at least one of `lock:PREFIX`,
+/// `read:PREFIX` (`*` as the whole prefix: every key) and `info`.
+pub fn parse_scopes(words: &[&str]) -> Result<Scopes, String> {
+    if words.is_empty() {
+        return Err("no scope: a line needs at least one of lock:PREFIX, read:PREFIX, info".into());
+    }
+    let mut scopes = Scopes::default();
+    for &word in words {
+        if word == "info" {
+            scopes.info = true;
+            continue;
+        }
+        let (list, prefix) = if let Some(prefix) = word.strip_prefix("lock:") {
+            (&mut scopes.lock, prefix)
+        } else if let Some(prefix) = word.strip_prefix("read:") {
+            (&mut scopes.read, prefix)
+        } else {
+            return Err(format!(
+                "unknown scope {word:?} (lock:PREFIX, read:PREFIX or info)"
+            ));
+        };
+        let prefix = match prefix {
+            "*" => "",
+            "" => {
+                return Err(format!(
+                    "scope {word:?} has an empty prefix (write {word}* for every key)"
+                ));
+            }
+            _ if prefix.contains('*') => {
+                return Err(format!(
+                    "scope {word:?}: * may only be the whole prefix (every key)"
+                ));
+            }
+            _ if prefix.len() > 255 => {
+                return Err(format!("scope {word:?}: prefix longer than 255 bytes"));
+            }
+            _ => prefix,
+        };
+        list.push(prefix.into());
+    }
+    Ok(scopes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+    fn line(name: &str, secret: &[u8], scopes: &str) -> String {
+        format!("{name} {} {scopes}\n", hash_hex(secret))
+    }
+
+    #[test]
+    fn parses_comments_blank_lines_and_either_case() {
+        let upper = hash_hex(SECRET).to_uppercase();
+        let text = format!("\n  # a comment\n\t\nci {upper} lock:ci/ read:* info\n");
+        let list = AccessList::parse(&text).unwrap();
+        assert_eq!(list.len(), 1);
+        let index = list.authenticate(SECRET).unwrap();
+        let identity = list.identity(index).unwrap();
+        assert_eq!(&*identity.name, "ci");
+        assert!(identity.scopes.info);
+    }
+
+    #[test]
+    fn bad_lines_name_their_number() {
+        let good = line("a", SECRET, "info");
+        let cases = [
+            ("b\n", "missing SHA256HEX"),
+            ("b 1234 info\n", "not a SHA-256"),
+            (
+                &line("b", b"another secret of thirty-two bytes", ""),
+                "no scope",
+            ),
+            (
+                &line("b", b"another secret of thirty-two bytes", "lock:"),
+                "empty prefix",
+            ),
+            (
+                &line("b", b"another secret of thirty-two bytes", "lock:a*"),
+                "whole prefix",
+            ),
+            (
+                &line("b", b"another secret of thirty-two bytes", "*"),
+                "unknown scope",
+            ),
+            (
+                &line("b", b"another secret of thirty-two bytes", "write:x"),
+                "unknown scope",
+            ),
+            (
+                &line("a", b"another secret of thirty-two bytes", "info"),
+                "twice",
+            ),
+            (&line("b", SECRET, "info"), "twice"),
+        ];
+        for (bad, reason) in cases {
+            let text = format!("# header\n{good}{bad}");
+            let error = AccessList::parse(&text).unwrap_err();
+            assert_eq!(error.line, 3, "{bad}");
+            assert!(error.reason.contains(reason), "{bad}: {}", error.reason);
+        }
+    }
+
+    #[test]
+    fn short_and_unknown_secrets_match_nothing() {
+        let list = AccessList::parse(&line("a", SECRET, "info")).unwrap();
+        assert_eq!(list.authenticate(&SECRET[..31]), None);
+        assert_eq!(list.authenticate(b"0123456789abcdef0123456789abcdeX"), None);
+        assert_eq!(list.authenticate(SECRET), Some(0));
+    }
+
+    #[test]
+    fn scopes_cover_ops_by_prefix() {
+        let scopes = parse_scopes(&["lock:a/", "read:b/", "info"]).unwrap();
+        let acquire = |key| Request::Acquire {
+            wait_s: 0,
+            lease_s: 1,
+            owner: 1,
+            key,
+            limit: 0,
+            take: 0,
+            label: "",
+        };
+        assert!(scopes.permit(&acquire("a/x")));
+        assert!(scopes.permit(&acquire("a/")));
+        assert!(!scopes.permit(&acquire("a")));
+        assert!(!scopes.permit(&acquire("b/x")));
+        assert!(scopes.permit(&Request::Query { key: "b/x" }));
+        assert!(scopes.permit(&Request::Query { key: "a/x" }));
+        assert!(!scopes.permit(&Request::Query { key: "c" }));
+        assert!(!scopes.permit(&Request::Release {
+            token: 1,
+            key: "b/x"
+        }));
+        assert!(scopes.permit(&Request::Info));
+        assert!(scopes.lists("b/1") && scopes.lists("a/1") && !scopes.lists("c"));
+        let none = parse_scopes(&["info"]).unwrap();
+        assert!(!none.permit(&Request::List {
+            id: 1,
+            cursor: 0,
+            count: 1,
+            prefix: ""
+        }));
+        assert!(none.permit(&Request::Ping { nonce: 1 }));
+        let every = parse_scopes(&["lock:*"]).unwrap();
+        assert!(every.permit(&acquire("anything")));
+        assert!(!every.permit(&Request::Info));
+    }
+}
