@@ -14,19 +14,66 @@ use crate::client::{AcquireOptions, Client, Config, Error, Ticket, WAIT_MAX};
 /// The environment variable that names the servers when `--server` is not
 /// given: addresses separated by commas.
 pub const SERVER_ENV: &str = "KUNCI_SERVER";
+/// The environment variable that names the CA file when `--tls-ca` is not
+/// given.
+#[cfg_attr(not(feature = "tls"), allow(dead_code))]
+pub const TLS_CA_ENV: &str = "KUNCI_TLS_CA";
+
+/// `--tls-ca`, `--tls-cert`, `--tls-key`.
+#[cfg(feature = "tls")]
+pub(super) type TlsOptions = crate::tls::ClientFiles;
+#[cfg(not(feature = "tls"))]
+#[derive(Clone, Default)]
+pub(super) struct TlsOptions;
+
+/// Takes the value of `--NAME` if it is a TLS option; `false` if it is
+/// not one.
+pub(super) fn tls_option(
+    name: &str,
+    parser: &mut lexopt::Parser,
+    tls: &mut TlsOptions,
+) -> Result<bool, String> {
+    #[cfg(feature = "tls")]
+    {
+        let slot = match name {
+            "tls-ca" => &mut tls.ca,
+            "tls-cert" => &mut tls.cert,
+            "tls-key" => &mut tls.key,
+            _ => return Ok(false),
+        };
+        *slot = Some(args::path(parser.value())?);
+        Ok(true)
+    }
+    #[cfg(not(feature = "tls"))]
+    {
+        let _ = (parser, tls);
+        if name.starts_with("tls-") {
+            return Err(format!(
+                "--{name}: this kunci was built without TLS (cargo feature `tls`)"
+            ));
+        }
+        Ok(false)
+    }
+}
 
 // Not a `\`-continued literal: that would strip the first line's indent.
 const SERVER_HELP: &str = "  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
                   several addresses of the same service (default:
                   $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862);
                   etcd://HOST:PORT[,HOST:PORT]... takes the locks on an
-                  etcd cluster instead (docs/ETCD.md)
+                  etcd cluster instead (docs/ETCD.md); tls://HOST:PORT
+                  speaks TLS, checking the certificate against HOST
+  --tls-ca FILE   trust this CA (PEM) for tls:// (default: $KUNCI_TLS_CA,
+                  else the system's trust store)
+  --tls-cert FILE a client certificate (PEM) for tls://, with --tls-key
+  --tls-key FILE  its private key (PEM)
   -h, --help      show this help
 ";
 
 /// Options of the client commands. Each command accepts only some of them.
 pub(super) struct Options {
     pub servers: Vec<Address>,
+    pub tls: TlsOptions,
     pub wait: Duration,
     /// `--wait inf`: wait until acquired.
     pub wait_forever: bool,
@@ -66,6 +113,8 @@ pub(super) struct Accepts {
 }
 
 /// What parsing found: options to run with, or a request for help.
+// Made once per command: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Parsed {
     Run(Options),
     Help,
@@ -76,6 +125,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
     use lexopt::prelude::*;
     let mut options = Options {
         servers: Vec::new(),
+        tls: TlsOptions::default(),
         wait: Duration::ZERO,
         wait_forever: false,
         conflict_exit_code: exit::TIMEOUT,
@@ -127,6 +177,12 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
             }
             Short('q') | Long("quiet") if accepts.conflict => options.quiet = true,
             Long("json") if accepts.json => options.json = true,
+            Long(name) if name.starts_with("tls-") => {
+                let name = name.to_owned();
+                if !tls_option(&name, &mut parser, &mut options.tls)? {
+                    return Err(format!("invalid option '--{name}'"));
+                }
+            }
             Long(name) if accepts.permits && PermitFlags::is_option(name) => {
                 let name = name.to_owned();
                 permit_flags.take_option(&name, &mut parser)?;
@@ -208,12 +264,32 @@ pub(super) fn default_servers() -> Result<Vec<Address>, String> {
 }
 
 /// A client for one-shot commands: one session per address is enough.
-pub(super) fn client(servers: Vec<Address>) -> Result<Client, String> {
-    let config = Config {
+pub(super) fn client(servers: Vec<Address>, tls: &TlsOptions) -> Result<Client, String> {
+    #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
+    let mut config = Config {
         sessions_per_server: 1,
         ..Config::default()
     };
+    #[cfg(feature = "tls")]
+    {
+        config.tls = tls_files(tls);
+    }
+    #[cfg(not(feature = "tls"))]
+    let _ = tls;
     Client::new(servers, config).map_err(|e| format!("cannot start the client: {e}"))
+}
+
+/// The TLS files to use: the options, with `$KUNCI_TLS_CA` when
+/// `--tls-ca` is not given.
+#[cfg(feature = "tls")]
+pub(super) fn tls_files(tls: &TlsOptions) -> crate::tls::ClientFiles {
+    let mut files = tls.clone();
+    if files.ca.is_none() {
+        files.ca = std::env::var_os(TLS_CA_ENV)
+            .filter(|ca| !ca.is_empty())
+            .map(Into::into);
+    }
+    files
 }
 
 /// The exit code for an outcome (spec §9).
@@ -226,6 +302,7 @@ pub(super) fn exit_code(error: &Error) -> u8 {
         Error::Indeterminate => exit::INDETERMINATE,
         Error::NotHeld => exit::NOT_HELD,
         Error::LimitMismatch { .. } => exit::USAGE,
+        Error::PermissionDenied(_) => exit::PERMISSION_DENIED,
     }
 }
 
@@ -250,6 +327,7 @@ pub(super) fn report(command: &str, error: Error, servers: &[Address], attempt: 
         Error::InvalidArgument(_) => "invalid argument",
         Error::NotHeld => "not held",
         Error::LimitMismatch { .. } => "limit mismatch",
+        Error::PermissionDenied(_) => "permission denied",
     };
     eprintln!(
         "kunci {command}: {outcome}: {}",
@@ -305,6 +383,12 @@ pub(super) fn message(
              nothing was executed. Add this host's network to its --allow list"
                 .to_owned()
         }
+        Error::Unavailable(crate::client::Unavailable::Untrusted(why)) => format!(
+            "TLS: {why}; nothing was sent. Give the CA that signed the server's \
+             certificate with --tls-ca (or KUNCI_TLS_CA), and use the host name the \
+             certificate names"
+        ),
+        Error::PermissionDenied(why) => format!("{why}; nothing was executed"),
         Error::Unavailable(crate::client::Unavailable::Unreachable)
             if servers
                 .iter()
@@ -683,7 +767,7 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
         Err(message) => return usage_error(name, &message),
     };
     init_logging();
-    let client = match client(options.servers.clone()) {
+    let client = match client(options.servers.clone(), &options.tls) {
         Ok(client) => client,
         Err(message) => {
             eprintln!("kunci {name}: {message}");

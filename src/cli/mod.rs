@@ -23,6 +23,7 @@ pub mod exit {
     pub const UNAVAILABLE: u8 = 4;
     pub const INDETERMINATE: u8 = 5;
     pub const NOT_HELD: u8 = 6;
+    pub const PERMISSION_DENIED: u8 = 7;
 }
 
 const USAGE: &str = "\

@@ -48,6 +48,7 @@ const RATES: [(&str, &str); 5] = [
 
 struct Options {
     servers: Vec<Address>,
+    tls: common::TlsOptions,
     interval: Duration,
     count: Option<u64>,
 }
@@ -56,6 +57,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
     use lexopt::prelude::*;
     let mut options = Options {
         servers: Vec::new(),
+        tls: common::TlsOptions::default(),
         interval: Duration::from_secs(1),
         count: None,
     };
@@ -76,6 +78,12 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
                     return Err("--count: must be at least 1".into());
                 }
                 options.count = Some(count);
+            }
+            Long(name) if name.starts_with("tls-") => {
+                let name = name.to_owned();
+                if !common::tls_option(&name, &mut parser, &mut options.tls)? {
+                    return Err(format!("invalid option '--{name}'"));
+                }
             }
             Short('h') | Long("help") => return Ok(None),
             other => return Err(other.unexpected().to_string()),
@@ -113,7 +121,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     common::init_logging();
-    let client = match common::client(options.servers.clone()) {
+    let client = match common::client(options.servers.clone(), &options.tls) {
         Ok(client) => client,
         Err(message) => {
             eprintln!("kunci top: {message}");

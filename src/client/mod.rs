@@ -75,6 +75,10 @@ pub struct Config {
     /// (default 1 s). A failed attempt is retried, after a short backoff,
     /// while requests wait for a session.
     pub connect_timeout: Duration,
+    /// For `tls://` addresses: the CA to trust (default: the system's
+    /// store) and an optional client certificate.
+    #[cfg(feature = "tls")]
+    pub tls: crate::tls::ClientFiles,
 }
 
 impl Default for Config {
@@ -82,13 +86,15 @@ impl Default for Config {
         Config {
             sessions_per_server: 2,
             connect_timeout: Duration::from_secs(1),
+            #[cfg(feature = "tls")]
+            tls: Default::default(),
         }
     }
 }
 
 /// Why a call did not succeed. Each variant says what the caller may
 /// conclude from it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Error {
     /// The server answered `T`: the key stayed held for the whole wait (or,
     /// with a zero wait, was held at the one attempt). Definitive: nothing
@@ -126,6 +132,9 @@ pub enum Error {
     /// was acquired or queued. `key_limit` is the key's limit, as the
     /// server's message names it.
     LimitMismatch { key_limit: Option<u16> },
+    /// The server refused this client: over TLS, its certificate or the
+    /// lack of one. Definitive: nothing was executed. The text says why.
+    PermissionDenied(String),
 }
 
 /// Why a request was [`Error::Unavailable`].
@@ -139,6 +148,9 @@ pub enum Unavailable {
     /// The server refused the session: this client's address is not in
     /// its `--allow` list (`X 9`).
     NotAllowed,
+    /// This client does not trust the server: its TLS certificate failed
+    /// verification, for the reason given (or the handshake failed).
+    Untrusted(&'static str),
 }
 
 impl fmt::Display for Error {
@@ -155,6 +167,10 @@ impl fmt::Display for Error {
             Error::Unavailable(Unavailable::NotAllowed) => f.write_str(
                 "unavailable: the server does not allow this client's address; nothing was executed",
             ),
+            Error::Unavailable(Unavailable::Untrusted(why)) => {
+                write!(f, "unavailable: TLS: {why}; nothing was sent")
+            }
+            Error::PermissionDenied(why) => write!(f, "permission denied: {why}"),
             Error::Indeterminate => f.write_str(
                 "indeterminate: the request may have reached the server but no answer \
                  came in time; do not assume the lock is held",
@@ -265,8 +281,14 @@ impl Backend {
             .filter(|address| matches!(address, Address::Etcd(_)))
             .collect();
         if etcd.is_empty() {
-            return io::start(servers, config.sessions_per_server, config.connect_timeout)
-                .map(Backend::Kunci);
+            let tls = io::tls_config(&servers, config)?;
+            return io::start(
+                servers,
+                config.sessions_per_server,
+                config.connect_timeout,
+                tls,
+            )
+            .map(Backend::Kunci);
         }
         if etcd.len() != servers.len() {
             return Err(std::io::Error::new(
@@ -676,6 +698,7 @@ fn outcome_error(outcome: Outcome) -> Error {
         Outcome::NotHeld => Error::NotHeld,
         Outcome::Invalid(why) => Error::InvalidArgument(why),
         Outcome::LimitMismatch { key_limit } => Error::LimitMismatch { key_limit },
+        Outcome::PermissionDenied(why) => Error::PermissionDenied(why.to_owned()),
         // Every other outcome answers a different request: the engine
         // correlates by op, so it cannot come here; treat it as unknown.
         _ => Error::Indeterminate,

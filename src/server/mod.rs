@@ -66,7 +66,17 @@ pub struct Config {
     /// Where to serve Prometheus metrics over HTTP (see [`crate::metrics`]);
     /// `None` serves none.
     pub metrics: Option<Address>,
+    /// The certificate, key and optional client CA of the `tls://`
+    /// listeners; required when there is one.
+    #[cfg(feature = "tls")]
+    pub tls: Option<crate::tls::ServerFiles>,
 }
+
+/// The TLS configuration of one listener (`None` for plaintext).
+#[cfg(feature = "tls")]
+type ListenerTls = Option<Arc<rustls::ServerConfig>>;
+#[cfg(not(feature = "tls"))]
+type ListenerTls = Option<std::convert::Infallible>;
 
 impl Default for Config {
     fn default() -> Self {
@@ -77,6 +87,8 @@ impl Default for Config {
             allow: Vec::new(),
             state_dir: None,
             metrics: None,
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
@@ -109,6 +121,8 @@ pub fn first_token_from_clock() -> u64 {
 pub struct Server {
     poll: Poll,
     listeners: Vec<Listener>,
+    /// Per listener, in the same order.
+    listener_tls: Vec<ListenerTls>,
     addresses: Vec<Address>,
     shutdown: ShutdownHandle,
     shell: Shell,
@@ -243,15 +257,24 @@ impl Server {
         };
         let token_high_water = state.as_ref().map_or(0, StateDir::token_high_water);
         let first_token = first_token_from_clock().max(token_high_water);
+        let tls = tls_config(&config)?;
         let poll = Poll::new()?;
         let mut listeners = Vec::new();
+        let mut listener_tls = Vec::new();
         let mut addresses = Vec::new();
         for (index, address) in config.listen.iter().enumerate() {
             let mut listener = Listener::bind(address, config.unix_mode)
                 .map_err(|e| io::Error::new(e.kind(), format!("{address}: {e}")))?;
             poll.registry()
                 .register(&mut listener, listener_token(index), Interest::READABLE)?;
-            addresses.push(listener.local_address()?);
+            let mut local = listener.local_address()?;
+            if let (Address::Tls(_), Address::Tcp(host_port)) = (address, &local) {
+                local = Address::Tls(host_port.clone());
+                listener_tls.push(tls.clone());
+            } else {
+                listener_tls.push(None);
+            }
+            addresses.push(local);
             listeners.push(listener);
         }
         let metrics = match &config.metrics {
@@ -307,6 +330,7 @@ impl Server {
         Ok(Server {
             poll,
             listeners,
+            listener_tls,
             addresses,
             shutdown,
             shell,
@@ -360,7 +384,7 @@ impl Server {
                     Token(token) if token > LISTENER_TOKEN_BASE - self.listeners.len() => {
                         let index = LISTENER_TOKEN_BASE - token;
                         if let Some(listener) = self.listeners.get(index) {
-                            self.shell.accept_all(listener);
+                            self.shell.accept_all(listener, &self.listener_tls[index]);
                         }
                     }
                     Token(id) => {
@@ -396,8 +420,8 @@ impl Server {
             }
             if shell.accept_paused_until.is_some_and(|until| until <= now) {
                 shell.accept_paused_until = None;
-                for listener in &self.listeners {
-                    shell.accept_all(listener);
+                for (listener, tls) in self.listeners.iter().zip(&self.listener_tls) {
+                    shell.accept_all(listener, tls);
                 }
             }
             shell.flush_all()?;
@@ -422,6 +446,7 @@ impl Server {
             listener.remove_file();
         }
         self.listeners.clear();
+        self.listener_tls.clear();
         if let Some(metrics) = self.shell.metrics.as_mut() {
             metrics.close_all(&self.shell.registry);
         }
@@ -638,14 +663,14 @@ impl Shell {
         }
     }
 
-    fn accept_all(&mut self, listener: &Listener) {
+    fn accept_all(&mut self, listener: &Listener, tls: &ListenerTls) {
         if self.accept_paused_until.is_some() || self.endpoint.is_shutting_down() {
             return;
         }
         let mut refused = 0;
         loop {
             match listener.accept() {
-                Ok((stream, peer)) => self.admit(stream, peer),
+                Ok((stream, peer)) => self.admit(stream, peer, tls),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => {}
@@ -654,7 +679,8 @@ impl Shell {
                         warn!("accept: out of file descriptors; refusing new connections");
                     }
                     refused += 1;
-                    if refused > ACCEPT_REFUSALS_PER_WAKEUP || !self.refuse_with_spare_fd(listener)
+                    if refused > ACCEPT_REFUSALS_PER_WAKEUP
+                        || !self.refuse_with_spare_fd(listener, tls.is_some())
                     {
                         return self.pause_accepting();
                     }
@@ -670,14 +696,16 @@ impl Shell {
     /// Out of descriptors: give up the spare one to accept the waiting
     /// peer and tell it so with `X 7`, rather than leave it hanging in the
     /// backlog. Returns whether a spare descriptor was there to use.
-    fn refuse_with_spare_fd(&mut self, listener: &Listener) -> bool {
+    /// A TLS peer is closed with nothing sent, as at the connection limit.
+    fn refuse_with_spare_fd(&mut self, listener: &Listener, tls: bool) -> bool {
         if self.spare_fd.take().is_none() {
             self.spare_fd = File::open("/dev/null").ok();
             return false;
         }
         if let Ok((mut stream, _)) = listener.accept() {
             let frame = self.endpoint.refusal_without_descriptor();
-            let _ = stream.write(&frame);
+            let frame = if tls { &[][..] } else { &frame[..] };
+            let _ = stream.write(frame);
             stream.shutdown_write();
         }
         self.spare_fd = File::open("/dev/null").ok();
@@ -690,7 +718,7 @@ impl Shell {
         self.accept_paused_until = Some(self.now() + micros(ACCEPT_BACKOFF));
     }
 
-    fn admit(&mut self, stream: Stream, peer: Peer) {
+    fn admit(&mut self, stream: Stream, peer: Peer, tls: &ListenerTls) {
         let entry = self.sockets.vacant_entry();
         let id = entry.key();
         if id as u64 > crate::core::endpoint::CONN_ID_MAX {
@@ -718,8 +746,53 @@ impl Shell {
             Peer::Unix => None,
         };
         let now = self.now();
-        self.endpoint.accept(id as ConnId, ip, now);
+        match tls {
+            #[cfg(feature = "tls")]
+            Some(config) => self.endpoint.accept_tls(id as ConnId, ip, config, now),
+            #[cfg(not(feature = "tls"))]
+            Some(never) => match *never {},
+            None => self.endpoint.accept(id as ConnId, ip, now),
+        }
     }
+}
+
+/// The TLS configuration shared by the `tls://` listeners, checked before
+/// anything is bound: a missing or unreadable certificate or key stops the
+/// start with the file and the problem named.
+#[cfg(feature = "tls")]
+fn tls_config(config: &Config) -> io::Result<ListenerTls> {
+    let wanted = config
+        .listen
+        .iter()
+        .any(|address| matches!(address, Address::Tls(_)));
+    let invalid = |text: String| io::Error::new(io::ErrorKind::InvalidInput, text);
+    match (&config.tls, wanted) {
+        (Some(files), true) => crate::tls::server_config(files)
+            .map(Some)
+            .map_err(|e| invalid(format!("TLS: {e}"))),
+        (None, true) => Err(invalid(
+            "TLS: a tls:// listener needs --tls-cert and --tls-key".to_owned(),
+        )),
+        (Some(_), false) => Err(invalid(
+            "TLS: --tls-cert, --tls-key and --tls-client-ca need a tls:// listener".to_owned(),
+        )),
+        (None, false) => Ok(None),
+    }
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_config(config: &Config) -> io::Result<ListenerTls> {
+    if config
+        .listen
+        .iter()
+        .any(|address| matches!(address, Address::Tls(_)))
+    {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "TLS: tls:// listeners need kunci built with the `tls` feature",
+        ));
+    }
+    Ok(None)
 }
 
 fn is_out_of_descriptors(error: &io::Error) -> bool {

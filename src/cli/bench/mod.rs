@@ -109,6 +109,7 @@ enum Which {
 #[derive(Default)]
 struct Options {
     server: Option<Address>,
+    tls: super::client::TlsOptions,
     workload: Option<Which>,
     connections: Option<usize>,
     pipeline: Option<usize>,
@@ -224,6 +225,12 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
             }
             Long("seed") => o.seed = Some(args::number("--seed", parser.value())?),
             Long("json") => o.json = true,
+            Long(name) if name.starts_with("tls-") => {
+                let name = name.to_owned();
+                if !super::client::tls_option(&name, &mut parser, &mut o.tls)? {
+                    return Err(format!("invalid option '--{name}'"));
+                }
+            }
             Short('h') | Long("help") => return Ok(None),
             Value(value) if o.workload.is_none() => {
                 let name = value.string().map_err(|e| e.to_string())?;
@@ -267,6 +274,7 @@ fn positive(option: &str, value: Result<OsString, lexopt::Error>) -> Result<usiz
 struct Run {
     which: Which,
     server: Address,
+    tls: super::client::TlsOptions,
     plan: Plan,
     mix: workloads::Mix,
     key_prefix: String,
@@ -351,6 +359,7 @@ impl Run {
         let duration = o.duration.unwrap_or(Duration::from_secs(duration));
         Ok(Run {
             which,
+            tls: o.tls,
             server: match o.server {
                 Some(server) => server,
                 // One server is driven: the first of $KUNCI_SERVER's.
@@ -412,8 +421,13 @@ impl Run {
             let stats = closed_loop::execute(self, &stop)?;
             return Ok(self.report(stats));
         }
-        let mut fleet = Fleet::connect(&self.server, self.plan.connections, &self.key_prefix)
-            .map_err(|e| e.to_string())?;
+        let mut fleet = Fleet::connect(
+            &self.server,
+            &self.tls,
+            self.plan.connections,
+            &self.key_prefix,
+        )
+        .map_err(|e| e.to_string())?;
         let mut workload = self.workload();
         let mut progress = Progress::new(std::io::stderr().is_terminal());
 
