@@ -1,6 +1,6 @@
 //! Server addresses: `HOST:PORT` for TCP, `unix:PATH` for a Unix socket,
 //! `tls://HOST:PORT` for TCP with TLS, `etcd://HOST:PORT[,HOST:PORT…]` for
-//! the members of an etcd cluster.
+//! the members of an etcd cluster (`etcds://` with TLS).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -21,8 +21,9 @@ pub enum Address {
     /// against HOST.
     Tls(String),
     /// `etcd://HOST:PORT[,HOST:PORT…]`: members of one etcd v3 cluster,
-    /// reached through its HTTP/JSON gateway (a client address only).
-    Etcd(Vec<String>),
+    /// reached through its HTTP/JSON gateway (a client address only);
+    /// `etcds://` reaches them over TLS.
+    Etcd { endpoints: Vec<String>, tls: bool },
 }
 
 /// An address (or an `--allow` network) that does not parse, with the
@@ -69,7 +70,11 @@ impl FromStr for Address {
     type Err = AddressError;
 
     fn from_str(text: &str) -> Result<Address, AddressError> {
-        if let Some(members) = text.strip_prefix("etcd://") {
+        let etcd = match text.strip_prefix("etcds://") {
+            Some(members) => Some((members, true)),
+            None => text.strip_prefix("etcd://").map(|members| (members, false)),
+        };
+        if let Some((members, tls)) = etcd {
             let endpoints: Vec<String> = members.split(',').map(|m| m.trim().to_owned()).collect();
             for endpoint in &endpoints {
                 host_port_problem(endpoint).map_or(Ok(()), |problem| {
@@ -79,7 +84,7 @@ impl FromStr for Address {
                     ))
                 })?;
             }
-            return Ok(Address::Etcd(endpoints));
+            return Ok(Address::Etcd { endpoints, tls });
         }
         if let Some(host_port) = text.strip_prefix("tls://") {
             if let Some(problem) = host_port_problem(host_port) {
@@ -128,7 +133,10 @@ impl fmt::Display for Address {
             Address::Tcp(host_port) => f.write_str(host_port),
             Address::Unix(path) => write!(f, "unix:{}", path.display()),
             Address::Tls(host_port) => write!(f, "tls://{host_port}"),
-            Address::Etcd(endpoints) => write!(f, "etcd://{}", endpoints.join(",")),
+            Address::Etcd { endpoints, tls } => {
+                let scheme = if *tls { "etcds" } else { "etcd" };
+                write!(f, "{scheme}://{}", endpoints.join(","))
+            }
         }
     }
 }
@@ -158,10 +166,14 @@ mod tests {
         );
         assert_eq!(
             "etcd://127.0.0.1:2379,db2:2379".parse(),
-            Ok(Address::Etcd(vec![
-                "127.0.0.1:2379".into(),
-                "db2:2379".into()
-            ]))
+            Ok(Address::Etcd {
+                endpoints: vec!["127.0.0.1:2379".into(), "db2:2379".into()],
+                tls: false
+            })
+        );
+        assert_eq!(
+            "etcds://db1:2379".parse::<Address>().unwrap().to_string(),
+            "etcds://db1:2379"
         );
         assert_eq!(
             "etcd://a:1,b:2".parse::<Address>().unwrap().to_string(),

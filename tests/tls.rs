@@ -545,3 +545,150 @@ fn bad_tls_files_stop_the_start() {
         "{log}"
     );
 }
+
+/// One etcd member serving clients over TLS only, with the test CA's
+/// server certificate; `extra` adds flags (client certificates).
+#[cfg(feature = "etcd")]
+struct EtcdTls {
+    child: std::process::Child,
+    port: u16,
+    _dir: TempDir,
+}
+
+#[cfg(feature = "etcd")]
+impl EtcdTls {
+    fn start(pki: &Pki, extra: &[&str]) -> EtcdTls {
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        };
+        let (port, peer) = (free(), free());
+        let dir = TempDir::new("etcds");
+        let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
+        let child = Command::new("etcd")
+            .args(["--name", "m0"])
+            .arg("--data-dir")
+            .arg(dir.join("data"))
+            .args(["--listen-client-urls", &format!("https://127.0.0.1:{port}")])
+            .args([
+                "--advertise-client-urls",
+                &format!("https://localhost:{port}"),
+            ])
+            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args([
+                "--initial-advertise-peer-urls",
+                &format!("http://127.0.0.1:{peer}"),
+            ])
+            .args(["--initial-cluster", &format!("m0=http://127.0.0.1:{peer}")])
+            .args(["--cert-file", &pki.path("server.pem")])
+            .args(["--key-file", &pki.path("server.key")])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn etcd");
+        EtcdTls {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+
+    fn address(&self) -> String {
+        format!("etcds://localhost:{}", self.port)
+    }
+}
+
+#[cfg(feature = "etcd")]
+impl Drop for EtcdTls {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `kunci ARGS --server ADDRESS`, retried while etcd starts (exit 4).
+#[cfg(feature = "etcd")]
+fn kunci_when_up(address: &str, args: &[&str]) -> Output {
+    let give_up = Instant::now() + Duration::from_secs(30);
+    loop {
+        let output = kunci(&[args, &["--server", address]].concat(), &[]);
+        if output.status.code() != Some(4) || Instant::now() > give_up {
+            return output;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[cfg(feature = "etcd")]
+#[test]
+fn etcds_with_a_private_ca_and_client_certificates() {
+    if !crate::util::require_tool("etcd", "etcd-server") {
+        return;
+    }
+    let pki = Pki::new();
+    let ca = pki.path("ca.pem");
+    let etcd = EtcdTls::start(&pki, &[]);
+    let address = etcd.address();
+    let acquired = kunci_when_up(&address, &["acquire", "e", "--tls-ca", &ca]);
+    assert_eq!(
+        acquired.status.code(),
+        Some(0),
+        "{}",
+        text(&acquired.stderr)
+    );
+    let token = text(&acquired.stdout).trim().to_owned();
+    let released = kunci(
+        &[
+            "release", "e", &token, "--server", &address, "--tls-ca", &ca,
+        ],
+        &[],
+    );
+    assert_eq!(
+        released.status.code(),
+        Some(0),
+        "{}",
+        text(&released.stderr)
+    );
+    // A CA that did not sign etcd's certificate: nothing is sent.
+    let untrusted = kunci(
+        &[
+            "acquire",
+            "e",
+            "--server",
+            &address,
+            "--tls-ca",
+            &pki.path("other-ca.pem"),
+        ],
+        &[],
+    );
+    assert_eq!(
+        untrusted.status.code(),
+        Some(4),
+        "{}",
+        text(&untrusted.stderr)
+    );
+    drop(etcd);
+
+    // etcd that requires a client certificate from the test CA.
+    let etcd = EtcdTls::start(&pki, &["--trusted-ca-file", &ca, "--client-cert-auth"]);
+    let address = etcd.address();
+    let with = kunci_when_up(
+        &address,
+        &[
+            "acquire",
+            "e",
+            "--tls-ca",
+            &ca,
+            "--tls-cert",
+            &pki.path("client.pem"),
+            "--tls-key",
+            &pki.path("client.key"),
+        ],
+    );
+    assert_eq!(with.status.code(), Some(0), "{}", text(&with.stderr));
+}

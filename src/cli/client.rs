@@ -229,7 +229,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
 pub(super) fn check_servers(servers: &[Address]) -> Result<(), String> {
     let etcd = servers
         .iter()
-        .filter(|address| matches!(address, Address::Etcd(_)))
+        .filter(|address| matches!(address, Address::Etcd { .. }))
         .count();
     if etcd != 0 && etcd != servers.len() {
         return Err("etcd:// cannot be mixed with kunci server addresses: \
@@ -392,7 +392,7 @@ pub(super) fn message(
         Error::Unavailable(crate::client::Unavailable::Unreachable)
             if servers
                 .iter()
-                .any(|address| matches!(address, Address::Etcd(_))) =>
+                .any(|address| matches!(address, Address::Etcd { .. })) =>
         {
             let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
             format!(

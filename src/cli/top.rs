@@ -96,7 +96,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
     if options
         .servers
         .iter()
-        .any(|address| matches!(address, Address::Etcd(_)))
+        .any(|address| matches!(address, Address::Etcd { .. }))
     {
         return Err(
             "not supported on etcd://: the counters are a kunci server's \

@@ -579,7 +579,7 @@ impl Shell {
                 "tls:// addresses need kunci built with the `tls` feature",
             )),
             // `Client::new` sends etcd addresses to the etcd backend.
-            Address::Etcd(_) => Err(io::Error::new(
+            Address::Etcd { .. } => Err(io::Error::new(
                 io::ErrorKind::Unsupported,
                 "not a kunci server address",
             )),

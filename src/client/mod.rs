@@ -274,11 +274,33 @@ enum Backend {
     Etcd(Arc<etcd::Shared>),
 }
 
+/// The TLS configuration of `etcds://` members.
+#[cfg(all(feature = "etcd", feature = "tls"))]
+fn etcd_tls(tls: bool, config: &Config) -> std::io::Result<etcd::http::Tls> {
+    if !tls {
+        return Ok(None);
+    }
+    crate::tls::client_config(&config.tls)
+        .map(Some)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("TLS: {e}")))
+}
+
+#[cfg(all(feature = "etcd", not(feature = "tls")))]
+fn etcd_tls(tls: bool, _: &Config) -> std::io::Result<etcd::http::Tls> {
+    if tls {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "etcds:// needs kunci built with the `tls` feature",
+        ));
+    }
+    Ok(None)
+}
+
 impl Backend {
     fn start(servers: Vec<Address>, config: &Config) -> std::io::Result<Backend> {
         let etcd: Vec<&Address> = servers
             .iter()
-            .filter(|address| matches!(address, Address::Etcd(_)))
+            .filter(|address| matches!(address, Address::Etcd { .. }))
             .collect();
         if etcd.is_empty() {
             let tls = io::tls_config(&servers, config)?;
@@ -298,14 +320,18 @@ impl Backend {
         }
         #[cfg(feature = "etcd")]
         {
+            let tls = servers
+                .iter()
+                .any(|address| matches!(address, Address::Etcd { tls: true, .. }));
             let endpoints = servers
                 .into_iter()
                 .flat_map(|address| match address {
-                    Address::Etcd(endpoints) => endpoints,
+                    Address::Etcd { endpoints, .. } => endpoints,
                     _ => Vec::new(),
                 })
                 .collect();
-            etcd::Shared::start(endpoints, config.connect_timeout).map(Backend::Etcd)
+            let tls = etcd_tls(tls, config)?;
+            etcd::Shared::start(endpoints, config.connect_timeout, tls).map(Backend::Etcd)
         }
         #[cfg(not(feature = "etcd"))]
         Err(std::io::Error::new(

@@ -92,7 +92,7 @@ impl Listener {
                     path: path.clone(),
                 })
             }
-            Address::Etcd(_) => Err(io::Error::new(
+            Address::Etcd { .. } => Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "etcd:// is a client address; a server cannot listen on it",
             )),

@@ -267,7 +267,7 @@ fn connect(address: &Address, tls: &Tls) -> io::Result<Stream> {
             stream.set_nonblocking(true)?;
             Ok(Stream::Unix(mio::net::UnixStream::from_std(stream)))
         }
-        Address::Etcd(_) => Err(io::Error::new(
+        Address::Etcd { .. } => Err(io::Error::new(
             io::ErrorKind::Unsupported,
             "the connection fleet speaks kunci's protocol, not etcd's",
         )),

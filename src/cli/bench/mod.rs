@@ -347,7 +347,7 @@ impl Run {
             Which::Timers => plan.connections = workloads::Timers::connections(plan.connections),
             _ => {}
         }
-        if matches!(o.server, Some(Address::Etcd(_))) {
+        if matches!(o.server, Some(Address::Etcd { .. })) {
             if !matches!(which, Which::Pairs | Which::Contended) {
                 return Err("etcd:// runs only the pairs and contended workloads".into());
             }
@@ -417,7 +417,7 @@ impl Run {
                 .map_err(|e| format!("cannot handle signal {signal}: {e}"))?;
         }
         #[cfg(feature = "etcd")]
-        if matches!(self.server, Address::Etcd(_)) {
+        if matches!(self.server, Address::Etcd { .. }) {
             let stats = closed_loop::execute(self, &stop)?;
             return Ok(self.report(stats));
         }

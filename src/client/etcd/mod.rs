@@ -8,7 +8,7 @@
 //! threads, and one keeper thread per client schedules the renewals with
 //! the same sans-IO [`KeepAlives`] rules as the kunci I/O thread.
 
-mod http;
+pub(crate) mod http;
 mod json;
 mod recipe;
 
@@ -42,8 +42,13 @@ impl Shared {
     pub(crate) fn start(
         endpoints: Vec<String>,
         connect_timeout: Duration,
+        tls: http::Tls,
     ) -> std::io::Result<Arc<Shared>> {
-        let cluster = Arc::new(Cluster::new(http::Members::new(endpoints, connect_timeout)));
+        let cluster = Arc::new(Cluster::new(http::Members::new(
+            endpoints,
+            connect_timeout,
+            tls,
+        )));
         let (sender, notes) = mpsc::channel();
         let keeper = Keeper {
             cluster: cluster.clone(),
