@@ -692,3 +692,133 @@ fn etcds_with_a_private_ca_and_client_certificates() {
     );
     assert_eq!(with.status.code(), Some(0), "{}", text(&with.stderr));
 }
+
+/// Drives one TLS connection of a sans-IO endpoint with an in-memory
+/// rustls client: a pipelined flood that the server's socket never takes
+/// stops reading at the high-water mark with every bound kept, and then
+/// every answer arrives, in order, once the socket drains.
+#[test]
+fn endpoint_tls_backpressure_keeps_the_bounds() {
+    use kunci::core::endpoint::Endpoint;
+    use kunci::core::{Core, Limits};
+
+    let pki = Pki::new();
+    let server_config = kunci::tls::server_config(&kunci::tls::ServerFiles {
+        cert: pki.dir.join("server.pem"),
+        key: pki.dir.join("server.key"),
+        client_ca: None,
+    })
+    .unwrap();
+    let client_config = kunci::tls::client_config(&ClientFiles {
+        ca: Some(pki.dir.join("ca.pem")),
+        ..ClientFiles::default()
+    })
+    .unwrap();
+    let mut client = rustls::ClientConnection::new(
+        client_config,
+        kunci::tls::server_name("localhost:1").unwrap(),
+    )
+    .unwrap();
+    client.set_buffer_limit(None);
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), 1), Vec::new());
+    let now = 1_000;
+    endpoint.accept_tls(0, None, &server_config, now);
+    let bound = endpoint.output_bound();
+    let mut answers = Vec::new();
+
+    // Server records into the client, as far as `budget` bytes.
+    fn to_client(
+        endpoint: &mut Endpoint,
+        client: &mut rustls::ClientConnection,
+        answers: &mut Vec<u8>,
+        budget: usize,
+    ) -> usize {
+        let mut moved = 0;
+        while moved < budget {
+            let Some(records) = endpoint.transmit(0) else {
+                break;
+            };
+            let n = records.len().min(budget - moved);
+            let mut slice = &records[..n];
+            while !slice.is_empty() {
+                client.read_tls(&mut slice).unwrap();
+                client.process_new_packets().unwrap();
+                // Whatever is decrypted (the reader ends with WouldBlock).
+                let _ = client.reader().read_to_end(answers);
+            }
+            endpoint.handle_written(0, n, 1_000);
+            moved += n;
+        }
+        let _ = client.reader().read_to_end(answers);
+        moved
+    }
+    // Client records into the server, in reads of at most 64 KiB, while
+    // the endpoint wants to read.
+    fn to_server(endpoint: &mut Endpoint, client: &mut rustls::ClientConnection) -> usize {
+        let mut records = Vec::new();
+        while client.wants_write() && records.len() < 64 * 1024 {
+            client.write_tls(&mut records).unwrap();
+        }
+        let mut fed = 0;
+        for chunk in records.chunks(64 * 1024) {
+            assert!(endpoint.wants_read(0), "read while backpressured");
+            endpoint.handle_read(0, chunk, 1_000);
+            fed += chunk.len();
+        }
+        fed
+    }
+
+    // The handshake.
+    for _ in 0..4 {
+        to_server(&mut endpoint, &mut client);
+        to_client(&mut endpoint, &mut client, &mut answers, usize::MAX);
+    }
+    assert!(!client.is_handshaking());
+    endpoint.check_invariants();
+
+    // 200,000 pipelined pings, and a socket that takes nothing.
+    let pings = 200_000u64;
+    for nonce in 0..pings {
+        client
+            .writer()
+            .write_all(&crate::util::ping(nonce))
+            .unwrap();
+    }
+    let mut rounds = 0;
+    while endpoint.wants_read(0) && client.wants_write() {
+        to_server(&mut endpoint, &mut client);
+        endpoint.check_invariants();
+        rounds += 1;
+        assert!(rounds < 1_000);
+    }
+    assert!(!endpoint.wants_read(0), "the flood stops reading");
+    let held = endpoint.connection(0).unwrap();
+    assert!(held.output_len() <= bound);
+    assert!(held.output_len() >= 64 * 1024);
+
+    let mut expected = Vec::new();
+    for nonce in 0..pings {
+        protocol::encode_response(&protocol::Response::Pong { nonce }, &mut expected);
+    }
+    // The socket drains 16 KiB at a time; reading resumes in between.
+    while answers.len() < expected.len() {
+        let moved = to_client(&mut endpoint, &mut client, &mut answers, 16 * 1024);
+        endpoint.check_invariants();
+        let fed = if endpoint.wants_read(0) {
+            to_server(&mut endpoint, &mut client)
+        } else {
+            0
+        };
+        endpoint.check_invariants();
+        assert!(
+            moved + fed > 0,
+            "stuck after {} bytes of answers",
+            answers.len()
+        );
+        if let Some(conn) = endpoint.connection(0) {
+            assert!(conn.output_len() <= bound);
+        }
+    }
+    assert_eq!(answers.len(), expected.len());
+    assert!(answers == expected, "answers out of order");
+}

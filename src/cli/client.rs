@@ -868,6 +868,10 @@ fn acquire_until_granted(
             }
             Err(Error::Busy) if !server_shut_down(client, notices) => return Err(Error::Busy),
             Err(Error::Busy) => log::debug!("{key}: the server is shutting down; asking again"),
+            // A certificate problem does not go away by waiting.
+            Err(Error::Unavailable(why @ crate::client::Unavailable::Untrusted(_))) => {
+                return Err(Error::Unavailable(why));
+            }
             Err(Error::Unavailable(why)) => {
                 log::debug!("{key}: unavailable ({why:?}); asking again")
             }

@@ -78,6 +78,20 @@ type ListenerTls = Option<Arc<rustls::ServerConfig>>;
 #[cfg(not(feature = "tls"))]
 type ListenerTls = Option<std::convert::Infallible>;
 
+impl Config {
+    /// Whether the listener on `address` admits only clients with a
+    /// certificate from `--tls-client-ca`: a `tls://` listener when that
+    /// option is given (for the start-up warning about open listeners).
+    pub fn requires_client_certificate(&self, address: &Address) -> bool {
+        #[cfg(feature = "tls")]
+        if let Some(files) = &self.tls {
+            return files.client_ca.is_some() && matches!(address, Address::Tls(_));
+        }
+        let _ = address;
+        false
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {
