@@ -24,7 +24,9 @@ pub const TLS_CA_ENV: &str = "KUNCI_TLS_CA";
 pub(super) type TlsOptions = crate::tls::ClientFiles;
 #[cfg(not(feature = "tls"))]
 #[derive(Clone, Default)]
-pub(super) struct TlsOptions;
+pub(super) struct TlsOptions {
+    _none: (),
+}
 
 /// Takes the value of `--NAME` if it is a TLS option; `false` if it is
 /// not one.

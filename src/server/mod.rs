@@ -284,7 +284,7 @@ impl Server {
             let mut local = listener.local_address()?;
             if let (Address::Tls(_), Address::Tcp(host_port)) = (address, &local) {
                 local = Address::Tls(host_port.clone());
-                listener_tls.push(tls.clone());
+                listener_tls.push(tls.as_ref().cloned());
             } else {
                 listener_tls.push(None);
             }
