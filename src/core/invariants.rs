@@ -53,7 +53,7 @@ impl Core {
                         "key {key:?}: unknown and granted by this run"
                     );
                     assert!(
-                        held.waiters != NIL || !permits.grants.is_empty(),
+                        !held.waiters.is_empty() || !permits.grants.is_empty(),
                         "key {key:?}: unknown, nobody waits or holds"
                     );
                 } else {
@@ -91,8 +91,8 @@ impl Core {
                     exclusive == 0 || permits.grants.len() == 1 || earlier,
                     "{key:?}: an exclusive grant with others"
                 );
-                if held.waiters != NIL {
-                    let head = self.waiters.get(held.waiters);
+                if let Some(head) = held.waiters.head() {
+                    let head = self.waiters.get(head);
                     assert!(
                         !permits.fits(head.take),
                         "{key:?}: the head waiter fits but was not granted"
@@ -102,8 +102,8 @@ impl Core {
                 assert!(held.lease.is_armed(), "key {key:?} has no lease timer");
                 leased_entries += 1;
                 unknown += 1;
-                assert_ne!(
-                    held.waiters, NIL,
+                assert!(
+                    !held.waiters.is_empty(),
                     "key {key:?} held by an unknown grant and waited on by nobody"
                 );
             } else {

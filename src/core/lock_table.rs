@@ -3,7 +3,7 @@
 //! Entries live in one dense `Vec`; an open-addressing index of entry
 //! indices with tag bytes ([`KeyIndex`], one cache line per bucket) finds
 //! them. A lookup costs one index line plus the entry, and a held lock
-//! with a key of up to [`INLINE_KEY_MAX`] bytes costs one 56-byte entry
+//! with a key of up to [`INLINE_KEY_MAX`] bytes costs one 52-byte entry
 //! plus 6.7–13.3 bytes of index and no allocation of its own.
 //! Indices of live entries are stable until [`LockTable::remove`]; the
 //! timer wheel and the waiter queues refer to entries by index.
@@ -13,6 +13,7 @@ use std::hash::BuildHasher as _;
 use slab::Slab;
 
 use super::key_index::KeyIndex;
+use super::waiters::Queue;
 use crate::timer_wheel::TimerLinks;
 
 /// Marks the end of the free list or "no waiters".
@@ -65,11 +66,9 @@ const PREFETCH_MIN_KEYS: usize = 1 << 15;
 /// or — after an unclean restart — by an unknown grant of an earlier run
 /// (`token` = 0) until the lease horizon.
 ///
-/// 56 bytes, packed to 4-byte alignment (which saved 4 bytes of padding
-/// at 52, before the entry kept the moment of its grant for `H`; that
-/// cost is in docs/DESIGN.md, "Who holds it"). Every field is read and written
-/// by value except the 4-aligned `lease` and `waiters`, which the core
-/// borrows.
+/// 52 bytes, packed to 4-byte alignment (which saves 4 bytes of
+/// padding). Every field is read and written by value except the
+/// 4-aligned `lease` and `waiters`, which the core borrows.
 #[derive(Clone, Copy, Debug)]
 #[repr(C, packed(4))]
 pub struct LockEntry {
@@ -79,30 +78,11 @@ pub struct LockEntry {
     pub owner: u64,
     /// The lease-expiry timer.
     pub lease: TimerLinks,
-    /// The head of the FIFO waiter queue, or [`NIL`]. On a free entry, the
-    /// next free entry.
-    pub waiters: u32,
-    /// When the active grant was made (not renewed), for `H` (spec §11):
-    /// core milliseconds modulo 2³² ([`granted_at_ms`]). A grant restored
-    /// after a restart counts from the restart (0).
-    pub granted_at: u32,
+    /// The FIFO waiter queue, which also keeps when the active inline
+    /// grant was made (for `H`; a grant restored after a restart counts
+    /// from the restart, 0). On a free entry, the next free entry.
+    pub waiters: Queue,
     key: StoredKey,
-}
-
-/// A grant instant as [`LockEntry::granted_at`] keeps it: milliseconds
-/// since the core's epoch, rounded *up*, modulo 2³².
-pub fn granted_at_ms(at: u64) -> u32 {
-    at.div_ceil(1_000) as u32
-}
-
-/// Whole milliseconds from `granted_at` (see [`granted_at_ms`]) to `now`,
-/// rounded down: the clock rounded down minus the grant rounded up never
-/// exceeds the true time, and is at most one short of it. Within the same
-/// millisecond that difference is −1, which wraps to `u32::MAX` and means
-/// 0. Exact for any grant held less than 2³² − 1 ms (49.7 days).
-pub fn held_ms(granted_at: u32, now: u64) -> u32 {
-    let held = ((now / 1_000) as u32).wrapping_sub(granted_at);
-    if held == u32::MAX { 0 } else { held }
 }
 
 /// A key stored inline (`len ≤ INLINE_KEY_MAX`) or as an index into the
@@ -223,14 +203,13 @@ impl LockTable {
             token,
             owner,
             lease: TimerLinks::UNARMED,
-            waiters: NIL,
-            granted_at: 0,
+            waiters: Queue::empty(0),
             key: stored,
         };
         let index = match self.entries.get_mut(self.free_head as usize) {
             Some(free) => {
                 let index = self.free_head;
-                self.free_head = free.waiters;
+                self.free_head = free.waiters.as_free_link();
                 *free = entry;
                 index
             }
@@ -279,7 +258,7 @@ impl LockTable {
         let Some(entry) = self.entries.get(index as usize) else {
             return;
         };
-        debug_assert!(!{ entry.lease }.is_armed() && { entry.waiters } == NIL);
+        debug_assert!(!{ entry.lease }.is_armed() && { entry.waiters }.is_empty());
         let stored = entry.key;
         if stored.len == 0 {
             return;
@@ -291,7 +270,7 @@ impl LockTable {
         }
         let entry = &mut self.entries[index as usize];
         entry.key = StoredKey::FREE;
-        entry.waiters = self.free_head;
+        entry.waiters = Queue::free_link(self.free_head);
         self.free_head = index;
         if self.index.is_empty() {
             self.release_memory();
@@ -414,7 +393,7 @@ mod tests {
 
     #[test]
     fn entry_stays_small() {
-        assert_eq!(std::mem::size_of::<LockEntry>(), 56);
+        assert_eq!(std::mem::size_of::<LockEntry>(), 52);
     }
 
     #[test]

@@ -576,12 +576,11 @@ impl Core {
             }
         }
         loop {
-            let head = self.table.get(entry).waiters;
-            if head == NIL {
+            let Some(head) = self.table.get(entry).waiters.head() else {
                 self.note_freed_in_grace(entry, now);
                 self.table.remove(entry);
                 return;
-            }
+            };
             let (conn, owner, lease_s) = {
                 let waiter = self.waiters.get(head);
                 (waiter.conn, waiter.owner, waiter.lease_s)
@@ -611,13 +610,21 @@ impl Core {
         let held = self.table.get_mut(entry);
         held.token = token;
         held.owner = owner;
-        held.granted_at = lock_table::granted_at_ms(now);
+        self.set_grant_time(entry, now);
         self.arm_lease_at(entry, now + u64::from(lease_s) * MICROS_PER_S);
         self.labels.put(LabelOf::Entry(entry), label);
         self.grants_held += 1;
         self.stats.grants += 1;
         self.outbox
             .push((conn, Response::Acquired { owner, token }));
+    }
+
+    /// Records that `entry`'s inline grant was made (or adopted) at `now`,
+    /// for `H`.
+    fn set_grant_time(&mut self, entry: u32, now: Micros) {
+        let queue = &mut self.table.get_mut(entry).waiters;
+        self.waiters
+            .set_grant_time(queue, waiters::grant_time_ms(now));
     }
 
     /// The timer wheel and the nodes it links, borrowed together.
@@ -667,7 +674,7 @@ impl Core {
                 Some(now) => self.scan_permits(entry, now),
                 None => self.drop_if_idle(entry, 0),
             }
-        } else if held.token == 0 && held.waiters == NIL {
+        } else if held.token == 0 && held.waiters.is_empty() {
             self.cancel_lease(entry);
             self.unknown_holders -= 1;
             self.table.remove(entry);

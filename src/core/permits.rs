@@ -16,6 +16,7 @@ use std::collections::VecDeque;
 
 use super::labels::LabelOf;
 use super::lock_table::NIL;
+use super::waiters::held_ms;
 use super::{ConnId, Core, GRANT_TIMER, MICROS_PER_S, Micros};
 use crate::protocol::Response;
 use crate::timer_wheel::{TimerLinks, tick_at_or_after};
@@ -222,7 +223,7 @@ impl Core {
                 owner: held.owner,
                 // The inline grant's moment, to the millisecond.
                 granted_at: now.saturating_sub(
-                    u64::from(super::lock_table::held_ms(held.granted_at, now)) * 1_000,
+                    u64::from(held_ms(self.waiters.grant_time(held.waiters), now)) * 1_000,
                 ),
                 lease: TimerLinks::UNARMED,
                 entry,
@@ -358,10 +359,9 @@ impl Core {
     /// it).
     pub(super) fn scan_permits(&mut self, entry: u32, now: Micros) {
         loop {
-            let head = self.table.get(entry).waiters;
-            if head == NIL {
+            let Some(head) = self.table.get(entry).waiters.head() else {
                 return self.drop_if_idle(entry, now);
-            }
+            };
             let (conn, owner, lease_s, take) = {
                 let waiter = self.waiters.get(head);
                 (waiter.conn, waiter.owner, waiter.lease_s, waiter.take)
@@ -386,7 +386,7 @@ impl Core {
     pub(super) fn drop_if_idle(&mut self, entry: u32, now: Micros) {
         let held = self.table.get(entry);
         let index = held.owner as usize;
-        if held.waiters != NIL || !self.permit_keys[index].grants.is_empty() {
+        if !held.waiters.is_empty() || !self.permit_keys[index].grants.is_empty() {
             return;
         }
         if self.permit_keys[index].unknown {

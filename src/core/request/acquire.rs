@@ -2,8 +2,8 @@
 //! or `X 10`. `A` is `S` with limit 0, take 0 and no label (§10.1).
 
 use crate::core::labels::{self, LabelOf};
-use crate::core::lock_table::NIL;
 use crate::core::permits::PERMITS;
+use crate::core::waiters::Queue;
 use crate::core::{ConnId, Core, MICROS_PER_S, Micros, TimerNodes, WAITER_TIMER, enqueued_at};
 use crate::protocol::{ErrorCode, Response};
 use crate::timer_wheel::tick_at_or_after;
@@ -71,7 +71,7 @@ impl Core {
             None => {
                 // The key may still be leased by the previous run: queue
                 // behind an unknown holder whose lease ends at the horizon.
-                if !self.can_queue(conn, NIL) {
+                if !self.can_queue(conn, Queue::empty(0)) {
                     return self.busy(conn, owner);
                 }
                 let Some(entry) = self.insert_key(key, hash, 0, 0) else {
@@ -104,7 +104,7 @@ impl Core {
             return;
         }
         let queue = self.table.get(entry).waiters;
-        if queue == NIL && permits.fits(ask.take) {
+        if queue.is_empty() && permits.fits(ask.take) {
             if self.next_token == u64::MAX || !self.can_grant() {
                 return self.busy(conn, ask.owner);
             }
@@ -150,14 +150,14 @@ impl Core {
         );
     }
 
-    /// Whether one more waiter fits: in total, on the queue with head
-    /// `queue_head`, on `conn`, and within `--max-grants`.
-    pub(in crate::core) fn can_queue(&self, conn: ConnId, queue_head: u32) -> bool {
+    /// Whether one more waiter fits: in total, on `queue`, on `conn`, and
+    /// within `--max-grants`.
+    pub(in crate::core) fn can_queue(&self, conn: ConnId, queue: Queue) -> bool {
         let Some(state) = self.conns.get(conn as usize).filter(|state| state.open) else {
             return false;
         };
         self.waiters.len() < self.limits.max_waiters
-            && self.waiters.queue_len(queue_head) < self.limits.max_waiters_per_key
+            && self.waiters.queue_len(queue) < self.limits.max_waiters_per_key
             && state.waiters.len < self.limits.max_waits_per_conn
             && self.can_grant()
     }

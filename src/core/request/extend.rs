@@ -1,6 +1,5 @@
 //! `E` (spec §5, §10.5): a new lease for the exact token.
 
-use crate::core::lock_table::granted_at_ms;
 use crate::core::{ConnId, Core, Held, MICROS_PER_S, Micros};
 use crate::protocol::Response;
 
@@ -22,7 +21,7 @@ impl Core {
             None => match self.adopt_earlier_token(conn, key, token, deadline, now) {
                 Some(entry) => {
                     // Held (as far as `H` shows) since its adoption.
-                    self.table.get_mut(entry).granted_at = granted_at_ms(now);
+                    self.set_grant_time(entry, now);
                     self.arm_lease_at(entry, deadline)
                 }
                 None => return,

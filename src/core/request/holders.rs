@@ -3,8 +3,8 @@
 //! each.
 
 use crate::core::labels::LabelOf;
-use crate::core::lock_table::held_ms;
 use crate::core::permits::PERMITS;
+use crate::core::waiters::held_ms;
 use crate::core::{ConnId, Core, Micros, millis_left};
 use crate::protocol::Response;
 
@@ -78,7 +78,7 @@ impl Core {
                         token: held.token,
                         owner: held.owner,
                         lease_ms,
-                        held_ms: held_ms(held.granted_at, now),
+                        held_ms: held_ms(self.waiters.grant_time(held.waiters), now),
                         take: 0,
                         label: self.labels.get(LabelOf::Entry(entry)).to_owned(),
                     }));
