@@ -1,5 +1,6 @@
 //! Server addresses: `HOST:PORT` for TCP, `unix:PATH` for a Unix socket,
-//! `etcd://HOST:PORT[,HOST:PORT…]` for the members of an etcd cluster.
+//! `tls://HOST:PORT` for TCP with TLS, `etcd://HOST:PORT[,HOST:PORT…]` for
+//! the members of an etcd cluster (`etcds://` with TLS).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -16,9 +17,13 @@ pub enum Address {
     Tcp(String),
     /// `unix:PATH`.
     Unix(PathBuf),
+    /// `tls://HOST:PORT`: TCP with TLS; a client checks the certificate
+    /// against HOST.
+    Tls(String),
     /// `etcd://HOST:PORT[,HOST:PORT…]`: members of one etcd v3 cluster,
-    /// reached through its HTTP/JSON gateway (a client address only).
-    Etcd(Vec<String>),
+    /// reached through its HTTP/JSON gateway (a client address only);
+    /// `etcds://` reaches them over TLS.
+    Etcd { endpoints: Vec<String>, tls: bool },
 }
 
 /// An address (or an `--allow` network) that does not parse, with the
@@ -65,7 +70,11 @@ impl FromStr for Address {
     type Err = AddressError;
 
     fn from_str(text: &str) -> Result<Address, AddressError> {
-        if let Some(members) = text.strip_prefix("etcd://") {
+        let etcd = match text.strip_prefix("etcds://") {
+            Some(members) => Some((members, true)),
+            None => text.strip_prefix("etcd://").map(|members| (members, false)),
+        };
+        if let Some((members, tls)) = etcd {
             let endpoints: Vec<String> = members.split(',').map(|m| m.trim().to_owned()).collect();
             for endpoint in &endpoints {
                 host_port_problem(endpoint).map_or(Ok(()), |problem| {
@@ -75,7 +84,16 @@ impl FromStr for Address {
                     ))
                 })?;
             }
-            return Ok(Address::Etcd(endpoints));
+            return Ok(Address::Etcd { endpoints, tls });
+        }
+        if let Some(host_port) = text.strip_prefix("tls://") {
+            if let Some(problem) = host_port_problem(host_port) {
+                return Err(AddressError::address(
+                    text,
+                    format!("{problem} (expected tls://HOST:PORT)"),
+                ));
+            }
+            return Ok(Address::Tls(host_port.to_owned()));
         }
         if let Some(path) = text.strip_prefix("unix:") {
             if path.is_empty() {
@@ -86,7 +104,9 @@ impl FromStr for Address {
         if let Some(problem) = host_port_problem(text) {
             return Err(AddressError::address(
                 text,
-                format!("{problem} (expected HOST:PORT, unix:PATH or etcd://HOST:PORT[,...])"),
+                format!(
+                    "{problem} (expected HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])"
+                ),
             ));
         }
         Ok(Address::Tcp(text.to_owned()))
@@ -112,7 +132,11 @@ impl fmt::Display for Address {
         match self {
             Address::Tcp(host_port) => f.write_str(host_port),
             Address::Unix(path) => write!(f, "unix:{}", path.display()),
-            Address::Etcd(endpoints) => write!(f, "etcd://{}", endpoints.join(",")),
+            Address::Tls(host_port) => write!(f, "tls://{host_port}"),
+            Address::Etcd { endpoints, tls } => {
+                let scheme = if *tls { "etcds" } else { "etcd" };
+                write!(f, "{scheme}://{}", endpoints.join(","))
+            }
         }
     }
 }
@@ -133,11 +157,23 @@ mod tests {
             Ok(Address::Unix("/tmp/k.sock".into()))
         );
         assert_eq!(
+            "tls://db1:5862".parse(),
+            Ok(Address::Tls("db1:5862".into()))
+        );
+        assert_eq!(
+            "tls://db1:5862".parse::<Address>().unwrap().to_string(),
+            "tls://db1:5862"
+        );
+        assert_eq!(
             "etcd://127.0.0.1:2379,db2:2379".parse(),
-            Ok(Address::Etcd(vec![
-                "127.0.0.1:2379".into(),
-                "db2:2379".into()
-            ]))
+            Ok(Address::Etcd {
+                endpoints: vec!["127.0.0.1:2379".into(), "db2:2379".into()],
+                tls: false
+            })
+        );
+        assert_eq!(
+            "etcds://db1:2379".parse::<Address>().unwrap().to_string(),
+            "etcds://db1:2379"
         );
         assert_eq!(
             "etcd://a:1,b:2".parse::<Address>().unwrap().to_string(),
@@ -153,6 +189,8 @@ mod tests {
             "etcd://",
             "etcd://a:1,",
             "etcd://a",
+            "tls://",
+            "tls://host",
         ] {
             assert!(bad.parse::<Address>().is_err(), "{bad}");
         }
@@ -161,17 +199,17 @@ mod tests {
         assert_eq!(
             error("nohost"),
             "invalid address \"nohost\": no port \
-             (expected HOST:PORT, unix:PATH or etcd://HOST:PORT[,...])"
+             (expected HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])"
         );
         assert_eq!(
             error(":5862"),
             "invalid address \":5862\": no host before the port \
-             (expected HOST:PORT, unix:PATH or etcd://HOST:PORT[,...])"
+             (expected HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])"
         );
         assert_eq!(
             error("host:70000"),
             "invalid address \"host:70000\": port \"70000\" is not a number 0..=65535 \
-             (expected HOST:PORT, unix:PATH or etcd://HOST:PORT[,...])"
+             (expected HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])"
         );
         assert_eq!(
             error("unix:"),

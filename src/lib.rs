@@ -39,3 +39,5 @@ pub mod protocol;
 pub mod server;
 pub mod stream;
 pub mod timer_wheel;
+#[cfg(feature = "tls")]
+pub mod tls;

@@ -34,10 +34,15 @@ const SERVER_LINES: &str = "  --server ADDR   a server address: HOST:PORT or uni
                   several addresses of the same service (default:
                   $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862);
                   etcd://HOST:PORT[,HOST:PORT]... takes the locks on an
-                  etcd cluster instead (docs/ETCD.md)
+                  etcd cluster instead (docs/ETCD.md); tls://HOST:PORT
+                  speaks TLS, checking the certificate against HOST
   --secret-file FILE
                   the secret for a server with --auth (one trailing
                   newline is ignored); default: $KUNCI_SECRET, else none
+  --tls-ca FILE   trust this CA (PEM) for tls:// (default: $KUNCI_TLS_CA,
+                  else the system's trust store)
+  --tls-cert FILE a client certificate (PEM) for tls://, with --tls-key
+  --tls-key FILE  its private key (PEM)
   -h, --help      show this help
 ";
 
@@ -524,12 +529,12 @@ fn usage_errors_are_one_line_naming_what_is_wrong_and_one_hint() {
         (
             &["serve", "--listen", "nohost"],
             "kunci serve: invalid address \"nohost\": no port (expected HOST:PORT, \
-             unix:PATH or etcd://HOST:PORT[,...])\n(see kunci serve --help)\n",
+             unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])\n(see kunci serve --help)\n",
         ),
         (
             &["acquire", "k", "--server", "db:99999"],
             "kunci acquire: invalid address \"db:99999\": port \"99999\" is not a number \
-             0..=65535 (expected HOST:PORT, unix:PATH or etcd://HOST:PORT[,...])\n\
+             0..=65535 (expected HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])\n\
              (see kunci acquire --help)\n",
         ),
         (

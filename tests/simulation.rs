@@ -1815,7 +1815,7 @@ mod wire {
                                 peer.unread.len(),
                                 peer.in_flight.len(),
                                 self.endpoint.connection(id).map(|c| c.phase()),
-                                self.endpoint.transmit(id).map(<[u8]>::len)
+                                self.endpoint.connection(id).map(|c| c.output_len())
                             )
                         })
                         .collect();

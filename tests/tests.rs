@@ -21,6 +21,8 @@ mod restart;
 mod run_command;
 mod server;
 mod simulation;
+#[cfg(feature = "tls")]
+mod tls;
 mod util;
 mod who;
 mod who_server;

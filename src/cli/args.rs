@@ -47,6 +47,11 @@ pub fn number<T: Integer>(
 }
 
 /// Parses an address option.
+/// A file name.
+pub fn path(value: Result<OsString, lexopt::Error>) -> Result<std::path::PathBuf, String> {
+    value.map(Into::into).map_err(|e| e.to_string())
+}
+
 pub fn address(value: Result<OsString, lexopt::Error>) -> Result<Address, String> {
     text(value)?
         .parse()

@@ -14,6 +14,49 @@ use crate::client::{AcquireOptions, Client, Config, Denied, Error, Secret, Ticke
 /// The environment variable that names the servers when `--server` is not
 /// given: addresses separated by commas.
 pub const SERVER_ENV: &str = "KUNCI_SERVER";
+/// The environment variable that names the CA file when `--tls-ca` is not
+/// given.
+#[cfg_attr(not(feature = "tls"), allow(dead_code))]
+pub const TLS_CA_ENV: &str = "KUNCI_TLS_CA";
+
+/// `--tls-ca`, `--tls-cert`, `--tls-key`.
+#[cfg(feature = "tls")]
+pub(super) type TlsOptions = crate::tls::ClientFiles;
+#[cfg(not(feature = "tls"))]
+#[derive(Clone, Default)]
+pub(super) struct TlsOptions {
+    _none: (),
+}
+
+/// Takes the value of `--NAME` if it is a TLS option; `false` if it is
+/// not one.
+pub(super) fn tls_option(
+    name: &str,
+    parser: &mut lexopt::Parser,
+    tls: &mut TlsOptions,
+) -> Result<bool, String> {
+    #[cfg(feature = "tls")]
+    {
+        let slot = match name {
+            "tls-ca" => &mut tls.ca,
+            "tls-cert" => &mut tls.cert,
+            "tls-key" => &mut tls.key,
+            _ => return Ok(false),
+        };
+        *slot = Some(args::path(parser.value())?);
+        Ok(true)
+    }
+    #[cfg(not(feature = "tls"))]
+    {
+        let _ = (parser, tls);
+        if name.starts_with("tls-") {
+            return Err(format!(
+                "--{name}: this kunci was built without TLS (cargo feature `tls`)"
+            ));
+        }
+        Ok(false)
+    }
+}
 
 /// The environment variable that holds the secret itself, when
 /// `--secret-file` is not given.
@@ -24,10 +67,15 @@ const SERVER_HELP: &str = "  --server ADDR   a server address: HOST:PORT or unix
                   several addresses of the same service (default:
                   $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862);
                   etcd://HOST:PORT[,HOST:PORT]... takes the locks on an
-                  etcd cluster instead (docs/ETCD.md)
+                  etcd cluster instead (docs/ETCD.md); tls://HOST:PORT
+                  speaks TLS, checking the certificate against HOST
   --secret-file FILE
                   the secret for a server with --auth (one trailing
                   newline is ignored); default: $KUNCI_SECRET, else none
+  --tls-ca FILE   trust this CA (PEM) for tls:// (default: $KUNCI_TLS_CA,
+                  else the system's trust store)
+  --tls-cert FILE a client certificate (PEM) for tls://, with --tls-key
+  --tls-key FILE  its private key (PEM)
   -h, --help      show this help
 ";
 
@@ -36,6 +84,7 @@ pub(super) struct Options {
     pub servers: Vec<Address>,
     /// `--secret-file`, else `$KUNCI_SECRET`.
     pub secret: Option<Secret>,
+    pub tls: TlsOptions,
     pub wait: Duration,
     /// `--wait inf`: wait until acquired.
     pub wait_forever: bool,
@@ -75,6 +124,8 @@ pub(super) struct Accepts {
 }
 
 /// What parsing found: options to run with, or a request for help.
+// Made once per command: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Parsed {
     Run(Options),
     Help,
@@ -86,6 +137,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
     let mut options = Options {
         servers: Vec::new(),
         secret: None,
+        tls: TlsOptions::default(),
         wait: Duration::ZERO,
         wait_forever: false,
         conflict_exit_code: exit::TIMEOUT,
@@ -139,6 +191,12 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
             }
             Short('q') | Long("quiet") if accepts.conflict => options.quiet = true,
             Long("json") if accepts.json => options.json = true,
+            Long(name) if name.starts_with("tls-") => {
+                let name = name.to_owned();
+                if !tls_option(&name, &mut parser, &mut options.tls)? {
+                    return Err(format!("invalid option '--{name}'"));
+                }
+            }
             Long(name) if accepts.permits && PermitFlags::is_option(name) => {
                 let name = name.to_owned();
                 permit_flags.take_option(&name, &mut parser)?;
@@ -186,7 +244,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
 pub(super) fn check_servers(servers: &[Address]) -> Result<(), String> {
     let etcd = servers
         .iter()
-        .filter(|address| matches!(address, Address::Etcd(_)))
+        .filter(|address| matches!(address, Address::Etcd { .. }))
         .count();
     if etcd != 0 && etcd != servers.len() {
         return Err("etcd:// cannot be mixed with kunci server addresses: \
@@ -222,7 +280,7 @@ pub(super) fn secret(file: Option<OsString>) -> Result<Option<Secret>, String> {
 fn is_etcd(servers: &[Address]) -> bool {
     servers
         .iter()
-        .any(|address| matches!(address, Address::Etcd(_)))
+        .any(|address| matches!(address, Address::Etcd { .. }))
 }
 
 /// The etcd user and password from `$KUNCI_ETCD_USER` and
@@ -265,15 +323,39 @@ pub(super) fn default_servers() -> Result<Vec<Address>, String> {
 }
 
 /// A client for one-shot commands: one session per address is enough.
-pub(super) fn client(servers: Vec<Address>, secret: Option<Secret>) -> Result<Client, String> {
-    let config = Config {
+pub(super) fn client(
+    servers: Vec<Address>,
+    secret: Option<Secret>,
+    tls: &TlsOptions,
+) -> Result<Client, String> {
+    #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
+    let mut config = Config {
         sessions_per_server: 1,
         secret,
         #[cfg(feature = "etcd")]
         etcd_credentials: etcd_credentials()?,
         ..Config::default()
     };
+    #[cfg(feature = "tls")]
+    {
+        config.tls = tls_files(tls);
+    }
+    #[cfg(not(feature = "tls"))]
+    let _ = tls;
     Client::new(servers, config).map_err(|e| format!("cannot start the client: {e}"))
+}
+
+/// The TLS files to use: the options, with `$KUNCI_TLS_CA` when
+/// `--tls-ca` is not given.
+#[cfg(feature = "tls")]
+pub(super) fn tls_files(tls: &TlsOptions) -> crate::tls::ClientFiles {
+    let mut files = tls.clone();
+    if files.ca.is_none() {
+        files.ca = std::env::var_os(TLS_CA_ENV)
+            .filter(|ca| !ca.is_empty())
+            .map(Into::into);
+    }
+    files
 }
 
 /// The exit code for an outcome (spec §9).
@@ -367,10 +449,19 @@ pub(super) fn message(
              nothing was executed. Add this host's network to its --allow list"
                 .to_owned()
         }
+        Error::Unavailable(crate::client::Unavailable::Untrusted(why)) => format!(
+            "TLS: {why}; nothing was sent. Give the CA that signed the server's \
+             certificate with --tls-ca (or KUNCI_TLS_CA), and use the host name the \
+             certificate names"
+        ),
+        Error::PermissionDenied(Denied::Certificate(why)) => format!(
+            "TLS: {why}; nothing was executed. The server wants a client certificate \
+             from the CA it trusts: give one with --tls-cert and --tls-key"
+        ),
         Error::Unavailable(crate::client::Unavailable::Unreachable)
             if servers
                 .iter()
-                .any(|address| matches!(address, Address::Etcd(_))) =>
+                .any(|address| matches!(address, Address::Etcd { .. })) =>
         {
             let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
             format!(
@@ -764,7 +855,7 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
         Err(message) => return usage_error(name, &message),
     };
     init_logging();
-    let client = match client(options.servers.clone(), options.secret.clone()) {
+    let client = match client(options.servers.clone(), options.secret.clone(), &options.tls) {
         Ok(client) => client,
         Err(message) => {
             eprintln!("kunci {name}: {message}");
@@ -865,6 +956,10 @@ fn acquire_until_granted(
             }
             Err(Error::Busy) if !server_shut_down(client, notices) => return Err(Error::Busy),
             Err(Error::Busy) => log::debug!("{key}: the server is shutting down; asking again"),
+            // A certificate problem does not go away by waiting.
+            Err(Error::Unavailable(why @ crate::client::Unavailable::Untrusted(_))) => {
+                return Err(Error::Unavailable(why));
+            }
             Err(Error::Unavailable(why)) => {
                 log::debug!("{key}: unavailable ({why:?}); asking again")
             }

@@ -20,10 +20,14 @@ kunci serve — run the lock server
 Usage: kunci serve [--listen ADDR]... [options]
 
 Options:
-  --listen ADDR               where to listen: HOST:PORT or unix:PATH; repeat
-                              for several (default {listen}: loopback only).
-                              Port 0 picks a free port; the start-up log line
-                              names it.
+  --listen ADDR               where to listen: HOST:PORT, tls://HOST:PORT or
+                              unix:PATH; repeat for several (default {listen}:
+                              loopback only). Port 0 picks a free port; the
+                              start-up log line names it.
+  --tls-cert FILE             certificate chain (PEM) of the tls:// listeners
+  --tls-key FILE              its private key (PEM)
+  --tls-client-ca FILE        require on the tls:// listeners a client
+                              certificate signed by this CA (PEM)
   --max-keys N                keys in the table, held or waited on
                               (default {max_keys}; ~62 B each)
   --max-waiters N             queued waiters in total (default {max_waiters};
@@ -79,6 +83,11 @@ saved (with --state-dir), then exit 0.
     )
 }
 
+#[cfg(feature = "tls")]
+fn tls_files(config: &mut Config) -> &mut crate::tls::ServerFiles {
+    config.tls.get_or_insert_with(Default::default)
+}
+
 /// The parsed flags, and the `--auth` file to read once logging is set up.
 struct Parsed {
     config: Config,
@@ -126,6 +135,14 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Parsed>, String> {
                 config.allow.push(network);
             }
             Long("auth") => auth = Some(parser.value().map_err(|e| e.to_string())?.into()),
+            #[cfg(feature = "tls")]
+            Long("tls-cert") => tls_files(&mut config).cert = args::path(parser.value())?,
+            #[cfg(feature = "tls")]
+            Long("tls-key") => tls_files(&mut config).key = args::path(parser.value())?,
+            #[cfg(feature = "tls")]
+            Long("tls-client-ca") => {
+                tls_files(&mut config).client_ca = Some(args::path(parser.value())?)
+            }
             Long("state-dir") => {
                 config.state_dir = Some(parser.value().map_err(|e| e.to_string())?.into())
             }
@@ -135,6 +152,12 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Parsed>, String> {
     }
     if !listen.is_empty() {
         config.listen = listen;
+    }
+    #[cfg(feature = "tls")]
+    if let Some(files) = &config.tls {
+        if files.cert.as_os_str().is_empty() || files.key.as_os_str().is_empty() {
+            return Err("--tls-cert and --tls-key go together".to_owned());
+        }
     }
     // Spec §10.8: by default a server that only sees `A` never meets it.
     config.limits.max_grants = max_grants.unwrap_or_else(|| {
@@ -246,6 +269,10 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         Err(e) if crate::server::state::is_state_dir_error(&e) => {
             error!("cannot start: {e}");
             error!("{}", state_dir_hint(&e.to_string()));
+            return 1;
+        }
+        Err(e) if e.to_string().starts_with("TLS: ") => {
+            error!("cannot start: {e}");
             return 1;
         }
         Err(e) => {

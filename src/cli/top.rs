@@ -49,6 +49,7 @@ const RATES: [(&str, &str); 5] = [
 struct Options {
     servers: Vec<Address>,
     secret: Option<crate::client::Secret>,
+    tls: common::TlsOptions,
     interval: Duration,
     count: Option<u64>,
 }
@@ -58,6 +59,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
     let mut options = Options {
         servers: Vec::new(),
         secret: None,
+        tls: common::TlsOptions::default(),
         interval: Duration::from_secs(1),
         count: None,
     };
@@ -81,6 +83,12 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
                 }
                 options.count = Some(count);
             }
+            Long(name) if name.starts_with("tls-") => {
+                let name = name.to_owned();
+                if !common::tls_option(&name, &mut parser, &mut options.tls)? {
+                    return Err(format!("invalid option '--{name}'"));
+                }
+            }
             Short('h') | Long("help") => return Ok(None),
             other => return Err(other.unexpected().to_string()),
         }
@@ -93,7 +101,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
     if options
         .servers
         .iter()
-        .any(|address| matches!(address, Address::Etcd(_)))
+        .any(|address| matches!(address, Address::Etcd { .. }))
     {
         return Err(
             "not supported on etcd://: the counters are a kunci server's \
@@ -118,7 +126,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     common::init_logging();
-    let client = match common::client(options.servers.clone(), options.secret.clone()) {
+    let client = match common::client(options.servers.clone(), options.secret.clone(), &options.tls) {
         Ok(client) => client,
         Err(message) => {
             eprintln!("kunci top: {message}");

@@ -211,6 +211,37 @@ pub(crate) enum Outcome {
     PermissionDenied(Denied),
 }
 
+/// Why a session ended before the server executed any of its requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    Unavailable(Unavailable),
+    /// The server refused this client's certificate, or its absence.
+    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
+    PermissionDenied(&'static str),
+}
+
+impl Refusal {
+    /// Whether the cause stays for the rest of a call (spec §8 rule 4):
+    /// then a request every address refused ends at once.
+    fn is_final(self) -> bool {
+        !matches!(
+            self,
+            Refusal::Unavailable(Unavailable::ConnectionLimit | Unavailable::Unreachable)
+        )
+    }
+
+    /// What a certainly-not-sent request ends with at `D`.
+    fn outcome(refused: Option<Refusal>) -> Outcome {
+        match refused {
+            None => Outcome::Unavailable(Unavailable::Unreachable),
+            Some(Refusal::Unavailable(why)) => Outcome::Unavailable(why),
+            Some(Refusal::PermissionDenied(why)) => {
+                Outcome::PermissionDenied(Denied::Certificate(why))
+            }
+        }
+    }
+}
+
 /// Where a session is with its `U` (spec §8 rule 12).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Authentication {
@@ -250,9 +281,10 @@ struct Req<R> {
     reply: Option<R>,
     place: Place,
     sent_at: Option<Instant>,
-    /// Why a session that had it refused it (`X 7`, `X 9`): the reason an
-    /// `Unavailable` names if no other session takes it by `D`.
-    refused: Option<Unavailable>,
+    /// Why a session that had it refused it (`X 7`, `X 9`, a TLS
+    /// handshake that failed): the outcome if no other session takes it by
+    /// `D`.
+    refused: Option<Refusal>,
     /// The engine's refusal count when it was submitted: only refusals
     /// after it count for this call (rule 4).
     since: u64,
@@ -370,8 +402,10 @@ pub(crate) struct Engine<R> {
     /// Per address: the refusal count when it last refused a session with
     /// `X 9` (not allowed), until one of its sessions hears anything else.
     not_allowed_at: Vec<Option<u64>>,
-    /// `X 9` refusals seen so far.
+    /// Refusals seen so far that do not change within one call (`X 9`, a
+    /// TLS failure), and the last of them.
     refusals: u64,
+    last_final_refusal: Refusal,
     /// `X 8` (server shutting down) frames seen so far.
     shutdown_notices: u64,
     /// Sent as `U` first on every session.
@@ -406,6 +440,7 @@ impl<R> Engine<R> {
             rotation: 0,
             per_server,
             not_allowed_at: vec![None; servers],
+            last_final_refusal: Refusal::Unavailable(Unavailable::NotAllowed),
             refusals: 0,
             shutdown_notices: 0,
             secret: None,
@@ -536,14 +571,14 @@ impl<R> Engine<R> {
             }
             match req.place {
                 Place::Unassigned => {
-                    let why = req.refused.unwrap_or(Unavailable::Unreachable);
+                    let outcome = Refusal::outcome(req.refused);
                     self.unassigned.retain(|&queued| queued != id);
-                    self.complete(id, Outcome::Unavailable(why), now);
+                    self.complete(id, outcome, now);
                 }
                 Place::Queued(s) => {
-                    let why = req.refused.unwrap_or(Unavailable::Unreachable);
+                    let outcome = Refusal::outcome(req.refused);
                     self.sessions[s].queue.retain(|&queued| queued != id);
-                    self.complete(id, Outcome::Unavailable(why), now);
+                    self.complete(id, outcome, now);
                 }
                 // A batch only exists between `poll_transmit` and
                 // `transmitted`; treat it as sent to stay on the safe side.
@@ -836,7 +871,7 @@ impl<R> Engine<R> {
                 };
                 if let Some(why) = refusal.filter(|_| !heard_from) {
                     log::debug!("session {s}: refused at accept: {text}");
-                    self.refused(s, why, now);
+                    self.refused(s, Refusal::Unavailable(why), now);
                     return false;
                 }
                 if ErrorCode::from_u8(code) == Some(ErrorCode::NotAuthenticated) && !heard_from {
@@ -1148,7 +1183,7 @@ impl<R> Engine<R> {
     /// none of its requests (spec §6, §8 rule 4), so each is certainly not
     /// sent and may move to another session until `D`; if none takes it,
     /// its `Unavailable` names `why`.
-    fn refused(&mut self, s: SessionId, why: Unavailable, now: Instant) {
+    fn refused(&mut self, s: SessionId, why: Refusal, now: Instant) {
         let mut sent = Vec::new();
         for (id, req) in self.requests.slab.iter_mut() {
             match req.place {
@@ -1170,7 +1205,8 @@ impl<R> Engine<R> {
             session.others.clear();
             session.acquires = 0;
         }
-        if why == Unavailable::NotAllowed {
+        if why.is_final() {
+            self.last_final_refusal = why;
             self.refusals += 1;
             if let Some(refused) = self.not_allowed_at.get_mut(s / self.per_server) {
                 *refused = Some(self.refusals);
@@ -1234,8 +1270,21 @@ impl<R> Engine<R> {
             session.queue.retain(|id| !done.contains(id));
         }
         for id in done {
-            self.complete(id, Outcome::Unavailable(Unavailable::NotAllowed), now);
+            self.complete(id, Refusal::outcome(Some(self.last_final_refusal)), now);
         }
+    }
+
+    /// The TLS session of `s` failed before the server answered anything:
+    /// the server executed none of its requests (it reads them only after
+    /// the handshake, and decides on the client's certificate before it
+    /// reads any). Like `X 9`, neither cause changes within one call.
+    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
+    pub(crate) fn tls_failed(&mut self, s: SessionId, why: Refusal, now: Instant) {
+        let heard_from = self.sessions.get(s).is_some_and(|x| x.heard_from);
+        if matches!(self.sessions.get(s).map(|x| x.link), Some(Link::Up)) && !heard_from {
+            self.refused(s, why, now);
+        }
+        self.session_closed(s, now);
     }
 
     fn close(&mut self, s: SessionId, now: Instant) {

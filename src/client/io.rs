@@ -179,8 +179,41 @@ impl Shared {
     }
 }
 
+/// The TLS configuration of `tls://` sessions (`None` when no address is
+/// one). A CA or certificate file that cannot be used is an error here,
+/// before any session starts.
+#[cfg(feature = "tls")]
+pub(crate) fn tls_config(addresses: &[Address], config: &super::Config) -> io::Result<TlsConfig> {
+    if !addresses.iter().any(|a| matches!(a, Address::Tls(_))) {
+        return Ok(None);
+    }
+    crate::tls::client_config(&config.tls)
+        .map(Some)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("TLS: {e}")))
+}
+
+#[cfg(not(feature = "tls"))]
+pub(crate) fn tls_config(addresses: &[Address], _config: &super::Config) -> io::Result<TlsConfig> {
+    if addresses.iter().any(|a| matches!(a, Address::Tls(_))) {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "tls:// addresses need kunci built with the `tls` feature",
+        ));
+    }
+    Ok(None)
+}
+
+#[cfg(feature = "tls")]
+pub(crate) type TlsConfig = Option<Arc<rustls::ClientConfig>>;
+#[cfg(not(feature = "tls"))]
+pub(crate) type TlsConfig = Option<std::convert::Infallible>;
+
 /// Starts the I/O thread for these addresses, `per_server` sessions each.
-pub(crate) fn start(addresses: Vec<Address>, config: &super::Config) -> io::Result<Arc<Shared>> {
+pub(crate) fn start(
+    addresses: Vec<Address>,
+    config: &super::Config,
+    tls: TlsConfig,
+) -> io::Result<Arc<Shared>> {
     let per_server = config.sessions_per_server;
     let poll = Poll::new()?;
     let waker = Waker::new(poll.registry(), WAKER)?;
@@ -214,6 +247,7 @@ pub(crate) fn start(addresses: Vec<Address>, config: &super::Config) -> io::Resu
         generations: vec![0; sessions],
         attempts: vec![0; sessions],
         buf: vec![0; READ_CHUNK],
+        tls,
     };
     std::thread::Builder::new()
         .name("kunci-client".into())
@@ -243,6 +277,9 @@ struct Shell {
     /// Connection attempts per slot: picks among a name's addresses.
     attempts: Vec<usize>,
     buf: Vec<u8>,
+    /// How `tls://` sessions start.
+    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
+    tls: TlsConfig,
 }
 
 fn would_block(error: &io::Error) -> bool {
@@ -300,6 +337,10 @@ impl Shell {
                 if event.is_writable() {
                     if let Some(conn) = self.conns[s].as_mut() {
                         conn.writable = true;
+                        // Records a TLS session could not write before.
+                        if let Err(error) = conn.stream.flush() {
+                            log::debug!("session {s}: write failed: {error}");
+                        }
                     }
                 }
                 if event.is_readable() || event.is_read_closed() || event.is_error() {
@@ -446,11 +487,35 @@ impl Shell {
                 Err(error) => {
                     log::debug!("session {s}: read failed: {error}");
                     self.drop_conn(s);
+                    #[cfg(feature = "tls")]
+                    if let Some(failure) = crate::tls::failure(&error) {
+                        return self.tls_failed(s, failure, now);
+                    }
                     self.engine.session_closed(s, now);
                     return;
                 }
             }
         }
+    }
+
+    /// The TLS session of `s` failed: a certificate problem ends its
+    /// requests (spec §12.5), anything else is a session that died.
+    #[cfg(feature = "tls")]
+    fn tls_failed(&mut self, s: SessionId, failure: crate::tls::Failure, now: Instant) {
+        use super::engine::Refusal;
+        use crate::tls::Failure;
+        let address = self.addresses.get(s / self.per_server);
+        let why = match failure {
+            Failure::Untrusted(why) | Failure::Other(why) => {
+                log::debug!("session {s}: TLS with {address:?}: {why}");
+                Refusal::Unavailable(super::Unavailable::Untrusted(why))
+            }
+            Failure::Refused(why) => {
+                log::debug!("session {s}: TLS with {address:?}: {why}");
+                Refusal::PermissionDenied(why)
+            }
+        };
+        self.engine.tls_failed(s, why, now);
     }
 
     /// Writes every session's pending requests, encoding each batch just
@@ -502,8 +567,27 @@ impl Shell {
                     Ok(Stream::Tcp(stream))
                 }),
             Address::Unix(path) => UnixStream::connect(path).map(Stream::Unix),
+            #[cfg(feature = "tls")]
+            Address::Tls(host_port) => match &self.tls {
+                Some(config) => crate::tls::server_name(host_port)
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+                    .and_then(|name| {
+                        let stream = TcpStream::connect(resolve(host_port, attempt)?)?;
+                        stream.set_nodelay(true)?;
+                        Stream::tls(stream, config.clone(), name)
+                    }),
+                None => Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "no TLS configuration",
+                )),
+            },
+            #[cfg(not(feature = "tls"))]
+            Address::Tls(_) => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "tls:// addresses need kunci built with the `tls` feature",
+            )),
             // `Client::new` sends etcd addresses to the etcd backend.
-            Address::Etcd(_) => Err(io::Error::new(
+            Address::Etcd { .. } => Err(io::Error::new(
                 io::ErrorKind::Unsupported,
                 "not a kunci server address",
             )),

@@ -86,6 +86,10 @@ pub struct Config {
     /// authentication on (docs/ETCD.md). Ignored for kunci servers.
     #[cfg(feature = "etcd")]
     pub etcd_credentials: Option<EtcdCredentials>,
+    /// For `tls://` addresses: the CA to trust (default: the system's
+    /// store) and an optional client certificate.
+    #[cfg(feature = "tls")]
+    pub tls: crate::tls::ClientFiles,
 }
 
 impl Default for Config {
@@ -96,6 +100,8 @@ impl Default for Config {
             secret: None,
             #[cfg(feature = "etcd")]
             etcd_credentials: None,
+            #[cfg(feature = "tls")]
+            tls: Default::default(),
         }
     }
 }
@@ -205,6 +211,9 @@ pub enum Denied {
     NotAuthenticated,
     /// The secret's scopes do not cover this key or operation (`X 13`).
     NotPermitted,
+    /// Over TLS, the server refused this client's certificate, or its
+    /// absence; the text names the problem.
+    Certificate(&'static str),
 }
 
 /// Why a request was [`Error::Unavailable`].
@@ -218,6 +227,9 @@ pub enum Unavailable {
     /// The server refused the session: this client's address is not in
     /// its `--allow` list (`X 9`).
     NotAllowed,
+    /// This client does not trust the server: its TLS certificate failed
+    /// verification, for the reason given (or the handshake failed).
+    Untrusted(&'static str),
 }
 
 impl fmt::Display for Error {
@@ -234,6 +246,9 @@ impl fmt::Display for Error {
             Error::Unavailable(Unavailable::NotAllowed) => f.write_str(
                 "unavailable: the server does not allow this client's address; nothing was executed",
             ),
+            Error::Unavailable(Unavailable::Untrusted(why)) => {
+                write!(f, "unavailable: TLS: {why}; nothing was sent")
+            }
             Error::Indeterminate => f.write_str(
                 "indeterminate: the request may have reached the server but no answer \
                  came in time; do not assume the lock is held",
@@ -257,6 +272,9 @@ impl fmt::Display for Error {
                 "permission denied: this secret's scopes do not cover that key or request; \
                  nothing changed",
             ),
+            Error::PermissionDenied(Denied::Certificate(why)) => {
+                write!(f, "permission denied: TLS: {why}; nothing was executed")
+            }
         }
     }
 }
@@ -345,14 +363,37 @@ enum Backend {
     Etcd(Arc<etcd::Shared>),
 }
 
+/// The TLS configuration of `etcds://` members.
+#[cfg(all(feature = "etcd", feature = "tls"))]
+fn etcd_tls(tls: bool, config: &Config) -> std::io::Result<etcd::http::Tls> {
+    if !tls {
+        return Ok(None);
+    }
+    crate::tls::client_config(&config.tls)
+        .map(Some)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("TLS: {e}")))
+}
+
+#[cfg(all(feature = "etcd", not(feature = "tls")))]
+fn etcd_tls(tls: bool, _: &Config) -> std::io::Result<etcd::http::Tls> {
+    if tls {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "etcds:// needs kunci built with the `tls` feature",
+        ));
+    }
+    Ok(None)
+}
+
 impl Backend {
     fn start(servers: Vec<Address>, config: &Config) -> std::io::Result<Backend> {
         let etcd: Vec<&Address> = servers
             .iter()
-            .filter(|address| matches!(address, Address::Etcd(_)))
+            .filter(|address| matches!(address, Address::Etcd { .. }))
             .collect();
         if etcd.is_empty() {
-            return io::start(servers, config).map(Backend::Kunci);
+            let tls = io::tls_config(&servers, config)?;
+            return io::start(servers, config, tls).map(Backend::Kunci);
         }
         if etcd.len() != servers.len() {
             return Err(std::io::Error::new(
@@ -362,17 +403,22 @@ impl Backend {
         }
         #[cfg(feature = "etcd")]
         {
+            let tls = servers
+                .iter()
+                .any(|address| matches!(address, Address::Etcd { tls: true, .. }));
             let endpoints = servers
                 .into_iter()
                 .flat_map(|address| match address {
-                    Address::Etcd(endpoints) => endpoints,
+                    Address::Etcd { endpoints, .. } => endpoints,
                     _ => Vec::new(),
                 })
                 .collect();
+            let tls = etcd_tls(tls, config)?;
             etcd::Shared::start(
                 endpoints,
                 config.connect_timeout,
                 config.etcd_credentials.clone(),
+                tls,
             )
             .map(Backend::Etcd)
         }

@@ -84,6 +84,10 @@ pub struct Connection {
     pub(super) transmit_queued: bool,
     /// Refused at accept (`X 7`, `X 9`): never known to the core.
     pub(super) refused: bool,
+    /// The TLS session of a connection accepted on a TLS listener: input
+    /// and output above are its plaintext.
+    #[cfg(feature = "tls")]
+    pub(super) tls: Option<Box<super::tls::TlsLayer>>,
 }
 
 impl Connection {
@@ -95,7 +99,28 @@ impl Connection {
             timer: TimerLinks::UNARMED,
             transmit_queued: false,
             refused: false,
+            #[cfg(feature = "tls")]
+            tls: None,
         }
+    }
+
+    /// Whether the connection is a TLS one still in its handshake.
+    pub fn is_handshaking(&self) -> bool {
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &self.tls {
+            return tls.is_handshaking();
+        }
+        false
+    }
+
+    /// Whether nothing is queued for the socket: no output, and with TLS
+    /// no records.
+    pub(super) fn nothing_to_send(&self) -> bool {
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &self.tls {
+            return self.output.is_empty() && !tls.has_records();
+        }
+        self.output.is_empty()
     }
 
     pub fn phase(&self) -> Phase {

@@ -102,6 +102,9 @@ pub struct Endpoint {
     /// With `--auth`: the peers of connections not yet authenticated, for
     /// the log line of a failure.
     unauthenticated_peers: HashMap<ConnId, Option<IpAddr>>,
+    /// Where TLS connections' records are decrypted, reused across reads.
+    #[cfg(feature = "tls")]
+    tls_plaintext: Vec<u8>,
 }
 
 /// A session that has not sent a good `U` (yet).
@@ -138,6 +141,8 @@ impl Endpoint {
             access: None,
             identities: Vec::new(),
             unauthenticated_peers: HashMap::new(),
+            #[cfg(feature = "tls")]
+            tls_plaintext: Vec::new(),
         }
     }
 
@@ -235,37 +240,88 @@ impl Endpoint {
     /// beyond the connection limit `X 7`; both are closed after that
     /// without a byte of theirs being read (spec §6).
     pub fn accept(&mut self, id: ConnId, peer: Option<IpAddr>, now: Micros) {
-        let index = id as usize;
-        if self.conns.len() <= index {
-            self.conns.resize_with(index + 1, || None);
-        }
-        assert!(self.conns[index].is_none(), "connection id {id} reused");
-        let allowed = match peer {
-            Some(ip) if !self.allow.is_empty() => {
-                self.allow.iter().any(|network| network.contains(ip))
-            }
-            _ => true,
-        };
+        self.make_room(id);
         self.count += 1;
-        if !allowed {
-            debug!("refusing {peer:?}: not in --allow");
-            self.core.stats_mut().refused += 1;
-            return self.refuse(id, ErrorCode::NotAllowed, now);
+        if let Some(code) = self.refusal(peer) {
+            return self.refuse(id, code, now);
         }
-        if self.core.connections() >= self.core.limits().max_connections {
-            debug!("refusing {peer:?}: connection limit");
-            self.core.stats_mut().refused_max_connections += 1;
-            return self.refuse(id, ErrorCode::ConnectionLimit, now);
-        }
-        self.conns[index] = Some(Connection::new(Phase::Open));
+        self.conns[id as usize] = Some(Connection::new(Phase::Open));
         self.core.connect(id);
+        self.expect_authentication(id, peer);
+    }
+
+    /// With `--auth`, a new session has not authenticated yet.
+    fn expect_authentication(&mut self, id: ConnId, peer: Option<IpAddr>) {
         if self.access.is_some() {
+            let index = id as usize;
             if self.identities.len() <= index {
                 self.identities.resize(index + 1, UNAUTHENTICATED);
             }
             self.identities[index] = UNAUTHENTICATED;
             self.unauthenticated_peers.insert(id, peer);
         }
+    }
+
+    /// A socket was accepted on a TLS listener and given id `id`. The
+    /// handshake must finish within [`PARTIAL_FRAME_TIMEOUT_US`] of `now`,
+    /// however slowly its bytes come. A peer refused at accept (`X 7`,
+    /// `X 9`) is closed at once with nothing sent: a plaintext `X` is no
+    /// answer to a ClientHello, and a refused peer gets no handshake.
+    #[cfg(feature = "tls")]
+    pub fn accept_tls(
+        &mut self,
+        id: ConnId,
+        peer: Option<IpAddr>,
+        config: &std::sync::Arc<rustls::ServerConfig>,
+        now: Micros,
+    ) {
+        self.make_room(id);
+        if self.refusal(peer).is_some() {
+            return self.actions.push_back((id, Action::Close));
+        }
+        let tls = match super::tls::TlsLayer::new(config) {
+            Ok(tls) => tls,
+            Err(e) => {
+                log::warn!("connection {id}: cannot start a TLS session: {e}");
+                return self.actions.push_back((id, Action::Close));
+            }
+        };
+        let mut conn = Connection::new(Phase::Open);
+        conn.tls = Some(Box::new(tls));
+        self.count += 1;
+        self.conns[id as usize] = Some(conn);
+        self.core.connect(id);
+        self.expect_authentication(id, peer);
+        self.arm(id, now + PARTIAL_FRAME_TIMEOUT_US, now);
+    }
+
+    fn make_room(&mut self, id: ConnId) {
+        let index = id as usize;
+        if self.conns.len() <= index {
+            self.conns.resize_with(index + 1, || None);
+        }
+        assert!(self.conns[index].is_none(), "connection id {id} reused");
+    }
+
+    /// Why a peer is refused at accept, if it is; counted.
+    fn refusal(&mut self, peer: Option<IpAddr>) -> Option<ErrorCode> {
+        let allowed = match peer {
+            Some(ip) if !self.allow.is_empty() => {
+                self.allow.iter().any(|network| network.contains(ip))
+            }
+            _ => true,
+        };
+        if !allowed {
+            debug!("refusing {peer:?}: not in --allow");
+            self.core.stats_mut().refused += 1;
+            return Some(ErrorCode::NotAllowed);
+        }
+        if self.core.connections() >= self.core.limits().max_connections {
+            debug!("refusing {peer:?}: connection limit");
+            self.core.stats_mut().refused_max_connections += 1;
+            return Some(ErrorCode::ConnectionLimit);
+        }
+        None
     }
 
     fn refuse(&mut self, id: ConnId, code: ErrorCode, now: Micros) {
@@ -300,6 +356,60 @@ impl Endpoint {
     /// The socket of `id` read `bytes` at `now`. Whole frames are evaluated
     /// until output passes the high-water mark; the rest is kept.
     pub fn handle_read(&mut self, id: ConnId, bytes: &[u8], now: Micros) {
+        #[cfg(feature = "tls")]
+        if self.connection(id).is_some_and(|conn| conn.tls.is_some()) {
+            return self.handle_records(id, bytes, now);
+        }
+        self.handle_plaintext(id, bytes, now);
+    }
+
+    /// TLS records read from `id`: the handshake advances, and what they
+    /// decrypt to is read as from a plaintext socket.
+    #[cfg(feature = "tls")]
+    fn handle_records(&mut self, id: ConnId, bytes: &[u8], now: Micros) {
+        let Some(conn) = self.conns.get_mut(id as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        if !conn.phase.is_live() {
+            // Closing: input is discarded.
+            return;
+        }
+        let Some(tls) = conn.tls.as_mut() else {
+            return;
+        };
+        let was_handshaking = tls.is_handshaking();
+        let mut plaintext = std::mem::take(&mut self.tls_plaintext);
+        let result = tls.read(bytes, &mut plaintext);
+        let handshaking = tls.is_handshaking();
+        let has_records = tls.has_records();
+        if has_records {
+            self.queue_transmit(id);
+        }
+        let peer_closed = match result {
+            Ok(peer_closed) => peer_closed,
+            Err(e) => {
+                debug!("connection {id}: TLS: {e}");
+                plaintext.clear();
+                self.tls_plaintext = plaintext;
+                return self.begin_close(id, false, now);
+            }
+        };
+        if was_handshaking && !handshaking {
+            // The handshake's deadline ends with it; a frame gets its own.
+            self.cancel(id);
+        }
+        if !plaintext.is_empty() {
+            self.handle_plaintext(id, &plaintext, now);
+        }
+        plaintext.clear();
+        self.tls_plaintext = plaintext;
+        if peer_closed {
+            self.handle_eof(id, now);
+        }
+    }
+
+    /// Plaintext read from `id`: straight from its socket, or decrypted.
+    fn handle_plaintext(&mut self, id: ConnId, bytes: &[u8], now: Micros) {
         let Some(conn) = self.conn_mut(id) else {
             return;
         };
@@ -371,10 +481,15 @@ impl Endpoint {
 
     /// The bytes `id` has to send now, if any: none while a promise
     /// waits to be made durable ([`poll_persist`](Self::poll_persist)).
-    pub fn transmit(&self, id: ConnId) -> Option<&[u8]> {
-        let conn = self.connection(id)?;
+    pub fn transmit(&mut self, id: ConnId) -> Option<&[u8]> {
         if self.poll_persist().is_some() {
             return None;
+        }
+        let conn = self.conns.get_mut(id as usize)?.as_mut()?;
+        #[cfg(feature = "tls")]
+        if let Some(tls) = conn.tls.as_mut() {
+            let records = tls.records(&conn.output, &mut self.spare_outputs);
+            return (!records.is_empty()).then_some(records);
         }
         (!conn.output.is_empty()).then_some(&conn.output[..])
     }
@@ -385,6 +500,10 @@ impl Endpoint {
         let Some(conn) = self.conn_mut(id) else {
             return;
         };
+        #[cfg(feature = "tls")]
+        if conn.tls.is_some() {
+            return self.handle_records_written(id, written, now);
+        }
         let emptied = conn.sent(written);
         let below_low_water = conn.output.len() < OUTPUT_LOW_WATER;
         if let Some(buffer) = emptied {
@@ -396,6 +515,44 @@ impl Endpoint {
             self.output_drained(id, now);
         } else if below_low_water && conn.phase == Phase::Backpressured {
             self.resume(id, now);
+        }
+    }
+
+    /// The socket of TLS connection `id` took `written` bytes of its
+    /// records. Output leaves the connection once the records carrying it
+    /// are all written.
+    #[cfg(feature = "tls")]
+    fn handle_records_written(&mut self, id: ConnId, written: usize, now: Micros) {
+        let Some(conn) = self.conns.get_mut(id as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        let Some(tls) = conn.tls.as_mut() else {
+            return;
+        };
+        let Some((carried, records)) = tls.written(written) else {
+            return;
+        };
+        if records.capacity() <= SPARE_OUTPUT_CAPACITY_MAX
+            && self.spare_outputs.len() < SPARE_OUTPUTS_MAX
+        {
+            self.spare_outputs.push(records);
+        }
+        let emptied = (carried > 0).then(|| conn.sent(carried)).flatten();
+        if let Some(buffer) = emptied {
+            if self.spare_outputs.len() < SPARE_OUTPUTS_MAX
+                && buffer.capacity() <= SPARE_OUTPUT_CAPACITY_MAX
+            {
+                self.spare_outputs.push(buffer);
+            }
+        }
+        if conn.nothing_to_send() {
+            self.output_drained(id, now);
+        } else {
+            if conn.output.len() < OUTPUT_LOW_WATER && conn.phase == Phase::Backpressured {
+                self.resume(id, now);
+            }
+            // More output than one batch, or records the session made since.
+            self.queue_transmit(id);
         }
     }
 
@@ -488,8 +645,8 @@ impl Endpoint {
                     );
                     assert_eq!(
                         conn.timer.is_armed(),
-                        !conn.input.is_empty(),
-                        "partial-frame deadline of connection {id}"
+                        !conn.input.is_empty() || conn.is_handshaking(),
+                        "partial-frame or handshake deadline of connection {id}"
                     );
                 }
                 Phase::Backpressured => {
@@ -700,6 +857,11 @@ impl Endpoint {
             Phase::Backpressured => self.resume(id, now),
             Phase::Flushing { peer_closed: true } => self.close(id, now),
             Phase::Flushing { peer_closed: false } => {
+                #[cfg(feature = "tls")]
+                if conn.tls.as_mut().is_some_and(|tls| tls.close_notify()) {
+                    // Our end of the TLS session ends before the socket's.
+                    return self.queue_transmit(id);
+                }
                 conn.phase = Phase::Lingering;
                 self.actions.push_back((id, Action::ShutWrite));
             }
@@ -719,7 +881,12 @@ impl Endpoint {
         }
         conn.phase = Phase::Flushing { peer_closed };
         conn.input = Vec::new();
-        let drained = conn.output.is_empty();
+        #[cfg(feature = "tls")]
+        if conn.tls.as_ref().is_some_and(|tls| !tls.can_send()) {
+            // Mid-handshake or failed: no answer can reach the peer.
+            conn.output = Vec::new();
+        }
+        let drained = conn.nothing_to_send();
         // Waiters behind this connection's on a key with a limit may be
         // granted now (spec §10.4): their answers go out like any other.
         self.core.disconnect(id, now);
@@ -786,6 +953,17 @@ impl Endpoint {
                 conn.output = self.spare_outputs.pop().unwrap_or_default();
             }
             protocol::encode_response(&response, &mut conn.output);
+            if !conn.transmit_queued {
+                conn.transmit_queued = true;
+                self.transmit_queue.push(id);
+            }
+        }
+    }
+
+    /// Puts `id` in the list of connections with something to send.
+    #[cfg(feature = "tls")]
+    fn queue_transmit(&mut self, id: ConnId) {
+        if let Some(conn) = self.conn_mut(id) {
             if !conn.transmit_queued {
                 conn.transmit_queued = true;
                 self.transmit_queue.push(id);

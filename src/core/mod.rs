@@ -24,6 +24,8 @@ mod request;
 pub mod restart;
 #[doc(hidden)]
 pub mod script;
+#[cfg(feature = "tls")]
+pub(crate) mod tls;
 pub mod wait_histogram;
 pub mod waiters;
 

@@ -68,7 +68,7 @@ impl Listener {
     /// gets `unix_mode` permissions.
     pub fn bind(address: &Address, unix_mode: u32) -> io::Result<Listener> {
         match address {
-            Address::Tcp(host_port) => {
+            Address::Tcp(host_port) | Address::Tls(host_port) => {
                 let mut last_error = None;
                 for socket_address in host_port.to_socket_addrs()? {
                     match bind_tcp(socket_address) {
@@ -92,7 +92,7 @@ impl Listener {
                     path: path.clone(),
                 })
             }
-            Address::Etcd(_) => Err(io::Error::new(
+            Address::Etcd { .. } => Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "etcd:// is a client address; a server cannot listen on it",
             )),

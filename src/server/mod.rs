@@ -70,6 +70,30 @@ pub struct Config {
     /// With `--auth`: who may connect and what each may do (spec §12);
     /// `None` lets every session do everything.
     pub access: Option<AccessList>,
+    /// The certificate, key and optional client CA of the `tls://`
+    /// listeners; required when there is one.
+    #[cfg(feature = "tls")]
+    pub tls: Option<crate::tls::ServerFiles>,
+}
+
+/// The TLS configuration of one listener (`None` for plaintext).
+#[cfg(feature = "tls")]
+type ListenerTls = Option<Arc<rustls::ServerConfig>>;
+#[cfg(not(feature = "tls"))]
+type ListenerTls = Option<std::convert::Infallible>;
+
+impl Config {
+    /// Whether the listener on `address` admits only clients with a
+    /// certificate from `--tls-client-ca`: a `tls://` listener when that
+    /// option is given (for the start-up warning about open listeners).
+    pub fn requires_client_certificate(&self, address: &Address) -> bool {
+        #[cfg(feature = "tls")]
+        if let Some(files) = &self.tls {
+            return files.client_ca.is_some() && matches!(address, Address::Tls(_));
+        }
+        let _ = address;
+        false
+    }
 }
 
 impl Default for Config {
@@ -82,6 +106,8 @@ impl Default for Config {
             state_dir: None,
             metrics: None,
             access: None,
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
@@ -114,6 +140,11 @@ pub fn first_token_from_clock() -> u64 {
 pub struct Server {
     poll: Poll,
     listeners: Vec<Listener>,
+    /// Per listener, in the same order.
+    listener_tls: Vec<ListenerTls>,
+    /// Per listener: whether it admits only peers with a certificate from
+    /// `--tls-client-ca`.
+    listener_checks_certificates: Vec<bool>,
     addresses: Vec<Address>,
     shutdown: ShutdownHandle,
     shell: Shell,
@@ -248,15 +279,26 @@ impl Server {
         };
         let token_high_water = state.as_ref().map_or(0, StateDir::token_high_water);
         let first_token = first_token_from_clock().max(token_high_water);
+        let tls = tls_config(&config)?;
         let poll = Poll::new()?;
         let mut listeners = Vec::new();
+        let mut listener_tls = Vec::new();
+        let mut listener_checks_certificates = Vec::new();
         let mut addresses = Vec::new();
         for (index, address) in config.listen.iter().enumerate() {
+            listener_checks_certificates.push(config.requires_client_certificate(address));
             let mut listener = Listener::bind(address, config.unix_mode)
                 .map_err(|e| io::Error::new(e.kind(), format!("{address}: {e}")))?;
             poll.registry()
                 .register(&mut listener, listener_token(index), Interest::READABLE)?;
-            addresses.push(listener.local_address()?);
+            let mut local = listener.local_address()?;
+            if let (Address::Tls(_), Address::Tcp(host_port)) = (address, &local) {
+                local = Address::Tls(host_port.clone());
+                listener_tls.push(tls.as_ref().cloned());
+            } else {
+                listener_tls.push(None);
+            }
+            addresses.push(local);
             listeners.push(listener);
         }
         let metrics = match &config.metrics {
@@ -315,6 +357,8 @@ impl Server {
         Ok(Server {
             poll,
             listeners,
+            listener_tls,
+            listener_checks_certificates,
             addresses,
             shutdown,
             shell,
@@ -347,19 +391,23 @@ impl Server {
     }
 
     /// Whether the listener with this index checks its peers, or only this
-    /// host can reach it: a loopback or unix listener, or a server with
-    /// `--auth` or an `--allow` list. Every other check that says who a
-    /// peer is belongs here.
+    /// host can reach it: a loopback or unix listener, a server with
+    /// `--auth` or an `--allow` list, or a `tls://` listener that requires
+    /// client certificates. Every other check that says who a peer is
+    /// belongs here.
     fn is_guarded(&self, index: usize) -> bool {
         let endpoint = &self.shell.endpoint;
         let only_this_host = match &self.addresses[index] {
             Address::Unix(_) => true,
-            Address::Tcp(text) => text
+            Address::Tcp(text) | Address::Tls(text) => text
                 .parse::<std::net::SocketAddr>()
                 .is_ok_and(|address| address.ip().is_loopback()),
-            Address::Etcd(_) => false,
+            Address::Etcd { .. } => false,
         };
-        only_this_host || endpoint.authenticates() || endpoint.checks_peers()
+        only_this_host
+            || self.listener_checks_certificates[index]
+            || endpoint.authenticates()
+            || endpoint.checks_peers()
     }
 
     /// A handle that shuts the server down gracefully (spec §4) from any
@@ -394,7 +442,7 @@ impl Server {
                     Token(token) if token > LISTENER_TOKEN_BASE - self.listeners.len() => {
                         let index = LISTENER_TOKEN_BASE - token;
                         if let Some(listener) = self.listeners.get(index) {
-                            self.shell.accept_all(listener);
+                            self.shell.accept_all(listener, &self.listener_tls[index]);
                         }
                     }
                     Token(id) => {
@@ -430,8 +478,8 @@ impl Server {
             }
             if shell.accept_paused_until.is_some_and(|until| until <= now) {
                 shell.accept_paused_until = None;
-                for listener in &self.listeners {
-                    shell.accept_all(listener);
+                for (listener, tls) in self.listeners.iter().zip(&self.listener_tls) {
+                    shell.accept_all(listener, tls);
                 }
             }
             shell.flush_all()?;
@@ -456,6 +504,7 @@ impl Server {
             listener.remove_file();
         }
         self.listeners.clear();
+        self.listener_tls.clear();
         if let Some(metrics) = self.shell.metrics.as_mut() {
             metrics.close_all(&self.shell.registry);
         }
@@ -672,14 +721,14 @@ impl Shell {
         }
     }
 
-    fn accept_all(&mut self, listener: &Listener) {
+    fn accept_all(&mut self, listener: &Listener, tls: &ListenerTls) {
         if self.accept_paused_until.is_some() || self.endpoint.is_shutting_down() {
             return;
         }
         let mut refused = 0;
         loop {
             match listener.accept() {
-                Ok((stream, peer)) => self.admit(stream, peer),
+                Ok((stream, peer)) => self.admit(stream, peer, tls),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => {}
@@ -688,7 +737,8 @@ impl Shell {
                         warn!("accept: out of file descriptors; refusing new connections");
                     }
                     refused += 1;
-                    if refused > ACCEPT_REFUSALS_PER_WAKEUP || !self.refuse_with_spare_fd(listener)
+                    if refused > ACCEPT_REFUSALS_PER_WAKEUP
+                        || !self.refuse_with_spare_fd(listener, tls.is_some())
                     {
                         return self.pause_accepting();
                     }
@@ -704,14 +754,16 @@ impl Shell {
     /// Out of descriptors: give up the spare one to accept the waiting
     /// peer and tell it so with `X 7`, rather than leave it hanging in the
     /// backlog. Returns whether a spare descriptor was there to use.
-    fn refuse_with_spare_fd(&mut self, listener: &Listener) -> bool {
+    /// A TLS peer is closed with nothing sent, as at the connection limit.
+    fn refuse_with_spare_fd(&mut self, listener: &Listener, tls: bool) -> bool {
         if self.spare_fd.take().is_none() {
             self.spare_fd = File::open("/dev/null").ok();
             return false;
         }
         if let Ok((mut stream, _)) = listener.accept() {
             let frame = self.endpoint.refusal_without_descriptor();
-            let _ = stream.write(&frame);
+            let frame = if tls { &[][..] } else { &frame[..] };
+            let _ = stream.write(frame);
             stream.shutdown_write();
         }
         self.spare_fd = File::open("/dev/null").ok();
@@ -724,7 +776,7 @@ impl Shell {
         self.accept_paused_until = Some(self.now() + micros(ACCEPT_BACKOFF));
     }
 
-    fn admit(&mut self, stream: Stream, peer: Peer) {
+    fn admit(&mut self, stream: Stream, peer: Peer, tls: &ListenerTls) {
         let entry = self.sockets.vacant_entry();
         let id = entry.key();
         if id as u64 > crate::core::endpoint::CONN_ID_MAX {
@@ -752,8 +804,53 @@ impl Shell {
             Peer::Unix => None,
         };
         let now = self.now();
-        self.endpoint.accept(id as ConnId, ip, now);
+        match tls {
+            #[cfg(feature = "tls")]
+            Some(config) => self.endpoint.accept_tls(id as ConnId, ip, config, now),
+            #[cfg(not(feature = "tls"))]
+            Some(never) => match *never {},
+            None => self.endpoint.accept(id as ConnId, ip, now),
+        }
     }
+}
+
+/// The TLS configuration shared by the `tls://` listeners, checked before
+/// anything is bound: a missing or unreadable certificate or key stops the
+/// start with the file and the problem named.
+#[cfg(feature = "tls")]
+fn tls_config(config: &Config) -> io::Result<ListenerTls> {
+    let wanted = config
+        .listen
+        .iter()
+        .any(|address| matches!(address, Address::Tls(_)));
+    let invalid = |text: String| io::Error::new(io::ErrorKind::InvalidInput, text);
+    match (&config.tls, wanted) {
+        (Some(files), true) => crate::tls::server_config(files)
+            .map(Some)
+            .map_err(|e| invalid(format!("TLS: {e}"))),
+        (None, true) => Err(invalid(
+            "TLS: a tls:// listener needs --tls-cert and --tls-key".to_owned(),
+        )),
+        (Some(_), false) => Err(invalid(
+            "TLS: --tls-cert, --tls-key and --tls-client-ca need a tls:// listener".to_owned(),
+        )),
+        (None, false) => Ok(None),
+    }
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_config(config: &Config) -> io::Result<ListenerTls> {
+    if config
+        .listen
+        .iter()
+        .any(|address| matches!(address, Address::Tls(_)))
+    {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "TLS: tls:// listeners need kunci built with the `tls` feature",
+        ));
+    }
+    Ok(None)
 }
 
 fn is_out_of_descriptors(error: &io::Error) -> bool {

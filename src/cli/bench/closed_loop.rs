@@ -16,7 +16,12 @@ use crate::client::{Client, Config, Error};
 /// Runs `run` (pairs or contended) through a client; `Err` if the client
 /// cannot start.
 pub(super) fn execute(run: &Run, stop: &Arc<AtomicBool>) -> Result<Stats, String> {
-    let client = Client::new([run.server.clone()], Config::default())
+    let config = Config {
+        #[cfg(feature = "tls")]
+        tls: super::super::client::tls_files(&run.tls),
+        ..Config::default()
+    };
+    let client = Client::new([run.server.clone()], config)
         .map_err(|e| format!("cannot start the client: {e}"))?;
     let start = Instant::now();
     let stats = Arc::new(Mutex::new(Stats::new(start)));

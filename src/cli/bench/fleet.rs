@@ -204,8 +204,47 @@ pub trait Workload {
     fn finish(&mut self, _stats: &mut Stats) {}
 }
 
-/// Connects, blocking, then hands the socket to mio non-blocking.
-fn connect(address: &Address, secret: Option<&Secret>) -> io::Result<Stream> {
+/// The TLS configuration of `tls://` connections (`None` for others).
+#[cfg(feature = "tls")]
+type Tls = Option<std::sync::Arc<rustls::ClientConfig>>;
+#[cfg(not(feature = "tls"))]
+type Tls = Option<std::convert::Infallible>;
+
+#[cfg(feature = "tls")]
+fn tls_config(address: &Address, options: &super::super::client::TlsOptions) -> io::Result<Tls> {
+    if !matches!(address, Address::Tls(_)) {
+        return Ok(None);
+    }
+    crate::tls::client_config(&super::super::client::tls_files(options))
+        .map(Some)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("TLS: {e}")))
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_config(address: &Address, _: &super::super::client::TlsOptions) -> io::Result<Tls> {
+    match address {
+        Address::Tls(_) => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "tls:// needs kunci built with the `tls` feature",
+        )),
+        _ => Ok(None),
+    }
+}
+
+#[cfg(feature = "tls")]
+fn tcp_connect(host_port: &str) -> io::Result<mio::net::TcpStream> {
+    let target = host_port.to_socket_addrs()?.next().ok_or_else(|| {
+        io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address")
+    })?;
+    let stream = std::net::TcpStream::connect(target)?;
+    stream.set_nodelay(true)?;
+    stream.set_nonblocking(true)?;
+    Ok(mio::net::TcpStream::from_std(stream))
+}
+
+/// Connects, blocking, then hands the socket to mio non-blocking. A TLS
+/// session's handshake runs with the first requests.
+fn connect(address: &Address, tls: &Tls, secret: Option<&Secret>) -> io::Result<Stream> {
     match address {
         Address::Tcp(host_port) => {
             let target = host_port.to_socket_addrs()?.next().ok_or_else(|| {
@@ -220,6 +259,31 @@ fn connect(address: &Address, secret: Option<&Secret>) -> io::Result<Stream> {
             stream.set_nonblocking(true)?;
             Ok(Stream::Tcp(mio::net::TcpStream::from_std(stream)))
         }
+        #[cfg(feature = "tls")]
+        Address::Tls(host_port) => {
+            let name = crate::tls::server_name(host_port)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            let config = tls.clone().ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, "no TLS configuration")
+            })?;
+            if secret.is_some() {
+                // The fleet's TLS handshake runs with its first requests,
+                // so there is no blocking moment to wait for `U`'s answer.
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "a secret over tls:// is not supported by kunci bench",
+                ));
+            }
+            Stream::tls(tcp_connect(host_port)?, config, name)
+        }
+        #[cfg(not(feature = "tls"))]
+        Address::Tls(_) => match *tls {
+            Some(never) => match never {},
+            None => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "tls:// needs kunci built with the `tls` feature",
+            )),
+        },
         Address::Unix(path) => {
             let mut stream = std::os::unix::net::UnixStream::connect(path)?;
             if let Some(secret) = secret {
@@ -229,7 +293,7 @@ fn connect(address: &Address, secret: Option<&Secret>) -> io::Result<Stream> {
             stream.set_nonblocking(true)?;
             Ok(Stream::Unix(mio::net::UnixStream::from_std(stream)))
         }
-        Address::Etcd(_) => Err(io::Error::new(
+        Address::Etcd { .. } => Err(io::Error::new(
             io::ErrorKind::Unsupported,
             "the connection fleet speaks kunci's protocol, not etcd's",
         )),
@@ -309,14 +373,16 @@ impl Fleet {
     /// Opens `count` connections to `address`, one after another.
     pub fn connect(
         address: &Address,
+        tls: &super::super::client::TlsOptions,
         count: usize,
         key_prefix: &str,
         secret: Option<&Secret>,
     ) -> io::Result<Fleet> {
         let poll = Poll::new()?;
+        let tls = tls_config(address, tls)?;
         let mut conns = Vec::with_capacity(count);
         for index in 0..count {
-            let mut stream = connect(address, secret).map_err(|e| {
+            let mut stream = connect(address, &tls, secret).map_err(|e| {
                 io::Error::new(
                     e.kind(),
                     format!("connection {} of {count} to {address}: {e}", index + 1),
@@ -385,6 +451,10 @@ impl Fleet {
         for r in ready.drain(..) {
             if r.conn >= self.conns.len() || !self.conns[r.conn].open {
                 continue;
+            }
+            if r.writable {
+                // Records a TLS session could not write before.
+                let _ = self.conns[r.conn].stream.flush();
             }
             if r.writable && !self.wire.out[r.conn].is_empty() && !self.wire.is_dirty[r.conn] {
                 self.wire.is_dirty[r.conn] = true;

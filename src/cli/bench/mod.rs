@@ -112,6 +112,7 @@ enum Which {
 struct Options {
     server: Option<Address>,
     secret_file: Option<OsString>,
+    tls: super::client::TlsOptions,
     workload: Option<Which>,
     connections: Option<usize>,
     pipeline: Option<usize>,
@@ -228,6 +229,12 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
             }
             Long("seed") => o.seed = Some(args::number("--seed", parser.value())?),
             Long("json") => o.json = true,
+            Long(name) if name.starts_with("tls-") => {
+                let name = name.to_owned();
+                if !super::client::tls_option(&name, &mut parser, &mut o.tls)? {
+                    return Err(format!("invalid option '--{name}'"));
+                }
+            }
             Short('h') | Long("help") => return Ok(None),
             Value(value) if o.workload.is_none() => {
                 let name = value.string().map_err(|e| e.to_string())?;
@@ -273,6 +280,7 @@ struct Run {
     server: Address,
     /// Sent as `U` first on every connection (a server with `--auth`).
     secret: Option<crate::client::Secret>,
+    tls: super::client::TlsOptions,
     plan: Plan,
     mix: workloads::Mix,
     key_prefix: String,
@@ -345,7 +353,7 @@ impl Run {
             Which::Timers => plan.connections = workloads::Timers::connections(plan.connections),
             _ => {}
         }
-        if matches!(o.server, Some(Address::Etcd(_))) {
+        if matches!(o.server, Some(Address::Etcd { .. })) {
             if !matches!(which, Which::Pairs | Which::Contended) {
                 return Err("etcd:// runs only the pairs and contended workloads".into());
             }
@@ -358,6 +366,7 @@ impl Run {
         Ok(Run {
             which,
             secret: super::client::secret(o.secret_file)?,
+            tls: o.tls,
             server: match o.server {
                 Some(server) => server,
                 // One server is driven: the first of $KUNCI_SERVER's.
@@ -415,12 +424,13 @@ impl Run {
                 .map_err(|e| format!("cannot handle signal {signal}: {e}"))?;
         }
         #[cfg(feature = "etcd")]
-        if matches!(self.server, Address::Etcd(_)) {
+        if matches!(self.server, Address::Etcd { .. }) {
             let stats = closed_loop::execute(self, &stop)?;
             return Ok(self.report(stats));
         }
         let mut fleet = Fleet::connect(
             &self.server,
+            &self.tls,
             self.plan.connections,
             &self.key_prefix,
             self.secret.as_ref(),

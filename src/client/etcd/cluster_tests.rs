@@ -36,7 +36,7 @@ const WRITER: (u16, u16) = (0, 0);
 /// The recipe on the members of `cluster`.
 fn recipe(cluster: &etcd::Cluster) -> Arc<Cluster> {
     let endpoints = cluster.members.iter().map(|m| m.client.clone()).collect();
-    Arc::new(Cluster::new(Members::new(endpoints, S)))
+    Arc::new(Cluster::new(Members::new(endpoints, S, None)))
 }
 
 fn key(name: &str) -> Key {

@@ -67,16 +67,76 @@ pub(crate) struct Answer {
     pub body: Vec<u8>,
 }
 
+/// How `etcds://` members are reached (`None`: plain HTTP).
+#[cfg(feature = "tls")]
+pub(crate) type Tls = Option<std::sync::Arc<rustls::ClientConfig>>;
+#[cfg(not(feature = "tls"))]
+pub(crate) type Tls = Option<std::convert::Infallible>;
+
+/// A connection to a member: TCP, or TLS over it (`etcds://`).
+pub(crate) enum Conn {
+    Tcp(TcpStream),
+    #[cfg(feature = "tls")]
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+}
+
+impl Conn {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Conn::Tcp(stream) => stream,
+            #[cfg(feature = "tls")]
+            Conn::Tls(stream) => &stream.sock,
+        }
+    }
+
+    /// Bounds both directions: a TLS read may have to write, and a write
+    /// read (the handshake runs within the first of them).
+    fn set_timeout(&self, limit: Duration) -> io::Result<()> {
+        self.tcp().set_read_timeout(Some(limit))?;
+        self.tcp().set_write_timeout(Some(limit))
+    }
+}
+
+impl Read for Conn {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Conn::Tcp(stream) => stream.read(buf),
+            #[cfg(feature = "tls")]
+            Conn::Tls(stream) => stream.read(buf),
+        }
+    }
+}
+
+impl Write for Conn {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Conn::Tcp(stream) => stream.write(buf),
+            #[cfg(feature = "tls")]
+            Conn::Tls(stream) => stream.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Conn::Tcp(stream) => stream.flush(),
+            #[cfg(feature = "tls")]
+            Conn::Tls(stream) => stream.flush(),
+        }
+    }
+}
+
 /// The members of one etcd cluster and idle connections to them.
 pub(crate) struct Members {
     endpoints: Vec<String>,
-    idle: Vec<Mutex<Vec<TcpStream>>>,
+    idle: Vec<Mutex<Vec<Conn>>>,
     /// The member that answered last: tried first.
     preferred: AtomicUsize,
     connect_timeout: Duration,
     credentials: Option<EtcdCredentials>,
     /// The token the credentials got, while etcd takes it.
     token: Mutex<Option<String>>,
+    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
+    tls: Tls,
 }
 
 fn remaining(deadline: Instant) -> Option<Duration> {
@@ -93,7 +153,7 @@ fn invalid(what: &'static str) -> io::Error {
 }
 
 impl Members {
-    pub(crate) fn new(endpoints: Vec<String>, connect_timeout: Duration) -> Members {
+    pub(crate) fn new(endpoints: Vec<String>, connect_timeout: Duration, tls: Tls) -> Members {
         let idle = endpoints.iter().map(|_| Mutex::new(Vec::new())).collect();
         Members {
             endpoints,
@@ -102,6 +162,7 @@ impl Members {
             connect_timeout,
             credentials: None,
             token: Mutex::new(None),
+            tls,
         }
     }
 
@@ -299,7 +360,7 @@ impl Members {
 
     /// An idle connection to `member` that the peer has not closed, or a
     /// new one.
-    fn connection(&self, member: usize, deadline: Instant) -> Option<TcpStream> {
+    fn connection(&self, member: usize, deadline: Instant) -> Option<Conn> {
         loop {
             let idle = self.idle[member]
                 .lock()
@@ -313,7 +374,7 @@ impl Members {
         }
     }
 
-    fn connect(&self, member: usize, deadline: Instant) -> Option<TcpStream> {
+    fn connect(&self, member: usize, deadline: Instant) -> Option<Conn> {
         let endpoint = &self.endpoints[member];
         let addresses: Vec<SocketAddr> = match endpoint.to_socket_addrs() {
             Ok(addresses) => addresses.collect(),
@@ -327,7 +388,7 @@ impl Members {
             match TcpStream::connect_timeout(&address, limit) {
                 Ok(stream) => {
                     let _ = stream.set_nodelay(true);
-                    return Some(stream);
+                    return self.start_session(endpoint, stream);
                 }
                 Err(error) => log::debug!("etcd {endpoint} ({address}): {error}"),
             }
@@ -335,7 +396,33 @@ impl Members {
         None
     }
 
-    fn put_idle(&self, member: usize, stream: TcpStream) {
+    /// The connection over `stream`: with TLS, a session whose handshake
+    /// runs within the first write.
+    fn start_session(&self, endpoint: &str, stream: TcpStream) -> Option<Conn> {
+        #[cfg(feature = "tls")]
+        if let Some(config) = &self.tls {
+            let name = match crate::tls::server_name(endpoint) {
+                Ok(name) => name,
+                Err(error) => {
+                    log::warn!("etcd {endpoint}: {error}");
+                    return None;
+                }
+            };
+            return match rustls::ClientConnection::new(config.clone(), name) {
+                Ok(session) => Some(Conn::Tls(Box::new(rustls::StreamOwned::new(
+                    session, stream,
+                )))),
+                Err(error) => {
+                    log::warn!("etcd {endpoint}: TLS: {error}");
+                    None
+                }
+            };
+        }
+        let _ = endpoint;
+        Some(Conn::Tcp(stream))
+    }
+
+    fn put_idle(&self, member: usize, stream: Conn) {
         let mut idle = self.idle[member]
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
@@ -370,7 +457,8 @@ fn json_text(text: &str) -> String {
 
 /// Whether an idle connection is still usable: nothing to read and not
 /// closed by the peer.
-fn still_open(stream: &TcpStream) -> bool {
+fn still_open(stream: &Conn) -> bool {
+    let stream = stream.tcp();
     if stream.set_nonblocking(true).is_err() {
         return false;
     }
@@ -382,23 +470,39 @@ fn still_open(stream: &TcpStream) -> bool {
 
 /// Writes the whole request by `deadline`; on failure, how many bytes the
 /// socket had taken (0: certainly not sent).
-fn write_request(stream: &mut TcpStream, request: &[u8], deadline: Instant) -> Result<(), usize> {
+fn write_request(stream: &mut Conn, request: &[u8], deadline: Instant) -> Result<(), usize> {
     let mut written = 0;
     while written < request.len() {
         let Some(left) = remaining(deadline) else {
             return Err(written);
         };
-        if stream.set_write_timeout(Some(left)).is_err() {
+        if stream.set_timeout(left).is_err() {
             return Err(written);
         }
         match stream.write(&request[written..]) {
             Ok(0) => return Err(written),
             Ok(n) => written += n,
             Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return Err(written),
+            Err(error) => {
+                if written == 0 {
+                    log_tls_failure(&error);
+                }
+                return Err(written);
+            }
         }
     }
-    Ok(())
+    // With TLS, records the socket did not take yet.
+    stream.flush().map_err(|_| written)
+}
+
+/// A TLS failure says what is wrong with the member's certificate or
+/// ours: worth a warning, since retrying will not change it.
+fn log_tls_failure(error: &io::Error) {
+    #[cfg(feature = "tls")]
+    if let Some(failure) = crate::tls::failure(error) {
+        log::warn!("etcd: TLS: {failure:?}");
+    }
+    let _ = error;
 }
 
 struct Head {
@@ -410,12 +514,12 @@ struct Head {
 
 /// A connection and the bytes read from it but not yet used.
 pub(crate) struct Reader {
-    stream: TcpStream,
+    stream: Conn,
     buf: Vec<u8>,
 }
 
 impl Reader {
-    fn new(stream: TcpStream) -> Reader {
+    fn new(stream: Conn) -> Reader {
         Reader {
             stream,
             buf: Vec::new(),
@@ -425,7 +529,7 @@ impl Reader {
     /// Reads more bytes into `buf` by `deadline`; end of stream is an error.
     fn fill(&mut self, deadline: Instant) -> io::Result<()> {
         let left = remaining(deadline).ok_or_else(timed_out)?;
-        self.stream.set_read_timeout(Some(left))?;
+        self.stream.set_timeout(left)?;
         let mut chunk = [0u8; 8192];
         loop {
             match self.stream.read(&mut chunk) {
@@ -666,7 +770,7 @@ mod tests {
         let chunked: &[u8] = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\
             5\r\n{\"a\":\r\n4\r\n\"b\"}\r\n0\r\n\r\n";
         let (good, good_requests) = member(chunked);
-        let members = Members::new(vec![refused(), good], Duration::from_secs(1));
+        let members = Members::new(vec![refused(), good], Duration::from_secs(1), None);
         let deadline = Instant::now() + Duration::from_secs(5);
         let answer = members.post("/v3/x", "{}", deadline).ok().unwrap();
         assert_eq!(
@@ -679,14 +783,14 @@ mod tests {
         // the good member behind it never sees it.
         let (closing, closing_requests) = member(b"");
         let (good, good_requests) = member(chunked);
-        let members = Members::new(vec![closing, good], Duration::from_secs(1));
+        let members = Members::new(vec![closing, good], Duration::from_secs(1), None);
         let failure = members.post("/v3/x", "{}", deadline).err();
         assert_eq!(failure, Some(Failure::Unanswered));
         assert_eq!(closing_requests.load(Ordering::SeqCst), 1);
         assert_eq!(good_requests.load(Ordering::SeqCst), 0);
 
         // Nobody reachable: unsent at the deadline.
-        let members = Members::new(vec![refused()], Duration::from_secs(1));
+        let members = Members::new(vec![refused()], Duration::from_secs(1), None);
         let started = Instant::now();
         let soon = started + Duration::from_millis(200);
         assert_eq!(
@@ -707,7 +811,7 @@ mod tests {
             b"\x00\x01 not http\r\n\r\n",
         ] {
             let (address, _) = member(garbage);
-            let members = Members::new(vec![address], Duration::from_secs(1));
+            let members = Members::new(vec![address], Duration::from_secs(1), None);
             let failure = members.post("/v3/x", "{}", deadline).err();
             assert_eq!(failure, Some(Failure::Unanswered), "{garbage:?}");
         }

@@ -8,7 +8,7 @@
 //! threads, and one keeper thread per client schedules the renewals with
 //! the same sans-IO [`KeepAlives`] rules as the kunci I/O thread.
 
-mod http;
+pub(crate) mod http;
 mod json;
 mod recipe;
 
@@ -45,8 +45,10 @@ impl Shared {
         endpoints: Vec<String>,
         connect_timeout: Duration,
         credentials: Option<EtcdCredentials>,
+        tls: http::Tls,
     ) -> std::io::Result<Arc<Shared>> {
-        let members = http::Members::new(endpoints, connect_timeout).with_credentials(credentials);
+        let members =
+            http::Members::new(endpoints, connect_timeout, tls).with_credentials(credentials);
         let cluster = Arc::new(Cluster::new(members));
         let (sender, notes) = mpsc::channel();
         let keeper = Keeper {
