@@ -24,6 +24,7 @@ from ._errors import (
     LimitMismatch,
     LockLost,
     NotHeld,
+    PermissionDenied,
     Timeout,
     Unavailable,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "LimitMismatch",
     "LockLost",
     "NotHeld",
+    "PermissionDenied",
     "TRANSPORT_DEADLINE",
     "Ticket",
     "Timeout",

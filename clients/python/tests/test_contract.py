@@ -424,7 +424,7 @@ def test_etcd_in_kunci_server_is_refused_naming_the_variable(make_client, monkey
 
 
 def test_other_schemes_are_refused_at_construction(make_client):
-    with pytest.raises(kunci.InvalidArgument, match="takes HOST:PORT or unix:PATH"):
+    with pytest.raises(kunci.InvalidArgument, match="takes HOST:PORT, tls://HOST:PORT or unix:PATH"):
         make_client("tcp://127.0.0.1:5862")
 
 
