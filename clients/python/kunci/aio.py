@@ -228,6 +228,7 @@ class Client(object):
                     return call.result
                 raise Unavailable(call.reason or "no server could be reached by the deadline")
             if self._write(session, call, loop) == UNSENT:
+                await _closing_seen()
                 continue
             if call.result is None:
                 await self._await(call)
@@ -424,8 +425,16 @@ class Client(object):
                     return
                 if self._write(session, call, self._loop) == SENT:
                     return
+                await _closing_seen()
         except Error:
             return
+
+
+async def _closing_seen():
+    """After a write found the session's transport closing: one turn of the
+    loop, in which the transport reports the loss (with its reason: a TLS
+    alert says why), so that the session is not found live again."""
+    await asyncio.sleep(0)
 
 
 # Transports inherited from the parent by a forked child. They are kept
