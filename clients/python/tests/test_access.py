@@ -270,6 +270,12 @@ def test_mtls_without_a_client_certificate_is_permission_denied(
     assert kind is kunci.PermissionDenied, error
     assert "certificate" in str(error)
     assert elapsed < AT_ONCE
+    # With TLS 1.2 the refusal comes during the handshake, not after it.
+    old = context(pki)
+    old.maximum_version = ssl.TLSVersion.TLSv1_2
+    kind, elapsed, error = outcome(make_client(server.address, tls=old).acquire, "deploy", wait=3)
+    assert kind is kunci.PermissionDenied, error
+    assert "certificate" in str(error) and elapsed < AT_ONCE
     stranger = make_client(server.address, tls=context(pki, cert="stranger"))
     kind, elapsed, error = outcome(stranger.acquire, "deploy", wait=3)
     assert kind is kunci.PermissionDenied, error
