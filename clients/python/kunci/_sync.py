@@ -830,7 +830,8 @@ class Client(object):
             while not self._closed:
                 session = self._session_for(call)
                 if session is None:
-                    log.warning("could not release token %d: %s", token, call.reason)
+                    log.warning("could not release token %d: %s", token,
+                                call.reason if call.result is None else call.result[1])
                     return
                 if self._write(session, call) == SENT:
                     return

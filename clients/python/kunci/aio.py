@@ -421,7 +421,8 @@ class Client(object):
             while not self._closed:
                 session = await self._session_for(call, self._loop)
                 if session is None:
-                    log.warning("could not release token %d: %s", token, call.reason)
+                    log.warning("could not release token %d: %s", token,
+                                call.reason if call.result is None else call.result[1])
                     return
                 if self._write(session, call, self._loop) == SENT:
                     return

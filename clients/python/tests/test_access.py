@@ -4,13 +4,15 @@ and TLS (a private CA, a server not trusted, client certificates)."""
 
 import os
 import ssl
+import struct
 import subprocess
+import threading
 import time
 
 import pytest
 
 import kunci
-from conftest import Server, kunci_bin, outcome, request_frames, require_tool
+from conftest import free_port, kunci_bin, outcome, request_frames, require_tool
 
 # A refused session or request ends at once: far below the 5 s deadline.
 AT_ONCE = 1.5
@@ -147,6 +149,35 @@ def test_key_outside_the_scopes_is_denied_and_the_session_goes_on(
     info = admin.info()
     assert info["connections"] == 2  # the team session was not closed
     assert info["auth_failures"] == 0
+
+
+def test_renewal_answered_x13_is_a_loss(make_client, make_proxy):
+    # As after a restart whose --auth file took the key out of the scopes.
+    proxy = make_proxy(free_port())
+    proxy.accept = "respond"
+
+    def respond(data):
+        answer = b""
+        for op, header, _ in request_frames(data):
+            if op == b"U":
+                answer += b"Uteam\n"
+            elif op == b"A":
+                answer += b"A" + header[2:10] + struct.pack(">Q", 7) + b"\n"
+            elif op == b"E":
+                answer += b"X" + struct.pack(">BQ", 13, 7) + b"not permitted\n"
+        return answer
+
+    proxy.responder = respond
+    lost = threading.Event()
+    client = make_client(proxy.address, secret="s" * 32)
+    start = time.monotonic()
+    with client.lock("k", lease=1, on_lost=lambda ticket: lost.set()) as ticket:
+        assert lost.wait(3)
+        assert time.monotonic() - start >= 1 / 3.0  # the first renewal's time
+        assert ticket.lost
+        with pytest.raises(kunci.LockLost):
+            ticket.check()
+    assert [op for op, _, _ in request_frames(proxy.upstream_bytes())] == [b"U", b"A", b"E"]
 
 
 def test_no_secret_on_a_server_without_auth_and_u_answered_there(make_client, server, secrets):
