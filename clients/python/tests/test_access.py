@@ -44,7 +44,7 @@ def auth_server(start_server, secrets):
     return start_server("--auth", secrets["file"])
 
 
-def test_u_goes_first_and_its_answer_is_taken(make_client, make_proxy, auth_server, secrets):
+def test_u_goes_first_and_its_answer_is_taken(make_proxy, auth_server, secrets, make_client):
     proxy = make_proxy(auth_server.port)
     client = make_client(proxy.address, secret=secrets["admin"])
     ticket = client.acquire("deploy", lease=30)
@@ -63,13 +63,13 @@ def test_u_goes_first_and_its_answer_is_taken(make_client, make_proxy, auth_serv
     assert client.info()["auth_failures"] == 0
 
 
-def test_one_trailing_newline_of_a_secret_is_dropped(make_client, auth_server, secrets):
+def test_one_trailing_newline_of_a_secret_is_dropped(auth_server, secrets, make_client):
     client = make_client(auth_server.address, secret=(secrets["admin"] + "\n").encode())
     client.acquire("k").release()
 
 
 @pytest.mark.parametrize("secret", ["wrong", "short", "absent"])
-def test_refused_secret_is_permission_denied_at_once(make_client, auth_server, secrets, secret):
+def test_refused_secret_is_permission_denied_at_once(auth_server, secrets, secret, make_client):
     if secret == "wrong":
         given = "0" * 64
     elif secret == "short":
@@ -101,7 +101,7 @@ def test_refused_secret_is_permission_denied_at_once(make_client, auth_server, s
     assert info["auth_failures"] == 2
 
 
-def test_refused_secret_is_not_tried_on_another_address(make_client, start_server, secrets):
+def test_refused_secret_is_not_tried_on_another_address(start_server, secrets, make_client):
     first = start_server("--auth", secrets["file"])
     second = start_server("--auth", secrets["file"])
     client = make_client([first.address, second.address], secret="1" * 64)
@@ -114,9 +114,7 @@ def test_refused_secret_is_not_tried_on_another_address(make_client, start_serve
     assert sorted(failures) == [0, 1]
 
 
-def test_pipelined_requests_behind_a_refused_u_all_end_denied(make_client, auth_server):
-    import threading
-
+def test_pipelined_requests_behind_a_refused_u_all_end_denied(auth_server, make_client):
     client = make_client(auth_server.address, secret="2" * 64)
     results = []
 
@@ -134,7 +132,7 @@ def test_pipelined_requests_behind_a_refused_u_all_end_denied(make_client, auth_
 
 
 def test_key_outside_the_scopes_is_denied_and_the_session_goes_on(
-        make_client, auth_server, secrets):
+        auth_server, secrets, make_client):
     client = make_client(auth_server.address, secret=secrets["team"])
     kind, elapsed, error = outcome(client.acquire, "prod/db", wait=5)
     assert kind is kunci.PermissionDenied and elapsed < AT_ONCE
@@ -151,7 +149,7 @@ def test_key_outside_the_scopes_is_denied_and_the_session_goes_on(
     assert info["auth_failures"] == 0
 
 
-def test_renewal_answered_x13_is_a_loss(make_client, make_proxy):
+def test_renewal_answered_x13_is_a_loss(make_proxy, make_client):
     # As after a restart whose --auth file took the key out of the scopes.
     proxy = make_proxy(free_port())
     proxy.accept = "respond"
@@ -180,7 +178,7 @@ def test_renewal_answered_x13_is_a_loss(make_client, make_proxy):
     assert [op for op, _, _ in request_frames(proxy.upstream_bytes())] == [b"U", b"A", b"E"]
 
 
-def test_no_secret_on_a_server_without_auth_and_u_answered_there(make_client, server, secrets):
+def test_no_secret_on_a_server_without_auth_and_u_answered_there(server, secrets, make_client):
     # A server without --auth answers U with an empty name.
     client = make_client(server.address, secret=secrets["admin"])
     client.acquire("k").release()
@@ -258,7 +256,7 @@ def context(pki, ca="ca.pem", cert=None):
     return ctx
 
 
-def test_tls_round_trip_with_a_private_ca(make_client, start_server, pki):
+def test_tls_round_trip_with_a_private_ca(start_server, pki, make_client):
     server = tls_server(start_server, pki)
     client = make_client(server.address, tls=context(pki))
     ticket = client.acquire("deploy", lease=30)
@@ -275,7 +273,7 @@ def test_tls_round_trip_with_a_private_ca(make_client, start_server, pki):
 
 @pytest.mark.parametrize("case", ["other CA", "system trust", "wrong name"])
 def test_untrusted_server_is_unavailable_naming_the_certificate(
-        make_client, start_server, pki, case):
+        start_server, pki, case, make_client):
     if case != "wrong name":
         server = tls_server(start_server, pki)
     if case == "other CA":
@@ -293,8 +291,7 @@ def test_untrusted_server_is_unavailable_naming_the_certificate(
     assert elapsed < AT_ONCE
 
 
-def test_mtls_without_a_client_certificate_is_permission_denied(
-        make_client, start_server, pki):
+def test_mtls_without_a_client_certificate_is_permission_denied(start_server, pki, make_client):
     server = tls_server(start_server, pki, "--tls-client-ca", pki("ca.pem"))
     client = make_client(server.address, tls=context(pki))
     kind, elapsed, error = outcome(client.acquire, "deploy", wait=3)
@@ -316,7 +313,7 @@ def test_mtls_without_a_client_certificate_is_permission_denied(
     assert good.info()["grants"] == 0
 
 
-def test_mtls_with_a_good_client_certificate(make_client, start_server, pki):
+def test_mtls_with_a_good_client_certificate(start_server, pki, make_client):
     server = tls_server(start_server, pki, "--tls-client-ca", pki("ca.pem"))
     client = make_client(server.address, tls=context(pki, cert="client"))
     ticket = client.acquire("deploy", lease=30)
@@ -324,7 +321,7 @@ def test_mtls_with_a_good_client_certificate(make_client, start_server, pki):
     assert client.info()["released"] == 1
 
 
-def test_secret_over_tls(make_client, start_server, pki, secrets):
+def test_secret_over_tls(start_server, pki, secrets, make_client):
     server = tls_server(start_server, pki, "--auth", secrets["file"])
     client = make_client(server.address, tls=context(pki), secret=secrets["team"])
     client.acquire("team/x").release()
