@@ -274,6 +274,11 @@ class Access(object):
     listeners are TCP."""
 
     def __init__(self, addresses, secret, tls):
+        if (secret is not None or tls not in (None, False)) and any(
+                kind == "etcd" for kind, _ in addresses):
+            raise InvalidArgument(
+                "secret and tls are for kunci servers: the Python client reaches etcd over "
+                "plain HTTP without a user (docs/ETCD.md)")
         secret = check_args(P.check_secret, secret)
         self.auth_frame = None if secret is None else P.encode_auth(secret)
         if tls is None or tls is False:

@@ -422,7 +422,8 @@ def parse_info(text):
 def parse_address(text):
     """``("unix", path)``, ``("tcp", (host, port))`` or ``("tls", (host,
     port))`` for ``unix:PATH``, ``HOST:PORT`` or ``[V6]:PORT``, and
-    ``tls://HOST:PORT`` (spec §12.4)."""
+    ``tls://HOST:PORT`` (spec §12.4); ``("etcd", (host, port))`` for each
+    member of ``etcd://HOST:PORT[,HOST:PORT…]`` (a list of them)."""
     text = text.strip()
     if text.startswith("unix:"):
         path = text[len("unix:"):]
@@ -433,13 +434,18 @@ def parse_address(text):
     if sep and scheme.lower() == "tls":
         return ("tls", _host_port(rest, text))
     if sep:
+        if scheme == "etcd":
+            members = rest.split(",")
+            try:
+                return [("etcd", _etcd_endpoint(member)) for member in members]
+            except ValueError as error:
+                raise ValueError("address %r: %s" % (text, error))
         if scheme.lower() in ("etcd", "etcds"):
             raise ValueError(
-                "%r: the Python client does not speak etcd yet; use a kunci server "
-                "(HOST:PORT or unix:PATH), or the kunci CLI or Rust client for "
-                "etcd:// (docs/ETCD.md)" % text)
-        raise ValueError("address %r: the Python client takes HOST:PORT, tls://HOST:PORT "
-                         "or unix:PATH" % text)
+                "%r: etcd is reached over plain HTTP as etcd://HOST:PORT[,HOST:PORT...]; "
+                "there is no TLS (docs/ETCD.md)" % text)
+        raise ValueError("address %r: the Python client takes HOST:PORT, tls://HOST:PORT, "
+                         "unix:PATH or etcd://HOST:PORT[,HOST:PORT...]" % text)
     return ("tcp", _host_port(text, text))
 
 
@@ -452,32 +458,50 @@ def _host_port(text, address):
     return (host, int(port))
 
 
+def _etcd_endpoint(text):
+    from ._etcd import parse_endpoint
+    return parse_endpoint(text)
+
+
 def format_address(address):
     kind, where = address
     if kind == "unix":
         return "unix:" + where
     host, port = where
     text = ("[%s]:%d" if ":" in host else "%s:%d") % (host, port)
-    return "tls://" + text if kind == "tls" else text
+    if kind == "tls":
+        return "tls://" + text
+    return "etcd://" + text if kind == "etcd" else text
 
 
 def resolve_servers(servers):
     """The parsed addresses of ``servers`` (a comma-separated str, or an
-    iterable of str); ``None`` means ``$KUNCI_SERVER``, else the default."""
+    iterable of str); ``None`` means ``$KUNCI_SERVER``, else the default.
+    ``etcd://A,B`` and ``etcd://A``, ``etcd://B`` say the same: the members
+    of one etcd cluster, which cannot be mixed with kunci servers."""
     source = None
     if servers is None:
         servers = os.environ.get("KUNCI_SERVER") or DEFAULT_SERVER
         source = "KUNCI_SERVER" if os.environ.get("KUNCI_SERVER") else None
     if isinstance(servers, str):
-        servers = servers.split(",")
+        servers = [servers]
     try:
-        addresses = [parse_address(item) for item in servers if item.strip()]
+        addresses = []
+        for text in servers:
+            if text.strip().startswith("etcd://"):
+                # Everything after etcd:// is the member list.
+                addresses.extend(parse_address(text))
+                continue
+            addresses.extend(parse_address(item) for item in text.split(",") if item.strip())
+        if not addresses:
+            raise ValueError("a client needs at least one server address")
+        etcd = [address for address in addresses if address[0] == "etcd"]
+        if etcd and len(etcd) != len(addresses):
+            raise ValueError("etcd:// addresses cannot be mixed with kunci servers")
     except ValueError as error:
         if source is None:
             raise
         raise ValueError("%s: %s" % (source, error))
-    if not addresses:
-        raise ValueError("a client needs at least one server address")
     return addresses
 
 

@@ -31,6 +31,7 @@ import threading
 import time
 import weakref
 
+from . import _etcd
 from . import _protocol as P
 from ._common import (
     DENIED, INDETERMINATE, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds, Pending,
@@ -176,6 +177,9 @@ class Client(object):
 
     def _init_state(self):
         self._pid = os.getpid()
+        # On an etcd cluster every call runs the recipe of ``_etcd`` on
+        # its calling thread instead of a session.
+        self._etcd = _etcd.cluster_for(self._addresses, self._connect_timeout)
         self._mu = threading.Lock()
         self._book = AddressBook(self._addresses)
         self._connect_locks = [threading.Lock() for _ in self._addresses]
@@ -346,6 +350,8 @@ class Client(object):
         """Runs ``call`` to its result: moves it while it is certainly not
         sent (rule 4), never resends it once possibly sent (rule 5)."""
         self._check_process()
+        if self._etcd is not None:
+            return self._etcd.run(call)
         while True:
             session = self._session_for(call)
             if session is None:
@@ -825,6 +831,9 @@ class Client(object):
             self._maint_thread = None
 
     def _send_background(self, key, token):
+        if self._etcd is not None:
+            self._etcd.release_in_background(key, token)
+            return
         call = Call("R", key, monotonic() + P.TRANSPORT_DEADLINE, token=token, background=True)
         try:
             while not self._closed:

@@ -16,9 +16,11 @@ token is released at once, so a grant never goes to nobody.
 
 import asyncio
 import os
+import threading
 import time
 import weakref
 
+from . import _etcd
 from . import _protocol as P
 from ._common import (
     DENIED, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds, Pending, TicketBase,
@@ -94,6 +96,11 @@ class Client(object):
 
     def _init_state(self):
         self._pid = os.getpid()
+        # On an etcd cluster each call runs the blocking recipe of
+        # ``_etcd`` on a thread of its own (a waiting acquire blocks its
+        # thread for the whole wait, so a pool could starve the release
+        # that would let it in).
+        self._etcd = _etcd.cluster_for(self._addresses, self._connect_timeout)
         self._loop = None
         self._book = AddressBook(self._addresses)
         self._connecting = [None] * len(self._addresses)
@@ -221,6 +228,8 @@ class Client(object):
 
     async def _run(self, call):
         loop = self._bind_loop()
+        if self._etcd is not None:
+            return await self._run_on_etcd(call, loop)
         while True:
             session = await self._session_for(call, loop)
             if session is None:
@@ -236,6 +245,47 @@ class Client(object):
             if result[0] != MOVED:
                 return result
             call.move_on(session.index)
+
+    async def _run_on_etcd(self, call, loop):
+        """Runs ``call`` on a thread. Cancelled, the call is abandoned: a
+        waiting acquire stops waiting (its entry is removed), and a grant
+        that comes all the same is released at once."""
+        etcd = self._etcd
+        future = loop.create_future()
+
+        def release_if_granted(outcome):
+            if isinstance(outcome, tuple) and outcome[0] == "A":
+                etcd.release_in_background(call.key, outcome[1])
+
+        def deliver(outcome):
+            if future.cancelled():
+                release_if_granted(outcome)
+            else:
+                future.set_result(outcome)
+
+        def work():
+            try:
+                outcome = etcd.run(call)
+            except BaseException as error:
+                outcome = error
+            try:
+                loop.call_soon_threadsafe(deliver, outcome)
+            except RuntimeError:  # the loop is closed: nobody takes it
+                release_if_granted(outcome)
+
+        threading.Thread(target=work, name="kunci-etcd-call", daemon=True).start()
+        try:
+            outcome = await future
+        except asyncio.CancelledError:
+            call.abandoned = True
+            if future.done() and not future.cancelled():
+                # The outcome came, but the task was cancelled before it
+                # resumed: a grant in it goes to nobody.
+                release_if_granted(future.result())
+            raise
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     async def _session_for(self, call, loop):
         book = self._book
@@ -416,6 +466,9 @@ class Client(object):
         task.add_done_callback(self._tasks.discard)
 
     async def _send_background(self, key, token):
+        if self._etcd is not None:
+            self._etcd.release_in_background(key, token)
+            return
         call = Call("R", key, monotonic() + P.TRANSPORT_DEADLINE, token=token, background=True)
         try:
             while not self._closed:

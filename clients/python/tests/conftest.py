@@ -510,3 +510,102 @@ def require_tool(program, package, environ=None):
     if running_in_ci(environ):
         pytest.fail(message + ": under CI=true a missing tool fails the test", pytrace=False)
     pytest.skip(message)
+
+
+# --------------------------------------------------------------------------
+# A real etcd cluster on loopback (for `etcd://`).
+
+
+class EtcdCluster(object):
+    """``size`` etcd members on loopback with temporary data directories, a
+    short heartbeat (50 ms) and election timeout (500 ms), so that a leader
+    change takes well under a second. As tests/util/etcd.rs starts them."""
+
+    def __init__(self, etcd, directory, size=3):
+        self.directory = str(directory)
+        peers = [("m%d" % i, free_port(), free_port()) for i in range(size)]
+        initial = ",".join("%s=http://127.0.0.1:%d" % (name, peer) for name, _, peer in peers)
+        self.members = []
+        for name, client, peer in peers:
+            log = open(os.path.join(self.directory, name + ".log"), "wb")
+            process = subprocess.Popen(
+                [etcd, "--name", name, "--data-dir", os.path.join(self.directory, name),
+                 "--listen-client-urls", "http://127.0.0.1:%d" % client,
+                 "--advertise-client-urls", "http://127.0.0.1:%d" % client,
+                 "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
+                 "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
+                 "--initial-cluster", initial, "--initial-cluster-state", "new",
+                 "--initial-cluster-token", "kunci-py-%d" % peers[0][2],
+                 "--heartbeat-interval", "50", "--election-timeout", "500"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+            log.close()
+            self.members.append({"name": name, "client": "127.0.0.1:%d" % client,
+                                 "port": client, "process": process})
+        self.wait_ready()
+
+    @property
+    def endpoints(self):
+        return [member["client"] for member in self.members]
+
+    @property
+    def address(self):
+        return "etcd://" + ",".join(self.endpoints)
+
+    def status(self, member):
+        import json
+        import urllib.request
+        request = urllib.request.Request(
+            "http://%s/v3/maintenance/status" % member["client"], data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=1) as answer:
+            return json.loads(answer.read())
+
+    def wait_ready(self, timeout=30):
+        client = kunci.Client(self.address)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    client.acquire("warm-up", lease=1).release()
+                    return
+                except kunci.Error as error:
+                    if time.monotonic() > deadline:
+                        pytest.fail("etcd did not start: %s" % error)
+                    time.sleep(0.1)
+        finally:
+            client.close()
+
+    def leader(self, timeout=10):
+        """The index of the member that leads, as the members report it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for index, member in enumerate(self.members):
+                if member["process"].poll() is not None:
+                    continue
+                try:
+                    status = self.status(member)
+                except (OSError, ValueError):
+                    continue
+                if status.get("leader") and status["leader"] == status["header"].get("member_id"):
+                    return index
+            time.sleep(0.05)
+        pytest.fail("no etcd leader")
+
+    def kill(self, index):
+        """``kill -9`` of one member."""
+        process = self.members[index]["process"]
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    def stop(self):
+        for index in range(len(self.members)):
+            self.kill(index)
+
+
+@pytest.fixture(scope="module")
+def etcd_cluster(tmp_path_factory):
+    """One 3-member etcd cluster for the whole test module."""
+    etcd = require_tool("etcd", "etcd-server")
+    cluster = EtcdCluster(etcd, tmp_path_factory.mktemp("etcd"))
+    yield cluster
+    cluster.stop()

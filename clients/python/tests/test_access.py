@@ -178,7 +178,7 @@ def test_renewal_answered_x13_is_a_loss(make_proxy, make_client):
     assert [op for op, _, _ in request_frames(proxy.upstream_bytes())] == [b"U", b"A", b"E"]
 
 
-def test_no_secret_on_a_server_without_auth_and_u_answered_there(server, secrets, make_client):
+def test_secret_on_a_server_without_auth(server, secrets, make_client):
     # A server without --auth answers U with an empty name.
     client = make_client(server.address, secret=secrets["admin"])
     client.acquire("k").release()
@@ -190,6 +190,8 @@ def test_secret_and_tls_arguments_are_checked_at_construction(make_client):
             make_client("127.0.0.1:1", secret=bad)
     with pytest.raises(kunci.InvalidArgument, match="tls must be"):
         make_client("127.0.0.1:1", tls="yes")
+    with pytest.raises(kunci.InvalidArgument, match="for kunci servers"):
+        make_client("etcd://127.0.0.1:2379", secret="a" * 32)
 
 
 # -------------------------------------------------------------------- TLS
