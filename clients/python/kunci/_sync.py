@@ -530,7 +530,10 @@ class Client(object):
                 left = deadline - monotonic()
                 if left <= 0:
                     return max(sent, int(tls_started)), _NO_ROOM
-                session.write_poll.poll(min(math.ceil(left * 1000), 10 if tls_started else 1 << 30))
+                # A TLS write may wait for the peer's bytes, not for room:
+                # look again soon.
+                wait_ms = math.ceil(left * 1000)
+                session.write_poll.poll(min(wait_ms, 10) if tls_started else wait_ms)
             except InterruptedError:
                 pass
             except OSError as error:
