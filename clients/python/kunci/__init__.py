@@ -10,6 +10,11 @@
     with client.lock("catalog", wait=10, shared=True):    # many readers...
         read_catalog()                                   # ...or one writer
 
+A server with ``--auth`` or TLS (spec §12)::
+
+    client = kunci.Client("tls://locks.internal:5863", secret=secret,
+                          tls=ssl.create_default_context(cafile="ca.pem"))
+
 ``kunci.aio.Client`` is the asyncio twin. Every call follows the client
 contract of the kunci protocol (spec §8): one deadline per call, a
 possibly-sent request is never sent again, and ``Indeterminate`` instead
@@ -24,6 +29,7 @@ from ._errors import (
     LimitMismatch,
     LockLost,
     NotHeld,
+    PermissionDenied,
     Timeout,
     Unavailable,
 )
@@ -48,6 +54,7 @@ __all__ = [
     "LimitMismatch",
     "LockLost",
     "NotHeld",
+    "PermissionDenied",
     "TRANSPORT_DEADLINE",
     "Ticket",
     "Timeout",

@@ -7,12 +7,13 @@ stays in the clients."""
 import collections
 import logging
 import os
+import ssl
 import time
 
 from . import _protocol as P
 from ._errors import (
-    Busy, Error, Indeterminate, InvalidArgument, LimitMismatch, LockLost, NotHeld, Timeout,
-    Unavailable,
+    Busy, Error, Indeterminate, InvalidArgument, LimitMismatch, LockLost, NotHeld,
+    PermissionDenied, Timeout, Unavailable,
 )
 
 log = logging.getLogger("kunci")
@@ -52,6 +53,7 @@ its numbers of ``grants`` and ``waiters``, and its ``limit`` of permits
 # Result kinds a call ends with. A tuple whose first item is one of these.
 INDETERMINATE = ("?",)
 MOVED = "moved"  # ("moved", reason, code): executed by nobody, may move on
+DENIED = "denied"  # ("denied", reason): the credentials were refused, nothing executed
 
 # Whether a write left the request certainly not sent, or possibly sent.
 UNSENT = 0
@@ -73,7 +75,7 @@ class Call(object):
         "deadline", "result", "sent_at", "writing", "background", "abandoned",
         "reason", "refusals", "tried", "waiter", "signalled", "future", "timer",
         "session", "answered_at", "limit", "take", "label",
-        "ident", "cursor", "count", "gathered", "clean_up_for",
+        "ident", "cursor", "count", "gathered", "clean_up_for", "denials",
     )
 
     def __init__(self, op, key, deadline, owner=0, token=0, nonce=0, lease=0,
@@ -120,6 +122,9 @@ class Call(object):
         self.timer = None
         self.session = None
         self.answered_at = None
+        # The client's count of refused sessions when this call began
+        # (``AddressBook.denial_for``).
+        self.denials = None
 
     def waiting(self):
         """Whether somebody waits for this call's outcome."""
@@ -256,6 +261,91 @@ class Pending(object):
         return None
 
 
+class Access(object):
+    """A client's credentials (spec §12.5), checked when the client is
+    made: the ``U`` frame that opens each session when a secret is set,
+    and the TLS context of each address (``None``: plaintext).
+
+    ``tls``: ``None`` (plaintext, but a ``tls://`` address uses the system's
+    trust), ``True`` (every TCP address speaks TLS with the system's trust)
+    or an ``ssl.SSLContext`` (every TCP address speaks TLS with it: a
+    private CA, a client certificate). ``unix:`` addresses stay plaintext:
+    a socket file is guarded by its permissions, and the server's TLS
+    listeners are TCP."""
+
+    def __init__(self, addresses, secret, tls):
+        if (secret is not None or tls not in (None, False)) and any(
+                kind == "etcd" for kind, _ in addresses):
+            raise InvalidArgument(
+                "secret and tls are for kunci servers: the Python client reaches etcd over "
+                "plain HTTP without a user (docs/ETCD.md)")
+        secret = check_args(P.check_secret, secret)
+        self.auth_frame = None if secret is None else P.encode_auth(secret)
+        if tls is None or tls is False:
+            chosen = None
+        elif tls is True:
+            chosen = ssl.create_default_context()
+        elif isinstance(tls, ssl.SSLContext):
+            chosen = tls
+        else:
+            raise InvalidArgument(
+                "tls must be None, True or an ssl.SSLContext, not %s" % type(tls).__name__)
+        system = chosen
+        self.contexts = []
+        for kind, _ in addresses:
+            if kind == "unix":
+                self.contexts.append(None)
+            elif chosen is not None:
+                self.contexts.append(chosen)
+            elif kind == "tls":
+                if system is None:
+                    system = ssl.create_default_context()
+                self.contexts.append(system)
+            else:
+                self.contexts.append(None)
+
+    def tls_for(self, address_index):
+        return self.contexts[address_index]
+
+
+# The TLS alerts by which a server refuses the client's certificate, or its
+# absence (OpenSSL's reason names).
+_REFUSAL_ALERTS = (
+    "CERTIFICATE_REQUIRED", "UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_UNKNOWN",
+    "UNSUPPORTED_CERTIFICATE", "CERTIFICATE_EXPIRED", "CERTIFICATE_REVOKED", "ACCESS_DENIED",
+)
+
+
+def tls_refusal(error):
+    """Why, when ``error`` is the TLS alert by which the server refused
+    this client's certificate or its absence; else ``None``. With TLS 1.3
+    it comes after the client's side of the handshake is done, on the
+    first read; with TLS 1.2 during the handshake."""
+    if not isinstance(error, ssl.SSLError) or isinstance(error, ssl.SSLCertVerificationError):
+        return None
+    reason = getattr(error, "reason", None) or ""
+    if "ALERT" not in reason or not any(alert in reason for alert in _REFUSAL_ALERTS):
+        return None
+    return ("the server refused this client's certificate, or its absence "
+            "(TLS alert: %s)" % reason.lower().replace("_", " "))
+
+
+def tls_untrusted(error):
+    """Why, when ``error`` says the server's certificate failed
+    verification (not trusted, expired, another name); else ``None``."""
+    if not isinstance(error, ssl.SSLCertVerificationError):
+        return None
+    return "the server's certificate is not trusted: %s" % (
+        error.verify_message or error.reason or error)
+
+
+def secret_refusal(sent_secret, text):
+    """Why a session was refused with ``X 12``."""
+    if sent_secret:
+        return "the server refused the secret (X 12: %s)" % text
+    return "the server requires a secret and this client has none (X 12: %s)" % text
+
+
 class AddressBook(object):
     """The addresses of one service and what the client knows of each: its
     session, its failures in a row, when it may be tried again and why it
@@ -270,6 +360,10 @@ class AddressBook(object):
         self.retry_at = [0.0] * count
         self.last_failure = [None] * count
         self.preferred = 0
+        # Sessions refused for the client's credentials so far, and the
+        # last reason: calls under way then end PermissionDenied.
+        self.denials = 0
+        self.denial = None
 
     def live_session(self):
         """A live session, the preferred address's first; else ``None``."""
@@ -280,6 +374,22 @@ class AddressBook(object):
             if session is not None and session.alive:
                 return session
         return None
+
+    def denial_for(self, call):
+        """Why ``call`` ends ``PermissionDenied`` now: a session of this
+        client was refused for its credentials since the call began (the
+        same secret and certificate are never tried again within a call,
+        spec §8 rule 12, not on another address either); else ``None``."""
+        if call.denials is None:
+            call.denials = self.denials
+            return None
+        if call.denials != self.denials:
+            return self.denial
+        return None
+
+    def deny(self, reason):
+        self.denials += 1
+        self.denial = reason
 
     def allowed(self, call):
         """The addresses ``call`` may still connect to, the preferred one
@@ -319,7 +429,22 @@ class AddressBook(object):
         self.last_failure[index] = reason
 
     def connect_failed(self, index, call, error, now):
-        reason = "cannot connect to %s: %s" % (P.format_address(self.addresses[index]), error)
+        """A connection (or its TLS handshake) failed. A server whose
+        certificate is not trusted is not tried again by this call: the
+        certificate and the trust do not change within a call; another
+        address may still serve it. A server that refused the client's
+        certificate refuses it everywhere: the call ends PermissionDenied."""
+        address = P.format_address(self.addresses[index])
+        refused = tls_refusal(error)
+        untrusted = tls_untrusted(error)
+        if refused is not None:
+            reason = "%s: %s" % (address, refused)
+            self.deny(reason)
+        elif untrusted is not None:
+            reason = "cannot connect to %s: %s" % (address, untrusted)
+            call.refusals.add(index)
+        else:
+            reason = "cannot connect to %s: %s" % (address, error)
         self.note_failure(index, reason, now)
         call.reason = reason
         call.tried.add(index)
@@ -327,21 +452,42 @@ class AddressBook(object):
     def session_ended(self, session, reason, now):
         if self.sessions[session.index] is session:
             self.sessions[session.index] = None
+        if session.denied is not None:
+            self.deny(session.denied)
         self.note_failure(session.index, reason, now)
 
 
 def answered_call(session, frame):
     """The call ``frame`` answers on ``session``, taken out of its pending
-    requests, and ``None``; or ``None`` and why the session must end. A
-    refusal as the session's first frame (``X 7``/``X 9``) also sets
-    ``session.refused``: nothing sent on it was executed."""
+    requests, and ``None``; or ``None`` and why the session must end; or
+    ``(None, None)`` for the answer to the session's ``U``. A refusal as
+    the session's first frame (``X 7``/``X 9``) also sets
+    ``session.refused``, an ``X 12`` sets ``session.denied``: nothing sent
+    on it was executed."""
     first = session.frames == 0
     session.frames += 1
-    if frame[0] == "X" and first and frame[1] in (P.ERROR_CONNECTION_LIMIT, P.ERROR_NOT_ALLOWED):
+    kind = frame[0]
+    if kind == "X" and first and frame[1] in (P.ERROR_CONNECTION_LIMIT, P.ERROR_NOT_ALLOWED):
         session.refused = (refusal_reason(frame[1]), frame[1])
         return None, session.refused[0]
-    if frame[0] == "X" and frame[1] not in P.NON_FATAL_ERRORS:
+    if kind == "X" and first and frame[1] == P.ERROR_NOT_AUTHENTICATED:
+        session.denied = secret_refusal(session.authenticating, frame[3])
+        return None, session.denied
+    if kind == "X" and first and frame[1] == P.ERROR_UNKNOWN_OP and session.authenticating:
+        # The server stopped at the U: it executed nothing after it.
+        session.denied = ("the server does not know U, so it cannot check the secret "
+                          "(X 1: %s)" % frame[3])
+        return None, session.denied
+    if kind == "X" and frame[1] not in P.NON_FATAL_ERRORS:
         return None, "server error %d: %s" % (frame[1], frame[3])
+    if session.authenticating:
+        if kind != "U":
+            return None, "answer %r came before the answer to U" % (frame,)
+        session.authenticating = False
+        session.user = frame[1]
+        return None, None
+    if kind == "U":
+        return None, "answer %r matches no request" % (frame,)
     if frame[0] in _LISTING_FRAMES or frame[0] == "Z":
         return _gather(session.pending, frame)
     call = session.pending.correlate(frame)
@@ -393,8 +539,10 @@ def _gather(pending, frame):
 
 def closed_result(session):
     """The result of a possibly-sent call whose session ended unanswered:
-    moved when the server refused the session before reading anything,
-    else indeterminate."""
+    denied when the server refused the client's credentials, moved when it
+    refused the session before reading anything, else indeterminate."""
+    if session.denied is not None:
+        return (DENIED, session.denied)
     if session.refused is not None:
         return (MOVED,) + session.refused
     return INDETERMINATE
@@ -456,6 +604,10 @@ def raise_for(call, result):
         raise NotHeld("not held: token %d is not the key's active grant" % call.token)
     if kind == "X":
         code, text = result[1], result[2]
+        if code == P.ERROR_NOT_PERMITTED:
+            raise PermissionDenied(
+                "permission denied: the secret's scopes do not cover this request (X 13: %s); "
+                "nothing changed" % text)
         if code == P.ERROR_LIMIT_MISMATCH:
             key_limit = P.key_limit_of_mismatch(text)
             raise LimitMismatch(
@@ -466,6 +618,8 @@ def raise_for(call, result):
         raise InvalidArgument("the server refused the request: %s (X %d)" % (text, code))
     if kind == MOVED:
         raise Unavailable(result[1])
+    if kind == DENIED:
+        raise PermissionDenied("permission denied: %s; nothing was executed" % result[1])
     if kind == "?":
         raise Indeterminate(
             "indeterminate: the request may have reached the server but no answer "
@@ -713,6 +867,13 @@ class TicketBase(object):
         raises :class:`LockLost` and nothing is handed over; a grant the
         server may still hold (the renewal's outcome is unknown) is
         released in the background."""
+        if isinstance(error, PermissionDenied):
+            # Definitive, and a renewal of this grant will not fare better.
+            self._declare_lost("the renewal was refused: %s" % error)
+            self._done = True
+            raise LockLost(
+                "lock on %r (token %d) was lost before it was handed over: its renewal was "
+                "refused (%s)" % (self.key, self.token, error)) from error
         if isinstance(error, NotHeld):
             # renew() declared the loss; the token holds nothing to release.
             self._done = True
@@ -781,5 +942,8 @@ def renewal_retry_in(keepalive, error, now):
     if isinstance(error, (NotHeld, LockLost)):
         # renew() declared the loss, or it was known already.
         return None
+    # Any other outcome is definitive and a loss: PermissionDenied (the
+    # secret's scopes do not cover the key, or the server refuses the
+    # client's credentials since it restarted) is not retried.
     ticket._declare_lost("renewal failed: %s" % error)
     return None

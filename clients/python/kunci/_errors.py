@@ -60,6 +60,17 @@ class LimitMismatch(Error):
         self.limit = limit
 
 
+class PermissionDenied(Error):
+    """The server refused this client's credentials or this request, and
+    executed nothing of it. Either the session was refused: the secret is
+    missing, wrong or too short (``X 12`` as the session's first answer),
+    or the server refused the client certificate, or its absence (a TLS
+    alert); every request of that session ends so, and the call is not
+    tried again with the same credentials. Or the request is outside the
+    secret's scopes (``X 13``): that request alone, the session goes on.
+    Definitive: nothing was acquired, queued, released or renewed."""
+
+
 class InvalidArgument(Error, ValueError):
     """The input broke a rule of the contract and nothing was sent (or the
     server answered a non-fatal ``X``, meaning the client's checks let

@@ -61,10 +61,11 @@ _HEADER_LEN = {
     0x57: 22,  # W id owner wait_ms take label
     0x4B: 18,  # K id grants waiters limit key
     0x5A: 20,  # Z id count next
+    0x55: 0,  # U name
 }
 
 # The ops whose frame carries text between the fixed header and ``\n``.
-_TEXT_OPS = frozenset((0x49, 0x58, 0x47, 0x57, 0x4B))
+_TEXT_OPS = frozenset((0x49, 0x58, 0x47, 0x57, 0x4B, 0x55))
 
 # Error codes (spec §6).
 ERROR_CONNECTION_LIMIT = 7
@@ -72,7 +73,11 @@ ERROR_SHUTTING_DOWN = 8
 ERROR_NOT_ALLOWED = 9
 ERROR_LIMIT_MISMATCH = 10
 ERROR_INVALID_COUNT = 11
-NON_FATAL_ERRORS = frozenset((3, 4, 5, 6, ERROR_LIMIT_MISMATCH, ERROR_INVALID_COUNT))
+ERROR_NOT_AUTHENTICATED = 12
+ERROR_NOT_PERMITTED = 13
+ERROR_UNKNOWN_OP = 1
+NON_FATAL_ERRORS = frozenset(
+    (3, 4, 5, 6, ERROR_LIMIT_MISMATCH, ERROR_INVALID_COUNT, ERROR_NOT_PERMITTED))
 ERROR_TEXT = {
     1: "unknown op byte",
     2: "frame too long",
@@ -85,7 +90,14 @@ ERROR_TEXT = {
     9: "peer not allowed (--allow)",
     10: "limit mismatch",
     11: "invalid count",
+    12: "not authenticated",
+    13: "not permitted",
 }
+
+#: The shortest secret a server accepts (spec §12.2), in bytes; the longest
+#: is what a request's variable part holds.
+SECRET_LEN_MIN = 32
+SECRET_LEN_MAX = 255
 
 # The text of ``X 10`` (spec §6), which carries the key's limit.
 _LIMIT_MISMATCH_TEXT = re.compile(r"limit mismatch: key limit ([0-9]{1,5})\Z")
@@ -159,6 +171,33 @@ def check_prefix(prefix):
         raise ValueError("prefix is longer than 255 bytes")
     if b"\n" in data:
         raise ValueError("prefix contains a newline")
+    return data
+
+
+def check_secret(secret):
+    """The secret as bytes (``None``: no secret), or ``ValueError``. One
+    trailing newline is dropped, as when the secret was read from a file
+    (spec §12.5); what is left must be 32..=255 bytes without a newline."""
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        try:
+            data = secret.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("secret is not valid UTF-8 (it contains a lone surrogate)")
+    elif isinstance(secret, (bytes, bytearray)):
+        data = bytes(secret)
+    else:
+        raise ValueError("secret must be a str or bytes, not %s" % type(secret).__name__)
+    if data.endswith(b"\n"):
+        data = data[:-1]
+    if len(data) < SECRET_LEN_MIN:
+        raise ValueError("secret is shorter than %d bytes (%d): a server refuses it"
+                         % (SECRET_LEN_MIN, len(data)))
+    if len(data) > SECRET_LEN_MAX:
+        raise ValueError("secret is longer than %d bytes (%d)" % (SECRET_LEN_MAX, len(data)))
+    if b"\n" in data:
+        raise ValueError("secret contains a newline")
     return data
 
 
@@ -286,6 +325,11 @@ def encode_ping(nonce):
 INFO_FRAME = b"I\n"
 
 
+def encode_auth(secret):
+    """``U secret``: the first request of a session (spec §12.2)."""
+    return b"U" + secret + b"\n"
+
+
 def encode_holders(ident, key):
     """``H id key``: the grants and waiters of one key (spec §11.2)."""
     return b"H" + _PACK_Q64(ident) + key + b"\n"
@@ -304,7 +348,8 @@ def decode_frames(buf):
     ``("P", nonce)``, ``("I", text)``, ``("X", code, id, text)``,
     ``("G", id, token, owner, lease_ms, held_ms, take, label)``,
     ``("W", id, owner, wait_ms, take, label)``,
-    ``("K", id, grants, waiters, limit, key)``, ``("Z", id, count, next)``
+    ``("K", id, grants, waiters, limit, key)``, ``("Z", id, count, next)``,
+    ``("U", name)``
     (texts decoded as UTF-8, an invalid byte replaced).
     Raises :class:`ProtocolError` on bytes that cannot be a frame; the
     frames decoded before them are lost with the session anyway."""
@@ -335,6 +380,8 @@ def decode_frames(buf):
                 frames.append(("G",) + _UNPACK_G(buf, pos + 1) + (text,))
             elif op == 0x57:
                 frames.append(("W",) + _UNPACK_W(buf, pos + 1) + (text,))
+            elif op == 0x55:
+                frames.append(("U", text))
             else:
                 frames.append(("K",) + _UNPACK_K(buf, pos + 1) + (text,))
             pos = newline + 1
@@ -373,8 +420,9 @@ def parse_info(text):
 
 
 def parse_address(text):
-    """``("unix", path)`` or ``("tcp", (host, port))`` for ``unix:PATH``,
-    ``HOST:PORT`` or ``[V6]:PORT``; ``("etcd", (host, port))`` for each
+    """``("unix", path)``, ``("tcp", (host, port))`` or ``("tls", (host,
+    port))`` for ``unix:PATH``, ``HOST:PORT`` or ``[V6]:PORT``, and
+    ``tls://HOST:PORT`` (spec §12.4); ``("etcd", (host, port))`` for each
     member of ``etcd://HOST:PORT[,HOST:PORT…]`` (a list of them)."""
     text = text.strip()
     if text.startswith("unix:"):
@@ -383,6 +431,8 @@ def parse_address(text):
             raise ValueError("unix: address without a path")
         return ("unix", path)
     scheme, sep, rest = text.partition("://")
+    if sep and scheme.lower() == "tls":
+        return ("tls", _host_port(rest, text))
     if sep:
         if scheme == "etcd":
             members = rest.split(",")
@@ -394,14 +444,18 @@ def parse_address(text):
             raise ValueError(
                 "%r: etcd is reached over plain HTTP as etcd://HOST:PORT[,HOST:PORT...]; "
                 "there is no TLS (docs/ETCD.md)" % text)
-        raise ValueError("address %r: the Python client takes HOST:PORT, unix:PATH or "
-                         "etcd://HOST:PORT[,HOST:PORT...]" % text)
+        raise ValueError("address %r: the Python client takes HOST:PORT, tls://HOST:PORT, "
+                         "unix:PATH or etcd://HOST:PORT[,HOST:PORT...]" % text)
+    return ("tcp", _host_port(text, text))
+
+
+def _host_port(text, address):
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError("address %r is not HOST:PORT or unix:PATH" % text)
+        raise ValueError("address %r is not HOST:PORT, tls://HOST:PORT or unix:PATH" % address)
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    return ("tcp", (host, int(port)))
+    return (host, int(port))
 
 
 def _etcd_endpoint(text):
@@ -415,6 +469,8 @@ def format_address(address):
         return "unix:" + where
     host, port = where
     text = ("[%s]:%d" if ":" in host else "%s:%d") % (host, port)
+    if kind == "tls":
+        return "tls://" + text
     return "etcd://" + text if kind == "etcd" else text
 
 

@@ -25,6 +25,7 @@ import math
 import os
 import select
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -33,10 +34,10 @@ import weakref
 from . import _etcd
 from . import _protocol as P
 from ._common import (
-    INDETERMINATE, MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, TicketBase,
-    acquire_call, answered_call, check_args, closed_result, granted_token, holders_call,
-    info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
-    release_call, renew_call, renewal_retry_in, result_of,
+    DENIED, INDETERMINATE, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds, Pending,
+    TicketBase, acquire_call, answered_call, check_args, closed_result, granted_token,
+    holders_call, info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call,
+    query_call, release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
 )
 from ._errors import Error, Indeterminate, NotHeld, Unavailable
 
@@ -65,10 +66,19 @@ _NO_ROOM = "no room to write by the deadline"
 class _Session(object):
     """One connection to one address."""
 
-    def __init__(self, index, sock):
+    def __init__(self, index, sock, authenticating):
         self.index = index
         self.sock = sock
         self.fd = sock.fileno()
+        # A U went first and its answer has not come yet; then the name it
+        # gave. ``denied``: why the server refused the credentials.
+        self.authenticating = authenticating
+        self.user = None
+        self.denied = None
+        # An SSL object is not safe to use from two threads at once: its
+        # reads and writes (never blocking) take this lock.
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.tls_lock = threading.Lock()
         self.write_lock = threading.Lock()
         self.pending = Pending()
         self.buf = bytearray()
@@ -105,7 +115,9 @@ class _Session(object):
                 pass
 
 
-def _connect(address, timeout):
+def _connect(address, timeout, context, auth_frame):
+    """A connected socket, its TLS handshake done and the session's ``U``
+    written (both within ``timeout``), non-blocking."""
     kind, where = address
     if kind == "unix":
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -116,8 +128,22 @@ def _connect(address, timeout):
             sock.close()
             raise
     else:
+        deadline = monotonic() + timeout
         sock = socket.create_connection(where, timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if context is not None:
+            try:
+                sock.settimeout(max(0.001, deadline - monotonic()))
+                sock = context.wrap_socket(sock, server_hostname=where[0])
+            except BaseException:
+                sock.close()
+                raise
+    if auth_frame is not None:
+        try:
+            sock.sendall(auth_frame)
+        except BaseException:
+            sock.close()
+            raise
     sock.setblocking(False)
     return sock
 
@@ -125,15 +151,24 @@ def _connect(address, timeout):
 class Client(object):
     """A handle to one lock service, reachable at one or more addresses.
 
-    ``servers``: a list of ``HOST:PORT`` / ``unix:PATH`` strings (several
-    addresses of the same service), or one comma-separated string; default
-    ``$KUNCI_SERVER``, else ``127.0.0.1:5862``. Nothing is connected until
-    a call needs it. Safe to share between threads. See the README for
-    every outcome.
+    ``servers``: a list of ``HOST:PORT`` / ``tls://HOST:PORT`` /
+    ``unix:PATH`` strings (several addresses of the same service), or one
+    comma-separated string; default ``$KUNCI_SERVER``, else
+    ``127.0.0.1:5862``. Nothing is connected until a call needs it. Safe
+    to share between threads. See the README for every outcome.
+
+    ``secret`` (str or bytes, at least 32 bytes; one trailing newline is
+    dropped): sent as ``U`` first on every connection, for a server with
+    ``--auth``. ``tls``: ``None`` (plaintext; a ``tls://`` address uses the
+    system's trust), ``True`` (TLS with the system's trust) or an
+    ``ssl.SSLContext`` (a private CA, a client certificate), for every TCP
+    address; the server's name is checked against its certificate.
+    Invalid either way: ``InvalidArgument`` at once, nothing connected.
     """
 
-    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT):
+    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None):
         self._addresses = check_args(P.resolve_servers, servers)
+        self._access = Access(self._addresses, secret, tls)
         self._connect_timeout = float(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
@@ -320,6 +355,8 @@ class Client(object):
         while True:
             session = self._session_for(call)
             if session is None:
+                if call.result is not None:
+                    return call.result
                 raise Unavailable(call.reason or "no server could be reached by the deadline")
             if self._write(session, call) == UNSENT:
                 continue
@@ -341,6 +378,10 @@ class Client(object):
             with self._mu:
                 if self._closed:
                     raise Error("the client is closed")
+                denial = book.denial_for(call)
+                if denial is not None:
+                    call.result = (DENIED, denial)
+                    return None
                 session = book.live_session()
                 if session is not None:
                     return session
@@ -372,13 +413,14 @@ class Client(object):
             if timeout <= 0:
                 return None
             address = self._addresses[index]
+            auth_frame = self._access.auth_frame
             try:
-                sock = _connect(address, timeout)
+                sock = _connect(address, timeout, self._access.tls_for(index), auth_frame)
             except (OSError, ValueError) as error:
                 with self._mu:
                     self._book.connect_failed(index, call, error, monotonic())
                 return None
-            session = _Session(index, sock)
+            session = _Session(index, sock, auth_frame is not None)
             with self._mu:
                 if self._closed:
                     session.close_fds()
@@ -427,7 +469,7 @@ class Client(object):
                 elif not session.alive:
                     session.pending.remove(call)
                     if call.result is None:
-                        call.result = INDETERMINATE
+                        call.result = closed_result(session)
                 elif sent < len(frame):
                     # Part of a frame is on the wire: the stream can only
                     # be closed.
@@ -473,19 +515,48 @@ class Client(object):
         sent = 0
         total = len(frame)
         sock = session.sock
+        # After a TLS write that wanted room, part of its record may be on
+        # the wire: the frame is possibly sent from then on.
+        tls_started = False
         while sent < total:
             try:
-                sent += sock.send(view[sent:])
-            except BlockingIOError:
+                if session.tls:
+                    with session.tls_lock:
+                        sent += sock.send(view[sent:])
+                else:
+                    sent += sock.send(view[sent:])
+            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError) as error:
+                tls_started = tls_started or isinstance(error, ssl.SSLError)
                 left = deadline - monotonic()
                 if left <= 0:
-                    return sent, _NO_ROOM
-                session.write_poll.poll(math.ceil(left * 1000))
+                    return max(sent, int(tls_started)), _NO_ROOM
+                # A TLS write may wait for the peer's bytes, not for room:
+                # look again soon.
+                wait_ms = math.ceil(left * 1000)
+                session.write_poll.poll(min(wait_ms, 10) if tls_started else wait_ms)
             except InterruptedError:
                 pass
             except OSError as error:
-                return sent, "write failed: %s" % error
+                return max(sent, int(tls_started)), self._write_failed(session, error)
         return sent, None
+
+    def _write_failed(self, session, error):
+        """Why a write failed. On a TLS session that has had no answer yet,
+        the server may have refused the client's certificate: its alert
+        waits unread, and names the reason (the session is then refused)."""
+        refusal = tls_refusal(error)
+        if refusal is None and session.tls and session.frames == 0:
+            try:
+                with session.tls_lock:
+                    session.sock.recv(_READ_CHUNK)
+            except OSError as read_error:
+                refusal = tls_refusal(read_error)
+        if refusal is not None:
+            with self._mu:
+                if session.alive and session.denied is None:
+                    session.denied = refusal
+            return refusal
+        return "write failed: %s" % error
 
     def _await(self, session, call):
         """Waits for ``call``'s result, reading as the session's leader
@@ -587,14 +658,23 @@ class Client(object):
     def _read(self, session):
         while True:
             try:
-                data = session.sock.recv(_READ_CHUNK)
-            except BlockingIOError:
+                if session.tls:
+                    with session.tls_lock:
+                        data = session.sock.recv(_READ_CHUNK)
+                else:
+                    data = session.sock.recv(_READ_CHUNK)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 return
             except InterruptedError:
                 continue
+            except ssl.SSLZeroReturnError:
+                data = b""
             except OSError as error:
+                refusal = tls_refusal(error)
                 with self._mu:
-                    self._close_session(session, "read failed: %s" % error)
+                    if refusal is not None and session.alive:
+                        session.denied = refusal
+                    self._close_session(session, refusal or "read failed: %s" % error)
                 return
             if not data:
                 with self._mu:
@@ -602,7 +682,9 @@ class Client(object):
                 return
             session.buf += data
             self._dispatch(session)
-            if len(data) < _READ_CHUNK or not session.alive:
+            # A TLS socket returns one record at a time: read until it
+            # would block, so that nothing stays decrypted but unread.
+            if not session.alive or (len(data) < _READ_CHUNK and not session.tls):
                 return
 
     def _dispatch(self, session):
@@ -623,6 +705,8 @@ class Client(object):
                     break
                 call, failure = answered_call(session, frame)
                 if call is None:
+                    if failure is None:
+                        continue  # the answer to the session's U
                     self._close_session(session, failure)
                     break
                 self._book.answered(session.index)
@@ -758,7 +842,8 @@ class Client(object):
             while not self._closed:
                 session = self._session_for(call)
                 if session is None:
-                    log.warning("could not release token %d: %s", token, call.reason)
+                    log.warning("could not release token %d: %s", token,
+                                call.reason if call.result is None else call.result[1])
                     return
                 if self._write(session, call) == SENT:
                     return

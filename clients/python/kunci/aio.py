@@ -23,10 +23,10 @@ import weakref
 from . import _etcd
 from . import _protocol as P
 from ._common import (
-    MOVED, SENT, UNSENT, AddressBook, Call, OwnerIds, Pending, TicketBase,
+    DENIED, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds, Pending, TicketBase,
     acquire_call, answered_call, check_args, closed_result, granted_token, holders_call,
     info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
-    release_call, renew_call, renewal_retry_in, result_of,
+    release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
 )
 from ._errors import Error, Indeterminate, NotHeld, Unavailable
 from ._sync import CONNECT_TIMEOUT
@@ -39,7 +39,7 @@ _CLIENTS = weakref.WeakSet()
 
 
 class _Session(asyncio.Protocol):
-    def __init__(self, client, index):
+    def __init__(self, client, index, auth_frame):
         self.client = client
         self.index = index
         self.transport = None
@@ -48,27 +48,46 @@ class _Session(asyncio.Protocol):
         self.frames = 0
         self.alive = False
         self.refused = None
+        self.auth_frame = auth_frame
+        # A U went first and its answer has not come yet; then the name it
+        # gave. ``denied``: why the server refused the credentials.
+        self.authenticating = auth_frame is not None
+        self.user = None
+        self.denied = None
 
     def connection_made(self, transport):
+        # With TLS: after the handshake. The U goes first, before any
+        # request can be written.
         self.transport = transport
         self.alive = True
+        if self.auth_frame is not None:
+            transport.write(self.auth_frame)
 
     def data_received(self, data):
         self.buf += data
         self.client._dispatch(self)
 
     def connection_lost(self, exc):
-        reason = "closed by the server" if exc is None else "connection failed: %s" % exc
+        refusal = tls_refusal(exc)
+        if refusal is not None and self.alive and self.denied is None:
+            # TLS 1.3: the server's refusal of the client's certificate
+            # comes after the client's side of the handshake.
+            self.denied = refusal
+        if refusal is not None:
+            reason = refusal
+        else:
+            reason = "closed by the server" if exc is None else "connection failed: %s" % exc
         self.client._close_session(self, reason)
 
 
 class Client(object):
     """An asyncio handle to one lock service (see :class:`kunci.Client`
-    for ``servers``). Create it anywhere; it binds to the event loop of its
+    for ``servers``, ``secret`` and ``tls``). Create it anywhere; it binds to the event loop of its
     first call. Close it with ``await client.close()`` or ``async with``."""
 
-    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT):
+    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None):
         self._addresses = check_args(P.resolve_servers, servers)
+        self._access = Access(self._addresses, secret, tls)
         self._connect_timeout = float(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
@@ -214,8 +233,11 @@ class Client(object):
         while True:
             session = await self._session_for(call, loop)
             if session is None:
+                if call.result is not None:
+                    return call.result
                 raise Unavailable(call.reason or "no server could be reached by the deadline")
             if self._write(session, call, loop) == UNSENT:
+                await _closing_seen()
                 continue
             if call.result is None:
                 await self._await(call)
@@ -273,6 +295,10 @@ class Client(object):
                 return None
             if self._closed:
                 raise Error("the client is closed")
+            denial = book.denial_for(call)
+            if denial is not None:
+                call.result = (DENIED, denial)
+                return None
             session = book.live_session()
             if session is not None:
                 return session
@@ -294,14 +320,19 @@ class Client(object):
         done = loop.create_future()
         self._connecting[index] = done
         address = self._addresses[index]
-        session = _Session(self, index)
+        session = _Session(self, index, self._access.auth_frame)
         try:
             timeout = min(self._connect_timeout, call.deadline - monotonic())
             if timeout <= 0:
                 return
             kind, where = address
+            context = self._access.tls_for(index)
             if kind == "unix":
                 connect = loop.create_unix_connection(lambda: session, where)
+            elif context is not None:
+                connect = loop.create_connection(
+                    lambda: session, where[0], where[1], ssl=context, server_hostname=where[0],
+                    ssl_handshake_timeout=timeout)
             else:
                 connect = loop.create_connection(lambda: session, where[0], where[1])
             try:
@@ -388,6 +419,8 @@ class Client(object):
                 return
             call, failure = answered_call(session, frame)
             if call is None:
+                if failure is None:
+                    continue  # the answer to the session's U
                 self._close_session(session, failure)
                 return
             self._book.answered(session.index)
@@ -441,12 +474,21 @@ class Client(object):
             while not self._closed:
                 session = await self._session_for(call, self._loop)
                 if session is None:
-                    log.warning("could not release token %d: %s", token, call.reason)
+                    log.warning("could not release token %d: %s", token,
+                                call.reason if call.result is None else call.result[1])
                     return
                 if self._write(session, call, self._loop) == SENT:
                     return
+                await _closing_seen()
         except Error:
             return
+
+
+async def _closing_seen():
+    """After a write found the session's transport closing: one turn of the
+    loop, in which the transport reports the loss (with its reason: a TLS
+    alert says why), so that the session is not found live again."""
+    await asyncio.sleep(0)
 
 
 # Transports inherited from the parent by a forked child. They are kept

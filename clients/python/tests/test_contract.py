@@ -429,7 +429,8 @@ def test_etcd_members_may_be_listed_in_one_address_or_several():
 
 
 def test_other_schemes_are_refused_at_construction(make_client):
-    with pytest.raises(kunci.InvalidArgument, match="takes HOST:PORT, unix:PATH or etcd:"):
+    with pytest.raises(kunci.InvalidArgument,
+                       match="takes HOST:PORT, tls://HOST:PORT, unix:PATH or etcd:"):
         make_client("tcp://127.0.0.1:5862")
 
 
