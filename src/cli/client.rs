@@ -454,10 +454,9 @@ pub(super) fn message(
              certificate with --tls-ca (or KUNCI_TLS_CA), and use the host name the \
              certificate names"
         ),
-        Error::PermissionDenied(Denied::Certificate(why)) => format!(
-            "TLS: {why}; nothing was executed. The server wants a client certificate \
-             from the CA it trusts: give one with --tls-cert and --tls-key"
-        ),
+        Error::PermissionDenied(Denied::Certificate(why)) => {
+            format!("{why}; nothing was executed")
+        }
         Error::Unavailable(crate::client::Unavailable::Unreachable)
             if servers
                 .iter()

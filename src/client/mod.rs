@@ -273,7 +273,7 @@ impl fmt::Display for Error {
                  nothing changed",
             ),
             Error::PermissionDenied(Denied::Certificate(why)) => {
-                write!(f, "permission denied: TLS: {why}; nothing was executed")
+                write!(f, "permission denied: {why}")
             }
         }
     }
