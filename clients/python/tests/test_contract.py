@@ -406,7 +406,8 @@ def test_unix_socket_and_kunci_server_variable(start_server, make_client, monkey
     ("etcd://127.0.0.1:2379,unix:/x", "etcd member 'unix:/x': bad port"),
     ("etcd://127.0.0.1:2379,b", "etcd member 'b': no port"),
     ("etcd://", "an etcd member is empty"),
-    ("ETCDS://127.0.0.1:2379", "there is no TLS"),
+    ("ETCDS://127.0.0.1:2379", "etcd[s]://HOST:PORT"),
+    ("etcds://127.0.0.1:2379,", "an etcd member is empty"),
 ])
 def test_bad_etcd_addresses_are_refused_at_construction(make_client, servers, problem):
     # Refused at once, before any connection: never a DNS error after 5 s.
