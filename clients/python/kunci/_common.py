@@ -271,14 +271,30 @@ class Access(object):
     or an ``ssl.SSLContext`` (every TCP address speaks TLS with it: a
     private CA, a client certificate). ``unix:`` addresses stay plaintext:
     a socket file is guarded by its permissions, and the server's TLS
-    listeners are TCP."""
+    listeners are TCP.
 
-    def __init__(self, addresses, secret, tls):
-        if (secret is not None or tls not in (None, False)) and any(
-                kind == "etcd" for kind, _ in addresses):
+    On etcd members: ``etcds://`` speaks TLS with ``tls`` (``None`` or
+    ``True``: the system's trust) and ``etcd://`` plain HTTP, which takes
+    no ``tls`` (say ``etcds://`` instead). ``etcd_credentials``: ``(user,
+    password)`` for etcd's own authentication; when ``None``,
+    ``$KUNCI_ETCD_USER`` and ``$KUNCI_ETCD_PASSWORD`` if the user is set (as
+    ``$KUNCI_SERVER`` gives the addresses). A secret is for kunci servers
+    only. ``etcd_tls`` and ``etcd_credentials`` are what the etcd recipe
+    uses."""
+
+    def __init__(self, addresses, secret, tls, etcd_credentials=None):
+        self.etcd_tls = None
+        self.etcd_credentials = None
+        kinds = set(kind for kind, _ in addresses)
+        if kinds & set(P.ETCD_KINDS):
+            self._init_etcd(kinds, secret, tls, etcd_credentials)
+            self.auth_frame = None
+            self.contexts = [None] * len(addresses)
+            return
+        if etcd_credentials is not None:
             raise InvalidArgument(
-                "secret and tls are for kunci servers: the Python client reaches etcd over "
-                "plain HTTP without a user (docs/ETCD.md)")
+                "etcd_credentials are for etcd:// and etcds:// addresses; a kunci server "
+                "takes a secret")
         secret = check_args(P.check_secret, secret)
         self.auth_frame = None if secret is None else P.encode_auth(secret)
         if tls is None or tls is False:
@@ -306,6 +322,45 @@ class Access(object):
 
     def tls_for(self, address_index):
         return self.contexts[address_index]
+
+    def _init_etcd(self, kinds, secret, tls, credentials):
+        if secret is not None:
+            raise InvalidArgument(
+                "a secret is for kunci servers: etcd takes a user and password "
+                "(etcd_credentials, docs/ETCD.md)")
+        if "etcds" in kinds:
+            # As in the Rust client, one etcds:// member makes the cluster TLS.
+            if tls is None or tls is True:
+                self.etcd_tls = ssl.create_default_context()
+            elif isinstance(tls, ssl.SSLContext):
+                self.etcd_tls = tls
+            else:
+                raise InvalidArgument(
+                    "tls must be None, True or an ssl.SSLContext for etcds://, not %r" % (tls,))
+        elif tls is not None and tls is not False:
+            raise InvalidArgument(
+                "etcd:// is plain HTTP and takes no tls; write etcds://HOST:PORT for TLS to "
+                "the etcd members")
+        if credentials is None:
+            credentials = _etcd_credentials_from_env()
+        if credentials is not None:
+            if (not isinstance(credentials, (tuple, list)) or len(credentials) != 2
+                    or not all(isinstance(part, str) for part in credentials)):
+                raise InvalidArgument("etcd_credentials must be a (user, password) pair of str")
+            if not credentials[0]:
+                raise InvalidArgument("etcd_credentials: the user is empty")
+            self.etcd_credentials = (credentials[0], credentials[1])
+
+
+def _etcd_credentials_from_env():
+    """``($KUNCI_ETCD_USER, $KUNCI_ETCD_PASSWORD)`` if the user is set."""
+    user = os.environ.get("KUNCI_ETCD_USER")
+    if not user:
+        return None
+    password = os.environ.get("KUNCI_ETCD_PASSWORD")
+    if password is None:
+        raise InvalidArgument("KUNCI_ETCD_USER is set but KUNCI_ETCD_PASSWORD is not")
+    return (user, password)
 
 
 # The TLS alerts by which a server refuses the client's certificate, or its

@@ -25,11 +25,12 @@ import collections
 import json
 import re
 import socket
+import ssl
 import threading
 import time
 
 from . import _protocol as P
-from ._common import INDETERMINATE, MOVED, Grant, Holders, KeyInfo, KeyStatus, Waiter, log
+from ._common import DENIED, INDETERMINATE, MOVED, Grant, Holders, KeyInfo, KeyStatus, Waiter, log
 from ._errors import InvalidArgument
 
 monotonic = time.monotonic
@@ -95,6 +96,23 @@ class _Unanswered(Exception):
     """The request may have reached a member, and no complete answer came."""
 
 
+class Denied(Exception):
+    """etcd has authentication on and refused this client: no or wrong user
+    and password, or a role without permission for the key. etcd executed
+    nothing; the call ends ``PermissionDenied``."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+#: Why etcd refused, in the words of the Rust client.
+NOT_AUTHENTICATED = (
+    "etcd has authentication on and did not take this client's user (etcd_credentials, "
+    "or KUNCI_ETCD_USER and KUNCI_ETCD_PASSWORD; docs/ETCD.md)")
+NOT_PERMITTED = "the etcd user's roles do not allow this request on that key"
+
+
 def parse_endpoint(text):
     """``(host, port)`` of an etcd member ``HOST:PORT``, or ``ValueError``."""
     text = text.strip()
@@ -112,17 +130,25 @@ def parse_endpoint(text):
     return host, int(port)
 
 
-def _request_bytes(path, body):
+def _request_bytes(path, body, token=None):
+    authorization = b""
+    # etcd's tokens are printable ASCII; anything else is not sent.
+    if token and all(0x21 <= ord(c) <= 0x7e for c in token):
+        authorization = b"Authorization: %s\r\n" % token.encode("ascii")
     return b"POST %s HTTP/1.1\r\nHost: etcd\r\nContent-Type: application/json\r\n" \
-        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+        b"%sContent-Length: %d\r\n\r\n%s" % (path.encode(), authorization, len(body), body)
 
 
 def _still_open(sock):
     """Whether an idle connection is usable: nothing to read, not closed."""
     try:
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return False
         sock.setblocking(False)
         try:
-            sock.recv(1, socket.MSG_PEEK)
+            # The TCP stream under TLS too: any record, or its end, means
+            # the connection is not idle any more.
+            socket.socket.recv(sock, 1, socket.MSG_PEEK)
             return False
         except BlockingIOError:
             return True
@@ -307,18 +333,73 @@ class Members(object):
     to another member, rule 4) or possibly sent (never sent again, rule
     5)."""
 
-    def __init__(self, endpoints, connect_timeout):
+    def __init__(self, endpoints, connect_timeout, tls=None, credentials=None):
         self.endpoints = endpoints
         self.connect_timeout = connect_timeout
+        # ``etcds://``: the ``ssl.SSLContext`` of every member; else ``None``.
+        self.tls = tls
+        self.credentials = credentials
         self._idle = [[] for _ in endpoints]
         self._lock = threading.Lock()
         # The member that answered last: tried first.
         self.preferred = 0
+        # The token the credentials got, while etcd takes it; its lock is
+        # held while a token is asked for, so only one request asks.
+        self._token = None
+        self._token_lock = threading.Lock()
+
+    def _token_for(self, deadline):
+        """The token to send (``None`` without credentials), getting one
+        first if there is none. etcd answers a request without a valid
+        token before executing anything, so a failure here leaves the
+        request certainly unsent: ``_Unsent``, or ``Denied``."""
+        if self.credentials is None:
+            return None
+        with self._token_lock:
+            if self._token is not None:
+                return self._token
+            user, password = self.credentials
+            body = json.dumps({"name": user, "password": password}).encode()
+            try:
+                _, status, answer = self._post_once(
+                    "/v3/auth/authenticate", body, None, deadline)
+            except _Unanswered:
+                raise _Unsent()
+            value = _parse(answer)
+            fresh = value.get("token") if isinstance(value, dict) else None
+            if status != 200 or not isinstance(fresh, str) or not fresh:
+                log.debug("etcd authenticate: status %d: %r", status, answer[:200])
+                raise Denied(NOT_AUTHENTICATED)
+            self._token = fresh
+            return fresh
+
+    def _forget_token(self):
+        with self._token_lock:
+            self._token = None
 
     def post(self, path, body, deadline):
         """``(sent_at, status, body)`` of ``body`` posted to ``path``;
-        raises ``_Unsent`` or ``_Unanswered``."""
-        request = _request_bytes(path, body)
+        raises ``_Unsent``, ``_Unanswered`` or ``Denied``.
+
+        With credentials, the request carries a token; a token etcd no
+        longer takes (it expires when unused) is replaced and the request
+        sent again once, since etcd executed nothing."""
+        token = self._token_for(deadline)
+        answer = self._post_once(path, body, token, deadline)
+        if answer[1] == 401 and self.credentials is not None:
+            self._forget_token()
+            answer = self._post_once(path, body, self._token_for(deadline), deadline)
+        status = answer[1]
+        if status == 401:
+            raise Denied(NOT_AUTHENTICATED)
+        if status == 403:
+            raise Denied(NOT_PERMITTED)
+        if status == 400 and b"user name is empty" in answer[2]:
+            raise Denied(NOT_AUTHENTICATED)
+        return answer
+
+    def _post_once(self, path, body, token, deadline):
+        request = _request_bytes(path, body, token)
         count = len(self.endpoints)
         while True:
             first = self.preferred
@@ -365,7 +446,11 @@ class Members(object):
     def open_stream(self, path, body, deadline):
         """A streaming answer (a watch) on a fresh connection, after its
         ``200`` head; ``None`` on any failure (a watch changes nothing)."""
-        request = _request_bytes(path, body)
+        try:
+            token = self._token_for(deadline)
+        except (_Unsent, Denied):
+            return None
+        request = _request_bytes(path, body, token)
         count = len(self.endpoints)
         first = self.preferred
         for step in range(count):
@@ -408,10 +493,40 @@ class Members(object):
             sock = socket.create_connection(
                 self.endpoints[member], min(left, self.connect_timeout))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
         except OSError as error:
             log.debug("etcd %s:%d: %s", *(self.endpoints[member] + (error,)))
             return None
+        if self.tls is None:
+            return sock
+        return self._start_tls(member, sock, deadline)
+
+    def _start_tls(self, member, sock, deadline):
+        """The TLS session over ``sock``, its handshake done by
+        ``deadline``; ``None`` if it fails. No byte of a request has been
+        sent then, so the request moves on to the next member. A failure
+        that says what is wrong with a certificate is worth a warning, since
+        trying again will not change it."""
+        host = self.endpoints[member][0]
+        try:
+            tls = self.tls.wrap_socket(sock, server_hostname=host,
+                                       do_handshake_on_connect=False)
+        except (OSError, ValueError) as error:
+            log.warning("etcd %s:%d: TLS: %s", *(self.endpoints[member] + (error,)))
+            sock.close()
+            return None
+        try:
+            left = deadline - monotonic()
+            if left <= 0:
+                raise socket.timeout("deadline passed")
+            tls.settimeout(left)
+            tls.do_handshake()
+            return tls
+        except ssl.SSLError as error:
+            log.warning("etcd %s:%d: TLS: %s", *(self.endpoints[member] + (error,)))
+        except OSError as error:
+            log.debug("etcd %s:%d: TLS handshake: %s", *(self.endpoints[member] + (error,)))
+        tls.close()
+        return None
 
     def _put_idle(self, member, sock):
         with self._lock:
@@ -683,8 +798,8 @@ def _spawn(target, name, *args):
 class Cluster(object):
     """The client's view of one etcd cluster."""
 
-    def __init__(self, endpoints, connect_timeout):
-        self.members = Members(endpoints, connect_timeout)
+    def __init__(self, endpoints, connect_timeout, tls=None, credentials=None):
+        self.members = Members(endpoints, connect_timeout, tls, credentials)
         self._cursors = collections.OrderedDict()
         self._cursor_seq = 0
         self._lock = threading.Lock()
@@ -694,6 +809,12 @@ class Cluster(object):
     def run(self, call):
         """Runs ``call`` (a ``_common.Call``) to its result tuple, setting
         ``call.sent_at`` for a grant or a renewal."""
+        try:
+            return self._run(call)
+        except Denied as denied:
+            return (DENIED, denied.reason)
+
+    def _run(self, call):
         op = call.op
         if op == "A":
             return self.acquire(call)
@@ -720,7 +841,10 @@ class Cluster(object):
         """Releases exactly ``token`` on a thread of its own (nobody waits
         for the outcome: a compensation or a dropped ticket)."""
         def release():
-            result = self.release(key, token, monotonic() + P.TRANSPORT_DEADLINE)
+            try:
+                result = self.release(key, token, monotonic() + P.TRANSPORT_DEADLINE)
+            except Denied as denied:
+                result = (DENIED, denied.reason)
             if result != ("R",):
                 log.debug("background release of %d: %r", token, result)
         _spawn(release, "kunci-etcd-release")
@@ -783,7 +907,7 @@ class Cluster(object):
         def revoke():
             try:
                 self._revoke(lease, monotonic() + P.TRANSPORT_DEADLINE)
-            except Fault:
+            except (Fault, Denied):
                 log.warning("could not revoke etcd lease %x; it runs out by itself", lease)
         _spawn(revoke, "kunci-etcd-revoke")
 
@@ -1287,12 +1411,13 @@ class Cluster(object):
         return ("P", monotonic() - sent_at)
 
 
-def cluster_for(addresses, connect_timeout):
+def cluster_for(addresses, connect_timeout, tls=None, credentials=None):
     """The :class:`Cluster` of ``addresses`` when they are etcd members
     (``resolve_servers`` never mixes them with kunci servers), else
-    ``None``."""
-    endpoints = [where for kind, where in addresses if kind == "etcd"]
-    return Cluster(endpoints, connect_timeout) if endpoints else None
+    ``None``. ``tls``: the ``ssl.SSLContext`` for ``etcds://`` members;
+    ``credentials``: ``(user, password)`` for etcd's authentication."""
+    endpoints = [where for kind, where in addresses if kind in P.ETCD_KINDS]
+    return Cluster(endpoints, connect_timeout, tls, credentials) if endpoints else None
 
 
 class _Ends(Exception):

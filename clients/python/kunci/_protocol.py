@@ -419,11 +419,16 @@ def parse_info(text):
     return info
 
 
+#: The kinds of address that name an etcd member: ``etcds`` speaks TLS.
+ETCD_KINDS = ("etcd", "etcds")
+
+
 def parse_address(text):
     """``("unix", path)``, ``("tcp", (host, port))`` or ``("tls", (host,
     port))`` for ``unix:PATH``, ``HOST:PORT`` or ``[V6]:PORT``, and
     ``tls://HOST:PORT`` (spec §12.4); ``("etcd", (host, port))`` for each
-    member of ``etcd://HOST:PORT[,HOST:PORT…]`` (a list of them)."""
+    member of ``etcd://HOST:PORT[,HOST:PORT…]`` (a list of them), and
+    ``("etcds", (host, port))`` for each of ``etcds://…`` (TLS)."""
     text = text.strip()
     if text.startswith("unix:"):
         path = text[len("unix:"):]
@@ -434,18 +439,14 @@ def parse_address(text):
     if sep and scheme.lower() == "tls":
         return ("tls", _host_port(rest, text))
     if sep:
-        if scheme == "etcd":
+        if scheme in ETCD_KINDS:
             members = rest.split(",")
             try:
-                return [("etcd", _etcd_endpoint(member)) for member in members]
+                return [(scheme, _etcd_endpoint(member)) for member in members]
             except ValueError as error:
                 raise ValueError("address %r: %s" % (text, error))
-        if scheme.lower() in ("etcd", "etcds"):
-            raise ValueError(
-                "%r: etcd is reached over plain HTTP as etcd://HOST:PORT[,HOST:PORT...]; "
-                "there is no TLS (docs/ETCD.md)" % text)
         raise ValueError("address %r: the Python client takes HOST:PORT, tls://HOST:PORT, "
-                         "unix:PATH or etcd://HOST:PORT[,HOST:PORT...]" % text)
+                         "unix:PATH or etcd[s]://HOST:PORT[,HOST:PORT...]" % text)
     return ("tcp", _host_port(text, text))
 
 
@@ -471,7 +472,7 @@ def format_address(address):
     text = ("[%s]:%d" if ":" in host else "%s:%d") % (host, port)
     if kind == "tls":
         return "tls://" + text
-    return "etcd://" + text if kind == "etcd" else text
+    return kind + "://" + text if kind in ETCD_KINDS else text
 
 
 def resolve_servers(servers):
@@ -488,14 +489,14 @@ def resolve_servers(servers):
     try:
         addresses = []
         for text in servers:
-            if text.strip().startswith("etcd://"):
+            if text.strip().startswith(("etcd://", "etcds://")):
                 # Everything after etcd:// is the member list.
                 addresses.extend(parse_address(text))
                 continue
             addresses.extend(parse_address(item) for item in text.split(",") if item.strip())
         if not addresses:
             raise ValueError("a client needs at least one server address")
-        etcd = [address for address in addresses if address[0] == "etcd"]
+        etcd = [address for address in addresses if address[0] in ETCD_KINDS]
         if etcd and len(etcd) != len(addresses):
             raise ValueError("etcd:// addresses cannot be mixed with kunci servers")
     except ValueError as error:

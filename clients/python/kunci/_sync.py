@@ -164,11 +164,19 @@ class Client(object):
     ``ssl.SSLContext`` (a private CA, a client certificate), for every TCP
     address; the server's name is checked against its certificate.
     Invalid either way: ``InvalidArgument`` at once, nothing connected.
+
+    ``etcd://HOST:PORT[,HOST:PORT...]`` takes the locks on an etcd cluster
+    (docs/ETCD.md); ``etcds://`` reaches its members over TLS with ``tls``
+    (the system's trust when ``None``), checking the host in the address.
+    ``etcd_credentials``: ``(user, password)`` for etcd's authentication
+    (default ``$KUNCI_ETCD_USER`` and ``$KUNCI_ETCD_PASSWORD``). etcd takes
+    no ``secret``, and ``etcd://`` no ``tls``.
     """
 
-    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None):
+    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None,
+                 etcd_credentials=None):
         self._addresses = check_args(P.resolve_servers, servers)
-        self._access = Access(self._addresses, secret, tls)
+        self._access = Access(self._addresses, secret, tls, etcd_credentials)
         self._connect_timeout = float(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
@@ -179,7 +187,9 @@ class Client(object):
         self._pid = os.getpid()
         # On an etcd cluster every call runs the recipe of ``_etcd`` on
         # its calling thread instead of a session.
-        self._etcd = _etcd.cluster_for(self._addresses, self._connect_timeout)
+        self._etcd = _etcd.cluster_for(
+            self._addresses, self._connect_timeout, self._access.etcd_tls,
+            self._access.etcd_credentials)
         self._mu = threading.Lock()
         self._book = AddressBook(self._addresses)
         self._connect_locks = [threading.Lock() for _ in self._addresses]

@@ -82,12 +82,13 @@ class _Session(asyncio.Protocol):
 
 class Client(object):
     """An asyncio handle to one lock service (see :class:`kunci.Client`
-    for ``servers``, ``secret`` and ``tls``). Create it anywhere; it binds to the event loop of its
+    for ``servers``, ``secret``, ``tls`` and ``etcd_credentials``). Create it anywhere; it binds to the event loop of its
     first call. Close it with ``await client.close()`` or ``async with``."""
 
-    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None):
+    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None,
+                 etcd_credentials=None):
         self._addresses = check_args(P.resolve_servers, servers)
-        self._access = Access(self._addresses, secret, tls)
+        self._access = Access(self._addresses, secret, tls, etcd_credentials)
         self._connect_timeout = float(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
@@ -100,7 +101,9 @@ class Client(object):
         # ``_etcd`` on a thread of its own (a waiting acquire blocks its
         # thread for the whole wait, so a pool could starve the release
         # that would let it in).
-        self._etcd = _etcd.cluster_for(self._addresses, self._connect_timeout)
+        self._etcd = _etcd.cluster_for(
+            self._addresses, self._connect_timeout, self._access.etcd_tls,
+            self._access.etcd_credentials)
         self._loop = None
         self._book = AddressBook(self._addresses)
         self._connecting = [None] * len(self._addresses)

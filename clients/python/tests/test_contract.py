@@ -406,7 +406,8 @@ def test_unix_socket_and_kunci_server_variable(start_server, make_client, monkey
     ("etcd://127.0.0.1:2379,unix:/x", "etcd member 'unix:/x': bad port"),
     ("etcd://127.0.0.1:2379,b", "etcd member 'b': no port"),
     ("etcd://", "an etcd member is empty"),
-    ("ETCDS://127.0.0.1:2379", "there is no TLS"),
+    ("ETCDS://127.0.0.1:2379", "etcd[s]://HOST:PORT"),
+    ("etcds://127.0.0.1:2379,", "an etcd member is empty"),
 ])
 def test_bad_etcd_addresses_are_refused_at_construction(make_client, servers, problem):
     # Refused at once, before any connection: never a DNS error after 5 s.
@@ -426,11 +427,13 @@ def test_etcd_members_may_be_listed_in_one_address_or_several():
     one = kunci._protocol.resolve_servers("etcd://a:1,[::1]:2")
     several = kunci._protocol.resolve_servers(["etcd://a:1", "etcd://[::1]:2"])
     assert one == several == [("etcd", ("a", 1)), ("etcd", ("::1", 2))]
+    assert kunci._protocol.resolve_servers("etcds://a:1,b:2") == [
+        ("etcds", ("a", 1)), ("etcds", ("b", 2))]
 
 
 def test_other_schemes_are_refused_at_construction(make_client):
     with pytest.raises(kunci.InvalidArgument,
-                       match="takes HOST:PORT, tls://HOST:PORT, unix:PATH or etcd:"):
+                       match=r"takes HOST:PORT, tls://HOST:PORT, unix:PATH or etcd\[s\]:"):
         make_client("tcp://127.0.0.1:5862")
 
 
