@@ -12,7 +12,7 @@
 # by its pid.
 #
 # Environment: RUNS (3), DURATION seconds per kunci run (10), KUNCI (the
-# binary, built with --features tls if absent), PORT (17880: plaintext,
+# binary, built if absent), PORT (17880: plaintext,
 # +1 TLS, +2 Redis TLS).
 set -euo pipefail
 
@@ -35,7 +35,7 @@ for tool in redis-server redis-benchmark redis-cli openssl; do
     fi
 done
 if [ ! -x "$KUNCI" ]; then
-    (cd "$ROOT" && cargo build --release --features tls)
+    (cd "$ROOT" && cargo build --release)
 fi
 
 DIR=$(mktemp -d)

@@ -854,7 +854,11 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
         Err(message) => return usage_error(name, &message),
     };
     init_logging();
-    let client = match client(options.servers.clone(), options.secret.clone(), &options.tls) {
+    let client = match client(
+        options.servers.clone(),
+        options.secret.clone(),
+        &options.tls,
+    ) {
         Ok(client) => client,
         Err(message) => {
             eprintln!("kunci {name}: {message}");

@@ -155,7 +155,11 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     unsafe {
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1);
     }
-    let client = match common::client(options.servers.clone(), options.secret.clone(), &options.tls) {
+    let client = match common::client(
+        options.servers.clone(),
+        options.secret.clone(),
+        &options.tls,
+    ) {
         Ok(client) => client,
         Err(message) => {
             eprintln!("kunci run: {message}");

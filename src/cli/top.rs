@@ -126,7 +126,11 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     common::init_logging();
-    let client = match common::client(options.servers.clone(), options.secret.clone(), &options.tls) {
+    let client = match common::client(
+        options.servers.clone(),
+        options.secret.clone(),
+        &options.tls,
+    ) {
         Ok(client) => client,
         Err(message) => {
             eprintln!("kunci top: {message}");
