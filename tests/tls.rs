@@ -111,6 +111,12 @@ fn plain_address(server: &TestServer) -> String {
         .clone()
 }
 
+/// Asserts a `kunci` run's exit status and its whole stderr.
+fn assert_exit(output: &Output, code: i32, stderr: &str) {
+    assert_eq!(output.status.code(), Some(code), "{}", text(&output.stderr));
+    assert_eq!(text(&output.stderr), stderr);
+}
+
 fn kunci(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(kunci_bin());
     command
@@ -207,17 +213,12 @@ fn an_untrusted_server_is_unavailable_with_the_problem_named() {
         ],
         &[],
     );
-    assert_eq!(
-        wrong_ca.status.code(),
-        Some(4),
-        "{}",
-        text(&wrong_ca.stderr)
-    );
-    assert_eq!(
-        text(&wrong_ca.stderr),
+    assert_exit(
+        &wrong_ca,
+        4,
         "kunci acquire: unavailable: TLS: the server's certificate is not signed by a \
          trusted CA; nothing was sent. Give the CA that signed the server's certificate \
-         with --tls-ca (or KUNCI_TLS_CA), and use the host name the certificate names\n"
+         with --tls-ca (or KUNCI_TLS_CA), and use the host name the certificate names\n",
     );
     // Not trusting the server does not change within a call: no waiting
     // for the transport deadline.
@@ -306,16 +307,11 @@ fn client_certificates_when_the_listener_requires_them() {
         ],
         &[],
     );
-    assert_eq!(
-        stranger.status.code(),
-        Some(7),
-        "{}",
-        text(&stranger.stderr)
-    );
-    assert_eq!(
-        text(&stranger.stderr),
+    assert_exit(
+        &stranger,
+        7,
         "kunci acquire: permission denied: the server refused this client's certificate; \
-         nothing was executed\n"
+         nothing was executed\n",
     );
     let with = kunci(
         &[
