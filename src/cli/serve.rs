@@ -298,6 +298,12 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     if let Some(address) = server.metrics_address() {
         options.push_str(&format!("; {}", metrics_location(address)));
     }
+    // Before the line that says it listens: whoever waits for that line
+    // (a test, a script) may signal the server at once.
+    if let Err(e) = shut_down_on_signals(&server) {
+        error!("cannot install signal handlers: {e}");
+        return 1;
+    }
     info!(
         "kunci {} listening on {}; limits: max_keys={} max_waiters={} \
          max_waiters_per_key={} max_waits_per_conn={} max_grants={} max_connections={}{options}",
@@ -316,10 +322,6 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
              anyone who reaches it may take, release and list every lock. \
              Use --auth, --allow or a loopback/unix listener"
         );
-    }
-    if let Err(e) = shut_down_on_signals(&server) {
-        error!("cannot install signal handlers: {e}");
-        return 1;
     }
     // Under systemd (`Type=notify`) this says "listening"; elsewhere,
     // without NOTIFY_SOCKET, it does nothing.
