@@ -4,6 +4,7 @@
 //! [`KeptLeases`] bookkeeping; each backend only says how it sends a
 //! renewal or a release.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -23,7 +24,7 @@ pub(crate) struct Slot {
 }
 
 thread_local! {
-    static SLOT: std::cell::RefCell<Option<Arc<Slot>>> = const { std::cell::RefCell::new(None) };
+    static SLOT: RefCell<Option<Arc<Slot>>> = const { RefCell::new(None) };
 }
 
 impl Slot {
