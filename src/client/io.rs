@@ -8,21 +8,18 @@
 //! piles up while the loop is busy is written in one batch per session:
 //! write coalescing comes from the loop's own latency.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use mio::net::{TcpStream, UnixStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
 use super::TRANSPORT_DEADLINE;
+use super::backend::{KeepTask, KeptLeases, Message, Reply, Slot};
 use super::engine::{Action, Engine, Op, Outcome, SessionId, Submission};
-use super::keep_alive::{Grant, KeepAlives, KeepId, Loss, Step};
-use super::kept::Mirror;
 use crate::addr::Address;
 use crate::stream::Stream;
 
@@ -38,63 +35,6 @@ const CALL_GRACE: Duration = Duration::from_secs(1);
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Where one blocking call waits for its outcome. Each thread reuses its
-/// own slot; `seq` tells a late delivery for an earlier call apart.
-pub(crate) struct Slot {
-    state: Mutex<(u64, Option<Outcome>)>,
-    ready: Condvar,
-}
-
-/// Where an outcome goes: a waiting call (its thread's slot and its
-/// number), or the renewal of a kept lease.
-pub(crate) enum Reply {
-    Call { slot: Arc<Slot>, seq: u64 },
-    KeepAlive(KeepId),
-}
-
-/// What callers hand the I/O thread.
-pub(crate) enum Message {
-    Request(Submission<Reply>),
-    /// Start keeping a lease (see `keep_alive.rs`); `mirror` is where the
-    /// holder sees its state.
-    Keep {
-        id: KeepId,
-        grant: Grant,
-        mirror: Arc<Mirror>,
-    },
-    /// Stop keeping a lease: it is being released.
-    Forget(KeepId),
-}
-
-/// Hands a call's outcome to its waiting thread.
-fn deliver_call(slot: &Slot, seq: u64, outcome: Outcome) {
-    {
-        let mut state = lock(&slot.state);
-        if state.0 == seq {
-            state.1 = Some(outcome);
-            drop(state);
-            slot.ready.notify_one();
-        } else if let Outcome::Acquired { token, .. } = outcome {
-            log::warn!("grant {token} arrived for a call that gave up; its lease will reclaim it");
-        }
-    }
-}
-
-thread_local! {
-    static SLOT: RefCell<Option<Arc<Slot>>> = const { RefCell::new(None) };
-}
-
-fn thread_slot() -> Arc<Slot> {
-    let fresh = || {
-        Arc::new(Slot {
-            state: Mutex::new((0, None)),
-            ready: Condvar::new(),
-        })
-    };
-    SLOT.try_with(|slot| slot.borrow_mut().get_or_insert_with(fresh).clone())
-        .unwrap_or_else(|_| fresh())
 }
 
 /// What callers and the I/O thread share.
@@ -132,13 +72,8 @@ impl Shared {
 
     /// Submits a request and blocks until its outcome is known.
     pub(crate) fn call(&self, mut submission: Submission<Reply>) -> Outcome {
-        let slot = thread_slot();
-        let seq = {
-            let mut state = lock(&slot.state);
-            state.0 = state.0.wrapping_add(1);
-            state.1 = None;
-            state.0
-        };
+        let slot = Slot::for_this_thread();
+        let seq = slot.next_call();
         let give_up = submission.deadline + CALL_GRACE;
         submission.reply = Some(Reply::Call {
             slot: slot.clone(),
@@ -147,24 +82,10 @@ impl Shared {
         if !self.submit(submission) {
             return Outcome::Unavailable(super::Unavailable::Unreachable);
         }
-        let mut state = lock(&slot.state);
-        loop {
-            if let Some(outcome) = state.1.take() {
-                return outcome;
-            }
-            let now = Instant::now();
-            if now >= give_up {
-                // Make a late delivery miss this call.
-                state.0 = state.0.wrapping_add(1);
-                log::error!("the client's I/O thread did not answer by the deadline");
-                return Outcome::Indeterminate;
-            }
-            state = slot
-                .ready
-                .wait_timeout(state, give_up - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        }
+        slot.wait(give_up).unwrap_or_else(|| {
+            log::error!("the client's I/O thread did not answer by the deadline");
+            Outcome::Indeterminate
+        })
     }
 
     /// Tells the I/O thread that no handle is left.
@@ -239,8 +160,7 @@ pub(crate) fn start(
         poll,
         shared: shared.clone(),
         engine,
-        keep: KeepAlives::default(),
-        mirrors: HashMap::new(),
+        kept: KeptLeases::default(),
         addresses,
         per_server,
         conns: (0..sessions).map(|_| None).collect(),
@@ -265,9 +185,7 @@ struct Shell {
     poll: Poll,
     shared: Arc<Shared>,
     engine: Engine<Reply>,
-    keep: KeepAlives,
-    /// Where the holders of kept leases see their state.
-    mirrors: HashMap<KeepId, Arc<Mirror>>,
+    kept: KeptLeases,
     addresses: Vec<Address>,
     per_server: usize,
     conns: Vec<Option<Conn>>,
@@ -295,7 +213,7 @@ impl Shell {
         let mut events = Events::with_capacity(256);
         let mut messages = Vec::new();
         loop {
-            let next = match (self.engine.poll_timeout(), self.keep.poll_timeout()) {
+            let next = match (self.engine.poll_timeout(), self.kept.poll_timeout()) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
@@ -350,10 +268,12 @@ impl Shell {
             std::mem::swap(&mut messages, &mut *lock(&self.shared.queue));
             let now = Instant::now();
             for message in messages.drain(..) {
-                self.receive(message, now);
+                if let Some(submission) = self.kept.receive(message, now) {
+                    self.engine.submit(submission, now);
+                }
             }
             self.engine.handle_timeout(now);
-            self.keep.handle_timeout(now);
+            self.kept.handle_timeout(now);
             self.perform_actions();
             self.engine.expire(Instant::now());
             self.perform_actions();
@@ -373,26 +293,10 @@ impl Shell {
         // answered by this thread, and no lease can be renewed.
         while let Some((reply, _)) = self.engine.poll_completion() {
             if let Reply::Call { slot, seq } = reply {
-                deliver_call(&slot, seq, Outcome::Indeterminate);
+                slot.deliver(seq, Outcome::Indeterminate);
             }
         }
-        for (_, mirror) in self.mirrors.drain() {
-            mirror.lose(Loss::Expired);
-        }
-    }
-
-    fn receive(&mut self, message: Message, now: Instant) {
-        match message {
-            Message::Request(submission) => self.engine.submit(submission, now),
-            Message::Keep { id, grant, mirror } => {
-                self.mirrors.insert(id, mirror);
-                self.keep.insert(id, grant, now);
-            }
-            Message::Forget(id) => {
-                self.keep.remove(id);
-                self.mirrors.remove(&id);
-            }
-        }
+        self.kept.lose_all();
     }
 
     /// Delivers outcomes, turns the kept leases' steps into requests and
@@ -403,11 +307,11 @@ impl Shell {
             while let Some((reply, outcome)) = self.engine.poll_completion() {
                 progressed = true;
                 match reply {
-                    Reply::Call { slot, seq } => deliver_call(&slot, seq, outcome),
-                    Reply::KeepAlive(id) => self.keep.handle_outcome(id, outcome, Instant::now()),
+                    Reply::Call { slot, seq } => slot.deliver(seq, outcome),
+                    Reply::KeepAlive(id) => self.kept.handle_outcome(id, outcome, Instant::now()),
                 }
             }
-            progressed |= self.run_keep_steps();
+            progressed |= self.run_keep_tasks();
             self.write_all();
             self.perform_actions();
             if !progressed {
@@ -417,13 +321,13 @@ impl Shell {
     }
 
     /// Performs what the kept leases ask for; `true` if anything was.
-    fn run_keep_steps(&mut self) -> bool {
+    fn run_keep_tasks(&mut self) -> bool {
         let mut any = false;
-        while let Some(step) = self.keep.poll_step() {
+        while let Some(task) = self.kept.poll_task() {
             any = true;
             let now = Instant::now();
-            match step {
-                Step::Renew {
+            match task {
+                KeepTask::Renew {
                     id,
                     key,
                     token,
@@ -437,17 +341,9 @@ impl Shell {
                     },
                     now,
                 ),
-                Step::Renewed { id, valid_until } => {
-                    if let Some(mirror) = self.mirrors.get(&id) {
-                        mirror.renewed(valid_until);
-                    }
+                KeepTask::Release { key, token } => {
+                    self.engine.release_in_background(key, token, now)
                 }
-                Step::Lost { id, loss } => {
-                    if let Some(mirror) = self.mirrors.remove(&id) {
-                        mirror.lose(loss);
-                    }
-                }
-                Step::Release { key, token } => self.engine.release_in_background(key, token, now),
             }
         }
         any

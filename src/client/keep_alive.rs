@@ -1,11 +1,12 @@
 //! Managed leases (spec §8 rule 10) with no IO and no clock.
 //!
 //! [`KeepAlives`] decides when each kept ticket is renewed and when it is
-//! lost; the I/O thread (`io.rs`) turns its [`Step`]s into `E` requests on
-//! the engine, feeds their outcomes back with [`KeepAlives::handle_outcome`],
-//! and calls [`KeepAlives::handle_timeout`] when
-//! [`KeepAlives::poll_timeout`] says so. Every call takes `now`, so tests
-//! drive it on a fake clock.
+//! lost; `KeptLeases` (`backend.rs`) shows its [`Step`]s to the holders and
+//! turns the rest into tasks each backend performs its own way (an `E`
+//! request on the kunci engine, an etcd renewal), feeds their outcomes back
+//! with [`KeepAlives::handle_outcome`], and calls
+//! [`KeepAlives::handle_timeout`] when [`KeepAlives::poll_timeout`] says
+//! so. Every call takes `now`, so tests drive it on a fake clock.
 //!
 //! The rules: a lease is renewed with its own lease every lease/3, counted
 //! from the start of the previous renewal (from the acquire's send instant
@@ -55,7 +56,7 @@ impl fmt::Display for Loss {
     }
 }
 
-/// What the I/O layer must do for the kept leases.
+/// What the kept leases need done (see `KeptLeases` in `backend.rs`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Step {
     /// Send `E` for this lease now (deadline as for any renew: now + 5 s)

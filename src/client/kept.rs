@@ -1,60 +1,13 @@
 //! [`KeptLease`]: a ticket whose lease the client's I/O thread renews.
 
 use std::fmt;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::backend::{Message, Mirror, OnLost};
 use super::engine::Key;
-use super::io::Message;
 use super::keep_alive::{Grant, KeepId, Loss};
 use super::{Client, Error, Permits, Ticket, drift_margin};
-
-/// A callback run once, on the client's I/O thread, when the lock is lost.
-type OnLost = Box<dyn FnOnce(Loss) + Send>;
-
-/// What the holder of a kept lease sees, written by the I/O thread.
-pub(crate) struct Mirror {
-    state: Mutex<MirrorState>,
-    changed: Condvar,
-}
-
-struct MirrorState {
-    valid_until: Instant,
-    lost: Option<Loss>,
-    /// The holder released (or dropped) the lease: a later loss is not
-    /// reported.
-    released: bool,
-    on_lost: Option<OnLost>,
-}
-
-impl Mirror {
-    fn lock(&self) -> MutexGuard<'_, MirrorState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    pub(crate) fn renewed(&self, valid_until: Instant) {
-        let mut state = self.lock();
-        if state.lost.is_none() {
-            state.valid_until = state.valid_until.max(valid_until);
-        }
-    }
-
-    /// Reports the loss once: wakes the waiters, then runs the callback.
-    pub(crate) fn lose(&self, loss: Loss) {
-        let on_lost = {
-            let mut state = self.lock();
-            if state.released || state.lost.is_some() {
-                return;
-            }
-            state.lost = Some(loss);
-            state.on_lost.take()
-        };
-        self.changed.notify_all();
-        if let Some(on_lost) = on_lost {
-            on_lost(loss);
-        }
-    }
-}
 
 /// A lock whose lease the client keeps alive (spec §8 rule 10), made with
 /// [`Ticket::keep_alive`] or [`Ticket::keep_alive_with`].
@@ -203,15 +156,7 @@ impl Ticket {
         // The renewals take over: the ticket's drop must not release.
         let _ = self.into_token();
         let id = client.fresh_keep_id();
-        let mirror = Arc::new(Mirror {
-            state: Mutex::new(MirrorState {
-                valid_until,
-                lost: None,
-                released: false,
-                on_lost,
-            }),
-            changed: Condvar::new(),
-        });
+        let mirror = Arc::new(Mirror::new(valid_until, on_lost));
         // The instant the lease was set: `valid_until` is that plus the
         // lease minus the drift margin (spec §8.9).
         let set_at = valid_until

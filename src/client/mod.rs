@@ -30,6 +30,7 @@
 //!
 //! [`Client`] has an example.
 
+mod backend;
 mod engine;
 #[cfg(feature = "etcd")]
 mod etcd;
@@ -429,7 +430,7 @@ impl Backend {
         ))
     }
 
-    fn call(&self, submission: Submission<io::Reply>) -> Outcome {
+    fn call(&self, submission: Submission<backend::Reply>) -> Outcome {
         match self {
             Backend::Kunci(shared) => shared.call(submission),
             #[cfg(feature = "etcd")]
@@ -437,7 +438,7 @@ impl Backend {
         }
     }
 
-    fn submit(&self, submission: Submission<io::Reply>) -> bool {
+    fn submit(&self, submission: Submission<backend::Reply>) -> bool {
         match self {
             Backend::Kunci(shared) => shared.submit(submission),
             #[cfg(feature = "etcd")]
@@ -445,7 +446,7 @@ impl Backend {
         }
     }
 
-    fn send(&self, message: io::Message) -> bool {
+    fn send(&self, message: backend::Message) -> bool {
         match self {
             Backend::Kunci(shared) => shared.send(message),
             #[cfg(feature = "etcd")]
@@ -750,7 +751,7 @@ impl Client {
     }
 
     /// Hands a message to the I/O thread; `false` if it has stopped.
-    fn send(&self, message: io::Message) -> bool {
+    fn send(&self, message: backend::Message) -> bool {
         self.inner.shared.send(message)
     }
 

@@ -6,7 +6,7 @@
 //! a kunci server); background work — releases nobody waits for, lease
 //! revocations, and the renewals of kept leases — runs on short-lived
 //! threads, and one keeper thread per client schedules the renewals with
-//! the same sans-IO [`KeepAlives`] rules as the kunci I/O thread.
+//! the same [`KeptLeases`] bookkeeping as the kunci I/O thread.
 
 pub(crate) mod http;
 mod json;
@@ -14,15 +14,13 @@ mod recipe;
 
 pub use http::EtcdCredentials;
 
-use std::collections::HashMap;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::backend::{KeepTask, KeptLeases, Message, Reply};
 use super::engine::{Op, Outcome, Submission};
-use super::io::{Message, Reply};
-use super::keep_alive::{KeepAlives, KeepId, Loss, Step};
-use super::kept::Mirror;
+use super::keep_alive::KeepId;
 use super::{TRANSPORT_DEADLINE, Unavailable};
 use recipe::{Claim, Cluster, LimitMismatch};
 
@@ -55,8 +53,7 @@ impl Shared {
             cluster: cluster.clone(),
             notes,
             reply: sender.clone(),
-            keep: KeepAlives::default(),
-            mirrors: HashMap::new(),
+            kept: KeptLeases::default(),
         };
         std::thread::Builder::new()
             .name("kunci-etcd-keeper".into())
@@ -156,21 +153,20 @@ fn run_in_background(cluster: &Arc<Cluster>, submission: Submission<Reply>) {
     }
 }
 
-/// Schedules the renewals of kept leases ([`KeepAlives`]); each renewal
+/// Schedules the renewals of kept leases ([`KeptLeases`]); each renewal
 /// runs on its own thread and reports back, so a slow member delays no
 /// other lease.
 struct Keeper {
     cluster: Arc<Cluster>,
     notes: mpsc::Receiver<Note>,
     reply: mpsc::Sender<Note>,
-    keep: KeepAlives,
-    mirrors: HashMap<KeepId, Arc<Mirror>>,
+    kept: KeptLeases,
 }
 
 impl Keeper {
     fn run(mut self) {
         loop {
-            let note = match self.keep.poll_timeout() {
+            let note = match self.kept.poll_timeout() {
                 Some(at) => {
                     let left = at.saturating_duration_since(Instant::now());
                     match self.notes.recv_timeout(left) {
@@ -187,36 +183,24 @@ impl Keeper {
             let now = Instant::now();
             match note {
                 Some(Note::Close) => break,
-                Some(Note::Renewed(id, outcome)) => self.keep.handle_outcome(id, outcome, now),
-                Some(Note::Message(message)) => self.receive(*message, now),
+                Some(Note::Renewed(id, outcome)) => self.kept.handle_outcome(id, outcome, now),
+                Some(Note::Message(message)) => {
+                    if let Some(submission) = self.kept.receive(*message, now) {
+                        run_in_background(&self.cluster, submission);
+                    }
+                }
                 None => {}
             }
-            self.keep.handle_timeout(Instant::now());
-            self.run_steps();
+            self.kept.handle_timeout(Instant::now());
+            self.run_tasks();
         }
-        for (_, mirror) in self.mirrors.drain() {
-            mirror.lose(Loss::Expired);
-        }
+        self.kept.lose_all();
     }
 
-    fn receive(&mut self, message: Message, now: Instant) {
-        match message {
-            Message::Keep { id, grant, mirror } => {
-                self.mirrors.insert(id, mirror);
-                self.keep.insert(id, grant, now);
-            }
-            Message::Forget(id) => {
-                self.keep.remove(id);
-                self.mirrors.remove(&id);
-            }
-            Message::Request(submission) => run_in_background(&self.cluster, submission),
-        }
-    }
-
-    fn run_steps(&mut self) {
-        while let Some(step) = self.keep.poll_step() {
-            match step {
-                Step::Renew {
+    fn run_tasks(&mut self) {
+        while let Some(task) = self.kept.poll_task() {
+            match task {
+                KeepTask::Renew {
                     id,
                     key,
                     token,
@@ -233,24 +217,14 @@ impl Keeper {
                         });
                     if let Err(error) = spawned {
                         log::warn!("cannot start a renewal: {error}");
-                        self.keep.handle_outcome(
+                        self.kept.handle_outcome(
                             id,
                             Outcome::Unavailable(Unavailable::Unreachable),
                             Instant::now(),
                         );
                     }
                 }
-                Step::Renewed { id, valid_until } => {
-                    if let Some(mirror) = self.mirrors.get(&id) {
-                        mirror.renewed(valid_until);
-                    }
-                }
-                Step::Lost { id, loss } => {
-                    if let Some(mirror) = self.mirrors.remove(&id) {
-                        mirror.lose(loss);
-                    }
-                }
-                Step::Release { key, token } => run_in_background(
+                KeepTask::Release { key, token } => run_in_background(
                     &self.cluster,
                     Submission {
                         op: Op::Release { token },
