@@ -1196,12 +1196,13 @@ mod tests {
     /// is tried again after a pause, until the server is there.
     #[test]
     fn waiting_forever_waits_through_an_outage() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let listen = format!("127.0.0.1:{port}");
+        // A unix socket path that nothing listens on yet: unlike a TCP port
+        // let go of for later, no other test can take it meanwhile.
+        let dir = std::env::temp_dir().join(format!("kunci-outage-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("kunci.sock");
+        let _ = std::fs::remove_file(&path);
+        let listen = format!("unix:{}", path.display());
         let client = Client::new([listen.parse().unwrap()], Config::default()).unwrap();
         let started = Instant::now();
         let later = std::thread::spawn(move || {
@@ -1224,5 +1225,6 @@ mod tests {
         ticket.release().unwrap();
         stop.shut_down();
         running.join().unwrap().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
