@@ -7,10 +7,9 @@ use std::time::Duration;
 
 use kunci::protocol::Response;
 
-use crate::util::{Peer, TestServer, granted, release};
+use crate::util::{Peer, TestServer, granted, release, s_frame};
 
-/// An `S` frame as the spec lays it out (§2.1): `S wait lease owner:u64
-/// limit:u16 take:u16 klen:u8 key label \n`.
+/// An `S` frame (spec §2.1).
 fn permits(
     wait_s: u8,
     lease_s: u8,
@@ -20,15 +19,15 @@ fn permits(
     key: &str,
     label: &str,
 ) -> Vec<u8> {
-    let mut frame = vec![b'S', wait_s, lease_s];
-    frame.extend_from_slice(&owner.to_be_bytes());
-    frame.extend_from_slice(&limit.to_be_bytes());
-    frame.extend_from_slice(&take.to_be_bytes());
-    frame.push(key.len() as u8);
-    frame.extend_from_slice(key.as_bytes());
-    frame.extend_from_slice(label.as_bytes());
-    frame.push(b'\n');
-    frame
+    s_frame(
+        wait_s,
+        lease_s,
+        owner,
+        limit,
+        take,
+        key.as_bytes(),
+        label.as_bytes(),
+    )
 }
 
 /// Nothing arrives on `peer` for a while (it is queued, not answered).

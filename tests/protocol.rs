@@ -1,6 +1,7 @@
 //! The wire codec: request and response frames, byte for byte, split at
 //! every boundary, packed many to a buffer, and at every size limit.
 
+use crate::util::s_frame;
 use kunci::protocol::{
     Correlation, Decoded, ErrorCode, REQUEST_FRAME_MAX, RESPONSE_TEXT_MAX, Request, RequestError,
     Response, ResponseError, decode_request, decode_response, encode_request, encode_response,
@@ -364,27 +365,6 @@ fn invalid_samples() -> Vec<(Vec<u8>, RequestError)> {
             error(ErrorCode::KeyNotUtf8, 0x55),
         ),
     ]
-}
-
-/// An `S` frame, written field by field as spec §2.1 lays it out.
-fn s_frame(
-    wait_s: u8,
-    lease_s: u8,
-    owner: u64,
-    limit: u16,
-    take: u16,
-    key: &[u8],
-    label: &[u8],
-) -> Vec<u8> {
-    let mut frame = vec![b'S', wait_s, lease_s];
-    frame.extend_from_slice(&owner.to_be_bytes());
-    frame.extend_from_slice(&limit.to_be_bytes());
-    frame.extend_from_slice(&take.to_be_bytes());
-    frame.push(u8::try_from(key.len()).unwrap());
-    frame.extend_from_slice(key);
-    frame.extend_from_slice(label);
-    frame.push(b'\n');
-    frame
 }
 
 /// An `L` frame with cursor 7.

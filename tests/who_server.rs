@@ -6,19 +6,19 @@ use std::time::Duration;
 
 use kunci::protocol::Response;
 
-use crate::util::{Peer, TestServer, granted};
+use crate::util::{Peer, TestServer, granted, s_frame};
 
-/// `S wait lease owner limit take klen key label \n` (spec §2.1).
+/// An `S` frame with a 30 s lease (spec §2.1).
 fn permits(wait_s: u8, owner: u64, limit: u16, take: u16, key: &str, label: &str) -> Vec<u8> {
-    let mut frame = vec![b'S', wait_s, 30];
-    frame.extend_from_slice(&owner.to_be_bytes());
-    frame.extend_from_slice(&limit.to_be_bytes());
-    frame.extend_from_slice(&take.to_be_bytes());
-    frame.push(key.len() as u8);
-    frame.extend_from_slice(key.as_bytes());
-    frame.extend_from_slice(label.as_bytes());
-    frame.push(b'\n');
-    frame
+    s_frame(
+        wait_s,
+        30,
+        owner,
+        limit,
+        take,
+        key.as_bytes(),
+        label.as_bytes(),
+    )
 }
 
 /// `H id key \n`.

@@ -22,6 +22,29 @@ mod tool;
 pub use temp::TempDir;
 pub use tool::require_tool;
 
+/// An `S` frame written out byte by byte as the spec lays it out (§2.1:
+/// `S wait lease owner:u64 limit:u16 take:u16 klen:u8 key label \n`), not
+/// by the library's encoder, so the tests check the wire independently.
+pub fn s_frame(
+    wait_s: u8,
+    lease_s: u8,
+    owner: u64,
+    limit: u16,
+    take: u16,
+    key: &[u8],
+    label: &[u8],
+) -> Vec<u8> {
+    let mut frame = vec![b'S', wait_s, lease_s];
+    frame.extend_from_slice(&owner.to_be_bytes());
+    frame.extend_from_slice(&limit.to_be_bytes());
+    frame.extend_from_slice(&take.to_be_bytes());
+    frame.push(u8::try_from(key.len()).expect("a key of at most 255 bytes"));
+    frame.extend_from_slice(key);
+    frame.extend_from_slice(label);
+    frame.push(b'\n');
+    frame
+}
+
 /// The `kunci` binary under test.
 pub fn kunci_bin() -> &'static str {
     env!("CARGO_BIN_EXE_kunci")
