@@ -1,7 +1,7 @@
 //! The core's self-check, run by tests and simulations after every step.
 
 use super::Core;
-use super::lock_table::NIL;
+use super::memory::NIL;
 use super::permits::PERMITS;
 
 impl Core {

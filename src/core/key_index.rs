@@ -146,7 +146,7 @@ impl KeyIndex {
     #[inline]
     pub fn prefetch(&self, hash: u64) {
         if let Some(bucket) = self.buckets.get(hash as usize & self.mask()) {
-            super::lock_table::prefetch_read(std::ptr::from_ref(bucket).cast());
+            super::memory::prefetch_read(std::ptr::from_ref(bucket).cast());
         }
     }
 
@@ -250,7 +250,7 @@ impl KeyIndex {
     fn grow(&mut self, rehash: impl Fn(u32) -> u64) {
         let count = (self.buckets.len() * 2).max(BUCKETS_MIN);
         let mut buckets = Vec::with_capacity(count);
-        super::lock_table::advise_huge_pages(buckets.as_ptr(), count);
+        super::memory::advise_huge_pages(buckets.as_ptr(), count);
         buckets.resize(count, Bucket::EMPTY);
         for bucket in &self.buckets {
             for slot in 0..SLOTS {

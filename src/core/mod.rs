@@ -19,6 +19,7 @@ mod invariants;
 pub mod key_index;
 pub mod labels;
 pub mod lock_table;
+mod memory;
 pub mod permits;
 mod request;
 pub mod restart;
@@ -36,7 +37,8 @@ use crate::timer_wheel::{
     TimerId, TimerLinks, TimerStore, TimerWheel, tick_at_or_after, tick_reached, tick_start,
 };
 use labels::{LabelOf, Labels};
-use lock_table::{LockTable, NIL};
+use lock_table::LockTable;
+use memory::NIL;
 use permits::{Grants, PERMITS, PermitKey};
 use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};

@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 
 use super::labels::LabelOf;
-use super::lock_table::NIL;
+use super::memory::NIL;
 use super::waiters::held_ms;
 use super::{ConnId, Core, GRANT_TIMER, MICROS_PER_S, Micros};
 use crate::protocol::Response;

@@ -4,7 +4,7 @@
 //! without a scan). Every operation is O(1) and allocates nothing once the
 //! node storage has grown.
 
-use super::lock_table::NIL;
+use super::memory::NIL;
 use crate::timer_wheel::TimerLinks;
 
 /// A key's waiter queue as its lock-table entry keeps it, in one `u32`:

@@ -113,23 +113,6 @@ NOT_AUTHENTICATED = (
 NOT_PERMITTED = "the etcd user's roles do not allow this request on that key"
 
 
-def parse_endpoint(text):
-    """``(host, port)`` of an etcd member ``HOST:PORT``, or ``ValueError``."""
-    text = text.strip()
-    host, sep, port = text.rpartition(":")
-    if not text:
-        raise ValueError("an etcd member is empty")
-    if not sep or not port:
-        raise ValueError("etcd member %r: no port" % text)
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError("etcd member %r: bad port" % text)
-    if not host:
-        raise ValueError("etcd member %r: no host" % text)
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
-
-
 def _request_bytes(path, body, token=None):
     authorization = b""
     # etcd's tokens are printable ASCII; anything else is not sent.
