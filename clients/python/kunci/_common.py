@@ -1020,7 +1020,11 @@ class TicketBase(object):
             return False
         self._done = True
         self._released = True
-        self._stop_keepalive()
+        # Only marked: its thread or event loop (maybe closed, maybe
+        # another thread's) is not touched from here.
+        keepalive = self._keepalive
+        if keepalive is not None:
+            keepalive.stopped = True
         return True
 
     def _check_owned(self):

@@ -55,6 +55,10 @@ _CALL_GRACE = 1.0
 
 _READ_CHUNK = 65536
 
+# How long an interrupted acquire waits for the server to end its
+# connection, which withdraws the wait (``Client._abandon``).
+_WITHDRAW_WAIT = 1.0
+
 # How long the maintenance thread stays with nothing to do before it ends.
 _MAINTENANCE_IDLE_EXIT = 5.0
 
@@ -279,8 +283,10 @@ class Client(object):
         self._connect_timeout = float(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
-        # This client's tickets (weakly), to release them at exit.
+        # This client's tickets (weakly), to release them at exit, and the
+        # clean-ups after an indeterminate acquire not done yet (owner: key).
         self._tickets = {}
+        self._cleanups = {}
         # How deep the calling thread is inside this client's calls: a call
         # made from a signal handler that interrupted one runs aside.
         self._depth = threading.local()
@@ -339,11 +345,16 @@ class Client(object):
         call's owner, if the server granted it after all (spec §8 rule
         11), so that the key is free long before the lease would end.
         The ``H``'s id is that owner, which no other request uses."""
+        # Until it is done, the flush at exit does it if the program ends.
+        self._cleanups[call.owner] = call.key
+
         def clean_up():
             try:
                 self._run(holders_call(call.key, call.owner, monotonic(), call.owner))
             except Error as error:
                 log.debug("clean-up after an indeterminate acquire: %s", error)
+            finally:
+                self._cleanups.pop(call.owner, None)
         _start_thread(clean_up, "kunci-clean-up")
 
     def lock(self, key, wait=0, lease=30, on_lost=None, *, limit=None, take=None,
@@ -429,7 +440,12 @@ class Client(object):
         (or ``Unavailable`` if nothing was sent); tickets are not released
         (their leases end them)."""
         if getattr(self._depth, "calls", 0):
-            return  # from a signal handler inside a call: never under its feet
+            # From a signal handler that interrupted a call of this client,
+            # which may hold its locks: no new call starts, and the
+            # connections close when the program ends.
+            self._closed = True
+            self._poke_maintenance()
+            return
         with self._mu:
             if self._closed:
                 return
@@ -492,31 +508,59 @@ class Client(object):
         """The caller left ``call`` (``KeyboardInterrupt``, an exception
         from a signal handler): nobody takes its outcome. A grant already
         here is released. An acquire possibly queued at the server is
-        withdrawn: what arrived is read first (a grant in it is released),
-        then its connection is closed when no other call uses it, for the
-        server drops a closed connection's waiters; a grant made in between
-        is found by the clean-up of rule 11. When other calls use the
-        connection, the thread that reads it releases a late grant."""
+        withdrawn when no other call uses its connection: the client ends
+        its side of the connection and reads until the server's end (at
+        most ``_WITHDRAW_WAIT``), for the server drops the waiters of a
+        connection its peer ended and sends what it granted before; a
+        grant in it is released. (Over TLS, or when the server's end does
+        not come, the connection is closed and the clean-up of rule 11
+        looks for a grant.) When other calls use the connection, the
+        thread that reads it releases a late grant."""
         session = call.session
         with self._mu:
             if call.result is None:
                 call.abandoned = True
             result = call.result
+            if session is not None:
+                # Interrupted in the middle of its own bookkeeping.
+                if call.writing:
+                    call.writing = False
+                    session.writers -= 1
+                if session.reader is call:
+                    session.reader = None
         if result is not None:
             if result[0] == "A":
                 self._release_background(call.key, result[1])
             return
         if call.op != "A" or session is None:
             return
-        self._take_in_unread(session, call)
         with self._mu:
             if not session.alive or session.pending.acquires.get(call.owner) is not call:
                 return  # answered (a grant was released), or the session ended
             if session.writers or session.reader is not None or any(
                     other is not call and other.waiting() for other in session.pending.calls()):
                 return
+            session.reader = call
+        seen_end = False
+        try:
+            if not session.tls:
+                session.sock.shutdown(socket.SHUT_WR)
+                until = min(call.deadline, monotonic() + _WITHDRAW_WAIT)
+                while session.alive:
+                    left = until - monotonic()
+                    if left <= 0:
+                        break
+                    if session.read_poll.poll(math.ceil(left * 1000)):
+                        self._read(session)
+                seen_end = not session.alive
+        except OSError:
+            pass
+        finally:
+            self._release_reader(session, call)
+        with self._mu:
             self._close_session(session, "an interrupted acquire withdrew its wait")
-        self._clean_up_after(call)
+        if not seen_end:
+            self._clean_up_after(call)
 
     def _run_on_sessions(self, call):
         while True:
@@ -1064,6 +1108,7 @@ class Client(object):
                     pass
         self._init_state()
         self._tickets = {}
+        self._cleanups = {}
 
 
 def _after_fork_in_child():
@@ -1100,6 +1145,13 @@ def flush_client(client, deadline):
         if ticket is not None and ticket._take_for_exit():
             releases.append((ticket._key_bytes, ticket.token))
     releases.extend(client._exit_leftovers())
+    cleanups = list(getattr(client, "_cleanups", {}).items())
+    if cleanups and client._etcd is None:
+        # Acquires that ended Indeterminate or were interrupted: a grant of
+        # their owner is found, then released with the rest (rule 11).
+        calls = [holders_call(key, owner, monotonic(), owner) for owner, key in cleanups]
+        _side_run(client._addresses, client._access, client._connect_timeout, calls, deadline,
+                  client._book.preferred, lambda key, token: releases.append((key, token)))
     if not releases:
         return
     if client._etcd is not None:

@@ -261,3 +261,36 @@ def test_a_forked_child_that_ends_never_releases_its_parents_tickets(server, syn
         info = observer.info()
     # Released once, by the parent; the child sent nothing.
     assert info["released"] == 1 and info["not_held"] == 0
+
+
+def test_the_flush_does_the_clean_up_of_an_indeterminate_acquire(server):
+    # An acquire that ended Indeterminate (or was interrupted) leaves a
+    # clean-up to do (rule 11); when the program ends before it is done,
+    # the flush finds the grant of that owner and releases it.
+    import kunci._sync
+    client = kunci.Client(server.address)
+    observer = kunci.Client(server.address)
+    ticket = client.acquire("k", lease=60)
+    owner = observer.holders("k").grants[0].owner
+    ticket.detach()
+    client._cleanups[owner] = b"k"
+    start = time.monotonic()
+    kunci._sync.flush_client(client, start + kunci._common.EXIT_FLUSH)
+    assert time.monotonic() - start < kunci._common.EXIT_FLUSH
+    assert observer.query("k") is None
+    client.close()
+    observer.close()
+
+
+@pytest.mark.parametrize("program", ["last line", "aio after asyncio.run"])
+def test_on_etcd_a_program_that_ends_holding_tickets_frees_them(etcd_cluster, program):
+    observer = kunci.Client(etcd_cluster.address)
+    for python in interpreters():
+        key = "exit-%s-%d" % (program.replace(" ", "-"), hash(python) & 0xffff)
+        took, took_end, code, stderr = run_program(python, PROGRAMS[program],
+                                                   etcd_cluster.address, key)
+        where = "%s (%s): %s" % (python, program, stderr[-2000:])
+        assert took is not None and code == 0, where
+        assert took_end is not None and took_end < END_LIMIT, (took_end, where)
+        assert observer.query(key) is None, where
+    observer.close()

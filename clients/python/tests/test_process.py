@@ -277,7 +277,7 @@ def test_a_slow_on_lost_does_not_stop_other_renewals(server):
         with client.lock("doomed", lease=1, on_lost=slow) as doomed:
             # Its renewals stop (as in an outage): its loss is declared by
             # the timer at valid_until.
-            doomed._keepalive.renewing = True
+            doomed._keepalive._renew_until_done = lambda: False
             wait_for(lambda: called, 3)
             extended = client.info()["extended"]
             time.sleep(2.5)
