@@ -11,7 +11,6 @@ import logging
 import os
 import ssl
 import sys
-import threading
 import time
 import weakref
 

@@ -313,3 +313,41 @@ def test_a_released_ticket_is_not_valid_and_never_reported_lost(server, make_cli
     assert lost == []
     assert not [r for r in caplog.records if r.name == "kunci" and r.levelno >= logging.WARNING]
     assert client.info()["released"] == 2
+
+
+def test_one_aio_lock_object_entered_by_two_tasks_takes_two_tickets(server):
+    import asyncio
+
+    import kunci.aio
+
+    async def main():
+        client = kunci.aio.Client(server.address)
+        block = client.lock("sem", wait=5, lease=2, limit=2)
+        both_inside = asyncio.Event()
+        first_left = asyncio.Event()
+        entered = []
+        seen = {}
+
+        async def worker(name):
+            async with block as ticket:
+                entered.append(ticket.token)
+                if len(entered) == 2:
+                    both_inside.set()
+                await both_inside.wait()
+                if name == "second":
+                    await first_left.wait()
+                    seen["held"] = [g.token for g in (await client.holders("sem")).grants]
+                    seen["second"] = ticket.token
+                    ticket.check()
+            if name == "first":
+                first_left.set()
+
+        await asyncio.wait_for(asyncio.gather(worker("first"), worker("second")), 10)
+        assert len(set(entered)) == 2
+        assert seen["held"] == [seen["second"]]
+        assert (await client.holders("sem")).grants == []
+        info = await client.info()
+        assert info["released"] == 2 and info["not_held"] == 0
+        await client.close()
+
+    asyncio.run(main())
