@@ -1337,13 +1337,7 @@ class _LockContext(object):
         self._args = args
         self._permits = permits
         self._on_lost = on_lost
-        self._entries = threading.local()
-
-    def _stack(self):
-        stack = getattr(self._entries, "tickets", None)
-        if stack is None:
-            stack = self._entries.tickets = []
-        return stack
+        self._entries = {}  # thread id -> its tickets, the latest entry's last
 
     def __enter__(self):
         ticket = self._client.acquire(*self._args, **self._permits)
@@ -1356,11 +1350,19 @@ class _LockContext(object):
         keepalive = _KeepAlive(ticket)
         ticket._keepalive = keepalive
         keepalive.start()
-        self._stack().append(ticket)
+        self._entries.setdefault(threading.get_ident(), []).append(ticket)
         return ticket
 
     def __exit__(self, exc_type, exc, tb):
-        _exit_release(self._stack().pop(), exc_type)
+        thread = threading.get_ident()
+        stack = self._entries.get(thread)
+        if stack is None and len(self._entries) == 1:
+            # Entered on one thread and left on another: the one entry there is.
+            thread, stack = next(iter(list(self._entries.items())))
+        ticket = stack.pop()
+        if not stack:
+            del self._entries[thread]
+        _exit_release(ticket, exc_type)
         return False
 
 
