@@ -16,7 +16,7 @@ import pytest
 
 import kunci
 from conftest import PACKAGE_ROOT, wait_for
-from test_exit import interpreters
+from test_exit import interpreters, oldest_and_newest
 
 PRELUDE = """
 import asyncio, gc, os, signal, sys, threading, time
@@ -114,7 +114,7 @@ SIGTERM_RELEASE = {
 @pytest.mark.parametrize("doing", sorted(SIGTERM_RELEASE))
 def test_release_from_a_signal_handler_while_inside_a_call(server, doing):
     observer = kunci.Client(server.address)
-    for python in interpreters():
+    for python in oldest_and_newest():
         key = "sigterm/" + python
         busy = observer.acquire(key + "/busy", lease=30)
         child = start(python, SIGTERM_RELEASE[doing], server.address, key)
@@ -157,12 +157,12 @@ def settled():
     gc.collect()
     return fds()
 before = fds()
-for n in range(150):
+for n in range(80):
     with kunci.Client(ADDRESS) as client:
         with client.lock(KEY, lease=5):
             pass
 after_closed = settled()
-for n in range(150):
+for n in range(80):
     client = kunci.Client(ADDRESS)
     client.ping()
     client.acquire(KEY + str(n))   # dropped: released in the background
@@ -175,7 +175,7 @@ print(before, after_closed, after_dropped, flush=True)
 
 
 def test_clients_leave_no_descriptors_behind(server):
-    for python in interpreters():
+    for python in oldest_and_newest():
         out = subprocess.run(
             [python, "-c", PRELUDE % {"root": PACKAGE_ROOT, "address": server.address,
                                       "key": "fds"} + DESCRIPTORS],
