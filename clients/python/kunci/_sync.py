@@ -365,9 +365,10 @@ class Client(object):
         on exit. A grant that comes with less than two thirds of its lease
         left (after a long wait) is renewed before the block starts; if
         that renewal finds it gone, entering raises ``LockLost``. On loss,
-        ``t.lost`` becomes true, ``on_lost(t)`` runs once (on a client
-        thread) and ``t.check()`` raises ``LockLost``; leaving the block
-        after a loss raises nothing."""
+        ``t.lost`` becomes true, ``on_lost(t)`` runs once (on a thread of
+        its own) and ``t.check()`` raises ``LockLost``; leaving the block
+        after a loss raises nothing. The object may be entered by several
+        threads at once: each entry takes a ticket of its own."""
         return _LockContext(self, (key, wait, lease),
                             dict(limit=limit, take=take, shared=shared, label=label), on_lost)
 
@@ -438,7 +439,7 @@ class Client(object):
     def close(self):
         """Closes every connection. Calls in progress end ``Indeterminate``
         (or ``Unavailable`` if nothing was sent); tickets are not released
-        (their leases end them)."""
+        (their leases end them, or the flush at the program's end)."""
         if getattr(self._depth, "calls", 0):
             # From a signal handler that interrupted a call of this client,
             # which may hold its locks: no new call starts, and the
@@ -1178,9 +1179,11 @@ class Ticket(TicketBase):
     the lease, minus the drift margin ``10 ms + lease/500``).
 
     Any thread may renew or release it. Dropping an unreleased ticket
-    schedules a best-effort release; :meth:`detach` keeps the lock instead.
-    In a forked child the ticket is the parent's: the child never renews
-    or releases it.
+    schedules a best-effort release, and the program's end releases every
+    ticket it still holds (one flush, at most 0.5 s); :meth:`detach` keeps
+    the lock instead. A released ticket is no longer valid. In a forked
+    child the ticket is the parent's: the child never renews or releases
+    it.
     """
 
     def __init__(self, *args):
