@@ -1115,6 +1115,20 @@ class Client(object):
 def _after_fork_in_child():
     for client in list(_CLIENTS):
         client._reset_after_fork()
+    # A multiprocessing child ends with os._exit(), which runs no atexit
+    # handler, but after its finalizers: the flush runs among them. (Its
+    # start clears the finalizers inherited, then runs the after-fork
+    # hooks: the finalizer is registered from one.)
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        try:
+            util.register_after_fork(_after_fork_in_child, _finalize_in_multiprocessing)
+        except Exception as error:
+            log.debug("cannot register the flush at exit with multiprocessing: %s", error)
+
+
+def _finalize_in_multiprocessing(_):
+    sys.modules["multiprocessing.util"].Finalize(None, _flush_at_exit, exitpriority=0)
 
 
 if hasattr(os, "register_at_fork"):

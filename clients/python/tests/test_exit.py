@@ -303,3 +303,41 @@ def test_on_etcd_a_program_that_ends_holding_tickets_frees_them(etcd_cluster, pr
         assert took_end is not None and took_end < END_LIMIT, (took_end, where)
         assert observer.query(key) is None, where
     observer.close()
+
+
+MULTIPROCESSING = """
+import multiprocessing
+def work(key):
+    client = kunci.Client(ADDRESS)
+    global held   # kept past the task: the process ends holding it
+    held = client.acquire(key, lease=60)
+    return held.token
+if __name__ == "__main__":
+    context = multiprocessing.get_context("fork")
+    child = context.Process(target=work, args=(KEY + "/process",))
+    child.start()
+    child.join(20)
+    with context.Pool(1) as pool:
+        print(pool.apply(work, (KEY + "/pool",)), flush=True)
+        pool.close()
+        pool.join()
+    end()
+"""
+
+
+def test_multiprocessing_children_that_end_release_their_tickets(server):
+    # A multiprocessing child ends with os._exit() (no atexit), after its
+    # finalizers: the flush runs among them.
+    observer = kunci.Client(server.address)
+    for python in oldest_and_newest():
+        key = "mp/%d" % (hash(python) & 0xffff)
+        script = PRELUDE % {"root": PACKAGE_ROOT, "address": server.address, "key": key}
+        out = subprocess.run([python, "-c", script + textwrap.dedent(MULTIPROCESSING)],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[-1] == "end"
+        assert observer.query(key + "/process") is None, python
+        assert observer.query(key + "/pool") is None, python
+    info = observer.info()
+    assert info["released"] == info["grants"] == 2 * len(oldest_and_newest())
+    observer.close()
