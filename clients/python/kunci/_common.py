@@ -5,10 +5,14 @@ bookkeeping and the keep-alive's decisions. Only blocking versus awaiting
 stays in the clients."""
 
 import collections
+import ipaddress
+import itertools
 import logging
 import os
 import ssl
+import sys
 import time
+import weakref
 
 from . import _protocol as P
 from ._errors import (
@@ -17,6 +21,64 @@ from ._errors import (
 )
 
 log = logging.getLogger("kunci")
+# A library's records go where the program's logging config sends them;
+# without one they are dropped, never printed by Python's last resort.
+log.addHandler(logging.NullHandler())
+
+#: Seconds the release flush at the program's end may take in all (spec §8
+#: rule 9), connections included.
+EXIT_FLUSH = 0.5
+
+# Every client of this process (both flavours), for the flush at exit.
+EXIT_CLIENTS = weakref.WeakSet()
+
+_exit_started = []
+
+
+def exiting():
+    """Whether the program is ending: the flush at exit has begun, or the
+    interpreter is finalizing. No thread may be started then (Python 3.10
+    and 3.11 hang on a thread started during shutdown)."""
+    return bool(_exit_started) or sys.is_finalizing()
+
+
+def begin_exit():
+    _exit_started.append(True)
+
+
+def allow_plaintext_secret_from_env(environ=None):
+    """Whether ``$KUNCI_ALLOW_PLAINTEXT_SECRET`` is ``1``."""
+    environ = os.environ if environ is None else environ
+    return environ.get("KUNCI_ALLOW_PLAINTEXT_SECRET", "").strip() == "1"
+
+
+def is_loopback_host(host):
+    """Whether ``host`` names this machine without a network: an IP literal
+    in 127.0.0.0/8 or ``::1`` (also IPv4-mapped), or ``localhost``. A host
+    name is never looked up (nothing is resolved before connecting)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    if mapped is not None:
+        address = mapped
+    return address.is_loopback
+
+
+def plaintext_secret_refusal(address, context):
+    """Why a secret may not go to ``address`` (a parsed address) with TLS
+    ``context`` (``None``: plaintext), or ``None`` when it may: over TLS,
+    to a loopback address or over a unix socket (spec §12.5)."""
+    kind, where = address
+    if kind == "unix" or context is not None or is_loopback_host(where[0]):
+        return None
+    return ("a secret goes only over TLS, to a loopback address or over a unix socket, "
+            "and %s is none of them: use tls://, or allow the secret in clear with "
+            "allow_plaintext_secret=True or KUNCI_ALLOW_PLAINTEXT_SECRET=1"
+            % P.format_address(address))
 
 #: What ``query`` returns for a key that is not free.
 KeyStatus = collections.namedtuple("KeyStatus", "token owner lease_ms waiters")
@@ -282,11 +344,16 @@ class Access(object):
     only. ``etcd_tls`` and ``etcd_credentials`` are what the etcd recipe
     uses."""
 
-    def __init__(self, addresses, secret, tls, etcd_credentials=None):
+    def __init__(self, addresses, secret, tls, etcd_credentials=None, secret_file=None,
+                 allow_plaintext_secret=False):
         self.etcd_tls = None
         self.etcd_credentials = None
         kinds = set(kind for kind, _ in addresses)
+        if secret is not None and secret_file is not None:
+            raise InvalidArgument("give a secret or a secret_file, not both")
         if kinds & set(P.ETCD_KINDS):
+            if secret_file is not None:
+                secret = secret_file  # refused below, as a secret is
             self._init_etcd(kinds, secret, tls, etcd_credentials)
             self.auth_frame = None
             self.contexts = [None] * len(addresses)
@@ -295,12 +362,12 @@ class Access(object):
             raise InvalidArgument(
                 "etcd_credentials are for etcd:// and etcds:// addresses; a kunci server "
                 "takes a secret")
-        secret = check_args(P.check_secret, secret)
+        secret = check_args(P.check_secret, _secret_of(secret, secret_file))
         self.auth_frame = None if secret is None else P.encode_auth(secret)
         if tls is None or tls is False:
             chosen = None
         elif tls is True:
-            chosen = ssl.create_default_context()
+            chosen = _default_context()
         elif isinstance(tls, ssl.SSLContext):
             chosen = tls
         else:
@@ -315,10 +382,16 @@ class Access(object):
                 self.contexts.append(chosen)
             elif kind == "tls":
                 if system is None:
-                    system = ssl.create_default_context()
+                    system = _default_context()
                 self.contexts.append(system)
             else:
                 self.contexts.append(None)
+        if self.auth_frame is not None and not (
+                allow_plaintext_secret or allow_plaintext_secret_from_env()):
+            for address, context in zip(addresses, self.contexts):
+                refusal = plaintext_secret_refusal(address, context)
+                if refusal is not None:
+                    raise InvalidArgument(refusal)
 
     def tls_for(self, address_index):
         return self.contexts[address_index]
@@ -331,7 +404,7 @@ class Access(object):
         if "etcds" in kinds:
             # As in the Rust client, one etcds:// member makes the cluster TLS.
             if tls is None or tls is True:
-                self.etcd_tls = ssl.create_default_context()
+                self.etcd_tls = _default_context()
             elif isinstance(tls, ssl.SSLContext):
                 self.etcd_tls = tls
             else:
@@ -350,6 +423,41 @@ class Access(object):
             if not credentials[0]:
                 raise InvalidArgument("etcd_credentials: the user is empty")
             self.etcd_credentials = (credentials[0], credentials[1])
+
+
+def _secret_of(secret, secret_file):
+    """The secret to check: ``secret``, else the contents of
+    ``secret_file``, else ``$KUNCI_SECRET`` (as the ``kunci`` command:
+    the file wins over the variable), else ``None``."""
+    if secret is not None:
+        return secret
+    if secret_file is not None:
+        try:
+            with open(secret_file, "rb") as file:
+                return file.read()
+        except (OSError, TypeError, ValueError) as error:
+            raise InvalidArgument("secret_file %r: %s" % (secret_file, error))
+    secret = os.environ.get("KUNCI_SECRET")
+    if not secret:
+        return None
+    try:
+        P.check_secret(secret)
+    except ValueError as error:
+        raise InvalidArgument("KUNCI_SECRET: %s" % error)
+    return secret
+
+
+def _default_context():
+    """The trust for ``tls://`` when the caller gives no context: the CA
+    file in ``$KUNCI_TLS_CA`` (as the ``kunci`` command reads it), else
+    the system's store."""
+    cafile = os.environ.get("KUNCI_TLS_CA")
+    if not cafile:
+        return ssl.create_default_context()
+    try:
+        return ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as error:
+        raise InvalidArgument("KUNCI_TLS_CA %r: %s" % (cafile, error))
 
 
 def _etcd_credentials_from_env():
@@ -810,6 +918,9 @@ class OwnerIds(object):
                 return value
 
 
+_TICKET_SERIALS = itertools.count(1)
+
+
 def current_pid():
     return os.getpid()
 
@@ -835,9 +946,13 @@ class TicketBase(object):
         self._lease_sent_at = sent_at
         self._pid = os.getpid()
         self._done = False  # released or detached: the drop does nothing
+        self._released = False  # given back on purpose: no longer valid
         self._lost = False
         self._keepalive = None
         self._on_lost = None
+        # The client knows its tickets (weakly) to release them at exit.
+        self._serial = next(_TICKET_SERIALS)
+        client._tickets[self._serial] = weakref.ref(self)
 
     def __repr__(self):
         permits = "" if self.limit is None else ", take=%d, limit=%d" % (self.take, self.limit)
@@ -855,9 +970,17 @@ class TicketBase(object):
         forked child: the lock belongs to the parent."""
         return self._lost or self._foreign()
 
+    @property
+    def released(self):
+        """Whether this ticket was released on purpose (``release()``, the
+        end of its ``with`` block, the flush at exit): it is no longer
+        valid, and no loss is ever reported for it."""
+        return self._released
+
     def is_valid(self):
-        """Whether ``valid_until`` is still ahead and no loss is known."""
-        return not self.lost and time.monotonic() < self.valid_until
+        """Whether ``valid_until`` is still ahead, the ticket was not
+        released, and no loss is known."""
+        return not self.lost and not self._released and time.monotonic() < self.valid_until
 
     def check(self):
         """Raises :class:`LockLost` unless the lock is still held
@@ -865,24 +988,43 @@ class TicketBase(object):
         lock; pass ``token`` to the resource all the same."""
         if self._foreign():
             raise LockLost("this ticket belongs to process %d" % self._pid)
+        if self._released:
+            raise LockLost("lock on %r (token %d) was released" % (self.key, self.token))
         self._raise_if_lost()
         if self._declare_lost_if_expired():
             raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
 
     def detach(self):
-        """Keeps the lock held after this object is dropped; returns the
-        token. The lease still ends unless someone renews it."""
+        """Keeps the lock held after this object is dropped, and at the
+        program's end; returns the token. The lease still ends unless
+        someone renews it."""
         self._stop_keepalive()
         self._done = True
         return self.token
 
     def __del__(self):
         try:
+            self._client._tickets.pop(self._serial, None)
             if not self._done and not self._foreign():
                 self._done = True
                 self._client._release_background(self._key_bytes, self.token)
         except Exception:
             pass
+
+    def _take_for_exit(self):
+        """At the program's end: whether the flush releases this ticket
+        (not released, detached or lost, and this process's), marking it
+        released and stopping its keep-alive."""
+        if self._done or self._foreign() or self._lost:
+            return False
+        self._done = True
+        self._released = True
+        # Only marked: its thread or event loop (maybe closed, maybe
+        # another thread's) is not touched from here.
+        keepalive = self._keepalive
+        if keepalive is not None:
+            keepalive.stopped = True
+        return True
 
     def _check_owned(self):
         if self._foreign():
@@ -890,6 +1032,8 @@ class TicketBase(object):
                         "renews or releases its parent's locks" % self._pid)
 
     def _raise_if_lost(self):
+        if self._released:
+            raise LockLost("lock on %r (token %d) was released" % (self.key, self.token))
         if self._lost:
             raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
 
@@ -966,8 +1110,11 @@ class TicketBase(object):
         raises when there is nothing this process may release."""
         self._check_owned()
         self._stop_keepalive()
+        if self._released:
+            raise LockLost("lock on %r (token %d) was released already" % (self.key, self.token))
         self._done = True
         self._raise_if_lost()
+        self._released = True
 
     def _release_at_block_end(self):
         """Leaving a ``with`` block: stops the keep-alive; whether to send
@@ -977,7 +1124,10 @@ class TicketBase(object):
         if self._foreign() or self._done:
             return False
         self._done = True
-        return not self._lost
+        if self._lost:
+            return False
+        self._released = True
+        return True
 
 
 def renewal_retry_in(keepalive, error, now):

@@ -30,7 +30,9 @@ import threading
 import time
 
 from . import _protocol as P
-from ._common import DENIED, INDETERMINATE, MOVED, Grant, Holders, KeyInfo, KeyStatus, Waiter, log
+from ._common import (
+    DENIED, INDETERMINATE, MOVED, Grant, Holders, KeyInfo, KeyStatus, Waiter, exiting, log,
+)
 from ._errors import InvalidArgument
 
 monotonic = time.monotonic
@@ -770,6 +772,10 @@ def _pause_before_retry(deadline, sent):
 
 
 def _spawn(target, name, *args):
+    if exiting():
+        # No thread starts while the program ends (Python 3.10 and 3.11
+        # hang on one); a lease not revoked ends with its TTL.
+        return False
     try:
         threading.Thread(target=target, args=args, name=name, daemon=True).start()
         return True

@@ -20,6 +20,7 @@ the keep-alive timers.
 """
 
 import _thread
+import atexit
 import heapq
 import math
 import os
@@ -34,10 +35,11 @@ import weakref
 from . import _etcd
 from . import _protocol as P
 from ._common import (
-    DENIED, INDETERMINATE, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds, Pending,
-    TicketBase, acquire_call, answered_call, check_args, closed_result, granted_token,
-    holders_call, info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call,
-    query_call, release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
+    DENIED, EXIT_CLIENTS, EXIT_FLUSH, INDETERMINATE, MOVED, SENT, UNSENT, Access, AddressBook,
+    Call, OwnerIds, Pending, TicketBase, acquire_call, answered_call, begin_exit, check_args,
+    closed_result, exiting, granted_token, holders_call, info_call, key_text, list_call, log,
+    needs_clean_up, outcome_of, ping_call, query_call, release_call, renew_call,
+    renewal_retry_in, result_of, tls_refusal,
 )
 from ._errors import Error, Indeterminate, NotHeld, Unavailable
 
@@ -52,6 +54,10 @@ CONNECT_TIMEOUT = 1.0
 _CALL_GRACE = 1.0
 
 _READ_CHUNK = 65536
+
+# How long an interrupted acquire waits for the server to end its
+# connection, which withdraws the wait (``Client._abandon``).
+_WITHDRAW_WAIT = 1.0
 
 # How long the maintenance thread stays with nothing to do before it ends.
 _MAINTENANCE_IDLE_EXIT = 5.0
@@ -104,6 +110,13 @@ class _Session(object):
         except OSError:
             pass
 
+    def __del__(self):
+        # A client dropped without close() leaves no descriptor behind.
+        try:
+            self.close_fds()
+        except Exception:
+            pass
+
     def close_fds(self):
         if self.fd_closed:
             return
@@ -148,6 +161,90 @@ def _connect(address, timeout, context, auth_frame):
     return sock
 
 
+class _SideSession(object):
+    """What :func:`~kunci._common.answered_call` needs of a connection
+    opened for a few calls only (:func:`_side_run`)."""
+
+    def __init__(self, authenticating):
+        self.authenticating = authenticating
+        self.user = None
+        self.denied = None
+        self.refused = None
+        self.frames = 0
+        self.pending = Pending()
+
+
+def _side_run(addresses, access, connect_timeout, calls, deadline, first, compensate):
+    """Runs ``calls`` on a connection of their own, opened for them and
+    closed after, blocking until ``deadline``: for a call made from a
+    signal handler that interrupted a call of the same client, and for the
+    flush at exit. It shares no lock and no connection with the client.
+    Sets every call's result: one without an answer is indeterminate once
+    written, else moved (nothing sent; its reason says why)."""
+    count = len(addresses)
+    reason = "no server could be reached by the deadline"
+    for offset in range(count):
+        index = (first + offset) % count
+        left = deadline - monotonic()
+        if left <= 0:
+            break
+        try:
+            sock = _connect(addresses[index], min(connect_timeout, left), access.tls_for(index),
+                            access.auth_frame)
+        except (OSError, ValueError) as error:
+            reason = "cannot connect to %s: %s" % (P.format_address(addresses[index]), error)
+            continue
+        try:
+            _side_exchange(sock, access.auth_frame is not None, calls, deadline, compensate)
+        finally:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        return
+    for call in calls:
+        if call.result is None:
+            call.result = (MOVED, reason, 0)
+
+
+def _side_exchange(sock, authenticating, calls, deadline, compensate):
+    session = _SideSession(authenticating)
+    now = monotonic()
+    data = bytearray()
+    for call in calls:
+        session.pending.add(call)
+        call.sent_at = now
+        data += call.encode(now)
+    buf = bytearray()
+    try:
+        sock.settimeout(max(0.001, deadline - monotonic()))
+        sock.sendall(data)
+        while any(call.result is None for call in calls):
+            left = deadline - monotonic()
+            if left <= 0:
+                break
+            sock.settimeout(left)
+            chunk = sock.recv(_READ_CHUNK)
+            if not chunk:
+                break
+            buf += chunk
+            now = monotonic()
+            for frame in P.decode_frames(buf):
+                call, failure = answered_call(session, frame)
+                if call is None:
+                    if failure is None:
+                        continue  # the answer to the U
+                    raise P.ProtocolError(failure)
+                result = result_of(call, frame, now, compensate)
+                if result is not None and call.result is None:
+                    call.result = result
+    except (OSError, ValueError, P.ProtocolError) as error:
+        log.debug("a connection of its own for %d request(s) failed: %s", len(calls), error)
+    for call in calls:
+        if call.result is None:
+            call.result = closed_result(session)
+
+
 class Client(object):
     """A handle to one lock service, reachable at one or more addresses.
 
@@ -159,11 +256,16 @@ class Client(object):
 
     ``secret`` (str or bytes, at least 32 bytes; one trailing newline is
     dropped): sent as ``U`` first on every connection, for a server with
-    ``--auth``. ``tls``: ``None`` (plaintext; a ``tls://`` address uses the
-    system's trust), ``True`` (TLS with the system's trust) or an
-    ``ssl.SSLContext`` (a private CA, a client certificate), for every TCP
-    address; the server's name is checked against its certificate.
-    Invalid either way: ``InvalidArgument`` at once, nothing connected.
+    ``--auth``; or ``secret_file``, a file holding it; default
+    ``$KUNCI_SECRET``, else none. A secret goes only over TLS, to a
+    loopback address or over a unix socket, unless
+    ``allow_plaintext_secret=True`` (or ``KUNCI_ALLOW_PLAINTEXT_SECRET=1``).
+    ``tls``: ``None`` (plaintext; a ``tls://`` address uses the default
+    trust: the CA file in ``$KUNCI_TLS_CA``, else the system's), ``True``
+    (TLS with the default trust) or an ``ssl.SSLContext`` (a private CA, a
+    client certificate), for every TCP address; the server's name is
+    checked against its certificate. Invalid either way:
+    ``InvalidArgument`` at once, nothing connected.
 
     ``etcd://HOST:PORT[,HOST:PORT...]`` takes the locks on an etcd cluster
     (docs/ETCD.md); ``etcds://`` reaches its members over TLS with ``tls``
@@ -174,14 +276,23 @@ class Client(object):
     """
 
     def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None,
-                 etcd_credentials=None):
+                 etcd_credentials=None, secret_file=None, allow_plaintext_secret=False):
         self._addresses = check_args(P.resolve_servers, servers)
-        self._access = Access(self._addresses, secret, tls, etcd_credentials)
+        self._access = Access(self._addresses, secret, tls, etcd_credentials, secret_file,
+                              allow_plaintext_secret)
         self._connect_timeout = float(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
+        # This client's tickets (weakly), to release them at exit, and the
+        # clean-ups after an indeterminate acquire not done yet (owner: key).
+        self._tickets = {}
+        self._cleanups = {}
+        # How deep the calling thread is inside this client's calls: a call
+        # made from a signal handler that interrupted one runs aside.
+        self._depth = threading.local()
         self._init_state()
         _CLIENTS.add(self)
+        EXIT_CLIENTS.add(self)
 
     def _init_state(self):
         self._pid = os.getpid()
@@ -234,12 +345,17 @@ class Client(object):
         call's owner, if the server granted it after all (spec §8 rule
         11), so that the key is free long before the lease would end.
         The ``H``'s id is that owner, which no other request uses."""
+        # Until it is done, the flush at exit does it if the program ends.
+        self._cleanups[call.owner] = call.key
+
         def clean_up():
             try:
                 self._run(holders_call(call.key, call.owner, monotonic(), call.owner))
             except Error as error:
                 log.debug("clean-up after an indeterminate acquire: %s", error)
-        threading.Thread(target=clean_up, name="kunci-clean-up", daemon=True).start()
+            finally:
+                self._cleanups.pop(call.owner, None)
+        _start_thread(clean_up, "kunci-clean-up")
 
     def lock(self, key, wait=0, lease=30, on_lost=None, *, limit=None, take=None,
              shared=False, label=None):
@@ -249,9 +365,10 @@ class Client(object):
         on exit. A grant that comes with less than two thirds of its lease
         left (after a long wait) is renewed before the block starts; if
         that renewal finds it gone, entering raises ``LockLost``. On loss,
-        ``t.lost`` becomes true, ``on_lost(t)`` runs once (on a client
-        thread) and ``t.check()`` raises ``LockLost``; leaving the block
-        after a loss raises nothing."""
+        ``t.lost`` becomes true, ``on_lost(t)`` runs once (on a thread of
+        its own) and ``t.check()`` raises ``LockLost``; leaving the block
+        after a loss raises nothing. The object may be entered by several
+        threads at once: each entry takes a ticket of its own."""
         return _LockContext(self, (key, wait, lease),
                             dict(limit=limit, take=take, shared=shared, label=label), on_lost)
 
@@ -322,7 +439,14 @@ class Client(object):
     def close(self):
         """Closes every connection. Calls in progress end ``Indeterminate``
         (or ``Unavailable`` if nothing was sent); tickets are not released
-        (their leases end them)."""
+        (their leases end them, or the flush at the program's end)."""
+        if getattr(self._depth, "calls", 0):
+            # From a signal handler that interrupted a call of this client,
+            # which may hold its locks: no new call starts, and the
+            # connections close when the program ends.
+            self._closed = True
+            self._poke_maintenance()
+            return
         with self._mu:
             if self._closed:
                 return
@@ -332,12 +456,7 @@ class Client(object):
             for session in self._book.sessions:
                 if session is not None:
                     self._close_session(session, "the client was closed")
-            wake = self._maint_wake
-        if wake is not None:
-            try:
-                os.write(wake[1], b"\0")  # the thread sees _closed and ends
-            except OSError:
-                pass
+        self._poke_maintenance()  # the thread sees _closed and ends
 
     def __enter__(self):
         return self
@@ -362,6 +481,89 @@ class Client(object):
         self._check_process()
         if self._etcd is not None:
             return self._etcd.run(call)
+        if getattr(self._depth, "calls", 0):
+            # This thread is inside a call of this client already: a signal
+            # handler interrupted it, maybe holding the client's locks or
+            # the role of its connection's reader. Run on a connection of
+            # its own, so that a release on SIGTERM works at once.
+            return self._run_aside(call)
+        self._depth.calls = 1
+        try:
+            return self._run_on_sessions(call)
+        except Error:
+            raise
+        except BaseException:
+            self._abandon(call)
+            raise
+        finally:
+            self._depth.calls = 0
+
+    def _run_aside(self, call):
+        _side_run(self._addresses, self._access, self._connect_timeout, [call], call.deadline,
+                  self._book.preferred, self._release_background)
+        if call.result[0] == MOVED:
+            raise Unavailable(call.result[1])
+        return call.result
+
+    def _abandon(self, call):
+        """The caller left ``call`` (``KeyboardInterrupt``, an exception
+        from a signal handler): nobody takes its outcome. A grant already
+        here is released. An acquire possibly queued at the server is
+        withdrawn when no other call uses its connection: the client ends
+        its side of the connection and reads until the server's end (at
+        most ``_WITHDRAW_WAIT``), for the server drops the waiters of a
+        connection its peer ended and sends what it granted before; a
+        grant in it is released. (Over TLS, or when the server's end does
+        not come, the connection is closed and the clean-up of rule 11
+        looks for a grant.) When other calls use the connection, the
+        thread that reads it releases a late grant."""
+        session = call.session
+        with self._mu:
+            if call.result is None:
+                call.abandoned = True
+            result = call.result
+            if session is not None:
+                # Interrupted in the middle of its own bookkeeping.
+                if call.writing:
+                    call.writing = False
+                    session.writers -= 1
+                if session.reader is call:
+                    session.reader = None
+        if result is not None:
+            if result[0] == "A":
+                self._release_background(call.key, result[1])
+            return
+        if call.op != "A" or session is None:
+            return
+        with self._mu:
+            if not session.alive or session.pending.acquires.get(call.owner) is not call:
+                return  # answered (a grant was released), or the session ended
+            if session.writers or session.reader is not None or any(
+                    other is not call and other.waiting() for other in session.pending.calls()):
+                return
+            session.reader = call
+        seen_end = False
+        try:
+            if not session.tls:
+                session.sock.shutdown(socket.SHUT_WR)
+                until = min(call.deadline, monotonic() + _WITHDRAW_WAIT)
+                while session.alive:
+                    left = until - monotonic()
+                    if left <= 0:
+                        break
+                    if session.read_poll.poll(math.ceil(left * 1000)):
+                        self._read(session)
+                seen_end = not session.alive
+        except OSError:
+            pass
+        finally:
+            self._release_reader(session, call)
+        with self._mu:
+            self._close_session(session, "an interrupted acquire withdrew its wait")
+        if not seen_end:
+            self._clean_up_after(call)
+
+    def _run_on_sessions(self, call):
         while True:
             session = self._session_for(call)
             if session is None:
@@ -456,6 +658,7 @@ class Client(object):
                 if not session.alive:
                     return UNSENT
                 session.pending.add(call)
+                call.session = session
                 call.writing = True
                 session.writers += 1
                 if call.deadline < session.poll_until and session.reader is not None:
@@ -573,46 +776,36 @@ class Client(object):
         when no other thread does."""
         call.waiter = _thread.allocate_lock()
         call.waiter.acquire()
-        try:
-            while True:
-                with self._mu:
-                    if call.result is not None:
-                        return
-                    lead = session.reader is None and session.alive
-                    if lead:
-                        session.reader = call
-                    elif not session.alive:
-                        # Closed with this call still registered: cannot
-                        # happen (closing completes it); stay on the safe
-                        # side.
-                        call.result = INDETERMINATE
-                        return
-                if lead:
-                    self._lead(session, call)
-                    continue
-                left = call.deadline + _CALL_GRACE - monotonic()
-                if left <= 0:
-                    with self._mu:
-                        if call.result is None:
-                            log.error("no answer from the session's reader by the deadline")
-                            call.abandoned = True
-                            call.result = INDETERMINATE
-                    continue
-                acquired = call.waiter.acquire(True, left)
-                if acquired:
-                    with self._mu:
-                        call.signalled = False
-        except BaseException:
-            # Interrupted (KeyboardInterrupt, ...): nobody will take the
-            # outcome. A grant already here, or arriving later, is
-            # released.
+        # Interrupted (KeyboardInterrupt, ...): ``_abandon`` sees to the
+        # outcome nobody takes.
+        while True:
             with self._mu:
-                if call.result is None:
-                    call.abandoned = True
-                result = call.result
-            if result is not None and result[0] == "A":
-                self._release_background(call.key, result[1])
-            raise
+                if call.result is not None:
+                    return
+                lead = session.reader is None and session.alive
+                if lead:
+                    session.reader = call
+                elif not session.alive:
+                    # Closed with this call still registered: cannot
+                    # happen (closing completes it); stay on the safe
+                    # side.
+                    call.result = INDETERMINATE
+                    return
+            if lead:
+                self._lead(session, call)
+                continue
+            left = call.deadline + _CALL_GRACE - monotonic()
+            if left <= 0:
+                with self._mu:
+                    if call.result is None:
+                        log.error("no answer from the session's reader by the deadline")
+                        call.abandoned = True
+                        call.result = INDETERMINATE
+                continue
+            acquired = call.waiter.acquire(True, left)
+            if acquired:
+                with self._mu:
+                    call.signalled = False
 
     def _signal(self, call):
         if call.waiter is not None and not call.signalled:
@@ -759,30 +952,54 @@ class Client(object):
 
     def _release_background(self, key, token):
         """Schedules a release of exactly ``token`` that nobody waits for.
-        Never blocks on the network (it runs from ``__del__`` too)."""
+        Never blocks on the network (it runs from ``__del__`` too). While
+        the program ends, the flush at exit sends it (no thread starts)."""
         if self._closed or self._pid != os.getpid():
             return
         self._background.append((key, token))
         self._wake_maintenance()
 
     def _wake_maintenance(self):
-        """Wakes the maintenance thread, starting it if it is not running."""
+        """Wakes the maintenance thread, starting it if it is not running
+        (never while the program ends)."""
         with self._maint_lock:
-            if self._closed:
+            if self._closed or exiting():
                 return
-            if self._maint_wake is None:
+            if self._maint_thread is None:
                 wake = os.pipe()
                 os.set_blocking(wake[0], False)
                 os.set_blocking(wake[1], False)
                 self._maint_wake = wake
-            if self._maint_thread is None:
-                thread = threading.Thread(target=self._maintain, name="kunci-maintenance", daemon=True)
+                thread = threading.Thread(target=self._maintain, args=(wake[0],),
+                                          name="kunci-maintenance", daemon=True)
                 self._maint_thread = thread
-                thread.start()
-        try:
-            os.write(self._maint_wake[1], b"\0")
-        except OSError:
-            pass
+                try:
+                    thread.start()
+                except RuntimeError:  # the interpreter is shutting down
+                    self._maint_thread = None
+                    self._close_maintenance_pipe()
+                    return
+        self._poke_maintenance()
+
+    def _poke_maintenance(self):
+        # Under the lock: the thread closes the pipe when it ends, and a
+        # descriptor number must never be written after it was closed.
+        with self._maint_lock:
+            if self._maint_wake is not None:
+                try:
+                    os.write(self._maint_wake[1], b"\0")
+                except OSError:
+                    pass
+
+    def _close_maintenance_pipe(self):
+        """With ``_maint_lock`` held, as the thread ends."""
+        wake, self._maint_wake = self._maint_wake, None
+        if wake is not None:
+            for fd in wake:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def _schedule(self, when, action):
         """Runs ``action()`` on the maintenance thread at ``when``
@@ -796,12 +1013,11 @@ class Client(object):
         if wake:
             self._wake_maintenance()
 
-    def _maintain(self):
-        wake_r = self._maint_wake[0]
+    def _maintain(self, wake_r):
         poller = select.poll()
         poller.register(wake_r, select.POLLIN)
         idle_since = None
-        while not self._closed:
+        while not self._closed and not exiting():
             with self._maint_lock:
                 next_at = self._timers[0][0] if self._timers else None
                 if next_at is None and not self._background:
@@ -813,6 +1029,7 @@ class Client(object):
                         idle_since = now
                     elif now - idle_since >= _MAINTENANCE_IDLE_EXIT:
                         self._maint_thread = None
+                        self._close_maintenance_pipe()
                         return
                     next_at = idle_since + _MAINTENANCE_IDLE_EXIT
                 else:
@@ -828,7 +1045,10 @@ class Client(object):
                 except OSError:
                     pass
             while self._background:
-                key, token = self._background.pop(0)
+                try:
+                    key, token = self._background.pop(0)
+                except IndexError:  # taken by the flush at exit
+                    break
                 self._send_background(key, token)
             now = monotonic()
             due = []
@@ -842,6 +1062,7 @@ class Client(object):
                     log.exception("kunci keep-alive timer failed")
         with self._maint_lock:
             self._maint_thread = None
+            self._close_maintenance_pipe()
 
     def _send_background(self, key, token):
         if self._etcd is not None:
@@ -860,6 +1081,17 @@ class Client(object):
         except Error:
             return
 
+    def _exit_leftovers(self):
+        """The background releases not sent yet, taken for the flush at
+        exit."""
+        leftovers = []
+        while self._background:
+            try:
+                leftovers.append(self._background.pop(0))
+            except IndexError:
+                break
+        return leftovers
+
     # ------------------------------------------------------------- fork
 
     def _reset_after_fork(self):
@@ -876,15 +1108,81 @@ class Client(object):
                 except OSError:
                     pass
         self._init_state()
+        self._tickets = {}
+        self._cleanups = {}
 
 
 def _after_fork_in_child():
     for client in list(_CLIENTS):
         client._reset_after_fork()
+    # A multiprocessing child ends with os._exit(), which runs no atexit
+    # handler, but after its finalizers: the flush runs among them. (Its
+    # start clears the finalizers inherited, then runs the after-fork
+    # hooks: the finalizer is registered from one.)
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        try:
+            util.register_after_fork(_after_fork_in_child, _finalize_in_multiprocessing)
+        except Exception as error:
+            log.debug("cannot register the flush at exit with multiprocessing: %s", error)
+
+
+def _finalize_in_multiprocessing(_):
+    sys.modules["multiprocessing.util"].Finalize(None, _flush_at_exit, exitpriority=0)
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _flush_at_exit():
+    """The program ends (its end, an uncaught exception, ``sys.exit``):
+    every ticket of this process that was neither released, detached nor
+    lost is released, in one flush that takes at most ``EXIT_FLUSH``
+    (0.5 s) in all, on the calling thread (spec §8 rule 9). From then on no
+    client starts a thread, and a ticket dropped later sends nothing."""
+    begin_exit()
+    deadline = monotonic() + EXIT_FLUSH
+    for client in list(EXIT_CLIENTS):
+        try:
+            flush_client(client, deadline)
+        except Exception as error:  # never in the way of the program's end
+            log.debug("release at exit: %s", error)
+
+
+def flush_client(client, deadline):
+    """Releases ``client``'s tickets (and its background releases not yet
+    sent) by ``deadline``, on a connection of its own (sync or asyncio
+    client: its event loop may be closed by now)."""
+    releases = []
+    for ref in list(client._tickets.copy().values()):
+        ticket = ref()
+        if ticket is not None and ticket._take_for_exit():
+            releases.append((ticket._key_bytes, ticket.token))
+    releases.extend(client._exit_leftovers())
+    cleanups = list(getattr(client, "_cleanups", {}).items())
+    if cleanups and client._etcd is None:
+        # Acquires that ended Indeterminate or were interrupted: a grant of
+        # their owner is found, then released with the rest (rule 11).
+        calls = [holders_call(key, owner, monotonic(), owner) for owner, key in cleanups]
+        _side_run(client._addresses, client._access, client._connect_timeout, calls, deadline,
+                  client._book.preferred, lambda key, token: releases.append((key, token)))
+    if not releases:
+        return
+    if client._etcd is not None:
+        for key, token in releases:
+            if monotonic() >= deadline:
+                break
+            client._etcd.release(key, token, deadline)
+        return
+    calls = [Call("R", key, deadline, token=token) for key, token in releases]
+    _side_run(client._addresses, client._access, client._connect_timeout, calls, deadline,
+              client._book.preferred, lambda key, token: None)
+    log.debug("released %d of %d at exit", sum(call.result == ("R",) for call in calls),
+              len(calls))
+
+
+atexit.register(_flush_at_exit)
 
 
 class Ticket(TicketBase):
@@ -895,14 +1193,18 @@ class Ticket(TicketBase):
     the lease, minus the drift margin ``10 ms + lease/500``).
 
     Any thread may renew or release it. Dropping an unreleased ticket
-    schedules a best-effort release; :meth:`detach` keeps the lock instead.
-    In a forked child the ticket is the parent's: the child never renews
-    or releases it.
+    schedules a best-effort release, and the program's end releases every
+    ticket it still holds (one flush, at most 0.5 s); :meth:`detach` keeps
+    the lock instead. A released ticket is no longer valid. In a forked
+    child the ticket is the parent's: the child never renews or releases
+    it.
     """
 
     def __init__(self, *args):
         super().__init__(*args)
-        self._state_lock = threading.Lock()
+        # Re-entrant: a signal handler may release the ticket while this
+        # thread is inside one of its methods.
+        self._state_lock = threading.RLock()
 
     def renew(self, lease=None):
         """Resets the lease to ``lease`` seconds (default: the ticket's
@@ -945,7 +1247,7 @@ class Ticket(TicketBase):
 
     def _declare_lost(self, why):
         with self._state_lock:
-            if self._lost:
+            if self._lost or self._released:
                 return
             self._lost = True
             self.valid_until = min(self.valid_until, monotonic())
@@ -955,10 +1257,9 @@ class Ticket(TicketBase):
             keepalive.stopped = True
         log.warning("lock on %r (token %d) lost: %s", self.key, self.token, why)
         if on_lost is not None:
-            try:
-                on_lost(self)
-            except Exception:
-                log.exception("on_lost callback failed")
+            # On a thread of its own: never on the thread that runs every
+            # keep-alive's timers, whatever the callback does.
+            _start_thread(_call_on_lost, "kunci-on-lost", on_lost, self)
 
     def _stop_keepalive(self):
         if self._foreign():
@@ -1004,7 +1305,8 @@ class _KeepAlive(object):
         if self.stopped or self.renewing:
             return
         self.renewing = True
-        threading.Thread(target=self._renew, name="kunci-renew", daemon=True).start()
+        if not _start_thread(self._renew, "kunci-renew"):
+            self.renewing = False
 
     def _renew(self):
         ticket = self.ticket
@@ -1042,12 +1344,17 @@ class _KeepAlive(object):
 
 
 class _LockContext(object):
+    """What ``client.lock(...)`` returns. Each entry takes a ticket of its
+    own, so one object may be entered by several threads at once (as a
+    ``threading.Semaphore``), and again by the same thread: each exit
+    releases the ticket of its thread's latest entry."""
+
     def __init__(self, client, args, permits, on_lost):
         self._client = client
         self._args = args
         self._permits = permits
         self._on_lost = on_lost
-        self._ticket = None
+        self._entries = {}  # thread id -> its tickets, the latest entry's last
 
     def __enter__(self):
         ticket = self._client.acquire(*self._args, **self._permits)
@@ -1060,9 +1367,38 @@ class _LockContext(object):
         keepalive = _KeepAlive(ticket)
         ticket._keepalive = keepalive
         keepalive.start()
-        self._ticket = ticket
+        self._entries.setdefault(threading.get_ident(), []).append(ticket)
         return ticket
 
     def __exit__(self, exc_type, exc, tb):
-        _exit_release(self._ticket, exc_type)
+        thread = threading.get_ident()
+        stack = self._entries.get(thread)
+        if stack is None and len(self._entries) == 1:
+            # Entered on one thread and left on another: the one entry there is.
+            thread, stack = next(iter(list(self._entries.items())))
+        ticket = stack.pop()
+        if not stack:
+            del self._entries[thread]
+        _exit_release(ticket, exc_type)
         return False
+
+
+def _call_on_lost(on_lost, ticket):
+    try:
+        on_lost(ticket)
+    except Exception:
+        log.exception("on_lost callback failed")
+
+
+def _start_thread(target, name, *args):
+    """Starts a daemon thread; whether it started. None starts while the
+    program ends (a thread started during shutdown hangs Python 3.10 and
+    3.11, and is refused by 3.12+)."""
+    if exiting():
+        return False
+    try:
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
+    except RuntimeError as error:
+        log.debug("cannot start %s: %s", name, error)
+        return False
+    return True

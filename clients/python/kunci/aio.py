@@ -23,7 +23,8 @@ import weakref
 from . import _etcd
 from . import _protocol as P
 from ._common import (
-    DENIED, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds, Pending, TicketBase,
+    DENIED, EXIT_CLIENTS, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds, Pending,
+    TicketBase,
     acquire_call, answered_call, check_args, closed_result, granted_token, holders_call,
     info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
     release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
@@ -86,14 +87,20 @@ class Client(object):
     first call. Close it with ``await client.close()`` or ``async with``."""
 
     def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None,
-                 etcd_credentials=None):
+                 etcd_credentials=None, secret_file=None, allow_plaintext_secret=False):
         self._addresses = check_args(P.resolve_servers, servers)
-        self._access = Access(self._addresses, secret, tls, etcd_credentials)
+        self._access = Access(self._addresses, secret, tls, etcd_credentials, secret_file,
+                              allow_plaintext_secret)
         self._connect_timeout = float(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
+        # This client's tickets (weakly), and the releases its closed event
+        # loop could not send: the flush at exit sends them.
+        self._tickets = {}
+        self._orphans = []
         self._init_state()
         _CLIENTS.add(self)
+        EXIT_CLIENTS.add(self)
 
     def _init_state(self):
         self._pid = os.getpid()
@@ -445,9 +452,14 @@ class Client(object):
     # ------------------------------------------------------- background
 
     def _release_background(self, key, token):
-        """Schedules a release of exactly ``token`` nobody waits for."""
+        """Schedules a release of exactly ``token`` nobody waits for. Once
+        the event loop is closed (``asyncio.run`` returned), the flush at
+        exit sends it."""
         loop = self._loop
-        if self._closed or self._pid != os.getpid() or loop is None or loop.is_closed():
+        if self._closed or self._pid != os.getpid() or loop is None:
+            return
+        if loop.is_closed():
+            self._orphans.append((os.getpid(), key, token))
             return
         try:
             running = asyncio.get_running_loop()
@@ -485,6 +497,13 @@ class Client(object):
                 await _closing_seen()
         except Error:
             return
+
+
+    def _exit_leftovers(self):
+        """The releases the closed event loop could not send, taken for
+        the flush at exit (this process's only)."""
+        orphans, self._orphans = self._orphans, []
+        return [(key, token) for pid, key, token in orphans if pid == os.getpid()]
 
 
 async def _closing_seen():
@@ -538,7 +557,7 @@ class Ticket(TicketBase):
         return False
 
     def _declare_lost(self, why):
-        if self._lost:
+        if self._lost or self._released:
             return
         self._lost = True
         self.valid_until = min(self.valid_until, monotonic())
@@ -631,12 +650,15 @@ def _current_task():
 
 
 class _LockContext(object):
+    """As :class:`kunci._sync._LockContext`: each entry (by a task, or the
+    same task again) takes a ticket of its own."""
+
     def __init__(self, client, args, permits, on_lost):
         self._client = client
         self._args = args
         self._permits = permits
         self._on_lost = on_lost
-        self._ticket = None
+        self._entries = {}  # task -> its tickets, the latest entry's last
 
     async def __aenter__(self):
         ticket = await self._client.acquire(*self._args, **self._permits)
@@ -649,9 +671,18 @@ class _LockContext(object):
         keepalive = _KeepAlive(ticket, asyncio.get_running_loop())
         ticket._keepalive = keepalive
         keepalive.start()
-        self._ticket = ticket
+        self._entries.setdefault(_current_task(), []).append(ticket)
         return ticket
 
     async def __aexit__(self, exc_type, exc, tb):
-        await _exit_release(self._ticket, exc_type)
+        task = _current_task()
+        stack = self._entries.get(task)
+        if stack is None and len(self._entries) == 1:
+            # Entered and left from different tasks (a driver that runs
+            # each step as a task): the one entry there is.
+            task, stack = next(iter(self._entries.items()))
+        ticket = stack.pop()
+        if not stack:
+            del self._entries[task]
+        await _exit_release(ticket, exc_type)
         return False

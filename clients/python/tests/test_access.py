@@ -332,3 +332,102 @@ def test_secret_over_tls(start_server, pki, secrets, make_client):
     wrong = make_client(server.address, tls=context(pki), secret="3" * 64)
     kind, elapsed, _ = outcome(wrong.query, "team/x")
     assert kind is kunci.PermissionDenied and elapsed < AT_ONCE
+
+
+# ------------------------------------- the environment, and secrets in clear
+
+
+def test_secret_from_kunci_secret_and_secret_file(
+        auth_server, secrets, make_client, monkeypatch, tmp_path):
+    # As the kunci command: $KUNCI_SECRET when nothing is given, and a
+    # secret_file (one trailing newline dropped) wins over it.
+    monkeypatch.setenv("KUNCI_SECRET", secrets["admin"])
+    client = make_client(auth_server.address)
+    client.acquire("deploy").release()
+    wrong = tmp_path / "wrong"
+    wrong.write_text("w" * 64 + "\n")
+    kind, _, error = outcome(make_client(auth_server.address, secret_file=str(wrong)).ping)
+    assert kind is kunci.PermissionDenied, error
+    good = tmp_path / "good"
+    good.write_text(secrets["team"] + "\n")
+    monkeypatch.setenv("KUNCI_SECRET", "w" * 64)
+    client = make_client(auth_server.address, secret_file=str(good))
+    client.acquire("team/deploy").release()
+    with pytest.raises(kunci.InvalidArgument, match="not both"):
+        make_client(auth_server.address, secret=secrets["team"], secret_file=str(good))
+    with pytest.raises(kunci.InvalidArgument, match="secret_file"):
+        make_client(auth_server.address, secret_file=str(tmp_path / "missing"))
+    monkeypatch.setenv("KUNCI_SECRET", "short")
+    with pytest.raises(kunci.InvalidArgument, match="KUNCI_SECRET"):
+        make_client(auth_server.address)
+    # etcd takes no kunci secret: the variable is ignored there, as by the
+    # kunci command (a secret given in code is refused).
+    make_client("etcd://127.0.0.1:2379")
+
+
+def test_kunci_tls_ca_is_the_default_trust(start_server, pki, make_client, monkeypatch):
+    server = tls_server(start_server, pki)
+    monkeypatch.setenv("KUNCI_TLS_CA", pki("ca.pem"))
+    assert make_client(server.address).ping() < 1
+    assert make_client("127.0.0.1:%d" % server.port, tls=True).ping() < 1
+    # A context given in code wins.
+    kind, _, error = outcome(
+        make_client(server.address, tls=context(pki, ca="other-ca.pem")).ping)
+    assert kind is kunci.Unavailable, error
+    monkeypatch.setenv("KUNCI_TLS_CA", pki("missing.pem"))
+    with pytest.raises(kunci.InvalidArgument, match="KUNCI_TLS_CA"):
+        make_client(server.address)
+
+
+def test_loopback_and_plaintext_decisions():
+    from kunci._common import is_loopback_host, plaintext_secret_refusal
+    for host in ("127.0.0.1", "127.8.9.10", "::1", "::ffff:127.0.0.1", "localhost",
+                 "LOCALHOST", "localhost."):
+        assert is_loopback_host(host), host
+    for host in ("10.0.0.1", "0.0.0.0", "::", "192.168.1.1", "locks.internal", "localhost.evil",
+                 "127.0.0.1.example", "fe80::1"):
+        assert not is_loopback_host(host), host
+    assert plaintext_secret_refusal(("unix", "/run/kunci.sock"), None) is None
+    assert plaintext_secret_refusal(("tcp", ("127.0.0.1", 1)), None) is None
+    assert plaintext_secret_refusal(("tcp", ("locks.internal", 1)), ssl.create_default_context()) \
+        is None
+    refusal = plaintext_secret_refusal(("tcp", ("locks.internal", 5862)), None)
+    assert "locks.internal:5862" in refusal
+    assert "allow_plaintext_secret=True" in refusal and "KUNCI_ALLOW_PLAINTEXT_SECRET=1" in refusal
+
+
+@pytest.mark.parametrize("address", ["10.1.2.3:5862", "locks.internal:5862", "[fe80::1]:5862",
+                                     "127.0.0.1:5862,locks.internal:5862"])
+def test_a_secret_is_not_sent_in_clear_beyond_loopback(
+        make_client, secrets, address, monkeypatch):
+    import socket as socket_module
+    connects = []
+    real = socket_module.create_connection
+    monkeypatch.setattr(socket_module, "create_connection",
+                        lambda *a, **k: connects.append(a) or real(*a, **k))
+    monkeypatch.delenv("KUNCI_ALLOW_PLAINTEXT_SECRET", raising=False)
+    with pytest.raises(kunci.InvalidArgument, match="KUNCI_ALLOW_PLAINTEXT_SECRET=1"):
+        make_client(address, secret=secrets["admin"])
+    monkeypatch.setenv("KUNCI_SECRET", secrets["admin"])
+    with pytest.raises(kunci.InvalidArgument, match="allow_plaintext_secret=True"):
+        make_client(address)
+    assert connects == []
+    # The opt-ins; TLS; no secret at all.
+    make_client(address, allow_plaintext_secret=True)
+    make_client(address, tls=True)
+    monkeypatch.setenv("KUNCI_ALLOW_PLAINTEXT_SECRET", "1")
+    make_client(address)
+    monkeypatch.delenv("KUNCI_SECRET")
+    monkeypatch.delenv("KUNCI_ALLOW_PLAINTEXT_SECRET")
+    make_client(address)
+
+
+def test_a_secret_goes_in_clear_to_loopback_and_unix(
+        start_server, secrets, make_client, tmp_path):
+    path = str(tmp_path / "kunci.sock")
+    server = start_server("--auth", secrets["file"],
+                          listen=("127.0.0.1:0", "[::1]:0", "unix:" + path))
+    assert len(server.addresses) == 3
+    for address in server.addresses + ["localhost:%d" % server.port]:
+        client = make_client(address, secret=secrets["admin"])
+        client.acquire("deploy").release()
