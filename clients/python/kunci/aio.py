@@ -16,6 +16,7 @@ token is released at once, so a grant never goes to nobody.
 
 import asyncio
 import os
+import socket
 import threading
 import time
 import weakref
@@ -37,6 +38,9 @@ monotonic = time.monotonic
 
 _CLIENTS = weakref.WeakSet()
 
+# How many idle sessions of waiting acquires a client keeps for reuse.
+_IDLE_PRIVATE_MAX = 8
+
 
 class _Session(asyncio.Protocol):
     def __init__(self, client, index, auth_frame):
@@ -54,6 +58,10 @@ class _Session(asyncio.Protocol):
         self.authenticating = auth_frame is not None
         self.user = None
         self.denied = None
+        # A session of one waiting acquire (``Client._run``), and one the
+        # client is closing on purpose (not a failure of its address).
+        self.private = False
+        self.retiring = False
 
     def connection_made(self, transport):
         # With TLS: after the handshake. The U goes first, before any
@@ -105,9 +113,18 @@ class Client(object):
             self._addresses, self._connect_timeout, self._access.etcd_tls,
             self._access.etcd_credentials)
         self._loop = None
+        self._reset_loop_state()
+
+    def _reset_loop_state(self):
+        """What belongs to one event loop: the sessions (and their
+        transports), connects under way, background tasks."""
         self._book = AddressBook(self._addresses)
         self._connecting = [None] * len(self._addresses)
         self._tasks = set()
+        # The sessions of waiting acquires, each carrying one call at a
+        # time, and those idle, kept for the next waiting acquire.
+        self._private = set()
+        self._idle = []
 
     # ----------------------------------------------------------------- API
 
@@ -193,12 +210,18 @@ class Client(object):
         """Closes every connection (tickets are not released)."""
         if self._closed:
             return
+        old = self._loop
+        if (self._pid == os.getpid() and old is not None and old is not asyncio.get_running_loop()
+                and not old.is_running()):
+            self._leave_loop(old, clean_up=False)
         self._closed = True
         if self._pid != os.getpid():
             return
         for session in self._book.sessions:
             if session is not None:
                 self._close_session(session, "the client was closed")
+        for session in list(self._private):
+            self._close_session(session, "the client was closed")
         tasks = [task for task in self._tasks if task is not _current_task()]
         for task in tasks:
             task.cancel()
@@ -216,25 +239,61 @@ class Client(object):
 
     def _bind_loop(self):
         if self._pid != os.getpid():
-            for session in self._book.sessions:
+            for session in list(self._book.sessions) + list(self._private):
                 if session is not None and session.transport is not None:
                     _forget_transport(session.transport)
             self._init_state()
         if self._closed:
             raise Error("the client is closed")
         loop = asyncio.get_running_loop()
-        if self._loop is None or self._loop.is_closed():
+        old = self._loop
+        if old is not loop:
+            if old is not None and not old.is_closed() and old.is_running():
+                raise Error("this kunci.aio.Client is in use by another event loop that is "
+                            "running now (another thread): make one client per thread")
+            if old is not None:
+                self._leave_loop(old)
             self._loop = loop
-        elif self._loop is not loop:
-            raise Error("a kunci.aio.Client is used from one event loop only")
         return loop
+
+    def _leave_loop(self, old, clean_up=True):
+        """The client moves to another event loop (a second ``asyncio.run``):
+        the old loop's connections are dropped (a closed loop can neither
+        use nor close them: each socket is shut down, so the server drops
+        its waits at once) and the next call connects again. An acquire
+        that was possibly sent on them and never answered is cleaned up
+        (rule 11) once the client runs in its new loop."""
+        closed = old.is_closed()
+        sessions = [s for s in self._book.sessions if s is not None] + list(self._private)
+        orphans = []
+        for session in sessions:
+            if not session.alive:
+                continue
+            session.alive = False
+            for call in session.pending.take_all():
+                if call.result is None:
+                    if call.op == "A" and call.sent_at is not None:
+                        orphans.append(call)
+                    call.abandoned = True
+                    call.result = closed_result(session)
+                future = call.future
+                if not closed and future is not None and not future.done():
+                    future.set_result(None)
+            _drop_transport(session.transport)
+        self._reset_loop_state()
+        self._loop = asyncio.get_running_loop()
+        for call in orphans if clean_up else ():
+            self._clean_up_after(call)
 
     async def _run(self, call):
         loop = self._bind_loop()
         if self._etcd is not None:
             return await self._run_on_etcd(call, loop)
+        # An acquire that may queue has a session to itself, so that
+        # cancelling it can end its wait at once (``_withdraw``).
+        private = call.op == "A" and call.wait_until is not None
         while True:
-            session = await self._session_for(call, loop)
+            session = await self._session_for(call, loop, private)
             if session is None:
                 if call.result is not None:
                     return call.result
@@ -243,7 +302,9 @@ class Client(object):
                 await _closing_seen()
                 continue
             if call.result is None:
-                await self._await(call)
+                await self._await(call, session)
+            if private:
+                self._put_idle(session)
             result = call.result
             if result[0] != MOVED:
                 return result
@@ -290,7 +351,7 @@ class Client(object):
             raise outcome
         return outcome
 
-    async def _session_for(self, call, loop):
+    async def _session_for(self, call, loop, private=False):
         book = self._book
         while True:
             now = monotonic()
@@ -302,16 +363,21 @@ class Client(object):
             if denial is not None:
                 call.result = (DENIED, denial)
                 return None
-            session = book.live_session()
+            session = self._take_idle() if private else book.live_session()
             if session is not None:
                 return session
             allowed = book.allowed(call)
             if not allowed:
                 return None
             connecting = [self._connecting[i] for i in allowed if self._connecting[i] is not None]
-            ready = [i for i in book.ready(allowed, call, now) if self._connecting[i] is None]
+            if private:
+                connecting = []
+            ready = [i for i in book.ready(allowed, call, now)
+                     if private or self._connecting[i] is None]
             if ready:
-                await self._open(ready[0], call, loop)
+                session = await self._open(ready[0], call, loop, private)
+                if session is not None:
+                    return session
                 continue
             if connecting:
                 await asyncio.wait(connecting, timeout=max(0.0, call.deadline - now))
@@ -319,9 +385,13 @@ class Client(object):
             next_try = book.next_try(allowed)
             await asyncio.sleep(max(0.0, min(next_try, call.deadline) - now))
 
-    async def _open(self, index, call, loop):
+    async def _open(self, index, call, loop, private=False):
+        """Connects to address ``index``. A shared session is registered
+        with the address book (``_session_for`` finds it there); a private
+        one is returned."""
         done = loop.create_future()
-        self._connecting[index] = done
+        if not private:
+            self._connecting[index] = done
         address = self._addresses[index]
         session = _Session(self, index, self._access.auth_frame)
         try:
@@ -348,6 +418,10 @@ class Client(object):
             if self._closed:
                 session.transport.abort()
                 raise Error("the client is closed")
+            if session.alive and private:
+                session.private = True
+                self._private.add(session)
+                return session
             if session.alive:
                 self._book.connected(session)
             else:
@@ -359,9 +433,48 @@ class Client(object):
                     if session.refused[1] == P.ERROR_NOT_ALLOWED:
                         call.refusals.add(index)
         finally:
-            self._connecting[index] = None
+            if not private:
+                self._connecting[index] = None
             if not done.done():
                 done.set_result(None)
+        return None
+
+    def _take_idle(self):
+        while self._idle:
+            session = self._idle.pop()
+            if session.alive and not session.retiring and not session.transport.is_closing():
+                return session
+        return None
+
+    def _put_idle(self, session):
+        """A waiting acquire is over: its session waits for the next one,
+        or is closed when enough wait already."""
+        if not session.alive or session.retiring or session.pending.calls():
+            return
+        if len(self._idle) < _IDLE_PRIVATE_MAX and not self._closed:
+            self._idle.append(session)
+        else:
+            self._withdraw(session, None)
+
+    def _withdraw(self, session, call):
+        """Ends the private session of a cancelled waiting acquire
+        ``call``, so that the server drops its wait at once. The client
+        half-closes it and reads on until the server, which drops the
+        connection's waits when it sees the end of stream, closes its side:
+        a grant sent before that still arrives and is released (``call`` is
+        abandoned). A TLS session cannot half-close: it is closed at once,
+        and a grant the server may have made meanwhile is looked for and
+        released (rule 11)."""
+        session.retiring = True
+        transport = session.transport
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._loop.call_later(P.TRANSPORT_DEADLINE, self._close_session, session,
+                                  "the server did not end a withdrawn wait")
+        else:
+            self._close_session(session, "a waiting acquire was cancelled")
+            if call is not None and call.sent_at is not None:
+                self._clean_up_after(call)
 
     def _write(self, session, call, loop):
         transport = session.transport
@@ -377,16 +490,19 @@ class Client(object):
         transport.write(call.encode(now))
         return SENT
 
-    async def _await(self, call):
+    async def _await(self, call, session):
         try:
             await call.future
         except asyncio.CancelledError:
             # The caller gave up. The request is possibly sent: a grant
-            # that came (or comes later) is released; nothing else matters.
+            # that came (or comes later) is released; a wait on the
+            # server's queue ends at once (its private session ends).
             if call.result is None:
                 call.abandoned = True
                 if call.timer is not None:
                     call.timer.cancel()
+                if session.private and session.alive:
+                    self._withdraw(session, call)
             elif call.result[0] == "A":
                 self._release_background(call.key, call.result[1])
             raise
@@ -435,7 +551,9 @@ class Client(object):
         if not session.alive:
             return
         session.alive = False
-        self._book.session_ended(session, reason, monotonic())
+        self._private.discard(session)
+        if not session.retiring:
+            self._book.session_ended(session, reason, monotonic())
         for call in session.pending.take_all():
             if call.waiting():
                 self._complete(call, closed_result(session))
@@ -485,6 +603,33 @@ class Client(object):
                 await _closing_seen()
         except Error:
             return
+
+
+def _drop_transport(transport):
+    """Closes the transport of a loop the client left. On a loop that is
+    closed, nothing runs its callbacks (``abort`` raises): the socket is
+    shut down at once (the server ends the session and its waits) and
+    closed as the transport would have done."""
+    if transport is None:
+        return
+    try:
+        transport.abort()
+        return
+    except RuntimeError:
+        pass
+    sock = transport.get_extra_info("socket")
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except (AttributeError, OSError):
+        pass
+    # Selector transports close their socket in this step, which the
+    # closed loop will never run.
+    lost = getattr(transport, "_call_connection_lost", None)
+    if lost is not None:
+        try:
+            lost(None)
+        except Exception:
+            pass
 
 
 async def _closing_seen():
