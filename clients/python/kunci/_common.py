@@ -6,6 +6,7 @@ stays in the clients."""
 
 import collections
 import logging
+import math
 import os
 import ssl
 import time
@@ -385,12 +386,15 @@ def tls_refusal(error):
             "(TLS alert: %s)" % reason.lower().replace("_", " "))
 
 
+_UNTRUSTED = "the server's certificate is not trusted"
+
+
 def tls_untrusted(error):
     """Why, when ``error`` says the server's certificate failed
     verification (not trusted, expired, another name); else ``None``."""
     if not isinstance(error, ssl.SSLCertVerificationError):
         return None
-    return "the server's certificate is not trusted: %s" % (
+    return _UNTRUSTED + ": %s" % (
         error.verify_message or error.reason or error)
 
 
@@ -419,6 +423,8 @@ class AddressBook(object):
         # last reason: calls under way then end PermissionDenied.
         self.denials = 0
         self.denial = None
+        # Sessions ended by the server's ``X 8`` (it is shutting down).
+        self.shutdowns = 0
 
     def live_session(self):
         """A live session, the preferred address's first; else ``None``."""
@@ -509,6 +515,8 @@ class AddressBook(object):
             self.sessions[session.index] = None
         if session.denied is not None:
             self.deny(session.denied)
+        if getattr(session, "shutting_down", False):
+            self.shutdowns += 1
         self.note_failure(session.index, reason, now)
 
 
@@ -534,6 +542,8 @@ def answered_call(session, frame):
                           "(X 1: %s)" % frame[3])
         return None, session.denied
     if kind == "X" and frame[1] not in P.NON_FATAL_ERRORS:
+        if frame[1] == P.ERROR_SHUTTING_DOWN:
+            session.shutting_down = True
         return None, "server error %d: %s" % (frame[1], frame[3])
     if session.authenticating:
         if kind != "U":
@@ -750,6 +760,76 @@ def info_call(now):
 
 def ping_call(nonce, now):
     return Call("P", b"", now + P.TRANSPORT_DEADLINE, nonce=nonce)
+
+
+def waits_forever(wait):
+    """Whether ``wait`` asks to wait until granted: ``None`` or ``math.inf``."""
+    return wait is None or (isinstance(wait, float) and wait == math.inf)
+
+
+#: The wait of each attempt of ``acquire(wait=None)``: the longest a
+#: request may carry (spec §1).
+WAIT_FOREVER_SLICE = float(P.WAIT_MAX)
+#: The first pause before ``acquire(wait=None)`` asks again after a
+#: restart, an outage or an unknown outcome; it doubles up to the second.
+RETRY_PAUSE_FIRST = 0.1
+RETRY_PAUSE_MAX = 2.0
+#: How long after a ``Busy`` the ``X 8`` of a shutting-down server may
+#: still come (the server sends the two back to back).
+SHUTDOWN_NOTICE_WAIT = 0.2
+
+
+class WaitForever(object):
+    """The decisions of ``acquire(wait=None)``, as ``kunci acquire --wait
+    inf`` makes them (spec §9), free of I/O; each client drives it (the
+    sync client blocking, the asyncio one awaiting):
+
+    - every attempt is a new request (a fresh owner) at the tail of the
+      queue, with the longest wire wait (``WAIT_FOREVER_SLICE``): the place
+      in the queue is not kept from one attempt to the next;
+    - ``Timeout`` asks again at once;
+    - ``Busy`` from a server that is shutting down (its ``X 8`` follows),
+      and ``Unavailable`` (but not a server certificate that is not
+      trusted), ask again after a pause that doubles from 0.1 s up to 2 s;
+    - ``Indeterminate``: the attempt's own grant, if the server made one,
+      is released first (``own_grants``; rule 11), then it asks again
+      after the pause;
+    - every other outcome (a ``Busy`` at a capacity limit included) ends
+      the call."""
+
+    def __init__(self, key, lease, limit=None, take=None, shared=False, label=None):
+        self.args = (key, lease, limit, take, shared, label)
+        self.pause = RETRY_PAUSE_FIRST
+        # Checked once, before anything is sent.
+        self.call(0, time.monotonic())
+
+    def call(self, owner, now):
+        """The next attempt's call."""
+        key, lease, limit, take, shared, label = self.args
+        return acquire_call(key, WAIT_FOREVER_SLICE, lease, owner, now, limit, take, shared, label)
+
+    def after(self, error, shut_down):
+        """After an attempt raised ``error`` (``shut_down``: a server said
+        it is shutting down since the attempt began): the seconds to pause
+        before the next attempt, or ``None`` when ``error`` ends the call.
+        The caller cleans up first after ``Indeterminate``."""
+        if isinstance(error, Timeout):
+            self.pause = RETRY_PAUSE_FIRST
+            return 0.0
+        if isinstance(error, Busy) and not shut_down:
+            return None
+        if isinstance(error, Unavailable) and _UNTRUSTED in error.reason:
+            return None  # a certificate does not change by waiting
+        if not isinstance(error, (Busy, Unavailable, Indeterminate)):
+            return None
+        pause = self.pause
+        self.pause = min(pause * 2, RETRY_PAUSE_MAX)
+        return pause
+
+
+def own_grants(holders, owner):
+    """The tokens ``holders`` shows granted to the request of ``owner``."""
+    return [grant.token for grant in holders.grants if grant.owner == owner and grant.token != 0]
 
 
 def granted_token(call, result, now, compensate):

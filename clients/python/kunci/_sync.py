@@ -39,7 +39,11 @@ from ._common import (
     holders_call, info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call,
     query_call, release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
 )
-from ._errors import Error, Indeterminate, NotHeld, Unavailable
+from ._common import (
+    RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
+    waits_forever,
+)
+from ._errors import Busy, Error, Indeterminate, InvalidArgument, NotHeld, Unavailable
 
 monotonic = time.monotonic
 
@@ -61,6 +65,9 @@ _CLIENTS = weakref.WeakSet()
 # The socket took nothing by the deadline: the server is not reading. Not a
 # reason to close the session by itself.
 _NO_ROOM = "no room to write by the deadline"
+
+# The reader of a session while ``_shutdown_seen`` looks at it.
+_PROBE = object()
 
 
 class _Session(object):
@@ -218,15 +225,90 @@ class Client(object):
         makes the key a semaphore of N permits (1..=65535) and takes
         ``take`` of them (default 1); ``shared=True`` is a shared lock
         (many shared holders, or one exclusive). ``label``: up to 128
-        UTF-8 bytes saying who asks, kept by the server with the grant."""
+        UTF-8 bytes saying who asks, kept by the server with the grant.
+
+        ``wait=None`` (or ``math.inf``) waits until granted, as ``kunci
+        acquire --wait inf``: it queues 255 s at a time (a new place at the
+        tail each time), waits through a server restart or outage, and
+        after ``Indeterminate`` makes sure it holds nothing before asking
+        again (:class:`kunci._common.WaitForever`). It ends only with a
+        ``Ticket`` or an outcome that waiting cannot change (``Busy`` at a
+        capacity limit, ``PermissionDenied``, ``LimitMismatch``...)."""
+        if waits_forever(wait):
+            return self._acquire_until_granted(
+                WaitForever(key, lease, limit, take, shared, label))
         call = acquire_call(key, wait, lease, self._ids.next(), monotonic(),
                             limit, take, shared, label)
+        return self._acquire(call)
+
+    def _acquire(self, call, clean_up=True):
         result = self._run(call)
-        if needs_clean_up(call, result):
+        if clean_up and needs_clean_up(call, result):
             self._clean_up_after(call)
         token = granted_token(call, result, monotonic(), self._release_background)
-        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at,
+        return Ticket(self, key_text(call.key), call.key, token, call.lease, call.sent_at,
                       call.limit, call.take)
+
+    def _acquire_until_granted(self, forever):
+        """Drives ``forever`` (a :class:`WaitForever`) to a ``Ticket``."""
+        while True:
+            notices = self._book.shutdowns
+            call = forever.call(self._ids.next(), monotonic())
+            try:
+                return self._acquire(call, clean_up=False)
+            except Error as error:
+                shut_down = isinstance(error, Busy) and self._shutdown_seen(notices)
+                pause = forever.after(error, shut_down)
+                if pause is None:
+                    raise
+                log.debug("%s: %s; asking again", key_text(call.key), error)
+                if isinstance(error, Indeterminate):
+                    self._release_own_grant(call)
+            time.sleep(pause)
+
+    def _shutdown_seen(self, notices):
+        """Whether a server said it is shutting down (``X 8``) since the
+        count was ``notices``, reading what has arrived on every idle
+        session for up to ``SHUTDOWN_NOTICE_WAIT``."""
+        give_up = monotonic() + SHUTDOWN_NOTICE_WAIT
+        while self._book.shutdowns == notices:
+            if monotonic() >= give_up:
+                return False
+            with self._mu:
+                sessions = [s for s in self._book.sessions if s is not None and s.alive]
+            for session in sessions:
+                self._take_in_unread(session, _PROBE)
+            time.sleep(0.005)
+        return True
+
+    def _release_own_grant(self, call):
+        """After ``call`` (an acquire) ended ``Indeterminate``: asks who
+        holds its key until the server answers, and releases the grant of
+        the call's owner, if any (rule 11), so that the next attempt never
+        queues behind its own unseen grant."""
+        pause = RETRY_PAUSE_FIRST
+        while True:
+            try:
+                holders = self.holders(call.key)
+                released = True
+                for token in own_grants(holders, call.owner):
+                    try:
+                        self.release(call.key, token)
+                    except NotHeld:
+                        pass
+                    except Error as error:
+                        log.debug("releasing an unseen grant: %s", error)
+                        released = False
+                if released:
+                    return
+            except InvalidArgument:
+                return
+            except Error as error:
+                if self._closed:
+                    raise
+                log.debug("asking who holds %r: %s", key_text(call.key), error)
+            time.sleep(pause)
+            pause = min(pause * 2, RETRY_PAUSE_MAX)
 
     def _clean_up_after(self, call):
         """After ``call`` (an acquire) ended ``Indeterminate``: on a thread

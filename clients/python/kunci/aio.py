@@ -29,7 +29,11 @@ from ._common import (
     info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
     release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
 )
-from ._errors import Error, Indeterminate, NotHeld, Unavailable
+from ._common import (
+    RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
+    waits_forever,
+)
+from ._errors import Busy, Error, Indeterminate, InvalidArgument, NotHeld, Unavailable
 from ._sync import CONNECT_TIMEOUT
 
 __all__ = ["Client", "Ticket"]
@@ -130,15 +134,76 @@ class Client(object):
 
     async def acquire(self, key, wait=0, lease=30, *, limit=None, take=None, shared=False,
                       label=None):
-        """As :meth:`kunci.Client.acquire`; returns a :class:`Ticket`."""
+        """Takes the lock on ``key`` as :meth:`kunci.Client.acquire` does
+        (``wait`` seconds, 0 by default: one attempt that never queues;
+        ``wait=None`` waits until granted); returns a :class:`Ticket`.
+        Cancelling it while it waits ends its wait on the server at once."""
+        if waits_forever(wait):
+            return await self._acquire_until_granted(
+                WaitForever(key, lease, limit, take, shared, label))
         call = acquire_call(key, wait, lease, self._ids.next(), monotonic(),
                             limit, take, shared, label)
+        return await self._acquire(call)
+
+    async def _acquire(self, call, clean_up=True):
         result = await self._run(call)
-        if needs_clean_up(call, result):
+        if clean_up and needs_clean_up(call, result):
             self._clean_up_after(call)
         token = granted_token(call, result, monotonic(), self._release_background)
-        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at,
+        return Ticket(self, key_text(call.key), call.key, token, call.lease, call.sent_at,
                       call.limit, call.take)
+
+    async def _acquire_until_granted(self, forever):
+        """Drives ``forever`` (a :class:`kunci._common.WaitForever`) to a
+        ``Ticket``, as :meth:`kunci.Client._acquire_until_granted`."""
+        while True:
+            notices = self._book.shutdowns
+            call = forever.call(self._ids.next(), monotonic())
+            try:
+                return await self._acquire(call, clean_up=False)
+            except Error as error:
+                shut_down = isinstance(error, Busy) and await self._shutdown_seen(notices)
+                pause = forever.after(error, shut_down)
+                if pause is None:
+                    raise
+                log.debug("%s: %s; asking again", key_text(call.key), error)
+                if isinstance(error, Indeterminate):
+                    await self._release_own_grant(call)
+            await asyncio.sleep(pause)
+
+    async def _shutdown_seen(self, notices):
+        give_up = monotonic() + SHUTDOWN_NOTICE_WAIT
+        while self._book.shutdowns == notices:
+            if monotonic() >= give_up:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    async def _release_own_grant(self, call):
+        """As :meth:`kunci.Client._release_own_grant`."""
+        pause = RETRY_PAUSE_FIRST
+        while True:
+            try:
+                holders = await self.holders(call.key)
+                released = True
+                for token in own_grants(holders, call.owner):
+                    try:
+                        await self.release(call.key, token)
+                    except NotHeld:
+                        pass
+                    except Error as error:
+                        log.debug("releasing an unseen grant: %s", error)
+                        released = False
+                if released:
+                    return
+            except InvalidArgument:
+                return
+            except Error as error:
+                if self._closed:
+                    raise
+                log.debug("asking who holds %r: %s", key_text(call.key), error)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_PAUSE_MAX)
 
     def _clean_up_after(self, call):
         """As :meth:`kunci.Client._clean_up_after`, as a task."""
