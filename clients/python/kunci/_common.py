@@ -19,14 +19,23 @@ from ._errors import (
 
 log = logging.getLogger("kunci")
 
-#: What ``query`` returns for a key that is not free.
-KeyStatus = collections.namedtuple("KeyStatus", "token owner lease_ms waiters")
-KeyStatus.__doc__ = """A key's state as the server answered ``Q``: the active
-grant's ``token`` (0 when no grant is known, e.g. during the grace after an
-unclean restart), the ``owner`` id of the request that was granted, the
-time left on the lease in ms (rounded up) and the number of queued
-``waiters``. It is out of date as soon as it arrives: never use it as a
-lock."""
+class KeyStatus(collections.namedtuple("KeyStatus", "token owner lease_ms waiters")):
+    """What ``query`` returns for a key that is not free: the key's state as
+    the server answered ``Q``: the active grant's ``token`` (0 when no
+    grant is known, e.g. during the grace after an unclean restart), the
+    ``owner`` id of the request that was granted, the time left on the
+    lease (``lease_left``, seconds as a float like every time the client
+    gives; ``lease_ms``, the same in whole ms as the server sent it) and
+    the number of queued ``waiters``. It is out of date as soon as it
+    arrives: never use it as a lock."""
+
+    __slots__ = ()
+
+    @property
+    def lease_left(self) -> float:
+        """Seconds left on the lease (``lease_ms`` / 1000), as
+        :attr:`Grant.lease_left`."""
+        return self.lease_ms / 1000.0
 
 Grant = collections.namedtuple("Grant", "token owner take lease_left held_for label")
 Grant.__doc__ = """One grant of a key (a ``G`` frame): its fencing ``token`` (0 is the
@@ -692,6 +701,29 @@ def raise_for(call, result):
     raise Indeterminate("unexpected answer %r" % (result,))
 
 
+def check_connect_timeout(value):
+    """``connect_timeout`` as a float: a number of seconds > 0."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or value <= 0):
+        raise InvalidArgument(
+            "connect_timeout must be a number of seconds > 0, got %r" % (value,))
+    return float(value)
+
+
+def check_on_lost(on_lost):
+    if on_lost is not None and not callable(on_lost):
+        raise InvalidArgument("on_lost must be callable (it gets the ticket), not %s"
+                              % type(on_lost).__name__)
+
+
+def client_repr(client):
+    """``<kunci.Client 127.0.0.1:5862, ...>``: its class and addresses."""
+    return "<%s.%s %s%s>" % (
+        type(client).__module__.replace("._sync", ""), type(client).__name__,
+        ", ".join(P.format_address(address) for address in client._addresses),
+        " closed" if client._closed else "")
+
+
 def check_args(check, *values):
     try:
         return check(*values)
@@ -921,25 +953,26 @@ class TicketBase(object):
 
     def __repr__(self):
         permits = "" if self.limit is None else ", take=%d, limit=%d" % (self.take, self.limit)
-        return "Ticket(key=%r, token=%d, lease=%d%s, valid_until=%.3f%s)" % (
-            self.key, self.token, self.lease, permits, self.valid_until,
-            ", lost" if self._lost else "")
+        # The time left, not the raw monotonic instant of valid_until.
+        return "Ticket(key=%r, token=%d, lease=%d%s, valid_for=%.3fs%s)" % (
+            self.key, self.token, self.lease, permits,
+            max(0.0, self.valid_until - time.monotonic()), ", lost" if self._lost else "")
 
     def _foreign(self):
         return self._pid != os.getpid()
 
     @property
-    def lost(self):
+    def lost(self) -> bool:
         """Whether the lock is known to be lost (a renewal answered ``N``,
         or ``valid_until`` passed under keep-alive). Always true in a
         forked child: the lock belongs to the parent."""
         return self._lost or self._foreign()
 
-    def is_valid(self):
+    def is_valid(self) -> bool:
         """Whether ``valid_until`` is still ahead and no loss is known."""
         return not self.lost and time.monotonic() < self.valid_until
 
-    def check(self):
+    def check(self) -> None:
         """Raises :class:`LockLost` unless the lock is still held
         (``is_valid()``). Call it before each step that relies on the
         lock; pass ``token`` to the resource all the same."""
@@ -949,7 +982,7 @@ class TicketBase(object):
         if self._declare_lost_if_expired():
             raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
 
-    def detach(self):
+    def detach(self) -> int:
         """Keeps the lock held after this object is dropped; returns the
         token. The lease still ends unless someone renews it."""
         self._stop_keepalive()

@@ -30,6 +30,9 @@ import sys
 import threading
 import time
 import weakref
+from typing import (
+    Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union,
+)
 
 from . import _etcd
 from . import _protocol as P
@@ -38,6 +41,9 @@ from ._common import (
     TicketBase, acquire_call, answered_call, check_args, closed_result, granted_token,
     holders_call, info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call,
     query_call, release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
+)
+from ._common import (
+    Holders, KeyInfo, KeyStatus, check_connect_timeout, check_on_lost, client_repr,
 )
 from ._common import (
     RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
@@ -180,11 +186,13 @@ class Client(object):
     no ``secret``, and ``etcd://`` no ``tls``.
     """
 
-    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None,
-                 etcd_credentials=None):
+    def __init__(self, servers: Union[str, Sequence[str], None] = None,
+                 connect_timeout: float = CONNECT_TIMEOUT, *, secret: Union[str, bytes, None] = None,
+                 tls: Union[None, bool, ssl.SSLContext] = None,
+                 etcd_credentials: Optional[Tuple[str, str]] = None) -> None:
         self._addresses = check_args(P.resolve_servers, servers)
         self._access = Access(self._addresses, secret, tls, etcd_credentials)
-        self._connect_timeout = float(connect_timeout)
+        self._connect_timeout = check_connect_timeout(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
         self._init_state()
@@ -212,8 +220,9 @@ class Client(object):
 
     # ----------------------------------------------------------------- API
 
-    def acquire(self, key, wait=0, lease=30, *, limit=None, take=None, shared=False,
-                label=None):
+    def acquire(self, key: str, wait: Optional[float] = 0, lease: int = 30, *,
+                limit: Optional[int] = None, take: Optional[int] = None, shared: bool = False,
+                label: Union[str, bytes, None] = None) -> "Ticket":
         """Takes the lock on ``key``, waiting up to ``wait`` seconds (0: one
         attempt; fractions allowed; at most 255), with a lease of ``lease``
         whole seconds (1..=255). Returns a :class:`Ticket`, or raises
@@ -323,8 +332,10 @@ class Client(object):
                 log.debug("clean-up after an indeterminate acquire: %s", error)
         threading.Thread(target=clean_up, name="kunci-clean-up", daemon=True).start()
 
-    def lock(self, key, wait=0, lease=30, on_lost=None, *, limit=None, take=None,
-             shared=False, label=None):
+    def lock(self, key: str, wait: Optional[float] = 0, lease: int = 30,
+             on_lost: Optional[Callable[["Ticket"], object]] = None, *,
+             limit: Optional[int] = None, take: Optional[int] = None, shared: bool = False,
+             label: Union[str, bytes, None] = None) -> ContextManager["Ticket"]:
         """A context manager that acquires ``key`` on entry (as
         :meth:`acquire`, with the same permit keywords), keeps its lease
         alive while the block runs (renews every lease/3) and releases it
@@ -333,17 +344,19 @@ class Client(object):
         that renewal finds it gone, entering raises ``LockLost``. On loss,
         ``t.lost`` becomes true, ``on_lost(t)`` runs once (on a client
         thread) and ``t.check()`` raises ``LockLost``; leaving the block
-        after a loss raises nothing."""
+        after a loss raises nothing. ``on_lost`` that is not callable:
+        ``InvalidArgument`` at once."""
+        check_on_lost(on_lost)
         return _LockContext(self, (key, wait, lease),
                             dict(limit=limit, take=take, shared=shared, label=label), on_lost)
 
-    def release(self, key, token):
+    def release(self, key: str, token: int) -> None:
         """Releases grant ``token`` of ``key``. Raises ``NotHeld`` if that
         token is not the key's active grant."""
         call = release_call(key, token, monotonic())
         outcome_of(call, self._run(call))
 
-    def renew(self, key, token, lease=30):
+    def renew(self, key: str, token: int, lease: int = 30) -> float:
         """Resets grant ``token``'s lease to ``lease`` seconds from now.
         Returns the new conservative expiry (``time.monotonic()`` seconds)."""
         return self._renew(key, token, lease)[0]
@@ -352,12 +365,12 @@ class Client(object):
         call = renew_call(key, token, lease, monotonic())
         return outcome_of(call, self._run(call))
 
-    def query(self, key):
+    def query(self, key: str) -> Optional[KeyStatus]:
         """``None`` if ``key`` is free, else a :class:`KeyStatus`."""
         call = query_call(key, monotonic())
         return outcome_of(call, self._run(call))
 
-    def holders(self, key):
+    def holders(self, key: str) -> Holders:
         """Who holds ``key`` and who waits for it, now (spec §11): a
         :class:`Holders` with ``.grants`` (token order; each with ``.token
         .owner .take .lease_left .held_for .label``, times in seconds) and
@@ -367,14 +380,15 @@ class Client(object):
         call = holders_call(key, self._ids.next(), monotonic())
         return outcome_of(call, self._run(call))
 
-    def list_keys(self, prefix="", cursor=0, count=1000):
+    def list_keys(self, prefix: str = "", cursor: int = 0,
+                  count: int = 1000) -> Tuple[List[KeyInfo], int]:
         """One page of the keys that start with ``prefix``: ``(keys,
         next)``, a list of :class:`KeyInfo` and the cursor to go on with
         (0 at the end). A page may be short, even empty, before the end."""
         call = list_call(prefix, cursor, count, self._ids.next(), monotonic())
         return outcome_of(call, self._run(call))
 
-    def keys(self, prefix=""):
+    def keys(self, prefix: str = "") -> Iterator[KeyInfo]:
         """Every key of the server's table that starts with ``prefix``: an
         iterator of :class:`KeyInfo` (``.key .grants .waiters .limit``)
         that asks for 1000 keys at a time and follows the cursor to the
@@ -391,17 +405,17 @@ class Client(object):
             if cursor == 0:
                 return
 
-    def info(self):
+    def info(self) -> Dict[str, Any]:
         """The server's counters (the ``I`` line) as a dict."""
         call = info_call(monotonic())
         return outcome_of(call, self._run(call))
 
-    def ping(self):
+    def ping(self) -> float:
         """The round trip of one ``P``, in seconds."""
         call = ping_call(self._ids.next(), monotonic())
         return outcome_of(call, self._run(call))
 
-    def close(self):
+    def close(self) -> None:
         """Closes every connection. Calls in progress end ``Indeterminate``
         (or ``Unavailable`` if nothing was sent); tickets are not released
         (their leases end them)."""
@@ -421,12 +435,15 @@ class Client(object):
             except OSError:
                 pass
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> bool:
         self.close()
         return False
+
+    def __repr__(self) -> str:
+        return client_repr(self)
 
     # ------------------------------------------------------------- a call
 
@@ -512,7 +529,15 @@ class Client(object):
                 with self._mu:
                     self._book.connect_failed(index, call, error, monotonic())
                 return None
-            session = _Session(index, sock, auth_frame is not None)
+            try:
+                session = _Session(index, sock, auth_frame is not None)
+            except OSError as error:
+                # No descriptor for its wake pipe (EMFILE): nothing was
+                # sent, as for a failed connect.
+                sock.close()
+                with self._mu:
+                    self._book.connect_failed(index, call, error, monotonic())
+                return None
             with self._mu:
                 if self._closed:
                     session.close_fds()
@@ -986,7 +1011,7 @@ class Ticket(TicketBase):
         super().__init__(*args)
         self._state_lock = threading.Lock()
 
-    def renew(self, lease=None):
+    def renew(self, lease: Optional[int] = None) -> float:
         """Resets the lease to ``lease`` seconds (default: the ticket's
         lease) from now. On success ``valid_until`` moves to this renewal's
         send instant + lease − margin. ``NotHeld``: the lock is lost.
@@ -1007,7 +1032,7 @@ class Ticket(TicketBase):
             self._renewed(sent_at, lease, new_valid_until)
         return self.valid_until
 
-    def release(self):
+    def release(self) -> None:
         """Releases the lock (``R`` for exactly this token). ``NotHeld``:
         the lease had already run out. After a known loss it sends nothing
         and raises :class:`LockLost`."""

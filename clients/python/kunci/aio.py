@@ -17,9 +17,14 @@ token is released at once, so a grant never goes to nobody.
 import asyncio
 import os
 import socket
+import ssl
 import threading
 import time
 import weakref
+from typing import (
+    Any, AsyncContextManager, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple,
+    Union,
+)
 
 from . import _etcd
 from . import _protocol as P
@@ -28,6 +33,9 @@ from ._common import (
     acquire_call, answered_call, check_args, closed_result, granted_token, holders_call,
     info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
     release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
+)
+from ._common import (
+    Holders, KeyInfo, KeyStatus, check_connect_timeout, check_on_lost, client_repr,
 )
 from ._common import (
     RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
@@ -97,11 +105,13 @@ class Client(object):
     for ``servers``, ``secret``, ``tls`` and ``etcd_credentials``). Create it anywhere; it binds to the event loop of its
     first call. Close it with ``await client.close()`` or ``async with``."""
 
-    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None,
-                 etcd_credentials=None):
+    def __init__(self, servers: Union[str, Sequence[str], None] = None,
+                 connect_timeout: float = CONNECT_TIMEOUT, *, secret: Union[str, bytes, None] = None,
+                 tls: Union[None, bool, ssl.SSLContext] = None,
+                 etcd_credentials: Optional[Tuple[str, str]] = None) -> None:
         self._addresses = check_args(P.resolve_servers, servers)
         self._access = Access(self._addresses, secret, tls, etcd_credentials)
-        self._connect_timeout = float(connect_timeout)
+        self._connect_timeout = check_connect_timeout(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
         self._init_state()
@@ -132,8 +142,9 @@ class Client(object):
 
     # ----------------------------------------------------------------- API
 
-    async def acquire(self, key, wait=0, lease=30, *, limit=None, take=None, shared=False,
-                      label=None):
+    async def acquire(self, key: str, wait: Optional[float] = 0, lease: int = 30, *,
+                      limit: Optional[int] = None, take: Optional[int] = None,
+                      shared: bool = False, label: Union[str, bytes, None] = None) -> "Ticket":
         """Takes the lock on ``key`` as :meth:`kunci.Client.acquire` does
         (``wait`` seconds, 0 by default: one attempt that never queues;
         ``wait=None`` waits until granted); returns a :class:`Ticket`.
@@ -218,40 +229,52 @@ class Client(object):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def lock(self, key, wait=0, lease=30, on_lost=None, *, limit=None, take=None,
-             shared=False, label=None):
+    def lock(self, key: str, wait: Optional[float] = 0, lease: int = 30,
+             on_lost: Optional[Callable[["Ticket"], object]] = None, *,
+             limit: Optional[int] = None, take: Optional[int] = None, shared: bool = False,
+             label: Union[str, bytes, None] = None) -> AsyncContextManager["Ticket"]:
         """``async with client.lock(...) as t:`` — as
-        :meth:`kunci.Client.lock`; ``on_lost(t)`` runs on the event loop
-        (if it returns an awaitable, that runs as a task)."""
+        :meth:`kunci.Client.lock`: acquires on entry, renews every lease/3
+        while the block runs, releases on exit; ``on_lost(t)`` runs on the
+        event loop (if it returns an awaitable, that runs as a task)."""
+        check_on_lost(on_lost)
         return _LockContext(self, (key, wait, lease),
                             dict(limit=limit, take=take, shared=shared, label=label), on_lost)
 
-    async def release(self, key, token):
+    async def release(self, key: str, token: int) -> None:
+        """Releases grant ``token`` of ``key`` (as
+        :meth:`kunci.Client.release`). ``NotHeld`` if that token is not the
+        key's active grant."""
         call = release_call(key, token, monotonic())
         outcome_of(call, await self._run(call))
 
-    async def renew(self, key, token, lease=30):
+    async def renew(self, key: str, token: int, lease: int = 30) -> float:
+        """Resets grant ``token``'s lease to ``lease`` seconds from now;
+        returns the new conservative expiry (``time.monotonic()``
+        seconds), as :meth:`kunci.Client.renew`."""
         return (await self._renew(key, token, lease))[0]
 
     async def _renew(self, key, token, lease):
         call = renew_call(key, token, lease, monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def query(self, key):
+    async def query(self, key: str) -> Optional[KeyStatus]:
+        """``None`` if ``key`` is free, else a :class:`kunci.KeyStatus`."""
         call = query_call(key, monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def holders(self, key):
+    async def holders(self, key: str) -> Holders:
         """As :meth:`kunci.Client.holders`."""
         call = holders_call(key, self._ids.next(), monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def list_keys(self, prefix="", cursor=0, count=1000):
+    async def list_keys(self, prefix: str = "", cursor: int = 0,
+                        count: int = 1000) -> Tuple[List[KeyInfo], int]:
         """As :meth:`kunci.Client.list_keys`."""
         call = list_call(prefix, cursor, count, self._ids.next(), monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def keys(self, prefix=""):
+    async def keys(self, prefix: str = "") -> AsyncIterator[KeyInfo]:
         """``async for key in client.keys(prefix)``: as
         :meth:`kunci.Client.keys`."""
         check_args(P.check_prefix, prefix)
@@ -263,16 +286,20 @@ class Client(object):
             if cursor == 0:
                 return
 
-    async def info(self):
+    async def info(self) -> Dict[str, Any]:
+        """The server's counters (the ``I`` line) as a dict."""
         call = info_call(monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def ping(self):
+    async def ping(self) -> float:
+        """The round trip of one ``P``, in seconds."""
         call = ping_call(self._ids.next(), monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def close(self):
-        """Closes every connection (tickets are not released)."""
+    async def close(self) -> None:
+        """Closes every connection (tickets are not released). The calls
+        under way end ``Indeterminate`` (or ``Unavailable`` if nothing was
+        sent)."""
         if self._closed:
             return
         old = self._loop
@@ -293,12 +320,15 @@ class Client(object):
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> "Client":
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc) -> bool:
         await self.close()
         return False
+
+    def __repr__(self) -> str:
+        return client_repr(self)
 
     # ------------------------------------------------------------- a call
 
@@ -718,7 +748,9 @@ class Ticket(TicketBase):
     """As :class:`kunci.Ticket`, with ``renew`` and ``release`` as
     coroutines. Any task may renew or release it."""
 
-    async def renew(self, lease=None):
+    async def renew(self, lease: Optional[int] = None) -> float:
+        """As :meth:`kunci.Ticket.renew`: resets the lease to ``lease``
+        seconds (default: the ticket's) and moves ``valid_until``."""
         lease = self._renewal_lease(lease)
         started = monotonic()
         try:
@@ -732,7 +764,8 @@ class Ticket(TicketBase):
         self._renewed(sent_at, lease, new_valid_until)
         return self.valid_until
 
-    async def release(self):
+    async def release(self) -> None:
+        """As :meth:`kunci.Ticket.release`: ``R`` for exactly this token."""
         self._begin_release()
         try:
             await self._client.release(self._key_bytes, self.token)
