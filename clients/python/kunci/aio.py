@@ -1,6 +1,7 @@
 """The asyncio client: the same calls as :class:`kunci.Client`, as
-coroutines, on asyncio transports (one event loop per client: the loop of
-the first call).
+coroutines, on asyncio transports, in whichever event loop calls it (a
+call from a new loop, once the old one stopped, drops the old loop's
+connections and connects again).
 
 Each session is one connection whose protocol object decodes answers as
 they arrive and completes the future of the call they correlate with. A
@@ -11,7 +12,9 @@ transport are certainly not sent).
 
 Cancellation is safe: a cancelled call whose request was possibly sent
 stays registered as *abandoned*; if its answer is a grant, that exact
-token is released at once, so a grant never goes to nobody.
+token is released at once, so a grant never goes to nobody. An acquire
+that may wait has a session of its own (*private*), which its
+cancellation ends, so that the server drops the wait at once.
 """
 
 import asyncio
@@ -102,8 +105,9 @@ class _Session(asyncio.Protocol):
 
 class Client(object):
     """An asyncio handle to one lock service (see :class:`kunci.Client`
-    for ``servers``, ``secret``, ``tls`` and ``etcd_credentials``). Create it anywhere; it binds to the event loop of its
-    first call. Close it with ``await client.close()`` or ``async with``."""
+    for ``servers``, ``secret``, ``tls`` and ``etcd_credentials``). Create it anywhere; it works in the event loop
+    that calls it, one loop after another (not two running at once). Close
+    it with ``await client.close()`` or ``async with``."""
 
     def __init__(self, servers: Union[str, Sequence[str], None] = None,
                  connect_timeout: float = CONNECT_TIMEOUT, *, secret: Union[str, bytes, None] = None,
