@@ -131,6 +131,9 @@ class Client(object):
             self._addresses, self._connect_timeout, self._access.etcd_tls,
             self._access.etcd_credentials)
         self._loop = None
+        # Background releases not yet answered: a loop that ends may take
+        # them along unsent, and the next loop sends them again.
+        self._unreleased = set()
         self._reset_loop_state()
 
     def _reset_loop_state(self):
@@ -383,6 +386,10 @@ class Client(object):
         self._loop = asyncio.get_running_loop()
         for call in orphans if clean_up else ():
             self._clean_up_after(call)
+        # Releases the old loop may have left unsent (sent twice, the
+        # second finds the token gone: ``N``, nothing changes).
+        for key, token in list(self._unreleased) if clean_up else ():
+            self._release_background(key, token)
 
     async def _run(self, call):
         loop = self._bind_loop()
@@ -642,6 +649,8 @@ class Client(object):
                 self._close_session(session, failure)
                 return
             self._book.answered(session.index)
+            if call.background:
+                self._unreleased.discard((call.key, call.token))
             result = result_of(call, frame, now, self._release_background)
             if result is not None and call.result is None:
                 self._complete(call, result)
@@ -664,7 +673,10 @@ class Client(object):
     def _release_background(self, key, token):
         """Schedules a release of exactly ``token`` nobody waits for."""
         loop = self._loop
-        if self._closed or self._pid != os.getpid() or loop is None or loop.is_closed():
+        if self._closed or self._pid != os.getpid():
+            return
+        self._unreleased.add((key, token))
+        if loop is None or loop.is_closed():
             return
         try:
             running = asyncio.get_running_loop()
@@ -687,6 +699,7 @@ class Client(object):
 
     async def _send_background(self, key, token):
         if self._etcd is not None:
+            self._unreleased.discard((key, token))
             self._etcd.release_in_background(key, token)
             return
         call = Call("R", key, monotonic() + P.TRANSPORT_DEADLINE, token=token, background=True)
@@ -694,6 +707,7 @@ class Client(object):
             while not self._closed:
                 session = await self._session_for(call, self._loop)
                 if session is None:
+                    self._unreleased.discard((key, token))
                     log.warning("could not release token %d: %s", token,
                                 call.reason if call.result is None else call.result[1])
                     return
@@ -701,6 +715,7 @@ class Client(object):
                     return
                 await _closing_seen()
         except Error:
+            self._unreleased.discard((key, token))
             return
 
 

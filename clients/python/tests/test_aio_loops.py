@@ -124,6 +124,48 @@ def test_one_client_in_several_uvloop_runs(server):
     _check_second_run(server, sys.executable, "uvloop")
 
 
+LEFT_IN_FLIGHT = """
+    import asyncio, sys, time
+    import kunci, kunci.aio
+
+    address, flavour = sys.argv[1], sys.argv[2]
+    if flavour == "uvloop":
+        import uvloop
+        uvloop.install()
+    client = kunci.aio.Client(address)
+
+    async def leave_an_acquire_behind():
+        await client.ping()
+        asyncio.ensure_future(client.acquire("k", lease=60))
+        await asyncio.sleep(0)   # written; the run ends before its answer
+
+    async def later():
+        started = time.monotonic()
+        while await client.query("k") is not None:
+            assert time.monotonic() - started < 2, "the unseen grant still holds the key"
+            await asyncio.sleep(0.01)
+        print("free", flush=True)
+        await client.close()
+
+    asyncio.run(leave_an_acquire_behind())
+    time.sleep(0.1)   # the grant is on the dead loop's connection, unread
+    asyncio.run(later())
+"""
+
+
+@pytest.mark.parametrize("flavour", ["asyncio", "uvloop"])
+def test_an_acquire_left_in_flight_by_a_finished_run_holds_nothing(server, flavour):
+    if flavour == "uvloop":
+        have_uvloop()
+    status, out, err, _ = run_script(sys.executable, LEFT_IN_FLIGHT, server.address, flavour)
+    assert status == 0, err
+    assert out.split() == ["free"], out + err
+    assert "Traceback" not in err, err
+    with kunci.Client(server.address) as c:
+        info = c.info()
+        assert info["grants"] == 1 and info["released"] == 1 and info["held"] == 0, info
+
+
 CANCELLED_WAITS = """
     import asyncio, sys, time
     import kunci, kunci.aio
