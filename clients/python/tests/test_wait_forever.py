@@ -171,3 +171,26 @@ def test_invalid_input_is_refused_before_anything_is_sent(make_client):
     with pytest.raises(kunci.InvalidArgument):
         client.acquire("k", wait=-math.inf)
     assert os.environ.get("KUNCI_NEVER_SET") is None
+
+
+def test_wait_forever_decisions():
+    # The policy alone, without I/O: pauses double from 0.1 s to 2 s, a
+    # Timeout asks again at once and starts the pauses over.
+    forever = kunci._common.WaitForever("k", 30)
+    down = kunci.Unavailable("cannot connect to 127.0.0.1:1: refused")
+    pauses = [forever.after(down, False) for _ in range(7)]
+    assert pauses == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+    assert forever.after(kunci.Timeout("timeout"), False) == 0.0
+    assert forever.after(kunci.Indeterminate("?"), False) == 0.1
+    assert forever.after(kunci.Busy("busy"), True) == 0.2
+    # Outcomes that waiting cannot change end the call.
+    assert forever.after(kunci.Busy("busy"), False) is None
+    assert forever.after(kunci.PermissionDenied("no"), False) is None
+    assert forever.after(kunci.LimitMismatch("limit", 3), False) is None
+    untrusted = kunci.Unavailable(
+        "cannot connect to tls://h:1: the server's certificate is not trusted: x")
+    assert forever.after(untrusted, False) is None
+    # Each attempt: the longest wire wait, the caller's lease and owner.
+    call = forever.call(7, 100.0)
+    assert (call.op, call.owner, call.lease, call.wait_until) == ("A", 7, 30, 100.0 + 255)
+    assert call.deadline == 100.0 + 255 + kunci.TRANSPORT_DEADLINE
