@@ -609,8 +609,11 @@ class Client(object):
                     call.timer.cancel()
                 if session.private and session.alive:
                     self._withdraw(session, call)
-            elif call.result[0] == "A":
-                self._release_background(call.key, call.result[1])
+            else:
+                if call.result[0] == "A":
+                    self._release_background(call.key, call.result[1])
+                if session.private:
+                    self._put_idle(session)
             raise
 
     def _complete(self, call, result):

@@ -72,6 +72,31 @@ def test_cancelled_acquire_whose_grant_is_arriving_releases_it(server):
     run(main())
 
 
+def test_cancelled_waiting_acquires_whose_answers_came_keep_no_connection(server):
+    # The answer (a grant) has arrived when the task is cancelled: the
+    # grant is released and the acquire's own session is kept for the next
+    # waiting acquire, or closed; never left open and unused.
+    async def main():
+        async with kunci.aio.Client(server.address) as client:
+            await client.ping()
+            cancelled = 0
+            for _ in range(20):
+                task = asyncio.ensure_future(client.acquire("k", wait=5))
+                while not any(s.pending.calls() for s in client._private):
+                    await asyncio.sleep(0)  # until written
+                time.sleep(0.02)  # the grant arrives, unread
+                task.cancel()
+                try:
+                    await (await task).release()
+                except asyncio.CancelledError:
+                    cancelled += 1
+                await until(lambda: _is_free(client), 2)
+            assert cancelled > 0
+            await until(lambda: _connections_at_most(client, 1 + kunci.aio._IDLE_PRIVATE_MAX), 2)
+
+    run(main())
+
+
 def test_cancelled_before_sending_sends_nothing(server):
     async def main():
         # Nothing listens at the first address: the call is still
