@@ -10,6 +10,7 @@ import math
 import os
 import ssl
 import time
+from typing import Optional
 
 from . import _protocol as P
 from ._errors import (
@@ -931,6 +932,13 @@ class TicketBase(object):
     client waits: validity, loss, ownership across a fork. A subclass
     supplies ``renew``, ``release``, ``_declare_lost`` and
     ``_stop_keepalive``."""
+
+    key: str
+    token: int
+    lease: int
+    limit: Optional[int]
+    take: int
+    valid_until: float
 
     def __init__(self, client, key, key_bytes, token, lease, sent_at, limit=0, take=0):
         self._client = client

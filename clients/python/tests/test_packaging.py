@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import typing
 import zipfile
 
 import pytest
@@ -58,6 +59,7 @@ def test_typed():
         for client in (kunci.Client, kunci.aio.Client):
             function = getattr(client, method)
             assert "return" in function.__annotations__, (client, method)
+            typing.get_type_hints(function)  # every name resolves
             assert function.__doc__, (client, method)
     for method in ("renew", "release", "check", "is_valid", "detach"):
         for ticket in (kunci.Ticket, kunci.aio.Ticket):
