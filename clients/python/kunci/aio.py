@@ -13,7 +13,8 @@ transport are certainly not sent).
 Cancellation is safe: a cancelled call whose request was possibly sent
 stays registered as *abandoned*; if its answer is a grant, that exact
 token is released at once, so a grant never goes to nobody. An acquire
-that may wait has a session of its own (*private*), which its
+that may wait is the only one waiting on its session (the shared one, or
+a *private* one when another already waits there), which its
 cancellation ends, so that the server drops the wait at once.
 """
 
@@ -77,6 +78,11 @@ class _Session(asyncio.Protocol):
         # client is closing on purpose (not a failure of its address).
         self.private = False
         self.retiring = False
+        # The waiting acquire a shared session carries (at most one); a
+        # retiring one's cancelled acquire, and whether it was half-closed.
+        self.waiting_acquire = None
+        self.withdrawn = None
+        self.half_closed = False
 
     def connection_made(self, transport):
         # With TLS: after the handshake. The U goes first, before any
@@ -395,22 +401,26 @@ class Client(object):
         loop = self._bind_loop()
         if self._etcd is not None:
             return await self._run_on_etcd(call, loop)
-        # An acquire that may queue has a session to itself, so that
-        # cancelling it can end its wait at once (``_withdraw``).
-        private = call.op == "A" and call.wait_until is not None
+        # An acquire that may queue is the only one waiting on its session,
+        # so that cancelling it can end that session, and with it the wait,
+        # at once (``_withdraw``): the first goes on the shared session, any
+        # other at the same time on a private one.
+        waits = call.op == "A" and call.wait_until is not None
         while True:
-            session = await self._session_for(call, loop, private)
+            session = await self._session_for(call, loop, waits)
             if session is None:
                 if call.result is not None:
                     return call.result
                 raise Unavailable(call.reason or "no server could be reached by the deadline")
+            if waits and not session.private:
+                session.waiting_acquire = call
             if self._write(session, call, loop) == UNSENT:
+                self._done_waiting(session, call)
                 await _closing_seen()
                 continue
             if call.result is None:
                 await self._await(call, session)
-            if private:
-                self._put_idle(session)
+            self._done_waiting(session, call)
             result = call.result
             if result[0] != MOVED:
                 return result
@@ -457,7 +467,7 @@ class Client(object):
             raise outcome
         return outcome
 
-    async def _session_for(self, call, loop, private=False):
+    async def _session_for(self, call, loop, waits=False):
         book = self._book
         while True:
             now = monotonic()
@@ -469,7 +479,13 @@ class Client(object):
             if denial is not None:
                 call.result = (DENIED, denial)
                 return None
-            session = self._take_idle() if private else book.live_session()
+            session = book.live_session()
+            if session is not None and (not waits or session.waiting_acquire is None):
+                return session
+            # Another acquire waits on the shared session: this one gets a
+            # private session.
+            private = session is not None
+            session = self._take_idle() if private else None
             if session is not None:
                 return session
             allowed = book.allowed(call)
@@ -552,6 +568,14 @@ class Client(object):
                 return session
         return None
 
+    def _done_waiting(self, session, call):
+        """``call`` no longer waits on ``session``: the shared session may
+        take another waiting acquire; a private one waits for the next."""
+        if session.waiting_acquire is call:
+            session.waiting_acquire = None
+        if session.private:
+            self._put_idle(session)
+
     def _put_idle(self, session):
         """A waiting acquire is over: its session waits for the next one,
         or is closed when enough wait already."""
@@ -562,16 +586,36 @@ class Client(object):
         else:
             self._withdraw(session, None)
 
+    def _retire(self, session, call):
+        """The waiting acquire ``call`` on the shared session was
+        cancelled: new calls go to a new shared session, and this one is
+        withdrawn as soon as no other call waits for an answer on it (at
+        once, unless a short call is still under way)."""
+        session.retiring = True
+        session.withdrawn = call
+        if self._book.sessions[session.index] is session:
+            self._book.sessions[session.index] = None
+        self._private.add(session)
+        self._withdraw_when_quiet(session)
+
+    def _withdraw_when_quiet(self, session):
+        # Only abandoned calls left unanswered: the server has read every
+        # other request (it drops unread input at the end of stream).
+        if session.alive and not session.half_closed and all(
+                other.abandoned for other in session.pending.calls()):
+            self._withdraw(session, session.withdrawn)
+
     def _withdraw(self, session, call):
-        """Ends the private session of a cancelled waiting acquire
-        ``call``, so that the server drops its wait at once. The client
-        half-closes it and reads on until the server, which drops the
+        """Ends the session of a cancelled waiting acquire ``call`` (no
+        other call waits on it), so that the server drops its wait at once.
+        The client half-closes it and reads on until the server, which drops the
         connection's waits when it sees the end of stream, closes its side:
         a grant sent before that still arrives and is released (``call`` is
         abandoned). A TLS session cannot half-close: it is closed at once,
         and a grant the server may have made meanwhile is looked for and
         released (rule 11)."""
         session.retiring = True
+        session.half_closed = True
         transport = session.transport
         if transport.can_write_eof():
             transport.write_eof()
@@ -609,11 +653,12 @@ class Client(object):
                     call.timer.cancel()
                 if session.private and session.alive:
                     self._withdraw(session, call)
+                elif session.waiting_acquire is call and session.alive:
+                    self._retire(session, call)
             else:
                 if call.result[0] == "A":
                     self._release_background(call.key, call.result[1])
-                if session.private:
-                    self._put_idle(session)
+                self._done_waiting(session, call)
             raise
 
     def _complete(self, call, result):
@@ -657,6 +702,8 @@ class Client(object):
             result = result_of(call, frame, now, self._release_background)
             if result is not None and call.result is None:
                 self._complete(call, result)
+            if session.retiring:
+                self._withdraw_when_quiet(session)
 
     def _close_session(self, session, reason):
         if not session.alive:

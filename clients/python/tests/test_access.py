@@ -132,7 +132,7 @@ def test_pipelined_requests_behind_a_refused_u_all_end_denied(auth_server, make_
 
 
 def test_key_outside_the_scopes_is_denied_and_the_session_goes_on(
-        auth_server, secrets, make_client, flavour):
+        auth_server, secrets, make_client):
     client = make_client(auth_server.address, secret=secrets["team"])
     kind, elapsed, error = outcome(client.acquire, "prod/db", wait=5)
     assert kind is kunci.PermissionDenied and elapsed < AT_ONCE
@@ -145,9 +145,7 @@ def test_key_outside_the_scopes_is_denied_and_the_session_goes_on(
     admin = make_client(auth_server.address, secret=secrets["admin"])
     assert admin.query("prod/db") is None
     info = admin.info()
-    # The team session was not closed (kunci.aio: nor the session of its
-    # waiting acquire, kept for the next one).
-    assert info["connections"] == (2 if flavour == "sync" else 3)
+    assert info["connections"] == 2  # the team session was not closed
     assert info["auth_failures"] == 0
 
 

@@ -170,14 +170,21 @@ CANCELLED_WAITS = """
     import asyncio, sys, time
     import kunci, kunci.aio
 
-    address, count = sys.argv[1], int(sys.argv[2])
+    address, count, company = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 
     async def main():
         async with kunci.aio.Client(address) as client:
             holder = await client.acquire("k", lease=60)
             other = await client.acquire("other", lease=60)
-            # Another task's wait on the same client: never disturbed.
+            # Another task's wait on the same client, first: it waits on
+            # the shared session, the cancelled ones on sessions of their
+            # own. Alone, they wait on the shared session. Either way the
+            # bystander is never disturbed.
             bystander = asyncio.ensure_future(client.acquire("other", wait=30))
+            if company == "alone":
+                await other.release()
+                await (await bystander).release()
+                bystander = None
             for _ in range(count):
                 waiting = asyncio.ensure_future(client.acquire("k", wait=60))
                 while True:
@@ -201,9 +208,10 @@ CANCELLED_WAITS = """
             await holder.release()
             ticket = await late
             await ticket.release()
-            await other.release()
-            ticket = await bystander
-            await ticket.release()
+            if bystander is not None:
+                await other.release()
+                ticket = await bystander
+                await ticket.release()
             info = await client.info()
             print("ok", info["waiters"], info["held"], flush=True)
 
@@ -216,7 +224,16 @@ def test_cancelled_waits_leave_the_queue_at_once(start_server, python):
     # A server that allows 8 queued waits per connection: 20 cancelled
     # waits would have used them all.
     server = start_server("--max-waits-per-conn", "8")
-    status, out, err, _ = run_script(python, CANCELLED_WAITS, server.address, "20")
+    status, out, err, _ = run_script(python, CANCELLED_WAITS, server.address, "20", "bystander")
+    assert status == 0, err
+    assert out.split() == ["ok", "0", "0"], out + err
+    assert "Traceback" not in err, err
+
+
+def test_cancelled_waits_alone_leave_the_queue_at_once(start_server):
+    server = start_server("--max-waits-per-conn", "8")
+    status, out, err, _ = run_script(sys.executable, CANCELLED_WAITS, server.address, "20",
+                                     "alone")
     assert status == 0, err
     assert out.split() == ["ok", "0", "0"], out + err
     assert "Traceback" not in err, err
@@ -224,6 +241,6 @@ def test_cancelled_waits_leave_the_queue_at_once(start_server, python):
 
 def test_4096_cancelled_waits_then_acquires_still_work(server):
     status, out, err, took = run_script(sys.executable, CANCELLED_WAITS, server.address,
-                                        "4100", timeout=120)
+                                        "4100", "alone", timeout=120)
     assert status == 0, err
     assert out.split() == ["ok", "0", "0"], out + err

@@ -42,8 +42,8 @@ def test_cancelled_waiting_acquire_leaves_the_queue_at_once(server):
     run(main())
 
 
-async def _waiters(client, count):
-    status = await client.query("k")
+async def _waiters(client, count, key="k"):
+    status = await client.query(key)
     return status is not None and status.waiters == count
 
 
@@ -78,7 +78,10 @@ def test_cancelled_waiting_acquires_whose_answers_came_keep_no_connection(server
     # waiting acquire, or closed; never left open and unused.
     async def main():
         async with kunci.aio.Client(server.address) as client:
-            await client.ping()
+            other = await client.acquire("other")
+            # It waits on the shared session: the others get their own.
+            bystander = asyncio.ensure_future(client.acquire("other", wait=30))
+            await until(lambda: _waiters(client, 1, "other"), 2)
             cancelled = 0
             for _ in range(20):
                 task = asyncio.ensure_future(client.acquire("k", wait=5))
@@ -93,6 +96,8 @@ def test_cancelled_waiting_acquires_whose_answers_came_keep_no_connection(server
                 await until(lambda: _is_free(client), 2)
             assert cancelled > 0
             await until(lambda: _connections_at_most(client, 1 + kunci.aio._IDLE_PRIVATE_MAX), 2)
+            await other.release()
+            await (await bystander).release()
 
     run(main())
 

@@ -178,7 +178,7 @@ def test_invalid_permits_or_label_send_nothing(make_proxy, make_client, kwargs, 
     assert proxy.accepted == 0
 
 
-def test_limit_mismatch_is_definitive_and_names_the_keys_limit(make_proxy, make_client, flavour):
+def test_limit_mismatch_is_definitive_and_names_the_keys_limit(make_proxy, make_client):
     def mismatch(op, owner):
         return b"X" + struct.pack(">BQ", 10, owner) + b"limit mismatch: key limit 5\n"
 
@@ -196,9 +196,7 @@ def test_limit_mismatch_is_definitive_and_names_the_keys_limit(make_proxy, make_
             pytest.fail("entered the block")
     # Not fatal: the session goes on.
     client.ping()
-    # kunci.aio: a waiting acquire has a session of its own (reused by the
-    # next one).
-    assert proxy.accepted == (1 if flavour == "sync" else 2)
+    assert proxy.accepted == 1
     assert [op for op, _, _ in sent(proxy)] == [b"S", b"S", b"P"]
 
 
