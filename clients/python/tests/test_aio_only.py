@@ -217,3 +217,35 @@ def test_forked_child_never_touches_the_parents_lock(server):
     assert info["released"] == 1 and info["not_held"] == 0
     loop.run_until_complete(client.close())
     loop.close()
+
+
+def test_cancelled_wait_on_the_shared_session_lets_its_other_calls_finish(server, make_proxy):
+    # A query is under way on the shared session when the acquire waiting
+    # there is cancelled: the query gets its answer, new calls go to a new
+    # session, and the wait leaves the queue once the query is answered.
+    proxy = make_proxy(server.port)
+
+    async def main():
+        async with kunci.aio.Client(proxy.address) as client:
+            holder = kunci.Client(server.address)
+            held = holder.acquire("k", lease=30)
+            waiting = asyncio.ensure_future(client.acquire("k", wait=30))
+            await until(lambda: _waiters(client, 1), 2)
+            proxy.down_delay = 0.3
+            query = asyncio.ensure_future(client.query("k"))
+            await asyncio.sleep(0.05)  # the query is written
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert (await query).token == held.token  # answered, not Indeterminate
+            proxy.down_delay = 0.0
+            started = time.monotonic()
+            while holder.query("k").waiters != 0:
+                assert time.monotonic() - started < 1.0
+                await asyncio.sleep(0.01)
+            await client.ping()
+            assert proxy.accepted == 2
+            held.release()
+            holder.close()
+
+    run(main())
