@@ -8,11 +8,13 @@ import collections
 import ipaddress
 import itertools
 import logging
+import math
 import os
 import ssl
 import sys
 import time
 import weakref
+from typing import Optional
 
 from . import _protocol as P
 from ._errors import (
@@ -80,14 +82,23 @@ def plaintext_secret_refusal(address, context):
             "allow_plaintext_secret=True or KUNCI_ALLOW_PLAINTEXT_SECRET=1"
             % P.format_address(address))
 
-#: What ``query`` returns for a key that is not free.
-KeyStatus = collections.namedtuple("KeyStatus", "token owner lease_ms waiters")
-KeyStatus.__doc__ = """A key's state as the server answered ``Q``: the active
-grant's ``token`` (0 when no grant is known, e.g. during the grace after an
-unclean restart), the ``owner`` id of the request that was granted, the
-time left on the lease in ms (rounded up) and the number of queued
-``waiters``. It is out of date as soon as it arrives: never use it as a
-lock."""
+class KeyStatus(collections.namedtuple("KeyStatus", "token owner lease_ms waiters")):
+    """What ``query`` returns for a key that is not free: the key's state as
+    the server answered ``Q``: the active grant's ``token`` (0 when no
+    grant is known, e.g. during the grace after an unclean restart), the
+    ``owner`` id of the request that was granted, the time left on the
+    lease (``lease_left``, seconds as a float like every time the client
+    gives; ``lease_ms``, the same in whole ms as the server sent it) and
+    the number of queued ``waiters``. It is out of date as soon as it
+    arrives: never use it as a lock."""
+
+    __slots__ = ()
+
+    @property
+    def lease_left(self) -> float:
+        """Seconds left on the lease (``lease_ms`` / 1000), as
+        :attr:`Grant.lease_left`."""
+        return self.lease_ms / 1000.0
 
 Grant = collections.namedtuple("Grant", "token owner take lease_left held_for label")
 Grant.__doc__ = """One grant of a key (a ``G`` frame): its fencing ``token`` (0 is the
@@ -493,12 +504,15 @@ def tls_refusal(error):
             "(TLS alert: %s)" % reason.lower().replace("_", " "))
 
 
+_UNTRUSTED = "the server's certificate is not trusted"
+
+
 def tls_untrusted(error):
     """Why, when ``error`` says the server's certificate failed
     verification (not trusted, expired, another name); else ``None``."""
     if not isinstance(error, ssl.SSLCertVerificationError):
         return None
-    return "the server's certificate is not trusted: %s" % (
+    return _UNTRUSTED + ": %s" % (
         error.verify_message or error.reason or error)
 
 
@@ -527,6 +541,8 @@ class AddressBook(object):
         # last reason: calls under way then end PermissionDenied.
         self.denials = 0
         self.denial = None
+        # Sessions ended by the server's ``X 8`` (it is shutting down).
+        self.shutdowns = 0
 
     def live_session(self):
         """A live session, the preferred address's first; else ``None``."""
@@ -617,6 +633,8 @@ class AddressBook(object):
             self.sessions[session.index] = None
         if session.denied is not None:
             self.deny(session.denied)
+        if getattr(session, "shutting_down", False):
+            self.shutdowns += 1
         self.note_failure(session.index, reason, now)
 
 
@@ -642,6 +660,8 @@ def answered_call(session, frame):
                           "(X 1: %s)" % frame[3])
         return None, session.denied
     if kind == "X" and frame[1] not in P.NON_FATAL_ERRORS:
+        if frame[1] == P.ERROR_SHUTTING_DOWN:
+            session.shutting_down = True
         return None, "server error %d: %s" % (frame[1], frame[3])
     if session.authenticating:
         if kind != "U":
@@ -790,6 +810,29 @@ def raise_for(call, result):
     raise Indeterminate("unexpected answer %r" % (result,))
 
 
+def check_connect_timeout(value):
+    """``connect_timeout`` as a float: a number of seconds > 0."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or value <= 0):
+        raise InvalidArgument(
+            "connect_timeout must be a number of seconds > 0, got %r" % (value,))
+    return float(value)
+
+
+def check_on_lost(on_lost):
+    if on_lost is not None and not callable(on_lost):
+        raise InvalidArgument("on_lost must be callable (it gets the ticket), not %s"
+                              % type(on_lost).__name__)
+
+
+def client_repr(client):
+    """``<kunci.Client 127.0.0.1:5862, ...>``: its class and addresses."""
+    return "<%s.%s %s%s>" % (
+        type(client).__module__.replace("._sync", ""), type(client).__name__,
+        ", ".join(P.format_address(address) for address in client._addresses),
+        " closed" if client._closed else "")
+
+
 def check_args(check, *values):
     try:
         return check(*values)
@@ -858,6 +901,76 @@ def info_call(now):
 
 def ping_call(nonce, now):
     return Call("P", b"", now + P.TRANSPORT_DEADLINE, nonce=nonce)
+
+
+def waits_forever(wait):
+    """Whether ``wait`` asks to wait until granted: ``None`` or ``math.inf``."""
+    return wait is None or (isinstance(wait, float) and wait == math.inf)
+
+
+#: The wait of each attempt of ``acquire(wait=None)``: the longest a
+#: request may carry (spec §1).
+WAIT_FOREVER_SLICE = float(P.WAIT_MAX)
+#: The first pause before ``acquire(wait=None)`` asks again after a
+#: restart, an outage or an unknown outcome; it doubles up to the second.
+RETRY_PAUSE_FIRST = 0.1
+RETRY_PAUSE_MAX = 2.0
+#: How long after a ``Busy`` the ``X 8`` of a shutting-down server may
+#: still come (the server sends the two back to back).
+SHUTDOWN_NOTICE_WAIT = 0.2
+
+
+class WaitForever(object):
+    """The decisions of ``acquire(wait=None)``, as ``kunci acquire --wait
+    inf`` makes them (spec §9), free of I/O; each client drives it (the
+    sync client blocking, the asyncio one awaiting):
+
+    - every attempt is a new request (a fresh owner) at the tail of the
+      queue, with the longest wire wait (``WAIT_FOREVER_SLICE``): the place
+      in the queue is not kept from one attempt to the next;
+    - ``Timeout`` asks again at once;
+    - ``Busy`` from a server that is shutting down (its ``X 8`` follows),
+      and ``Unavailable`` (but not a server certificate that is not
+      trusted), ask again after a pause that doubles from 0.1 s up to 2 s;
+    - ``Indeterminate``: the attempt's own grant, if the server made one,
+      is released first (``own_grants``; rule 11), then it asks again
+      after the pause;
+    - every other outcome (a ``Busy`` at a capacity limit included) ends
+      the call."""
+
+    def __init__(self, key, lease, limit=None, take=None, shared=False, label=None):
+        self.args = (key, lease, limit, take, shared, label)
+        self.pause = RETRY_PAUSE_FIRST
+        # Checked once, before anything is sent.
+        self.call(0, time.monotonic())
+
+    def call(self, owner, now):
+        """The next attempt's call."""
+        key, lease, limit, take, shared, label = self.args
+        return acquire_call(key, WAIT_FOREVER_SLICE, lease, owner, now, limit, take, shared, label)
+
+    def after(self, error, shut_down):
+        """After an attempt raised ``error`` (``shut_down``: a server said
+        it is shutting down since the attempt began): the seconds to pause
+        before the next attempt, or ``None`` when ``error`` ends the call.
+        The caller cleans up first after ``Indeterminate``."""
+        if isinstance(error, Timeout):
+            self.pause = RETRY_PAUSE_FIRST
+            return 0.0
+        if isinstance(error, Busy) and not shut_down:
+            return None
+        if isinstance(error, Unavailable) and _UNTRUSTED in error.reason:
+            return None  # a certificate does not change by waiting
+        if not isinstance(error, (Busy, Unavailable, Indeterminate)):
+            return None
+        pause = self.pause
+        self.pause = min(pause * 2, RETRY_PAUSE_MAX)
+        return pause
+
+
+def own_grants(holders, owner):
+    """The tokens ``holders`` shows granted to the request of ``owner``."""
+    return [grant.token for grant in holders.grants if grant.owner == owner and grant.token != 0]
 
 
 def granted_token(call, result, now, compensate):
@@ -931,6 +1044,13 @@ class TicketBase(object):
     supplies ``renew``, ``release``, ``_declare_lost`` and
     ``_stop_keepalive``."""
 
+    key: str
+    token: int
+    lease: int
+    limit: Optional[int]
+    take: int
+    valid_until: float
+
     def __init__(self, client, key, key_bytes, token, lease, sent_at, limit=0, take=0):
         self._client = client
         self.key = key
@@ -956,33 +1076,34 @@ class TicketBase(object):
 
     def __repr__(self):
         permits = "" if self.limit is None else ", take=%d, limit=%d" % (self.take, self.limit)
-        return "Ticket(key=%r, token=%d, lease=%d%s, valid_until=%.3f%s)" % (
-            self.key, self.token, self.lease, permits, self.valid_until,
-            ", lost" if self._lost else "")
+        # The time left, not the raw monotonic instant of valid_until.
+        return "Ticket(key=%r, token=%d, lease=%d%s, valid_for=%.3fs%s)" % (
+            self.key, self.token, self.lease, permits,
+            max(0.0, self.valid_until - time.monotonic()), ", lost" if self._lost else "")
 
     def _foreign(self):
         return self._pid != os.getpid()
 
     @property
-    def lost(self):
+    def lost(self) -> bool:
         """Whether the lock is known to be lost (a renewal answered ``N``,
         or ``valid_until`` passed under keep-alive). Always true in a
         forked child: the lock belongs to the parent."""
         return self._lost or self._foreign()
 
     @property
-    def released(self):
+    def released(self) -> bool:
         """Whether this ticket was released on purpose (``release()``, the
         end of its ``with`` block, the flush at exit): it is no longer
         valid, and no loss is ever reported for it."""
         return self._released
 
-    def is_valid(self):
+    def is_valid(self) -> bool:
         """Whether ``valid_until`` is still ahead, the ticket was not
         released, and no loss is known."""
         return not self.lost and not self._released and time.monotonic() < self.valid_until
 
-    def check(self):
+    def check(self) -> None:
         """Raises :class:`LockLost` unless the lock is still held
         (``is_valid()``). Call it before each step that relies on the
         lock; pass ``token`` to the resource all the same."""
@@ -994,7 +1115,7 @@ class TicketBase(object):
         if self._declare_lost_if_expired():
             raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
 
-    def detach(self):
+    def detach(self) -> int:
         """Keeps the lock held after this object is dropped, and at the
         program's end; returns the token. The lease still ends unless
         someone renews it."""

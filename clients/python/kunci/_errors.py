@@ -6,10 +6,11 @@ class Error(Exception):
     """Base class of every kunci outcome that is not a result."""
 
 
-class Timeout(Error):
+class Timeout(Error, TimeoutError):
     """The server answered ``T``: the key stayed held for the whole wait
     (with ``wait=0``: it was held at the one attempt). Definitive: nothing
-    was acquired and nothing is queued."""
+    was acquired and nothing is queued. Also a :class:`TimeoutError`, as
+    the standard library's lock waits say it."""
 
 
 class Busy(Error):

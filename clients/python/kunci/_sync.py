@@ -31,6 +31,9 @@ import sys
 import threading
 import time
 import weakref
+from typing import (
+    Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union,
+)
 
 from . import _etcd
 from . import _protocol as P
@@ -41,7 +44,14 @@ from ._common import (
     needs_clean_up, outcome_of, ping_call, query_call, release_call, renew_call,
     renewal_retry_in, result_of, tls_refusal,
 )
-from ._errors import Error, Indeterminate, NotHeld, Unavailable
+from ._common import (
+    Holders, KeyInfo, KeyStatus, check_connect_timeout, check_on_lost, client_repr,
+)
+from ._common import (
+    RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
+    waits_forever,
+)
+from ._errors import Busy, Error, Indeterminate, InvalidArgument, NotHeld, Unavailable
 
 monotonic = time.monotonic
 
@@ -67,6 +77,9 @@ _CLIENTS = weakref.WeakSet()
 # The socket took nothing by the deadline: the server is not reading. Not a
 # reason to close the session by itself.
 _NO_ROOM = "no room to write by the deadline"
+
+# The reader of a session while ``_shutdown_seen`` looks at it.
+_PROBE = object()
 
 
 class _Session(object):
@@ -275,12 +288,15 @@ class Client(object):
     no ``secret``, and ``etcd://`` no ``tls``.
     """
 
-    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None,
-                 etcd_credentials=None, secret_file=None, allow_plaintext_secret=False):
+    def __init__(self, servers: Union[str, Sequence[str], None] = None,
+                 connect_timeout: float = CONNECT_TIMEOUT, *, secret: Union[str, bytes, None] = None,
+                 tls: Union[None, bool, ssl.SSLContext] = None,
+                 etcd_credentials: Optional[Tuple[str, str]] = None,
+                 secret_file: Optional[str] = None, allow_plaintext_secret: bool = False) -> None:
         self._addresses = check_args(P.resolve_servers, servers)
         self._access = Access(self._addresses, secret, tls, etcd_credentials, secret_file,
                               allow_plaintext_secret)
-        self._connect_timeout = float(connect_timeout)
+        self._connect_timeout = check_connect_timeout(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
         # This client's tickets (weakly), to release them at exit, and the
@@ -316,8 +332,9 @@ class Client(object):
 
     # ----------------------------------------------------------------- API
 
-    def acquire(self, key, wait=0, lease=30, *, limit=None, take=None, shared=False,
-                label=None):
+    def acquire(self, key: str, wait: Optional[float] = 0, lease: int = 30, *,
+                limit: Optional[int] = None, take: Optional[int] = None, shared: bool = False,
+                label: Union[str, bytes, None] = None) -> "Ticket":
         """Takes the lock on ``key``, waiting up to ``wait`` seconds (0: one
         attempt; fractions allowed; at most 255), with a lease of ``lease``
         whole seconds (1..=255). Returns a :class:`Ticket`, or raises
@@ -329,15 +346,90 @@ class Client(object):
         makes the key a semaphore of N permits (1..=65535) and takes
         ``take`` of them (default 1); ``shared=True`` is a shared lock
         (many shared holders, or one exclusive). ``label``: up to 128
-        UTF-8 bytes saying who asks, kept by the server with the grant."""
+        UTF-8 bytes saying who asks, kept by the server with the grant.
+
+        ``wait=None`` (or ``math.inf``) waits until granted, as ``kunci
+        acquire --wait inf``: it queues 255 s at a time (a new place at the
+        tail each time), waits through a server restart or outage, and
+        after ``Indeterminate`` makes sure it holds nothing before asking
+        again (:class:`kunci._common.WaitForever`). It ends only with a
+        ``Ticket`` or an outcome that waiting cannot change (``Busy`` at a
+        capacity limit, ``PermissionDenied``, ``LimitMismatch``...)."""
+        if waits_forever(wait):
+            return self._acquire_until_granted(
+                WaitForever(key, lease, limit, take, shared, label))
         call = acquire_call(key, wait, lease, self._ids.next(), monotonic(),
                             limit, take, shared, label)
+        return self._acquire(call)
+
+    def _acquire(self, call, clean_up=True):
         result = self._run(call)
-        if needs_clean_up(call, result):
+        if clean_up and needs_clean_up(call, result):
             self._clean_up_after(call)
         token = granted_token(call, result, monotonic(), self._release_background)
-        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at,
+        return Ticket(self, key_text(call.key), call.key, token, call.lease, call.sent_at,
                       call.limit, call.take)
+
+    def _acquire_until_granted(self, forever):
+        """Drives ``forever`` (a :class:`WaitForever`) to a ``Ticket``."""
+        while True:
+            notices = self._book.shutdowns
+            call = forever.call(self._ids.next(), monotonic())
+            try:
+                return self._acquire(call, clean_up=False)
+            except Error as error:
+                shut_down = isinstance(error, Busy) and self._shutdown_seen(notices)
+                pause = forever.after(error, shut_down)
+                if pause is None:
+                    raise
+                log.debug("%s: %s; asking again", key_text(call.key), error)
+                if isinstance(error, Indeterminate):
+                    self._release_own_grant(call)
+            time.sleep(pause)
+
+    def _shutdown_seen(self, notices):
+        """Whether a server said it is shutting down (``X 8``) since the
+        count was ``notices``, reading what has arrived on every idle
+        session for up to ``SHUTDOWN_NOTICE_WAIT``."""
+        give_up = monotonic() + SHUTDOWN_NOTICE_WAIT
+        while self._book.shutdowns == notices:
+            if monotonic() >= give_up:
+                return False
+            with self._mu:
+                sessions = [s for s in self._book.sessions if s is not None and s.alive]
+            for session in sessions:
+                self._take_in_unread(session, _PROBE)
+            time.sleep(0.005)
+        return True
+
+    def _release_own_grant(self, call):
+        """After ``call`` (an acquire) ended ``Indeterminate``: asks who
+        holds its key until the server answers, and releases the grant of
+        the call's owner, if any (rule 11), so that the next attempt never
+        queues behind its own unseen grant."""
+        pause = RETRY_PAUSE_FIRST
+        while True:
+            try:
+                holders = self.holders(call.key)
+                released = True
+                for token in own_grants(holders, call.owner):
+                    try:
+                        self.release(call.key, token)
+                    except NotHeld:
+                        pass
+                    except Error as error:
+                        log.debug("releasing an unseen grant: %s", error)
+                        released = False
+                if released:
+                    return
+            except InvalidArgument:
+                return
+            except Error as error:
+                if self._closed:
+                    raise
+                log.debug("asking who holds %r: %s", key_text(call.key), error)
+            time.sleep(pause)
+            pause = min(pause * 2, RETRY_PAUSE_MAX)
 
     def _clean_up_after(self, call):
         """After ``call`` (an acquire) ended ``Indeterminate``: on a thread
@@ -357,8 +449,10 @@ class Client(object):
                 self._cleanups.pop(call.owner, None)
         _start_thread(clean_up, "kunci-clean-up")
 
-    def lock(self, key, wait=0, lease=30, on_lost=None, *, limit=None, take=None,
-             shared=False, label=None):
+    def lock(self, key: str, wait: Optional[float] = 0, lease: int = 30,
+             on_lost: Optional[Callable[["Ticket"], object]] = None, *,
+             limit: Optional[int] = None, take: Optional[int] = None, shared: bool = False,
+             label: Union[str, bytes, None] = None) -> ContextManager["Ticket"]:
         """A context manager that acquires ``key`` on entry (as
         :meth:`acquire`, with the same permit keywords), keeps its lease
         alive while the block runs (renews every lease/3) and releases it
@@ -368,17 +462,19 @@ class Client(object):
         ``t.lost`` becomes true, ``on_lost(t)`` runs once (on a thread of
         its own) and ``t.check()`` raises ``LockLost``; leaving the block
         after a loss raises nothing. The object may be entered by several
-        threads at once: each entry takes a ticket of its own."""
+        threads at once: each entry takes a ticket of its own. ``on_lost``
+        that is not callable: ``InvalidArgument`` at once."""
+        check_on_lost(on_lost)
         return _LockContext(self, (key, wait, lease),
                             dict(limit=limit, take=take, shared=shared, label=label), on_lost)
 
-    def release(self, key, token):
+    def release(self, key: str, token: int) -> None:
         """Releases grant ``token`` of ``key``. Raises ``NotHeld`` if that
         token is not the key's active grant."""
         call = release_call(key, token, monotonic())
         outcome_of(call, self._run(call))
 
-    def renew(self, key, token, lease=30):
+    def renew(self, key: str, token: int, lease: int = 30) -> float:
         """Resets grant ``token``'s lease to ``lease`` seconds from now.
         Returns the new conservative expiry (``time.monotonic()`` seconds)."""
         return self._renew(key, token, lease)[0]
@@ -387,12 +483,12 @@ class Client(object):
         call = renew_call(key, token, lease, monotonic())
         return outcome_of(call, self._run(call))
 
-    def query(self, key):
+    def query(self, key: str) -> Optional[KeyStatus]:
         """``None`` if ``key`` is free, else a :class:`KeyStatus`."""
         call = query_call(key, monotonic())
         return outcome_of(call, self._run(call))
 
-    def holders(self, key):
+    def holders(self, key: str) -> Holders:
         """Who holds ``key`` and who waits for it, now (spec §11): a
         :class:`Holders` with ``.grants`` (token order; each with ``.token
         .owner .take .lease_left .held_for .label``, times in seconds) and
@@ -402,14 +498,15 @@ class Client(object):
         call = holders_call(key, self._ids.next(), monotonic())
         return outcome_of(call, self._run(call))
 
-    def list_keys(self, prefix="", cursor=0, count=1000):
+    def list_keys(self, prefix: str = "", cursor: int = 0,
+                  count: int = 1000) -> Tuple[List[KeyInfo], int]:
         """One page of the keys that start with ``prefix``: ``(keys,
         next)``, a list of :class:`KeyInfo` and the cursor to go on with
         (0 at the end). A page may be short, even empty, before the end."""
         call = list_call(prefix, cursor, count, self._ids.next(), monotonic())
         return outcome_of(call, self._run(call))
 
-    def keys(self, prefix=""):
+    def keys(self, prefix: str = "") -> Iterator[KeyInfo]:
         """Every key of the server's table that starts with ``prefix``: an
         iterator of :class:`KeyInfo` (``.key .grants .waiters .limit``)
         that asks for 1000 keys at a time and follows the cursor to the
@@ -426,17 +523,17 @@ class Client(object):
             if cursor == 0:
                 return
 
-    def info(self):
+    def info(self) -> Dict[str, Any]:
         """The server's counters (the ``I`` line) as a dict."""
         call = info_call(monotonic())
         return outcome_of(call, self._run(call))
 
-    def ping(self):
+    def ping(self) -> float:
         """The round trip of one ``P``, in seconds."""
         call = ping_call(self._ids.next(), monotonic())
         return outcome_of(call, self._run(call))
 
-    def close(self):
+    def close(self) -> None:
         """Closes every connection. Calls in progress end ``Indeterminate``
         (or ``Unavailable`` if nothing was sent); tickets are not released
         (their leases end them, or the flush at the program's end)."""
@@ -458,12 +555,15 @@ class Client(object):
                     self._close_session(session, "the client was closed")
         self._poke_maintenance()  # the thread sees _closed and ends
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> bool:
         self.close()
         return False
+
+    def __repr__(self) -> str:
+        return client_repr(self)
 
     # ------------------------------------------------------------- a call
 
@@ -632,7 +732,15 @@ class Client(object):
                 with self._mu:
                     self._book.connect_failed(index, call, error, monotonic())
                 return None
-            session = _Session(index, sock, auth_frame is not None)
+            try:
+                session = _Session(index, sock, auth_frame is not None)
+            except OSError as error:
+                # No descriptor for its wake pipe (EMFILE): nothing was
+                # sent, as for a failed connect.
+                sock.close()
+                with self._mu:
+                    self._book.connect_failed(index, call, error, monotonic())
+                return None
             with self._mu:
                 if self._closed:
                     session.close_fds()
@@ -1206,7 +1314,7 @@ class Ticket(TicketBase):
         # thread is inside one of its methods.
         self._state_lock = threading.RLock()
 
-    def renew(self, lease=None):
+    def renew(self, lease: Optional[int] = None) -> float:
         """Resets the lease to ``lease`` seconds (default: the ticket's
         lease) from now. On success ``valid_until`` moves to this renewal's
         send instant + lease − margin. ``NotHeld``: the lock is lost.
@@ -1227,7 +1335,7 @@ class Ticket(TicketBase):
             self._renewed(sent_at, lease, new_valid_until)
         return self.valid_until
 
-    def release(self):
+    def release(self) -> None:
         """Releases the lock (``R`` for exactly this token). ``NotHeld``:
         the lease had already run out. After a known loss it sends nothing
         and raises :class:`LockLost`."""

@@ -1,6 +1,7 @@
 """The asyncio client: the same calls as :class:`kunci.Client`, as
-coroutines, on asyncio transports (one event loop per client: the loop of
-the first call).
+coroutines, on asyncio transports, in whichever event loop calls it (a
+call from a new loop, once the old one stopped, drops the old loop's
+connections and connects again).
 
 Each session is one connection whose protocol object decodes answers as
 they arrive and completes the future of the call they correlate with. A
@@ -11,14 +12,23 @@ transport are certainly not sent).
 
 Cancellation is safe: a cancelled call whose request was possibly sent
 stays registered as *abandoned*; if its answer is a grant, that exact
-token is released at once, so a grant never goes to nobody.
+token is released at once, so a grant never goes to nobody. An acquire
+that may wait is the only one waiting on its session (the shared one, or
+a *private* one when another already waits there), which its
+cancellation ends, so that the server drops the wait at once.
 """
 
 import asyncio
 import os
+import socket
+import ssl
 import threading
 import time
 import weakref
+from typing import (
+    Any, AsyncContextManager, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple,
+    Union,
+)
 
 from . import _etcd
 from . import _protocol as P
@@ -29,7 +39,14 @@ from ._common import (
     info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
     release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
 )
-from ._errors import Error, Indeterminate, NotHeld, Unavailable
+from ._common import (
+    Holders, KeyInfo, KeyStatus, check_connect_timeout, check_on_lost, client_repr,
+)
+from ._common import (
+    RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
+    waits_forever,
+)
+from ._errors import Busy, Error, Indeterminate, InvalidArgument, NotHeld, Unavailable
 from ._sync import CONNECT_TIMEOUT
 
 __all__ = ["Client", "Ticket"]
@@ -37,6 +54,9 @@ __all__ = ["Client", "Ticket"]
 monotonic = time.monotonic
 
 _CLIENTS = weakref.WeakSet()
+
+# How many idle sessions of waiting acquires a client keeps for reuse.
+_IDLE_PRIVATE_MAX = 8
 
 
 class _Session(asyncio.Protocol):
@@ -55,6 +75,15 @@ class _Session(asyncio.Protocol):
         self.authenticating = auth_frame is not None
         self.user = None
         self.denied = None
+        # A session of one waiting acquire (``Client._run``), and one the
+        # client is closing on purpose (not a failure of its address).
+        self.private = False
+        self.retiring = False
+        # The waiting acquire a shared session carries (at most one); a
+        # retiring one's cancelled acquire, and whether it was half-closed.
+        self.waiting_acquire = None
+        self.withdrawn = None
+        self.half_closed = False
 
     def connection_made(self, transport):
         # With TLS: after the handshake. The U goes first, before any
@@ -83,21 +112,23 @@ class _Session(asyncio.Protocol):
 
 class Client(object):
     """An asyncio handle to one lock service (see :class:`kunci.Client`
-    for ``servers``, ``secret``, ``tls`` and ``etcd_credentials``). Create it anywhere; it binds to the event loop of its
-    first call. Close it with ``await client.close()`` or ``async with``."""
+    for ``servers``, ``secret``, ``tls`` and ``etcd_credentials``). Create it anywhere; it works in the event loop
+    that calls it, one loop after another (not two running at once). Close
+    it with ``await client.close()`` or ``async with``."""
 
-    def __init__(self, servers=None, connect_timeout=CONNECT_TIMEOUT, *, secret=None, tls=None,
-                 etcd_credentials=None, secret_file=None, allow_plaintext_secret=False):
+    def __init__(self, servers: Union[str, Sequence[str], None] = None,
+                 connect_timeout: float = CONNECT_TIMEOUT, *, secret: Union[str, bytes, None] = None,
+                 tls: Union[None, bool, ssl.SSLContext] = None,
+                 etcd_credentials: Optional[Tuple[str, str]] = None,
+                 secret_file: Optional[str] = None, allow_plaintext_secret: bool = False) -> None:
         self._addresses = check_args(P.resolve_servers, servers)
         self._access = Access(self._addresses, secret, tls, etcd_credentials, secret_file,
                               allow_plaintext_secret)
-        self._connect_timeout = float(connect_timeout)
+        self._connect_timeout = check_connect_timeout(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
-        # This client's tickets (weakly), and the releases its closed event
-        # loop could not send: the flush at exit sends them.
+        # This client's tickets (weakly), for the flush at exit.
         self._tickets = {}
-        self._orphans = []
         self._init_state()
         _CLIENTS.add(self)
         EXIT_CLIENTS.add(self)
@@ -112,23 +143,97 @@ class Client(object):
             self._addresses, self._connect_timeout, self._access.etcd_tls,
             self._access.etcd_credentials)
         self._loop = None
+        # Background releases not yet answered: a loop that ends may take
+        # them along unsent, and the next loop sends them again.
+        self._unreleased = set()
+        self._reset_loop_state()
+
+    def _reset_loop_state(self):
+        """What belongs to one event loop: the sessions (and their
+        transports), connects under way, background tasks."""
         self._book = AddressBook(self._addresses)
         self._connecting = [None] * len(self._addresses)
         self._tasks = set()
+        # The sessions of waiting acquires, each carrying one call at a
+        # time, and those idle, kept for the next waiting acquire.
+        self._private = set()
+        self._idle = []
 
     # ----------------------------------------------------------------- API
 
-    async def acquire(self, key, wait=0, lease=30, *, limit=None, take=None, shared=False,
-                      label=None):
-        """As :meth:`kunci.Client.acquire`; returns a :class:`Ticket`."""
+    async def acquire(self, key: str, wait: Optional[float] = 0, lease: int = 30, *,
+                      limit: Optional[int] = None, take: Optional[int] = None,
+                      shared: bool = False, label: Union[str, bytes, None] = None) -> "Ticket":
+        """Takes the lock on ``key`` as :meth:`kunci.Client.acquire` does
+        (``wait`` seconds, 0 by default: one attempt that never queues;
+        ``wait=None`` waits until granted); returns a :class:`Ticket`.
+        Cancelling it while it waits ends its wait on the server at once."""
+        if waits_forever(wait):
+            return await self._acquire_until_granted(
+                WaitForever(key, lease, limit, take, shared, label))
         call = acquire_call(key, wait, lease, self._ids.next(), monotonic(),
                             limit, take, shared, label)
+        return await self._acquire(call)
+
+    async def _acquire(self, call, clean_up=True):
         result = await self._run(call)
-        if needs_clean_up(call, result):
+        if clean_up and needs_clean_up(call, result):
             self._clean_up_after(call)
         token = granted_token(call, result, monotonic(), self._release_background)
-        return Ticket(self, key_text(key), call.key, token, call.lease, call.sent_at,
+        return Ticket(self, key_text(call.key), call.key, token, call.lease, call.sent_at,
                       call.limit, call.take)
+
+    async def _acquire_until_granted(self, forever):
+        """Drives ``forever`` (a :class:`kunci._common.WaitForever`) to a
+        ``Ticket``, as :meth:`kunci.Client._acquire_until_granted`."""
+        while True:
+            notices = self._book.shutdowns
+            call = forever.call(self._ids.next(), monotonic())
+            try:
+                return await self._acquire(call, clean_up=False)
+            except Error as error:
+                shut_down = isinstance(error, Busy) and await self._shutdown_seen(notices)
+                pause = forever.after(error, shut_down)
+                if pause is None:
+                    raise
+                log.debug("%s: %s; asking again", key_text(call.key), error)
+                if isinstance(error, Indeterminate):
+                    await self._release_own_grant(call)
+            await asyncio.sleep(pause)
+
+    async def _shutdown_seen(self, notices):
+        give_up = monotonic() + SHUTDOWN_NOTICE_WAIT
+        while self._book.shutdowns == notices:
+            if monotonic() >= give_up:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    async def _release_own_grant(self, call):
+        """As :meth:`kunci.Client._release_own_grant`."""
+        pause = RETRY_PAUSE_FIRST
+        while True:
+            try:
+                holders = await self.holders(call.key)
+                released = True
+                for token in own_grants(holders, call.owner):
+                    try:
+                        await self.release(call.key, token)
+                    except NotHeld:
+                        pass
+                    except Error as error:
+                        log.debug("releasing an unseen grant: %s", error)
+                        released = False
+                if released:
+                    return
+            except InvalidArgument:
+                return
+            except Error as error:
+                if self._closed:
+                    raise
+                log.debug("asking who holds %r: %s", key_text(call.key), error)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_PAUSE_MAX)
 
     def _clean_up_after(self, call):
         """As :meth:`kunci.Client._clean_up_after`, as a task."""
@@ -143,40 +248,52 @@ class Client(object):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def lock(self, key, wait=0, lease=30, on_lost=None, *, limit=None, take=None,
-             shared=False, label=None):
+    def lock(self, key: str, wait: Optional[float] = 0, lease: int = 30,
+             on_lost: Optional[Callable[["Ticket"], object]] = None, *,
+             limit: Optional[int] = None, take: Optional[int] = None, shared: bool = False,
+             label: Union[str, bytes, None] = None) -> AsyncContextManager["Ticket"]:
         """``async with client.lock(...) as t:`` — as
-        :meth:`kunci.Client.lock`; ``on_lost(t)`` runs on the event loop
-        (if it returns an awaitable, that runs as a task)."""
+        :meth:`kunci.Client.lock`: acquires on entry, renews every lease/3
+        while the block runs, releases on exit; ``on_lost(t)`` runs on the
+        event loop (if it returns an awaitable, that runs as a task)."""
+        check_on_lost(on_lost)
         return _LockContext(self, (key, wait, lease),
                             dict(limit=limit, take=take, shared=shared, label=label), on_lost)
 
-    async def release(self, key, token):
+    async def release(self, key: str, token: int) -> None:
+        """Releases grant ``token`` of ``key`` (as
+        :meth:`kunci.Client.release`). ``NotHeld`` if that token is not the
+        key's active grant."""
         call = release_call(key, token, monotonic())
         outcome_of(call, await self._run(call))
 
-    async def renew(self, key, token, lease=30):
+    async def renew(self, key: str, token: int, lease: int = 30) -> float:
+        """Resets grant ``token``'s lease to ``lease`` seconds from now;
+        returns the new conservative expiry (``time.monotonic()``
+        seconds), as :meth:`kunci.Client.renew`."""
         return (await self._renew(key, token, lease))[0]
 
     async def _renew(self, key, token, lease):
         call = renew_call(key, token, lease, monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def query(self, key):
+    async def query(self, key: str) -> Optional[KeyStatus]:
+        """``None`` if ``key`` is free, else a :class:`kunci.KeyStatus`."""
         call = query_call(key, monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def holders(self, key):
+    async def holders(self, key: str) -> Holders:
         """As :meth:`kunci.Client.holders`."""
         call = holders_call(key, self._ids.next(), monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def list_keys(self, prefix="", cursor=0, count=1000):
+    async def list_keys(self, prefix: str = "", cursor: int = 0,
+                        count: int = 1000) -> Tuple[List[KeyInfo], int]:
         """As :meth:`kunci.Client.list_keys`."""
         call = list_call(prefix, cursor, count, self._ids.next(), monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def keys(self, prefix=""):
+    async def keys(self, prefix: str = "") -> AsyncIterator[KeyInfo]:
         """``async for key in client.keys(prefix)``: as
         :meth:`kunci.Client.keys`."""
         check_args(P.check_prefix, prefix)
@@ -188,69 +305,128 @@ class Client(object):
             if cursor == 0:
                 return
 
-    async def info(self):
+    async def info(self) -> Dict[str, Any]:
+        """The server's counters (the ``I`` line) as a dict."""
         call = info_call(monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def ping(self):
+    async def ping(self) -> float:
+        """The round trip of one ``P``, in seconds."""
         call = ping_call(self._ids.next(), monotonic())
         return outcome_of(call, await self._run(call))
 
-    async def close(self):
-        """Closes every connection (tickets are not released)."""
+    async def close(self) -> None:
+        """Closes every connection (tickets are not released). The calls
+        under way end ``Indeterminate`` (or ``Unavailable`` if nothing was
+        sent)."""
         if self._closed:
             return
+        old = self._loop
+        if (self._pid == os.getpid() and old is not None and old is not asyncio.get_running_loop()
+                and not old.is_running()):
+            self._leave_loop(old, clean_up=False)
         self._closed = True
         if self._pid != os.getpid():
             return
         for session in self._book.sessions:
             if session is not None:
                 self._close_session(session, "the client was closed")
+        for session in list(self._private):
+            self._close_session(session, "the client was closed")
         tasks = [task for task in self._tasks if task is not _current_task()]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> "Client":
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc) -> bool:
         await self.close()
         return False
+
+    def __repr__(self) -> str:
+        return client_repr(self)
 
     # ------------------------------------------------------------- a call
 
     def _bind_loop(self):
         if self._pid != os.getpid():
-            for session in self._book.sessions:
+            for session in list(self._book.sessions) + list(self._private):
                 if session is not None and session.transport is not None:
                     _forget_transport(session.transport)
             self._init_state()
         if self._closed:
             raise Error("the client is closed")
         loop = asyncio.get_running_loop()
-        if self._loop is None or self._loop.is_closed():
+        old = self._loop
+        if old is not loop:
+            if old is not None and not old.is_closed() and old.is_running():
+                raise Error("this kunci.aio.Client is in use by another event loop that is "
+                            "running now (another thread): make one client per thread")
+            if old is not None:
+                self._leave_loop(old)
             self._loop = loop
-        elif self._loop is not loop:
-            raise Error("a kunci.aio.Client is used from one event loop only")
         return loop
+
+    def _leave_loop(self, old, clean_up=True):
+        """The client moves to another event loop (a second ``asyncio.run``):
+        the old loop's connections are dropped (a closed loop can neither
+        use nor close them: each socket is shut down, so the server drops
+        its waits at once) and the next call connects again. An acquire
+        that was possibly sent on them and never answered is cleaned up
+        (rule 11) once the client runs in its new loop."""
+        closed = old.is_closed()
+        sessions = [s for s in self._book.sessions if s is not None] + list(self._private)
+        orphans = []
+        for session in sessions:
+            if not session.alive:
+                continue
+            session.alive = False
+            for call in session.pending.take_all():
+                if call.result is None:
+                    if call.op == "A" and call.sent_at is not None:
+                        orphans.append(call)
+                    call.abandoned = True
+                    call.result = closed_result(session)
+                future = call.future
+                if not closed and future is not None and not future.done():
+                    future.set_result(None)
+            _drop_transport(session.transport)
+        self._reset_loop_state()
+        self._loop = asyncio.get_running_loop()
+        for call in orphans if clean_up else ():
+            self._clean_up_after(call)
+        # Releases the old loop may have left unsent (sent twice, the
+        # second finds the token gone: ``N``, nothing changes).
+        for key, token in list(self._unreleased) if clean_up else ():
+            self._release_background(key, token)
 
     async def _run(self, call):
         loop = self._bind_loop()
         if self._etcd is not None:
             return await self._run_on_etcd(call, loop)
+        # An acquire that may queue is the only one waiting on its session,
+        # so that cancelling it can end that session, and with it the wait,
+        # at once (``_withdraw``): the first goes on the shared session, any
+        # other at the same time on a private one.
+        waits = call.op == "A" and call.wait_until is not None
         while True:
-            session = await self._session_for(call, loop)
+            session = await self._session_for(call, loop, waits)
             if session is None:
                 if call.result is not None:
                     return call.result
                 raise Unavailable(call.reason or "no server could be reached by the deadline")
+            if waits and not session.private:
+                session.waiting_acquire = call
             if self._write(session, call, loop) == UNSENT:
+                self._done_waiting(session, call)
                 await _closing_seen()
                 continue
             if call.result is None:
-                await self._await(call)
+                await self._await(call, session)
+            self._done_waiting(session, call)
             result = call.result
             if result[0] != MOVED:
                 return result
@@ -297,7 +473,7 @@ class Client(object):
             raise outcome
         return outcome
 
-    async def _session_for(self, call, loop):
+    async def _session_for(self, call, loop, waits=False):
         book = self._book
         while True:
             now = monotonic()
@@ -310,15 +486,26 @@ class Client(object):
                 call.result = (DENIED, denial)
                 return None
             session = book.live_session()
+            if session is not None and (not waits or session.waiting_acquire is None):
+                return session
+            # Another acquire waits on the shared session: this one gets a
+            # private session.
+            private = session is not None
+            session = self._take_idle() if private else None
             if session is not None:
                 return session
             allowed = book.allowed(call)
             if not allowed:
                 return None
             connecting = [self._connecting[i] for i in allowed if self._connecting[i] is not None]
-            ready = [i for i in book.ready(allowed, call, now) if self._connecting[i] is None]
+            if private:
+                connecting = []
+            ready = [i for i in book.ready(allowed, call, now)
+                     if private or self._connecting[i] is None]
             if ready:
-                await self._open(ready[0], call, loop)
+                session = await self._open(ready[0], call, loop, private)
+                if session is not None:
+                    return session
                 continue
             if connecting:
                 await asyncio.wait(connecting, timeout=max(0.0, call.deadline - now))
@@ -326,9 +513,13 @@ class Client(object):
             next_try = book.next_try(allowed)
             await asyncio.sleep(max(0.0, min(next_try, call.deadline) - now))
 
-    async def _open(self, index, call, loop):
+    async def _open(self, index, call, loop, private=False):
+        """Connects to address ``index``. A shared session is registered
+        with the address book (``_session_for`` finds it there); a private
+        one is returned."""
         done = loop.create_future()
-        self._connecting[index] = done
+        if not private:
+            self._connecting[index] = done
         address = self._addresses[index]
         session = _Session(self, index, self._access.auth_frame)
         try:
@@ -355,6 +546,10 @@ class Client(object):
             if self._closed:
                 session.transport.abort()
                 raise Error("the client is closed")
+            if session.alive and private:
+                session.private = True
+                self._private.add(session)
+                return session
             if session.alive:
                 self._book.connected(session)
             else:
@@ -366,9 +561,76 @@ class Client(object):
                     if session.refused[1] == P.ERROR_NOT_ALLOWED:
                         call.refusals.add(index)
         finally:
-            self._connecting[index] = None
+            if not private:
+                self._connecting[index] = None
             if not done.done():
                 done.set_result(None)
+        return None
+
+    def _take_idle(self):
+        while self._idle:
+            session = self._idle.pop()
+            if session.alive and not session.retiring and not session.transport.is_closing():
+                return session
+        return None
+
+    def _done_waiting(self, session, call):
+        """``call`` no longer waits on ``session``: the shared session may
+        take another waiting acquire; a private one waits for the next."""
+        if session.waiting_acquire is call:
+            session.waiting_acquire = None
+        if session.private:
+            self._put_idle(session)
+
+    def _put_idle(self, session):
+        """A waiting acquire is over: its session waits for the next one,
+        or is closed when enough wait already."""
+        if not session.alive or session.retiring or session.pending.calls():
+            return
+        if len(self._idle) < _IDLE_PRIVATE_MAX and not self._closed:
+            self._idle.append(session)
+        else:
+            self._withdraw(session, None)
+
+    def _retire(self, session, call):
+        """The waiting acquire ``call`` on the shared session was
+        cancelled: new calls go to a new shared session, and this one is
+        withdrawn as soon as no other call waits for an answer on it (at
+        once, unless a short call is still under way)."""
+        session.retiring = True
+        session.withdrawn = call
+        if self._book.sessions[session.index] is session:
+            self._book.sessions[session.index] = None
+        self._private.add(session)
+        self._withdraw_when_quiet(session)
+
+    def _withdraw_when_quiet(self, session):
+        # Only abandoned calls left unanswered: the server has read every
+        # other request (it drops unread input at the end of stream).
+        if session.alive and not session.half_closed and all(
+                other.abandoned for other in session.pending.calls()):
+            self._withdraw(session, session.withdrawn)
+
+    def _withdraw(self, session, call):
+        """Ends the session of a cancelled waiting acquire ``call`` (no
+        other call waits on it), so that the server drops its wait at once.
+        The client half-closes it and reads on until the server, which drops the
+        connection's waits when it sees the end of stream, closes its side:
+        a grant sent before that still arrives and is released (``call`` is
+        abandoned). A TLS session cannot half-close: it is closed at once,
+        and a grant the server may have made meanwhile is looked for and
+        released (rule 11)."""
+        session.retiring = True
+        session.half_closed = True
+        transport = session.transport
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._loop.call_later(P.TRANSPORT_DEADLINE, self._close_session, session,
+                                  "the server did not end a withdrawn wait")
+        else:
+            self._close_session(session, "a waiting acquire was cancelled")
+            if call is not None and call.sent_at is not None:
+                self._clean_up_after(call)
 
     def _write(self, session, call, loop):
         transport = session.transport
@@ -384,18 +646,25 @@ class Client(object):
         transport.write(call.encode(now))
         return SENT
 
-    async def _await(self, call):
+    async def _await(self, call, session):
         try:
             await call.future
         except asyncio.CancelledError:
             # The caller gave up. The request is possibly sent: a grant
-            # that came (or comes later) is released; nothing else matters.
+            # that came (or comes later) is released; a wait on the
+            # server's queue ends at once (its private session ends).
             if call.result is None:
                 call.abandoned = True
                 if call.timer is not None:
                     call.timer.cancel()
-            elif call.result[0] == "A":
-                self._release_background(call.key, call.result[1])
+                if session.private and session.alive:
+                    self._withdraw(session, call)
+                elif session.waiting_acquire is call and session.alive:
+                    self._retire(session, call)
+            else:
+                if call.result[0] == "A":
+                    self._release_background(call.key, call.result[1])
+                self._done_waiting(session, call)
             raise
 
     def _complete(self, call, result):
@@ -434,15 +703,21 @@ class Client(object):
                 self._close_session(session, failure)
                 return
             self._book.answered(session.index)
+            if call.background:
+                self._unreleased.discard((call.key, call.token))
             result = result_of(call, frame, now, self._release_background)
             if result is not None and call.result is None:
                 self._complete(call, result)
+            if session.retiring:
+                self._withdraw_when_quiet(session)
 
     def _close_session(self, session, reason):
         if not session.alive:
             return
         session.alive = False
-        self._book.session_ended(session, reason, monotonic())
+        self._private.discard(session)
+        if not session.retiring:
+            self._book.session_ended(session, reason, monotonic())
         for call in session.pending.take_all():
             if call.waiting():
                 self._complete(call, closed_result(session))
@@ -456,10 +731,12 @@ class Client(object):
         the event loop is closed (``asyncio.run`` returned), the flush at
         exit sends it."""
         loop = self._loop
-        if self._closed or self._pid != os.getpid() or loop is None:
+        if self._closed or self._pid != os.getpid():
             return
-        if loop.is_closed():
-            self._orphans.append((os.getpid(), key, token))
+        # Until answered; a loop that ends takes it along unsent, and the
+        # next loop, or the flush at exit, sends it again.
+        self._unreleased.add((key, token))
+        if loop is None or loop.is_closed():
             return
         try:
             running = asyncio.get_running_loop()
@@ -482,6 +759,7 @@ class Client(object):
 
     async def _send_background(self, key, token):
         if self._etcd is not None:
+            self._unreleased.discard((key, token))
             self._etcd.release_in_background(key, token)
             return
         call = Call("R", key, monotonic() + P.TRANSPORT_DEADLINE, token=token, background=True)
@@ -489,6 +767,7 @@ class Client(object):
             while not self._closed:
                 session = await self._session_for(call, self._loop)
                 if session is None:
+                    self._unreleased.discard((key, token))
                     log.warning("could not release token %d: %s", token,
                                 call.reason if call.result is None else call.result[1])
                     return
@@ -496,14 +775,43 @@ class Client(object):
                     return
                 await _closing_seen()
         except Error:
+            self._unreleased.discard((key, token))
             return
 
-
     def _exit_leftovers(self):
-        """The releases the closed event loop could not send, taken for
-        the flush at exit (this process's only)."""
-        orphans, self._orphans = self._orphans, []
-        return [(key, token) for pid, key, token in orphans if pid == os.getpid()]
+        """The releases not answered yet (a closed event loop could not
+        send them), taken for the flush at exit (this process's only)."""
+        if self._pid != os.getpid():
+            return []
+        leftovers, self._unreleased = list(self._unreleased), set()
+        return leftovers
+
+
+def _drop_transport(transport):
+    """Closes the transport of a loop the client left. On a loop that is
+    closed, nothing runs its callbacks (``abort`` raises): the socket is
+    shut down at once (the server ends the session and its waits) and
+    closed as the transport would have done."""
+    if transport is None:
+        return
+    try:
+        transport.abort()
+        return
+    except RuntimeError:
+        pass
+    sock = transport.get_extra_info("socket")
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except (AttributeError, OSError):
+        pass
+    # Selector transports close their socket in this step, which the
+    # closed loop will never run.
+    lost = getattr(transport, "_call_connection_lost", None)
+    if lost is not None:
+        try:
+            lost(None)
+        except Exception:
+            pass
 
 
 async def _closing_seen():
@@ -527,7 +835,9 @@ class Ticket(TicketBase):
     """As :class:`kunci.Ticket`, with ``renew`` and ``release`` as
     coroutines. Any task may renew or release it."""
 
-    async def renew(self, lease=None):
+    async def renew(self, lease: Optional[int] = None) -> float:
+        """As :meth:`kunci.Ticket.renew`: resets the lease to ``lease``
+        seconds (default: the ticket's) and moves ``valid_until``."""
         lease = self._renewal_lease(lease)
         started = monotonic()
         try:
@@ -541,7 +851,8 @@ class Ticket(TicketBase):
         self._renewed(sent_at, lease, new_valid_until)
         return self.valid_until
 
-    async def release(self):
+    async def release(self) -> None:
+        """As :meth:`kunci.Ticket.release`: ``R`` for exactly this token."""
         self._begin_release()
         try:
             await self._client.release(self._key_bytes, self.token)

@@ -23,7 +23,7 @@ async def until(predicate, timeout, interval=0.01):
         await asyncio.sleep(interval)
 
 
-def test_cancelled_waiting_acquire_releases_its_late_grant(server):
+def test_cancelled_waiting_acquire_leaves_the_queue_at_once(server):
     async def main():
         async with kunci.aio.Client(server.address) as client:
             holder = await client.acquire("k")
@@ -32,19 +32,23 @@ def test_cancelled_waiting_acquire_releases_its_late_grant(server):
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting
-            # The server still has the waiter; when it is granted, nobody
-            # takes the grant, so the client releases that exact token.
+            # Its session ended: the server dropped the wait at once.
+            await until(lambda: _waiters(client, 0), 0.5)
             await holder.release()
             await until(lambda: _is_free(client), 2)
             info = await client.info()
-            assert info["grants"] == 2 and info["released"] == 2 and info["held"] == 0
+            assert info["grants"] == 1 and info["released"] == 1 and info["held"] == 0
 
     run(main())
 
 
-async def _waiters(client, count):
-    status = await client.query("k")
+async def _waiters(client, count, key="k"):
+    status = await client.query(key)
     return status is not None and status.waiters == count
+
+
+async def _connections_at_most(client, count):
+    return (await client.info())["connections"] <= count
 
 
 async def _is_free(client):
@@ -64,6 +68,36 @@ def test_cancelled_acquire_whose_grant_is_arriving_releases_it(server):
             await until(lambda: _is_free(client), 2)
             info = await client.info()
             assert info["grants"] == 1 and info["released"] == 1
+
+    run(main())
+
+
+def test_cancelled_waiting_acquires_whose_answers_came_keep_no_connection(server):
+    # The answer (a grant) has arrived when the task is cancelled: the
+    # grant is released and the acquire's own session is kept for the next
+    # waiting acquire, or closed; never left open and unused.
+    async def main():
+        async with kunci.aio.Client(server.address) as client:
+            other = await client.acquire("other")
+            # It waits on the shared session: the others get their own.
+            bystander = asyncio.ensure_future(client.acquire("other", wait=30))
+            await until(lambda: _waiters(client, 1, "other"), 2)
+            cancelled = 0
+            for _ in range(20):
+                task = asyncio.ensure_future(client.acquire("k", wait=5))
+                while not any(s.pending.calls() for s in client._private):
+                    await asyncio.sleep(0)  # until written
+                time.sleep(0.02)  # the grant arrives, unread
+                task.cancel()
+                try:
+                    await (await task).release()
+                except asyncio.CancelledError:
+                    cancelled += 1
+                await until(lambda: _is_free(client), 2)
+            assert cancelled > 0
+            await until(lambda: _connections_at_most(client, 1 + kunci.aio._IDLE_PRIVATE_MAX), 2)
+            await other.release()
+            await (await bystander).release()
 
     run(main())
 
@@ -119,7 +153,7 @@ def test_timeout_noticed_after_the_deadline_is_still_timeout(server):
     run(main())
 
 
-def test_many_tasks_one_key_one_connection(server):
+def test_many_tasks_one_key(server):
     async def main():
         async with kunci.aio.Client(server.address) as client:
             inside = []
@@ -141,7 +175,10 @@ def test_many_tasks_one_key_one_connection(server):
             assert len(set(tokens)) == 300
             assert tokens == sorted(tokens)
             info = await client.info()
-            assert info["connections"] == 1 and info["released"] == 300
+            assert info["released"] == 300
+            # One session for every call that does not wait, and the idle
+            # sessions of waiting acquires that the client keeps.
+            await until(lambda: _connections_at_most(client, 1 + kunci.aio._IDLE_PRIVATE_MAX), 2)
 
     run(main())
 
@@ -180,3 +217,35 @@ def test_forked_child_never_touches_the_parents_lock(server):
     assert info["released"] == 1 and info["not_held"] == 0
     loop.run_until_complete(client.close())
     loop.close()
+
+
+def test_cancelled_wait_on_the_shared_session_lets_its_other_calls_finish(server, make_proxy):
+    # A query is under way on the shared session when the acquire waiting
+    # there is cancelled: the query gets its answer, new calls go to a new
+    # session, and the wait leaves the queue once the query is answered.
+    proxy = make_proxy(server.port)
+
+    async def main():
+        async with kunci.aio.Client(proxy.address) as client:
+            holder = kunci.Client(server.address)
+            held = holder.acquire("k", lease=30)
+            waiting = asyncio.ensure_future(client.acquire("k", wait=30))
+            await until(lambda: _waiters(client, 1), 2)
+            proxy.down_delay = 0.3
+            query = asyncio.ensure_future(client.query("k"))
+            await asyncio.sleep(0.05)  # the query is written
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert (await query).token == held.token  # answered, not Indeterminate
+            proxy.down_delay = 0.0
+            started = time.monotonic()
+            while holder.query("k").waiters != 0:
+                assert time.monotonic() - started < 1.0
+                await asyncio.sleep(0.01)
+            await client.ping()
+            assert proxy.accepted == 2
+            held.release()
+            holder.close()
+
+    run(main())
