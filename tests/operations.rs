@@ -482,11 +482,7 @@ fn the_unit_file_passes_systemd_analyze_verify() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
     let unit = dir.join("kunci.service");
-    std::fs::write(
-        &unit,
-        unit_text().replace("/usr/bin/kunci", kunci_bin()),
-    )
-    .expect("write unit");
+    std::fs::write(&unit, unit_text().replace("/usr/bin/kunci", kunci_bin())).expect("write unit");
     let output = Command::new("systemd-analyze")
         .arg("verify")
         .arg(&unit)
