@@ -710,9 +710,18 @@ fn validate_request<'a>(
     }
 }
 
+#[inline(always)]
 fn validate_key(payload: &[u8]) -> Result<&str, ErrorCode> {
     if payload.is_empty() {
         return Err(ErrorCode::EmptyKey);
+    }
+    // Keys are nearly always ASCII. `is_ascii` checks a word at a time with
+    // no branch per byte; `from_utf8`'s byte loop on a short key cost ~100
+    // instructions and two mispredicted branches per request
+    // (docs/BENCHMARKS.md, "Binary size and the pairs regression").
+    if payload.is_ascii() {
+        // SAFETY: every ASCII byte sequence is valid UTF-8.
+        return Ok(unsafe { std::str::from_utf8_unchecked(payload) });
     }
     std::str::from_utf8(payload).map_err(|_| ErrorCode::KeyNotUtf8)
 }

@@ -412,11 +412,12 @@ fn exec_start(unit: &str) -> Vec<String> {
 fn the_unit_file_has_what_the_documentation_promises() {
     let unit = unit_text();
     for line in [
-        "Documentation=file:/usr/local/share/doc/kunci/OPERATIONS.md",
+        "Documentation=file:/usr/share/doc/kunci/OPERATIONS.md",
         "Type=notify",
         "StateDirectory=kunci",
         "RuntimeDirectory=kunci",
-        "DynamicUser=yes",
+        "User=kunci",
+        "Group=kunci",
         "ProtectSystem=strict",
         "NoNewPrivileges=yes",
         "KillSignal=SIGTERM",
@@ -432,7 +433,7 @@ fn the_unit_file_has_what_the_documentation_promises() {
             .any(|l| l.contains("network-online") && !l.starts_with('#'))
     );
     let command = exec_start(&unit);
-    assert_eq!(command[..2], ["/usr/local/bin/kunci", "serve"]);
+    assert_eq!(command[..2], ["/usr/bin/kunci", "serve"]);
     for flag in [
         "unix:/run/kunci/kunci.sock",
         "--state-dir",
@@ -481,11 +482,7 @@ fn the_unit_file_passes_systemd_analyze_verify() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
     let unit = dir.join("kunci.service");
-    std::fs::write(
-        &unit,
-        unit_text().replace("/usr/local/bin/kunci", kunci_bin()),
-    )
-    .expect("write unit");
+    std::fs::write(&unit, unit_text().replace("/usr/bin/kunci", kunci_bin())).expect("write unit");
     let output = Command::new("systemd-analyze")
         .arg("verify")
         .arg(&unit)

@@ -10,7 +10,9 @@
 #
 # Environment: A, B (binaries; NAME_A, NAME_B label them), HELD ("0
 # 1000000"), PIPELINE (32), RUNS (3), DURATION seconds per run (4), PORT
-# (17870; B uses PORT+1). The load generator is A's `kunci bench`.
+# (17870; B uses PORT+1), LOAD (the binary whose `kunci bench` makes the
+# load and reads the counters; default A: keep it fixed when comparing
+# builds of different code).
 set -euo pipefail
 
 RUNS=${RUNS:-3}
@@ -20,6 +22,7 @@ HELD=${HELD:-"0 1000000"}
 PIPELINE=${PIPELINE:-32}
 NAME_A=${NAME_A:-A}
 NAME_B=${NAME_B:-B}
+LOAD=${LOAD:-$A}
 
 PIDS=()
 LOADS=()
@@ -49,7 +52,7 @@ start_server() { # BINARY ADDR
     echo "ab.sh: the server at $2 did not start" >&2
     exit 1
 }
-info() { "$A" info --server "$1" | tr ' ' '\n' | awk -F= -v k="$2" '$1 == k {print $2}'; }
+info() { "$LOAD" info --server "$1" | tr ' ' '\n' | awk -F= -v k="$2" '$1 == k {print $2}'; }
 wait_held() { # ADDR COUNT
     for _ in $(seq 1200); do
         [ "$(info "$1" held)" -ge "$2" ] && return
@@ -62,7 +65,7 @@ json_field() { grep -o "\"$2\":[0-9.]*" <<<"$1" | head -1 | cut -d: -f2; }
 median() { tr ' ' '\n' | grep . | sort -g | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
 range() { tr ' ' '\n' | grep . | sort -g | awk 'NR==1{lo=$1} {hi=$1} END {print lo "-" hi}'; }
 # Requests the server has answered: grants, timeouts and releases.
-served() { "$A" info --server "$1" | tr ' ' '\n' |
+served() { "$LOAD" info --server "$1" | tr ' ' '\n' |
     awk -F= '$1 == "grants" || $1 == "timeouts" || $1 == "released" {n += $2} END {print n}'; }
 # The server's CPU time (user + system) in clock ticks.
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
@@ -73,7 +76,7 @@ cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 pairs() { # ADDR PID
     local out n0 c0 n1 c1
     n0=$(served "$1") c0=$(cpu_ticks "$2")
-    out=$("$A" bench pairs --server "$1" --pipeline "$PIPELINE" --duration "$DURATION" --warmup 1 --json)
+    out=$("$LOAD" bench pairs --server "$1" --pipeline "$PIPELINE" --duration "$DURATION" --warmup 1 --json)
     n1=$(served "$1") c1=$(cpu_ticks "$2")
     if [ "$(json_field "$out" errors)" != 0 ]; then
         echo "ab.sh: kunci bench reported errors: $out" >&2
@@ -89,11 +92,11 @@ start_server "$A" "$A_ADDR"
 start_server "$B" "$B_ADDR"
 
 echo "machine: $(nproc) cores, $(uname -sr); pairs C=50 P=$PIPELINE, ${DURATION} s per run, $RUNS runs"
-echo "A = $NAME_A ($A), B = $NAME_B ($B)"
+echo "A = $NAME_A ($A), B = $NAME_B ($B); load from $LOAD"
 for held in $HELD; do
     if [ "$held" != 0 ]; then
         for addr in "$A_ADDR" "$B_ADDR"; do
-            "$A" bench hold "$held" --server "$addr" --lease 255 >/dev/null &
+            "$LOAD" bench hold "$held" --server "$addr" --lease 255 >/dev/null &
             LOADS+=($!)
             wait_held "$addr" "$held"
         done
