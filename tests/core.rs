@@ -1492,6 +1492,56 @@ fn after_a_run_with_counted_grants_a_waiter_gets_the_key_when_the_adopted_grant_
     fake.core.check_invariants();
 }
 
+/// Issue 25 defect 11 (spec §10.2): on a key held by an adopted grant
+/// after a run with counted grants, whose limit is none, a request that
+/// names a limit and ends at once with `T` or `B` sets nothing; one that
+/// queues sets it.
+#[test]
+fn a_limit_named_by_a_request_that_ends_at_once_during_the_grace_is_not_set() {
+    for max_waiters in [0, 10] {
+        let limits = Limits {
+            max_waiters,
+            ..Limits::default()
+        };
+        let mut fake = Fake::new(limits, 3);
+        fake.core.set_grace_until(10 * S);
+        fake.core.set_grace_counted(true);
+        fake.set_now(S);
+        assert_eq!(
+            fake.extend(1, "k", 120, EARLIER),
+            vec![(1, extended(EARLIER))]
+        );
+        // `T` at once; then `B` from a full waiter table.
+        assert_eq!(
+            fake.permits(2, "k", 0, 30, 2, 7, 1, ""),
+            vec![(2, timeout(2))]
+        );
+        assert_eq!(
+            fake.permits(2, "k", 5, 30, 3, 7, 1, ""),
+            if max_waiters == 0 {
+                vec![(2, busy(3))]
+            } else {
+                vec![]
+            }
+        );
+        fake.core.check_invariants();
+        if max_waiters == 0 {
+            // Neither set the limit 7: another limit is no mismatch.
+            assert_eq!(
+                fake.permits(2, "k", 0, 30, 4, 9, 1, ""),
+                vec![(2, timeout(4))]
+            );
+        } else {
+            // The request that queued set it.
+            assert_eq!(
+                fake.permits(2, "k", 0, 30, 4, 9, 1, ""),
+                vec![(2, Response::limit_mismatch(4, 7))]
+            );
+        }
+        fake.core.check_invariants();
+    }
+}
+
 /// Spec §7.4: adopted grants a clean stop saves (several exclusive ones on
 /// one key, owner 0) come back as they were, and still hold their key as
 /// if exclusive.
