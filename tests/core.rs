@@ -1690,6 +1690,66 @@ fn during_the_grace_a_token_not_below_the_first_or_token_0_is_still_not_held() {
     fake.core.check_invariants();
 }
 
+/// Issue 25 defect 10 (spec §7.2): the horizon comes down as long leases
+/// end — to 5 s past the latest lease still running (its deadline rounded
+/// up to 100 ms), never below it — when that gains more than 1 s, and at
+/// most once per 5 s; grants raise it again before they are answered.
+#[test]
+fn the_horizon_comes_down_as_long_leases_end_and_never_below_a_running_one() {
+    let mut fake = Fake::with_conns(2);
+    let mut durability = Durability::new();
+    let persist = |durability: &mut Durability, fake: &mut Fake| {
+        durability.plan(&mut fake.core, fake.now);
+        if let Some(promise) = durability.needed(&fake.core) {
+            durability.persisted(promise);
+        }
+        durability.on_disk().unwrap().horizon
+    };
+    assert_eq!(persist(&mut durability, &mut fake), 0);
+    fake.set_now(S);
+    let long = fake.grant(1, "long", 30, 1);
+    assert_eq!(persist(&mut durability, &mut fake), 36 * S);
+    fake.set_now(2 * S);
+    assert_eq!(fake.release(1, "long", long), vec![(1, released(long))]);
+    let short = fake.grant(1, "short", 2, 2);
+    // The 2 s lease runs to 4 s: its bucket ends at 4.1 s.
+    assert_eq!(persist(&mut durability, &mut fake), 9_100 * MS);
+    assert_eq!(durability.lowered_at(), Some(2 * S));
+    assert_eq!(durability.poll_timeout(&fake.core), None);
+    // A longer grant raises it before it is answered.
+    fake.set_now(2_500 * MS);
+    let middle = fake.grant(1, "middle", 10, 3);
+    assert_eq!(persist(&mut durability, &mut fake), 17_500 * MS);
+    // Released at once: the next lowering waits until 5 s after the last.
+    fake.set_now(3 * S);
+    assert_eq!(
+        fake.release(1, "middle", middle),
+        vec![(1, released(middle))]
+    );
+    assert_eq!(persist(&mut durability, &mut fake), 17_500 * MS);
+    assert_eq!(durability.poll_timeout(&fake.core), Some(7 * S));
+    assert_eq!(fake.run_until(4 * S), vec![]);
+    assert_eq!(persist(&mut durability, &mut fake), 17_500 * MS);
+    // At 7 s the short lease has run out: nothing is running.
+    assert_eq!(fake.run_until(7 * S), vec![]);
+    assert_eq!(persist(&mut durability, &mut fake), 0);
+    assert_eq!(durability.lowered_at(), Some(7 * S));
+    let _ = short;
+    // A gain of at most 1 s is not worth a write.
+    fake.set_now(20 * S);
+    fake.grant(1, "a", 10, 4);
+    let b = fake.grant(1, "b", 10, 5);
+    assert_eq!(persist(&mut durability, &mut fake), 35 * S);
+    fake.set_now(20_500 * MS);
+    let c = fake.grant(1, "c", 10, 6);
+    assert_eq!(persist(&mut durability, &mut fake), 35 * S);
+    assert_eq!(fake.release(1, "c", c), vec![(1, released(c))]);
+    assert_eq!(fake.release(1, "b", b), vec![(1, released(b))]);
+    assert_eq!(persist(&mut durability, &mut fake), 35 * S);
+    assert_eq!(durability.lowered_at(), Some(7 * S));
+    fake.core.check_invariants();
+}
+
 #[test]
 fn adoption_by_extend_may_take_the_table_to_twice_the_key_limit_and_no_further() {
     let mut fake = Fake::new(limits(1, 10, 10, 10), 2);

@@ -370,6 +370,39 @@ fn the_grace_after_kill_9_is_at_most_the_longest_lease_plus_5_s() {
     assert!(waited <= Duration::from_millis(7_500), "{waited:?}");
 }
 
+/// Issue 25 defect 10 (spec §7.2): the horizon comes down as long leases
+/// end, so after releasing a 30 s lease and holding a 2 s one, kill -9
+/// costs about the 2 s lease + 5 s, not the released 30 s.
+#[test]
+fn the_grace_after_kill_9_follows_the_leases_outstanding_not_one_released_before() {
+    let dir = TempDir::new("grace-lowered");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    peer.send(&acquire(0, 30, 1, "long"));
+    let long = granted(peer.recv(), 1);
+    peer.send(&release(long, "long"));
+    assert_eq!(peer.recv(), Response::Released { token: long });
+    let granted_at = Instant::now();
+    peer.send(&acquire(0, 2, 2, "short"));
+    granted(peer.recv(), 2);
+    server.kill();
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    let (token, _, lease_ms, _) = query_key(&mut peer, "another-key");
+    assert_eq!(
+        token, 0,
+        "no grace at all after kill -9 with a lease running"
+    );
+    let total = Duration::from_millis(lease_ms.into()) + granted_at.elapsed();
+    // The 2 s lease is covered; the horizon is 5 s past it (rounded up to
+    // 100 ms), with time for two starts.
+    assert!(total >= Duration::from_secs(2), "{total:?}");
+    assert!(
+        total <= Duration::from_millis(2_000 + 5_100 + 1_500),
+        "grace ends {total:?} after a 2 s grant: the released 30 s lease still counts"
+    );
+}
+
 /// `faketime` and its arguments for a clock `offset` away, or `None` (the
 /// test is skipped; under CI it fails) when faketime is not installed.
 fn faketime(offset: &'static str) -> Option<[&'static str; 3]> {

@@ -151,6 +151,8 @@ struct Counts {
     unclean_restarts: u64,
     restored: u64,
     adopted: u64,
+    /// Times the state file's horizon was brought down as leases ended.
+    horizon_lowered: u64,
 }
 
 impl Counts {
@@ -171,6 +173,7 @@ impl Counts {
         self.unclean_restarts += other.unclean_restarts;
         self.restored += other.restored;
         self.adopted += other.adopted;
+        self.horizon_lowered += other.horizon_lowered;
     }
 }
 
@@ -504,7 +507,16 @@ impl Sim {
     /// does; then at `target`.
     fn run_to(&mut self, target: Micros) -> Result<(), String> {
         let mut wakeups = 0;
-        while let Some(at) = self.fake.core.poll_timeout().filter(|&at| at <= target) {
+        // The core's wake-ups, and the state file's: the horizon comes down
+        // as leases end.
+        let next = |sim: &Sim| {
+            let core = &sim.fake.core;
+            [core.poll_timeout(), sim.durability.poll_timeout(core)]
+                .into_iter()
+                .flatten()
+                .min()
+        };
+        while let Some(at) = next(self).filter(|&at| at <= target) {
             wakeups += 1;
             if wakeups > 100_000 {
                 return Err("livelock: wake-ups without end".to_owned());
@@ -757,12 +769,49 @@ impl Sim {
             let Some(promise) = self.durability.on_disk() else {
                 return Err("a run crashed before its first promise was durable".to_owned());
             };
+            // At or past every lease armed (since the last settle), and at
+            // most 5 s past the latest of them — or 1 s more, the least a
+            // lowering gains, once the leases that ended were forgotten.
             let latest = core.lease_deadline_max().max(core.grace_until());
-            if promise.horizon < latest || promise.horizon > latest + 5 * S {
+            if promise.horizon < latest || promise.horizon > (latest + 5 * S).max(now) + S {
                 return Err(format!(
-                    "the horizon on disk {} is not within 5 s after the latest lease {latest}",
+                    "the horizon on disk {} is not within 5 s (+ 1 s) after the latest lease \
+                     {latest} at {now}",
                     promise.horizon
                 ));
+            }
+            // Never below a lease its holder sees running.
+            if let Some((token, live)) = self.live.iter().find(|(_, live)| {
+                live.lease_tick * MS > now && tick_of(promise.horizon) < live.lease_tick
+            }) {
+                return Err(format!(
+                    "the horizon on disk {} is below the lease of {token} (tick {})",
+                    promise.horizon, live.lease_tick
+                ));
+            }
+            // Brought down as leases ended: once the core has been looked
+            // at since the last one ended, and no lowering is waiting its
+            // turn, at most 5 s (and a 100 ms bucket, and the 1 s a
+            // lowering must gain) past the latest lease running now.
+            let lowered_at = self.durability.lowered_at();
+            if !core.leases_ended() && lowered_at.is_none_or(|at| now >= at + 5 * S) {
+                let running = self
+                    .live
+                    .values()
+                    .map(|live| live.lease_tick * MS)
+                    .max()
+                    .unwrap_or(0);
+                let bound = (running + 5 * S + 100 * MS)
+                    .max(core.grace_until())
+                    .max(now)
+                    + S;
+                if promise.horizon > bound {
+                    return Err(format!(
+                        "the horizon on disk {} is more than 6.1 s past the latest lease running \
+                         ({running}) at {now}",
+                        promise.horizon
+                    ));
+                }
             }
             if promise.token_high_water < core.next_token() {
                 return Err(format!(
@@ -863,6 +912,12 @@ impl Sim {
 
     fn check(&mut self) -> Result<(), String> {
         self.fake.core.check_invariants();
+        // As the endpoint does after every wake-up and read.
+        let lowered = self.durability.lowered_at();
+        self.durability.plan(&mut self.fake.core, self.fake.now);
+        if self.durability.lowered_at() != lowered {
+            self.counts.horizon_lowered += 1;
+        }
         if let Some(promise) = self.durability.needed(&self.fake.core) {
             self.durability.persisted(promise);
         }
@@ -981,6 +1036,7 @@ fn simulation_of_many_clients_on_a_fake_clock() {
             counts.unclean_restarts,
             counts.restored,
             counts.adopted,
+            counts.horizon_lowered,
         ];
         // About 1 seed in 10 adopts a key after a crash.
         let often = seeds.len() as u64 / 10;

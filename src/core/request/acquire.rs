@@ -161,6 +161,7 @@ impl Core {
             table: &mut self.table,
             waiters: &mut self.waiters,
             grants: &mut self.grants,
+            leases: &mut self.leases,
         };
         self.wheel.arm(
             &mut nodes,
