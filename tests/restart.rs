@@ -403,6 +403,53 @@ fn the_grace_after_kill_9_follows_the_leases_outstanding_not_one_released_before
     );
 }
 
+/// Issue 25 defect 11 (spec §10.2), the issue's repro with the CLI: after
+/// kill -9 of a run that made a counted grant, with `k`'s old token
+/// adopted by a renewal, `acquire k --limit 7` gets `T` and sets nothing,
+/// so `acquire k --limit 9` gets `T` too, not `X 10` "limit of 7".
+#[test]
+fn during_a_crash_grace_a_timeout_sets_no_limit_end_to_end() {
+    let dir = TempDir::new("grace-limit");
+    let server = start_on(&dir, 0);
+    let port = port_of(&server);
+    let kunci = |server: &TestServer, args: &[&str]| {
+        std::process::Command::new(crate::util::kunci_bin())
+            .args(args)
+            .env("KUNCI_SERVER", &server.addr)
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap()
+    };
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).trim().to_owned();
+    let acquired = kunci(&server, &["acquire", "k", "--lease", "120"]);
+    assert_eq!(
+        acquired.status.code(),
+        Some(0),
+        "{}",
+        text(&acquired.stderr)
+    );
+    let token = text(&acquired.stdout);
+    let other = kunci(&server, &["acquire", "other", "--limit", "3"]);
+    assert_eq!(other.status.code(), Some(0), "{}", text(&other.stderr));
+    server.kill();
+    let server = start_on(&dir, port);
+    let renewed = kunci(&server, &["renew", "k", &token]);
+    assert_eq!(renewed.status.code(), Some(0), "{}", text(&renewed.stderr));
+    for limit in ["7", "9"] {
+        let attempt = kunci(&server, &["acquire", "k", "--limit", limit]);
+        assert_eq!(
+            attempt.status.code(),
+            Some(1),
+            "--limit {limit}: {}",
+            text(&attempt.stderr)
+        );
+    }
+    let who = kunci(&server, &["who", "k", "--json"]);
+    assert_eq!(who.status.code(), Some(0), "{}", text(&who.stderr));
+    let json = text(&who.stdout);
+    assert!(json.contains("\"limit\":0"), "{json}");
+}
+
 /// `faketime` and its arguments for a clock `offset` away, or `None` (the
 /// test is skipped; under CI it fails) when faketime is not installed.
 fn faketime(offset: &'static str) -> Option<[&'static str; 3]> {
