@@ -551,6 +551,36 @@ mod tests {
     }
 
     #[test]
+    fn the_ledger_finds_the_latest_armed_lease_across_the_ring_and_leaves_out_the_grace() {
+        let mut ledger = LeaseLedger::new();
+        assert_eq!(ledger.latest(0, 0), 0);
+        // Ticks are ms; a bucket is 100 of them and ends after its deadline.
+        ledger.add(4_000);
+        ledger.add(30_050);
+        assert_eq!(ledger.latest(0, 0), 30_100 * MS);
+        ledger.remove(30_050);
+        assert!(ledger.ended);
+        assert_eq!(ledger.latest(0, 0), 4_100 * MS);
+        // Far along the clock, past several turns of the 409.6 s ring.
+        let far = 10_000_000;
+        ledger.remove(4_000);
+        ledger.add(far + 255_000);
+        ledger.add(far + 1);
+        assert_eq!(ledger.latest(far, 0), (far + 255_100) * MS);
+        ledger.remove(far + 255_000);
+        assert_eq!(ledger.latest(far, 0), (far + 100) * MS);
+        // The unknown grants' timers at the grace's end are left out; a
+        // lease in the same bucket is not.
+        ledger.grace_tick = far + 200_000;
+        ledger.add(far + 200_000);
+        ledger.add(far + 200_000);
+        assert_eq!(ledger.latest(far, 2), (far + 100) * MS);
+        ledger.add(far + 200_050);
+        assert_eq!(ledger.latest(far, 2), (far + 200_100) * MS);
+        assert_eq!(ledger.len(), 4);
+    }
+
+    #[test]
     fn counted_unknown_grants_matter_only_while_the_grace_runs() {
         assert!(Restart::new(6_000, 1_000, true).counted_grants);
         assert!(!Restart::new(6_000, 6_000, true).counted_grants);
