@@ -88,6 +88,16 @@ impl TimerLinks {
 /// Where the wheel finds the links of a timer id.
 pub trait TimerStore {
     fn links(&mut self, id: TimerId) -> &mut TimerLinks;
+
+    /// Timer `id` was armed to fire at tick `deadline`.
+    #[inline(always)]
+    fn armed(&mut self, _id: TimerId, _deadline: u64) {}
+
+    /// Timer `id`, armed for tick `deadline`, left the wheel: cancelled,
+    /// moved (re-armed) or fired. Every [`armed`](Self::armed) is matched
+    /// by exactly one of these, with the same deadline.
+    #[inline(always)]
+    fn disarmed(&mut self, _id: TimerId, _deadline: u64) {}
 }
 
 /// The wheel: slot-list heads and occupancy bitmaps, nothing per timer.
@@ -152,6 +162,7 @@ impl TimerWheel {
         let slot = self.slot_for(deadline);
         self.push(store, slot, id);
         self.armed += 1;
+        store.armed(id, deadline);
     }
 
     /// Disarms `id` if it is armed.
@@ -174,6 +185,7 @@ impl TimerWheel {
         }
         *store.links(id) = TimerLinks::UNARMED;
         self.armed -= 1;
+        store.disarmed(id, self.unwrap_tick(links.deadline));
     }
 
     /// The earliest tick at which [`poll`](Self::poll) may return a timer,

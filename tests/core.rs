@@ -1492,6 +1492,56 @@ fn after_a_run_with_counted_grants_a_waiter_gets_the_key_when_the_adopted_grant_
     fake.core.check_invariants();
 }
 
+/// Issue 25 defect 11 (spec §10.2): on a key held by an adopted grant
+/// after a run with counted grants, whose limit is none, a request that
+/// names a limit and ends at once with `T` or `B` sets nothing; one that
+/// queues sets it.
+#[test]
+fn a_limit_named_by_a_request_that_ends_at_once_during_the_grace_is_not_set() {
+    for max_waiters in [0, 10] {
+        let limits = Limits {
+            max_waiters,
+            ..Limits::default()
+        };
+        let mut fake = Fake::new(limits, 3);
+        fake.core.set_grace_until(10 * S);
+        fake.core.set_grace_counted(true);
+        fake.set_now(S);
+        assert_eq!(
+            fake.extend(1, "k", 120, EARLIER),
+            vec![(1, extended(EARLIER))]
+        );
+        // `T` at once; then `B` from a full waiter table.
+        assert_eq!(
+            fake.permits(2, "k", 0, 30, 2, 7, 1, ""),
+            vec![(2, timeout(2))]
+        );
+        assert_eq!(
+            fake.permits(2, "k", 5, 30, 3, 7, 1, ""),
+            if max_waiters == 0 {
+                vec![(2, busy(3))]
+            } else {
+                vec![]
+            }
+        );
+        fake.core.check_invariants();
+        if max_waiters == 0 {
+            // Neither set the limit 7: another limit is no mismatch.
+            assert_eq!(
+                fake.permits(2, "k", 0, 30, 4, 9, 1, ""),
+                vec![(2, timeout(4))]
+            );
+        } else {
+            // The request that queued set it.
+            assert_eq!(
+                fake.permits(2, "k", 0, 30, 4, 9, 1, ""),
+                vec![(2, Response::limit_mismatch(4, 7))]
+            );
+        }
+        fake.core.check_invariants();
+    }
+}
+
 /// Spec §7.4: adopted grants a clean stop saves (several exclusive ones on
 /// one key, owner 0) come back as they were, and still hold their key as
 /// if exclusive.
@@ -1637,6 +1687,66 @@ fn during_the_grace_a_token_not_below_the_first_or_token_0_is_still_not_held() {
         vec![(2, not_held(EARLIER))]
     );
     assert_eq!(fake.core.stats().not_held, 18);
+    fake.core.check_invariants();
+}
+
+/// Issue 25 defect 10 (spec §7.2): the horizon comes down as long leases
+/// end — to 5 s past the latest lease still running (its deadline rounded
+/// up to 100 ms), never below it — when that gains more than 1 s, and at
+/// most once per 5 s; grants raise it again before they are answered.
+#[test]
+fn the_horizon_comes_down_as_long_leases_end_and_never_below_a_running_one() {
+    let mut fake = Fake::with_conns(2);
+    let mut durability = Durability::new();
+    let persist = |durability: &mut Durability, fake: &mut Fake| {
+        durability.plan(&mut fake.core, fake.now);
+        if let Some(promise) = durability.needed(&fake.core) {
+            durability.persisted(promise);
+        }
+        durability.on_disk().unwrap().horizon
+    };
+    assert_eq!(persist(&mut durability, &mut fake), 0);
+    fake.set_now(S);
+    let long = fake.grant(1, "long", 30, 1);
+    assert_eq!(persist(&mut durability, &mut fake), 36 * S);
+    fake.set_now(2 * S);
+    assert_eq!(fake.release(1, "long", long), vec![(1, released(long))]);
+    let short = fake.grant(1, "short", 2, 2);
+    // The 2 s lease runs to 4 s: its bucket ends at 4.1 s.
+    assert_eq!(persist(&mut durability, &mut fake), 9_100 * MS);
+    assert_eq!(durability.lowered_at(), Some(2 * S));
+    assert_eq!(durability.poll_timeout(&fake.core), None);
+    // A longer grant raises it before it is answered.
+    fake.set_now(2_500 * MS);
+    let middle = fake.grant(1, "middle", 10, 3);
+    assert_eq!(persist(&mut durability, &mut fake), 17_500 * MS);
+    // Released at once: the next lowering waits until 5 s after the last.
+    fake.set_now(3 * S);
+    assert_eq!(
+        fake.release(1, "middle", middle),
+        vec![(1, released(middle))]
+    );
+    assert_eq!(persist(&mut durability, &mut fake), 17_500 * MS);
+    assert_eq!(durability.poll_timeout(&fake.core), Some(7 * S));
+    assert_eq!(fake.run_until(4 * S), vec![]);
+    assert_eq!(persist(&mut durability, &mut fake), 17_500 * MS);
+    // At 7 s the short lease has run out: nothing is running.
+    assert_eq!(fake.run_until(7 * S), vec![]);
+    assert_eq!(persist(&mut durability, &mut fake), 0);
+    assert_eq!(durability.lowered_at(), Some(7 * S));
+    let _ = short;
+    // A gain of at most 1 s is not worth a write.
+    fake.set_now(20 * S);
+    fake.grant(1, "a", 10, 4);
+    let b = fake.grant(1, "b", 10, 5);
+    assert_eq!(persist(&mut durability, &mut fake), 35 * S);
+    fake.set_now(20_500 * MS);
+    let c = fake.grant(1, "c", 10, 6);
+    assert_eq!(persist(&mut durability, &mut fake), 35 * S);
+    assert_eq!(fake.release(1, "c", c), vec![(1, released(c))]);
+    assert_eq!(fake.release(1, "b", b), vec![(1, released(b))]);
+    assert_eq!(persist(&mut durability, &mut fake), 35 * S);
+    assert_eq!(durability.lowered_at(), Some(7 * S));
     fake.core.check_invariants();
 }
 

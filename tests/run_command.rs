@@ -5,6 +5,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kunci::client::{Client, Config};
+use kunci::protocol::Response;
 
 use crate::util::proxy::{Faults, Proxy};
 use crate::util::{TempDir, TestServer, kunci_bin, require_tool};
@@ -861,17 +862,20 @@ fn run_exits_6_when_the_lease_runs_out_without_an_answered_renewal() {
     let status = wait_exit(&mut child, 10 * S);
     let elapsed = spawned.elapsed();
     assert_eq!(status.code(), Some(6));
-    // Not before 100 ms ahead of valid_until (when the group is killed):
-    // the acquire was sent after the spawn, and the bound is its send
-    // instant + 2 s − 14 ms.
-    assert!(elapsed >= 2 * S - 14 * MS - 100 * MS, "{elapsed:?}");
+    // Not before min(--kill-after, lease/4) = 0.5 s ahead of valid_until
+    // (when the group gets SIGTERM and the command exits): the acquire was
+    // sent after the spawn, and valid_until is its send instant + 2 s −
+    // 14 ms.
+    assert!(elapsed >= 2 * S - 14 * MS - 500 * MS, "{elapsed:?}");
     assert!(elapsed < 2 * S + 2 * LATE, "{elapsed:?}");
-    // The loss comes at `valid_until`, so SIGKILL follows SIGTERM at once:
-    // the command may or may not have run its trap.
+    assert!(
+        dir.join("got").exists(),
+        "the command's TERM trap never ran"
+    );
     let mut message = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut message).unwrap();
     assert!(
-        message.contains("lock lost: the lease ran out without a successful renewal"),
+        message.contains("lock lost: no renewal was answered and the lease runs out in"),
         "{message}"
     );
 }
@@ -1065,4 +1069,147 @@ fn run_kills_at_valid_until_when_the_lease_runs_out_whatever_kill_after_says() {
     // − 14 ms), not after --kill-after.
     assert!(elapsed >= 2 * S - 14 * MS - 100 * MS, "{elapsed:?}");
     assert!(elapsed < 2 * S + 2 * LATE, "{elapsed:?}");
+}
+
+/// Runs `kunci run --lease 4` (so SIGTERM comes min(5 s, 4 s / 4) = 1 s
+/// before `valid_until`) with a command that records its SIGTERM and goes
+/// on; once it runs, the proxy applies `faults` to the renewals. Returns
+/// when the SIGTERM was seen and when kunci exited (both after the spawn),
+/// kunci's exit status and its stderr.
+fn run_with_renewals(faults: Faults) -> (Option<Duration>, Duration, i32, String, Vec<Response>) {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let dir = TempDir::new("run-term-lead");
+    let script = waiting_script(&dir, ":");
+    let spawned = Instant::now();
+    let mut child = command(
+        &proxy.addr,
+        &[
+            "run",
+            "term-lead",
+            "--lease",
+            "4",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_for_file(&dir.join("started"));
+    proxy.set_faults(faults);
+    let got = dir.join("got");
+    let mut term = None;
+    let status = loop {
+        if term.is_none() && got.exists() {
+            term = Some(spawned.elapsed());
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if spawned.elapsed() > 12 * S {
+            let _ = child.kill();
+            panic!("kunci did not exit within 12 s");
+        }
+        std::thread::sleep(2 * MS);
+    };
+    let exited = spawned.elapsed();
+    if term.is_none() && got.exists() {
+        term = Some(exited);
+    }
+    let mut message = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut message).unwrap();
+    let code = status.code().expect("kunci exited");
+    (term, exited, code, message, proxy.answers())
+}
+
+/// Issue 25 defect 3 (spec §9): while renewals go unanswered, CMD gets
+/// SIGTERM `min(--kill-after, lease/4)` before `valid_until` — early
+/// enough to run its trap while the lock still holds — then SIGKILL by
+/// `valid_until`, and kunci exits 6.
+#[test]
+fn run_sends_sigterm_a_quarter_lease_before_valid_until_when_renewals_go_unanswered() {
+    let (term, exited, code, message, _) = run_with_renewals(Faults {
+        swallow_answers: true,
+        ..Faults::default()
+    });
+    assert_eq!(code, 6, "{message}");
+    // valid_until = the acquire's send instant (after the spawn) + 4 s −
+    // the 18 ms drift margin: SIGTERM 1 s before it, SIGKILL 100 ms before.
+    let term = term.expect("the command's TERM trap never ran");
+    assert!(term >= 4 * S - 18 * MS - S, "SIGTERM early: {term:?}");
+    assert!(term < 3 * S + LATE, "SIGTERM late: {term:?}");
+    assert!(
+        exited >= 4 * S - 18 * MS - 100 * MS,
+        "SIGKILL early: {exited:?}"
+    );
+    assert!(exited < 4 * S + LATE, "{exited:?}");
+    assert!(
+        message
+            .contains("kunci run: lock lost: no renewal was answered and the lease runs out in ")
+            && message.contains(" ms; stopping the command"),
+        "{message}"
+    );
+}
+
+/// Issue 25 defect 3: a renewal answered after that SIGTERM does not undo
+/// it: the command is already stopping, gets SIGKILL by the `valid_until`
+/// known at the SIGTERM, and kunci exits 6.
+#[test]
+fn run_does_not_take_back_a_sigterm_when_a_late_renewal_is_answered() {
+    // The first renewal, sent lease/3 after the acquire, is answered 2.2 s
+    // later: after the SIGTERM (~3 s), before valid_until (~4 s).
+    let (term, exited, code, message, answers) = run_with_renewals(Faults {
+        answer_delay: 2_200 * MS,
+        ..Faults::default()
+    });
+    assert_eq!(code, 6, "{message}");
+    let term = term.expect("the command's TERM trap never ran");
+    assert!(term >= 4 * S - 18 * MS - S, "SIGTERM early: {term:?}");
+    assert!(term < 3 * S + LATE, "SIGTERM late: {term:?}");
+    assert!(
+        exited >= 4 * S - 18 * MS - 100 * MS,
+        "SIGKILL early: {exited:?}"
+    );
+    assert!(exited < 4 * S + LATE, "{exited:?}");
+    assert!(
+        answers
+            .iter()
+            .any(|answer| matches!(answer, Response::Extended { .. })),
+        "no renewal was answered: {answers:?}"
+    );
+}
+
+/// Issue 25 defect 4 (spec §8 rule 12): the `Q` that `kunci acquire`
+/// sends after a `T` to explain a crash grace is bounded by the acquire's
+/// own deadline `D` = start + wait + 5 s, and left out when it cannot
+/// finish: on a link that delivers answers 3 s late, `--wait 1` ends by
+/// 6 s, not at 7 s when the `Q`'s answer arrives.
+#[test]
+fn acquire_after_a_timeout_ends_by_its_deadline_on_a_slow_link() {
+    let server = TestServer::start(&[]);
+    let holder = direct(&server);
+    let ticket = holder.acquire("slow-link", S, 30 * S).unwrap();
+    let proxy = Proxy::start(&server.addr);
+    proxy.set_faults(Faults {
+        answer_delay: 3 * S,
+        ..Faults::default()
+    });
+    let spawned = Instant::now();
+    let output = kunci(&proxy.addr, &["acquire", "slow-link", "--wait", "1"]);
+    let elapsed = spawned.elapsed();
+    assert_eq!(code(&output), 1, "{}", stderr(&output));
+    assert!(
+        stderr(&output).starts_with("kunci acquire: timeout: "),
+        "{}",
+        stderr(&output)
+    );
+    // The `T` comes 1 s after the request, 3 s late.
+    assert!(elapsed >= 4 * S, "{elapsed:?}");
+    assert!(elapsed < 6 * S + LATE, "past D = 6 s: {elapsed:?}");
+    // The follow-up `Q` was sent, and its answer never awaited.
+    assert!(proxy.frames().iter().any(|frame| frame.op == b'Q'));
+    ticket.release().unwrap();
 }

@@ -438,22 +438,41 @@ fn cli_who_and_list_exit_codes() {
         assert_eq!(output.status.code(), Some(2), "{args:?}");
     }
     // etcd mode answers them too (docs/ETCD.md): an etcd member that is
-    // not there is unavailable, and named as etcd.
-    for args in [&["who", "k"][..], &["list"]] {
-        let output = kunci("etcd://127.0.0.1:1", args);
-        assert_eq!(output.status.code(), Some(4), "{args:?}");
-        let text = String::from_utf8_lossy(&output.stderr);
-        assert!(text.contains("no etcd member"), "{text}");
-    }
-    assert_eq!(server.accepted(), 0);
-    // Nobody listens: unavailable.
+    // not there is unavailable, and named as etcd. And where nobody
+    // listens: unavailable. Each waits for its deadline (5 s), so the four
+    // run at once.
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = dead.local_addr().unwrap().to_string();
     drop(dead);
-    for args in [&["who", "k"][..], &["list"]] {
-        let output = kunci(&addr, args);
+    let unavailable: Vec<_> = [
+        ("etcd://127.0.0.1:1", &["who", "k"][..]),
+        ("etcd://127.0.0.1:1", &["list"]),
+        (addr.as_str(), &["who", "k"]),
+        (addr.as_str(), &["list"]),
+    ]
+    .into_iter()
+    .map(|(server, args)| {
+        let child = Command::new(kunci_bin())
+            .args(args)
+            .env("KUNCI_SERVER", server)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run kunci");
+        (server.starts_with("etcd://"), args, child)
+    })
+    .collect();
+    for (etcd, args, child) in unavailable {
+        let output = child.wait_with_output().unwrap();
         assert_eq!(output.status.code(), Some(4), "{args:?}");
+        if etcd {
+            let text = String::from_utf8_lossy(&output.stderr);
+            assert!(text.contains("no etcd member"), "{text}");
+        }
     }
+    assert_eq!(server.accepted(), 0);
 }
 
 // ------------------------------------------------- against a real server

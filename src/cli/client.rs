@@ -540,8 +540,15 @@ pub(super) fn message(
 /// After a `Timeout`: if the key is held only by the crash grace of a
 /// restarted server (spec §7.2: `Q` shows token 0 and a lease), a sentence
 /// that says so; else nothing.
-pub(super) fn grace_note(client: &Client, key: &str) -> String {
-    match client.query(key) {
+///
+/// The `Q` is only there to explain the timeout, so it is bounded by the
+/// acquire's own deadline `D` (spec §8 rule 12): when it cannot finish by
+/// then, the note is left out.
+pub(super) fn grace_note(client: &Client, key: &str, deadline: std::time::Instant) -> String {
+    if std::time::Instant::now() >= deadline {
+        return String::new();
+    }
+    match client.query_by(key, deadline) {
         Ok(status) if status.token == 0 && status.lease_ms > 0 => format!(
             ". The server restarted after a crash: it counts {key:?} as held by an unknown \
              grant of its previous run for {} more, unless that holder renews or releases it",
@@ -549,6 +556,12 @@ pub(super) fn grace_note(client: &Client, key: &str) -> String {
         ),
         _ => String::new(),
     }
+}
+
+/// The deadline `D` of an acquire with the options' wait that starts now
+/// (spec §8 rule 2): the start, plus the wait, plus the transport deadline.
+pub(super) fn call_deadline(options: &Options) -> std::time::Instant {
+    std::time::Instant::now() + options.wait + crate::client::TRANSPORT_DEADLINE
 }
 
 /// A duration as the user typed it: `2.5 s`, `1 s`.
@@ -867,6 +880,7 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
     };
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
+    let deadline = call_deadline(&options);
     let done = (command.run)(&client, &options, &mut out);
     let _ = out.flush();
     match done {
@@ -879,7 +893,8 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
                 token: None,
             };
             let why = message(name, &Error::Timeout, &options.servers, &attempt);
-            eprintln!("kunci {name}: timeout: {why}{}", grace_note(&client, key));
+            let note = grace_note(&client, key, deadline);
+            eprintln!("kunci {name}: timeout: {why}{note}");
             exit::TIMEOUT
         }
         Err(error) => {

@@ -10,7 +10,10 @@
 //! status. If the lock is lost the group gets SIGTERM, then SIGKILL after
 //! `--kill-after` or [`KILL_LEAD`] before the last confirmed `valid_until`,
 //! whichever comes first, and `kunci` exits 6: the command must not go on
-//! believing it holds the lock.
+//! believing it holds the lock. While renewals go unanswered the SIGTERM
+//! comes before the lock can be lost: `min(--kill-after, lease / 4)` before
+//! `valid_until` if no renewal has moved it by then (spec §9), so that the
+//! command can stop while the lock still holds.
 //!
 //! Two things make that hold in a terminal and when `kunci` is killed:
 //!
@@ -63,7 +66,10 @@ is released and kunci exits with CMD's status (128+N if it died of signal
 N, 126 if it cannot be executed, 127 if it is not found). If the lock is
 lost (a renewal finds it gone, or the lease runs out unrenewed), CMD's
 group gets SIGTERM, then SIGKILL after --kill-after or when the lease
-runs out, whichever comes first, and kunci exits 6. If kunci itself dies,
+runs out, whichever comes first, and kunci exits 6. While renewals go
+unanswered, the SIGTERM comes min(--kill-after, lease/4) before the lease
+runs out, so that CMD can stop while the lock still holds; a renewal
+answered after it does not undo it. If kunci itself dies,
 even by SIGKILL, a watchdog does the same to CMD's group: nothing CMD
 started outlives the lock. An acquire that fails exits as `kunci acquire`
 does (1 timeout, 3 busy, 4 unavailable, 5 indeterminate).
@@ -103,12 +109,50 @@ fn kill_deadline(valid_until: Instant) -> Instant {
     valid_until.checked_sub(KILL_LEAD).unwrap_or(valid_until)
 }
 
+/// How long before `valid_until` the command gets its SIGTERM while
+/// renewals go unanswered (spec §9): `min(--kill-after, lease / 4)`, so
+/// that it can stop while the lock still holds.
+fn term_lead(kill_after: Duration, lease: Duration) -> Duration {
+    kill_after.min(lease / 4)
+}
+
+/// The latest moment the command gets its SIGTERM under a lease valid
+/// until `valid_until` that no renewal has moved: `lead` before it, and
+/// never after [`kill_deadline`].
+fn term_deadline(valid_until: Instant, lead: Duration) -> Instant {
+    valid_until
+        .checked_sub(lead)
+        .unwrap_or(valid_until)
+        .min(kill_deadline(valid_until))
+}
+
 /// The process group the forwarded signals go to, once the command runs.
 static CHILD_GROUP: AtomicI32 = AtomicI32::new(0);
 /// A forwarded signal that arrived before the command was started.
 static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
 
 const FORWARDED: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// Why the command is stopped before it ends on its own.
+enum Stop {
+    Lost(Loss),
+    /// No renewal moved `valid_until` by its SIGTERM deadline
+    /// ([`term_deadline`]); the lease runs out this much later.
+    Expiring(Duration),
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stop::Lost(loss) => write!(f, "{loss}"),
+            Stop::Expiring(left) => write!(
+                f,
+                "no renewal was answered and the lease runs out in {} ms",
+                left.as_millis()
+            ),
+        }
+    }
+}
 
 enum Event {
     Exited(ExitStatus),
@@ -172,12 +216,13 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         wait: Some(options.wait),
         token: None,
     };
+    let deadline = common::call_deadline(&options);
     let ticket = match common::acquire(&client, key, &options) {
         Ok(ticket) => ticket,
         Err(Error::Timeout) => {
             if !options.quiet {
                 let why = common::message("run", &Error::Timeout, &options.servers, &attempt);
-                let grace = common::grace_note(&client, key);
+                let grace = common::grace_note(&client, key, deadline);
                 eprintln!("kunci run: timeout: {why}{grace}");
             }
             return options.conflict_exit_code;
@@ -222,6 +267,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     let watchdog_fd = watchdog.fd();
     let take_terminal = terminal.is_some();
     let mut confirmed = kept.valid_until();
+    let lead = term_lead(options.kill_after, kept.lease());
     let first_deadline = monotonic_ns(kill_deadline(confirmed));
     // SAFETY: between fork and exec the closure only makes
     // async-signal-safe calls (getpid, write, tcsetpgrp, signal).
@@ -276,7 +322,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     let outcome = loop {
         match inbox.recv_timeout(POLL) {
             Ok(Event::Exited(status)) => break Ok(status),
-            Ok(Event::Lost(loss)) => break Err(loss),
+            Ok(Event::Lost(loss)) => break Err(Stop::Lost(loss)),
             Ok(Event::Stopped) if stdin_is_terminal() => {
                 terminal = suspend_with(terminal, group);
             }
@@ -285,7 +331,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             // The reaper never ends, so this cannot happen; if it did, the
             // command could no longer be watched.
-            Err(mpsc::RecvTimeoutError::Disconnected) => break Err(Loss::Expired),
+            Err(mpsc::RecvTimeoutError::Disconnected) => break Err(Stop::Lost(Loss::Expired)),
         }
         // Each renewal moves the watchdog's deadline with it.
         let valid_until = kept.valid_until();
@@ -293,19 +339,26 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             confirmed = valid_until;
             watchdog.extend(valid_until);
         }
+        // Renewals went unanswered for so long that the command must get
+        // its SIGTERM now, while the lock still holds (spec §9). A renewal
+        // answered later does not undo it.
+        let now = Instant::now();
+        if now >= term_deadline(confirmed, lead) {
+            break Err(Stop::Expiring(confirmed.saturating_duration_since(now)));
+        }
     };
     // A command that ended just as the lease ran out (the watchdog acts at
     // the same deadline) ends as a lost lock too: it may not have finished
     // its work under the lock.
     let (outcome, reaped) = match outcome {
         Ok(status) => match kept.lost() {
-            Some(loss) => (Err(loss), true),
+            Some(loss) => (Err(Stop::Lost(loss)), true),
             None if Instant::now() >= kill_deadline(kept.valid_until()) => {
-                (Err(Loss::Expired), true)
+                (Err(Stop::Lost(Loss::Expired)), true)
             }
             None => (Ok(status), true),
         },
-        Err(loss) => (Err(loss), false),
+        Err(stop) => (Err(stop), false),
     };
     match outcome {
         Ok(status) => {
@@ -323,19 +376,21 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             release(kept);
             exit_status(status)
         }
-        Err(loss) => {
-            eprintln!("kunci run: lock lost: {loss}; stopping the command");
+        Err(stop) => {
+            eprintln!("kunci run: lock lost: {stop}; stopping the command");
             terminate(group);
-            // SIGKILL never later than the last `valid_until` a renewal
-            // confirmed: after it, someone else may hold the lock.
-            let kill_at =
-                (Instant::now() + options.kill_after).min(kill_deadline(kept.valid_until()));
+            // SIGKILL never later than the `valid_until` known at the
+            // SIGTERM: after it, someone else may hold the lock. A renewal
+            // answered since does not give the command more time.
+            let kill_at = (Instant::now() + options.kill_after).min(kill_deadline(confirmed));
             stop_group(group, kill_at, (!reaped).then_some(&inbox));
             if let Some(terminal) = terminal {
                 terminal.restore(group);
             }
             watchdog.disarm();
-            // Lost: releasing sends nothing.
+            // Lost: releasing sends nothing. Stopped before the lease ran
+            // out: the drop releases it in the background, if a renewal
+            // got through after all.
             drop(kept);
             exit::NOT_HELD
         }

@@ -641,8 +641,16 @@ impl Client {
 
     /// Who holds `key`, for how long, and how many wait for it.
     pub fn query(&self, key: &str) -> Result<KeyStatus, Error> {
+        self.query_by(key, Instant::now() + TRANSPORT_DEADLINE)
+    }
+
+    /// [`query`](Self::query) that ends by `deadline` (and by `start + 5
+    /// s`): a follow-up bounded by the deadline of the call it explains
+    /// (spec §8 rule 12).
+    pub(crate) fn query_by(&self, key: &str, deadline: Instant) -> Result<KeyStatus, Error> {
         let key = Key::new(key).map_err(Error::InvalidArgument)?;
-        match self.call_now(Op::Query, key) {
+        let deadline = deadline.min(Instant::now() + TRANSPORT_DEADLINE);
+        match self.call(Op::Query, key, deadline) {
             Outcome::Query(status) => Ok(status),
             outcome => Err(outcome_error(outcome)),
         }

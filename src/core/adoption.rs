@@ -72,6 +72,7 @@ impl Core {
     /// Treat every key as held by an unknown grant until `until` (spec §7).
     pub fn set_grace_until(&mut self, until: Micros) {
         self.grace_until = until;
+        self.leases.grace_tick = tick_at_or_after(until);
     }
 
     /// The grace's unknown grants may include counted grants (spec §7.4:
@@ -119,6 +120,7 @@ impl Core {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
+                leases: &mut self.leases,
             };
             self.wheel
                 .arm(&mut nodes, entry, tick_at_or_after(self.grace_until));
@@ -138,10 +140,35 @@ impl Core {
         self.grace_until
     }
 
-    /// The latest lease deadline ever armed for a grant of this run: no
-    /// lease this core granted runs past it.
+    /// No lease this core granted runs past it: the latest lease deadline
+    /// armed for a grant of this run — since the last
+    /// [`settle_lease_deadline_max`](Self::settle_lease_deadline_max), or
+    /// of the leases still running then.
     pub fn lease_deadline_max(&self) -> Micros {
         self.lease_deadline_max
+    }
+
+    /// Whether a lease timer left the wheel (a grant released, expired or
+    /// renewed; the unknown grant's horizon reached) since the last
+    /// [`settle_lease_deadline_max`](Self::settle_lease_deadline_max): then
+    /// the leases still running may end earlier than
+    /// [`lease_deadline_max`](Self::lease_deadline_max).
+    pub fn leases_ended(&self) -> bool {
+        self.leases.ended
+    }
+
+    /// Forgets the leases that ended: [`lease_deadline_max`](Self::lease_deadline_max)
+    /// comes down to the latest deadline of a lease still armed (rounded up
+    /// to [`restart::LEDGER_BUCKET`](super::restart::LEDGER_BUCKET); the
+    /// unknown grants' horizon, [`grace_until`](Self::grace_until), is not
+    /// a lease of this run), or 0 when none is. Call it after `handle_timeout`, which leaves no
+    /// armed timer due.
+    pub fn settle_lease_deadline_max(&mut self) {
+        let live = self
+            .leases
+            .latest(self.wheel.elapsed(), self.unknown_holders);
+        self.lease_deadline_max = self.lease_deadline_max.min(live);
+        self.leases.ended = false;
     }
 
     /// The first token of this run; tokens below it are an earlier run's.

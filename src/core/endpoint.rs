@@ -567,6 +567,9 @@ impl Endpoint {
             self.core.poll_timeout(),
             self.timers.next_tick().map(tick_start),
             self.shutdown_deadline,
+            self.durability
+                .as_ref()
+                .and_then(|durability| durability.poll_timeout(&self.core)),
         ]
         .into_iter()
         .flatten()
@@ -574,9 +577,14 @@ impl Endpoint {
     }
 
     /// Fires what is due at `now`: the core's leases and waits, then
-    /// partial-frame and linger deadlines.
+    /// partial-frame and linger deadlines. With a state directory it may
+    /// also decide to bring the lease horizon down (`Durability::plan`):
+    /// the shell then makes [`poll_persist`](Self::poll_persist) durable.
     pub fn handle_timeout(&mut self, now: Micros) {
         self.core.handle_timeout(now);
+        if let Some(durability) = self.durability.as_mut() {
+            durability.plan(&mut self.core, now);
+        }
         self.route();
         while let Some(id) = self
             .timers

@@ -44,6 +44,11 @@ impl Core {
                 if permits.unknown {
                     unknown += 1;
                     leased_entries += 1;
+                    assert_eq!(
+                        self.wheel.deadline_of(&{ held.lease }),
+                        self.leases.grace_tick,
+                        "key {key:?}: the unknown grant's timer is not at the horizon"
+                    );
                     // Only adopted grants (spec §7.4) beside the unknown one.
                     assert!(
                         permits.grants.iter().all(|&grant| {
@@ -102,6 +107,11 @@ impl Core {
                 assert!(held.lease.is_armed(), "key {key:?} has no lease timer");
                 leased_entries += 1;
                 unknown += 1;
+                assert_eq!(
+                    self.wheel.deadline_of(&{ held.lease }),
+                    self.leases.grace_tick,
+                    "key {key:?}: the unknown grant's timer is not at the horizon"
+                );
                 assert!(
                     !held.waiters.is_empty(),
                     "key {key:?} held by an unknown grant and waited on by nobody"
@@ -197,6 +207,11 @@ impl Core {
             self.wheel.len(),
             leased_entries + listed_grants + queued,
             "armed timers vs leases, grants and waiters"
+        );
+        assert_eq!(
+            self.leases.len(),
+            leased_entries + listed_grants,
+            "lease timers counted by deadline vs leases and grants"
         );
     }
 }

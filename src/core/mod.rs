@@ -40,6 +40,7 @@ use labels::{LabelOf, Labels};
 use lock_table::LockTable;
 use memory::NIL;
 use permits::{Grants, PERMITS, PermitKey};
+use restart::LeaseLedger;
 use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
 
@@ -207,8 +208,14 @@ pub struct Core {
     /// The first token of this run: tokens below it were issued by an
     /// earlier run (spec §7: adoption during the grace).
     first_token: u64,
-    /// The latest lease deadline armed for a grant of this run.
+    /// No lease of this run runs past it: the latest lease deadline armed
+    /// for a grant of this run, or, after
+    /// [`settle_lease_deadline_max`](Self::settle_lease_deadline_max),
+    /// since the leases then still running.
     lease_deadline_max: Micros,
+    /// Every armed lease timer (grants, restored and adopted grants, the
+    /// unknown grant's horizon), counted by deadline.
+    leases: LeaseLedger,
     /// The permit state of keys with a limit (spec §10), by the index an
     /// entry with token [`PERMITS`] keeps in its `owner`.
     permit_keys: slab::Slab<PermitKey>,
@@ -230,6 +237,8 @@ struct TimerNodes<'a> {
     table: &'a mut LockTable,
     waiters: &'a mut Waiters,
     grants: &'a mut Grants,
+    /// Counts the lease timers (every timer but the waiters').
+    leases: &'a mut LeaseLedger,
 }
 
 impl TimerStore for TimerNodes<'_> {
@@ -240,6 +249,20 @@ impl TimerStore for TimerNodes<'_> {
             &mut self.waiters.get_mut(id & !WAITER_TIMER).timer
         } else {
             &mut self.grants.get_mut(id & !GRANT_TIMER).lease
+        }
+    }
+
+    #[inline(always)]
+    fn armed(&mut self, id: TimerId, deadline: u64) {
+        if id & WAITER_TIMER == 0 {
+            self.leases.add(deadline);
+        }
+    }
+
+    #[inline(always)]
+    fn disarmed(&mut self, id: TimerId, deadline: u64) {
+        if id & WAITER_TIMER == 0 {
+            self.leases.remove(deadline);
         }
     }
 }
@@ -262,6 +285,7 @@ impl Core {
             counted_grants_made: false,
             first_token: first_token.max(1),
             lease_deadline_max: 0,
+            leases: LeaseLedger::new(),
             permit_keys: slab::Slab::new(),
             grants: Grants::default(),
             grants_held: 0,
@@ -517,6 +541,7 @@ impl Core {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
+                leases: &mut self.leases,
             };
             let Some(id) = self.wheel.poll(&mut nodes, now_tick) else {
                 break;
@@ -671,6 +696,7 @@ impl Core {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
+                leases: &mut self.leases,
             },
         )
     }
@@ -683,6 +709,7 @@ impl Core {
             table: &mut self.table,
             waiters: &mut self.waiters,
             grants: &mut self.grants,
+            leases: &mut self.leases,
         };
         self.wheel
             .arm(&mut nodes, entry, tick_at_or_after(deadline));
@@ -693,6 +720,7 @@ impl Core {
             table: &mut self.table,
             waiters: &mut self.waiters,
             grants: &mut self.grants,
+            leases: &mut self.leases,
         };
         self.wheel.cancel(&mut nodes, entry);
     }
@@ -724,6 +752,7 @@ impl Core {
             table: &mut self.table,
             waiters: &mut self.waiters,
             grants: &mut self.grants,
+            leases: &mut self.leases,
         };
         self.wheel.cancel(&mut nodes, waiter | WAITER_TIMER);
         let (conn, entry) = {

@@ -21,6 +21,14 @@ pub const HORIZON_STEP: Duration = Duration::from_secs(5);
 /// No grace after a restart, and no restored lease, lasts longer than the
 /// longest lease plus [`HORIZON_STEP`], whatever the clocks say.
 pub const MAX_GRACE: Duration = Duration::from_secs(255 + 5);
+/// How often, at most, the leases still running are looked at after some
+/// ended, to bring the horizon down.
+pub const LOWER_CHECK: Duration = Duration::from_secs(1);
+/// The least time between two writes that bring the horizon down: under
+/// any load they add at most one write (and the raise after it) per 5 s.
+pub const LOWER_EVERY: Duration = Duration::from_secs(5);
+/// The least gain worth a write that brings the horizon down.
+pub const LOWER_GAIN_MIN: Duration = Duration::from_secs(1);
 
 const MS: Micros = 1_000;
 
@@ -47,11 +55,26 @@ pub struct Promise {
 /// [`HORIZON_STEP`] past the latest lease deadline — so the horizon never
 /// runs more than 5 s past the latest lease armed, and steady grants cost
 /// one write per [`HORIZON_STEP`].
+///
+/// The horizon also comes down as long leases end ([`plan`](Self::plan)):
+/// within [`LOWER_CHECK`] of a lease ending, when that gains more than
+/// [`LOWER_GAIN_MIN`], and at most once per [`LOWER_EVERY`], the next
+/// promise puts it [`HORIZON_STEP`] past the latest lease still running
+/// (never below it, nor below an inherited grace), so that the grace after
+/// a crash follows the leases outstanding at the crash, not a long lease
+/// released before it.
 #[derive(Clone, Debug, Default)]
 pub struct Durability {
     /// What the file on disk promises; `None` until this run's first
     /// write (which replaces the earlier run's file whatever it said).
     persisted: Option<Promise>,
+    /// [`plan`](Self::plan) decided to bring the horizon down with the
+    /// next promise.
+    lowering: bool,
+    /// When `plan` last brought the horizon down.
+    lowered_at: Option<Micros>,
+    /// `plan` does nothing before then.
+    next_plan: Micros,
 }
 
 impl Durability {
@@ -94,8 +117,17 @@ impl Durability {
             } else {
                 persisted.token_high_water
             };
-        let horizon = if lease_deadline.max(grace_until) > persisted.horizon {
+        let covered = lease_deadline.max(grace_until);
+        let horizon = if covered > persisted.horizon {
             raised_horizon(lease_deadline, grace_until)
+        } else if self.lowering {
+            // Computed now, from what is armed now: never below a lease.
+            let lowered = if covered == 0 {
+                0
+            } else {
+                raised_horizon(lease_deadline, grace_until)
+            };
+            lowered.min(persisted.horizon)
         } else {
             persisted.horizon
         };
@@ -110,6 +142,50 @@ impl Durability {
     /// The shell made `promise` durable.
     pub fn persisted(&mut self, promise: Promise) {
         self.persisted = Some(promise);
+        self.lowering = false;
+    }
+
+    /// After `core.handle_timeout(now)`: if leases ended since the last
+    /// look (at most once per [`LOWER_CHECK`]), forgets them
+    /// ([`Core::settle_lease_deadline_max`]) and decides whether the next
+    /// promise brings the horizon down (see the type's docs); the shell
+    /// then makes [`needed`](Self::needed) durable as before any answer.
+    pub fn plan(&mut self, core: &mut Core, now: Micros) {
+        if !core.leases_ended() || now < self.next_plan {
+            return;
+        }
+        let Some(persisted) = self.persisted else {
+            return;
+        };
+        if let Some(lowered_at) = self.lowered_at {
+            let allowed = lowered_at + micros(LOWER_EVERY);
+            if now < allowed {
+                self.next_plan = allowed;
+                return;
+            }
+        }
+        self.next_plan = now + micros(LOWER_CHECK);
+        core.settle_lease_deadline_max();
+        let covered = core.lease_deadline_max().max(core.grace_until());
+        let wanted = if covered == 0 {
+            0
+        } else {
+            raised_horizon(core.lease_deadline_max(), core.grace_until())
+        };
+        if persisted.horizon > wanted.max(now) + micros(LOWER_GAIN_MIN) {
+            self.lowering = true;
+            self.lowered_at = Some(now);
+        }
+    }
+
+    /// When [`plan`](Self::plan) next has work, if it has any.
+    pub fn poll_timeout(&self, core: &Core) -> Option<Micros> {
+        (core.leases_ended() && self.persisted.is_some()).then_some(self.next_plan)
+    }
+
+    /// When `plan` last decided to bring the horizon down.
+    pub fn lowered_at(&self) -> Option<Micros> {
+        self.lowered_at
     }
 
     /// What the file on disk promises, if this run wrote it yet.
@@ -123,6 +199,116 @@ impl Durability {
 /// after crash never lengthens it.
 fn raised_horizon(lease_deadline: Micros, grace_until: Micros) -> Micros {
     (lease_deadline + micros(HORIZON_STEP)).max(grace_until)
+}
+
+/// The width of a [`LeaseLedger`] bucket.
+pub const LEDGER_BUCKET: Duration = Duration::from_millis(100);
+const BUCKET_TICKS: u64 = 100;
+/// Buckets in the ledger's ring: 409.6 s, more than any lease, restored
+/// grant or grace (at most [`MAX_GRACE`]) lies ahead of the wheel.
+const LEDGER_BUCKETS: u64 = 4096;
+/// How far behind the wheel, in buckets, the ledger looks for a deadline
+/// (a timer armed for a tick already reached fires at the next poll): 100
+/// s, which leaves 309.5 s ahead.
+const LEDGER_BEHIND: u64 = 1_000;
+
+/// The armed lease timers of a core, counted by the 100 ms bucket their
+/// deadline tick falls in, so that the latest deadline of a lease still
+/// running is found without a walk over the table: the wheel reports
+/// every arm and every disarm with its deadline (`TimerStore`), so the
+/// counts are exact. O(1) per arm and disarm; [`latest`](Self::latest)
+/// looks at up to 4,096 counters, so it is called rarely.
+pub(crate) struct LeaseLedger {
+    counts: Box<[u32]>,
+    /// One bit per bucket: its count is not 0.
+    occupied: Box<[u64]>,
+    armed: usize,
+    /// A timer left since the last settle.
+    pub(crate) ended: bool,
+    /// The tick every unknown grant's timer is armed for (the grace's end).
+    pub(crate) grace_tick: u64,
+}
+
+impl LeaseLedger {
+    pub(crate) fn new() -> LeaseLedger {
+        LeaseLedger {
+            counts: vec![0; LEDGER_BUCKETS as usize].into_boxed_slice(),
+            occupied: vec![0; LEDGER_BUCKETS as usize / 64].into_boxed_slice(),
+            armed: 0,
+            ended: false,
+            grace_tick: 0,
+        }
+    }
+
+    #[inline(always)]
+    fn bucket(tick: u64) -> usize {
+        ((tick / BUCKET_TICKS) % LEDGER_BUCKETS) as usize
+    }
+
+    #[inline(always)]
+    pub(crate) fn add(&mut self, tick: u64) {
+        let bucket = Self::bucket(tick);
+        self.counts[bucket] += 1;
+        self.occupied[bucket / 64] |= 1 << (bucket % 64);
+        self.armed += 1;
+    }
+
+    #[inline(always)]
+    pub(crate) fn remove(&mut self, tick: u64) {
+        let bucket = Self::bucket(tick);
+        let count = &mut self.counts[bucket];
+        debug_assert!(*count > 0, "a lease timer disarmed that was never armed");
+        *count = count.saturating_sub(1);
+        if *count == 0 {
+            self.occupied[bucket / 64] &= !(1 << (bucket % 64));
+        }
+        self.armed = self.armed.saturating_sub(1);
+        self.ended = true;
+    }
+
+    /// How many lease timers are armed.
+    pub(crate) fn len(&self) -> usize {
+        self.armed
+    }
+
+    /// The end (µs) of the latest bucket that holds an armed deadline —
+    /// never before that deadline — or 0 when nothing is armed, leaving
+    /// out the `unknown` timers of the unknown grants, all armed for
+    /// [`grace_tick`](Self::grace_tick). `elapsed`
+    /// is the wheel's tick: every armed deadline lies less than 100 s behind
+    /// it and less than 309.5 s ahead.
+    pub(crate) fn latest(&self, elapsed: u64, unknown: usize) -> Micros {
+        if self.armed <= unknown {
+            return 0;
+        }
+        let grace_bucket = self.grace_tick / BUCKET_TICKS;
+        let first = (elapsed / BUCKET_TICKS).saturating_sub(LEDGER_BEHIND);
+        let mut bucket = first + LEDGER_BUCKETS - 1;
+        let found = loop {
+            // The occupied buckets of `bucket`'s word, up to `bucket`.
+            let index = bucket % LEDGER_BUCKETS;
+            let bit = index % 64;
+            let mut bits = self.occupied[(index / 64) as usize] & (u64::MAX >> (63 - bit));
+            let mut hit = None;
+            while bits != 0 {
+                let top = 63 - u64::from(bits.leading_zeros());
+                let candidate = bucket - (bit - top);
+                let count = self.counts[(candidate % LEDGER_BUCKETS) as usize] as usize;
+                if candidate != grace_bucket || count > unknown {
+                    hit = Some(candidate);
+                    break;
+                }
+                bits &= !(1 << top);
+            }
+            match hit {
+                Some(candidate) if candidate >= first => break Some(candidate),
+                Some(_) => break None,
+                None if bucket < first + bit + 1 => break None,
+                None => bucket -= bit + 1,
+            }
+        };
+        found.map_or(Micros::MAX, |bucket| (bucket + 1) * BUCKET_TICKS * MS)
+    }
 }
 
 /// One grant held at a clean stop, as persisted and as read back.
@@ -362,6 +548,36 @@ mod tests {
         // Once on disk it stays for the run.
         let leased = durability.needed_for(100, 5 * S, 0, false).unwrap();
         assert!(leased.counted_grants);
+    }
+
+    #[test]
+    fn the_ledger_finds_the_latest_armed_lease_across_the_ring_and_leaves_out_the_grace() {
+        let mut ledger = LeaseLedger::new();
+        assert_eq!(ledger.latest(0, 0), 0);
+        // Ticks are ms; a bucket is 100 of them and ends after its deadline.
+        ledger.add(4_000);
+        ledger.add(30_050);
+        assert_eq!(ledger.latest(0, 0), 30_100 * MS);
+        ledger.remove(30_050);
+        assert!(ledger.ended);
+        assert_eq!(ledger.latest(0, 0), 4_100 * MS);
+        // Far along the clock, past several turns of the 409.6 s ring.
+        let far = 10_000_000;
+        ledger.remove(4_000);
+        ledger.add(far + 255_000);
+        ledger.add(far + 1);
+        assert_eq!(ledger.latest(far, 0), (far + 255_100) * MS);
+        ledger.remove(far + 255_000);
+        assert_eq!(ledger.latest(far, 0), (far + 100) * MS);
+        // The unknown grants' timers at the grace's end are left out; a
+        // lease in the same bucket is not.
+        ledger.grace_tick = far + 200_000;
+        ledger.add(far + 200_000);
+        ledger.add(far + 200_000);
+        assert_eq!(ledger.latest(far, 2), (far + 100) * MS);
+        ledger.add(far + 200_050);
+        assert_eq!(ledger.latest(far, 2), (far + 200_100) * MS);
+        assert_eq!(ledger.len(), 4);
     }
 
     #[test]

@@ -473,6 +473,9 @@ impl Server {
             }
             let now = shell.now();
             shell.endpoint.handle_timeout(now);
+            // A horizon brought down as leases ended is written even when
+            // no answer is waiting to go.
+            shell.make_durable()?;
             if let Some(metrics) = shell.metrics.as_mut() {
                 metrics.expire(&shell.registry, now);
             }

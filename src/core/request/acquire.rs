@@ -90,9 +90,12 @@ impl Core {
 
     /// An acquire on a key with a limit (spec §10.2–4).
     fn acquire_permits(&mut self, conn: ConnId, entry: u32, ask: &Ask<'_>, now: Micros) {
-        if ask.limit != 0 && self.permit_key(entry).limit == 0 {
-            // A key held by adopted grants (spec §7.4) has no limit until
-            // a request names one.
+        // A key held by adopted grants (spec §7.4) has no limit until a
+        // request names one, and only a request that is granted or queued
+        // sets it: one that ends at once with `T` or `B` sets nothing
+        // (§10.2).
+        let names_first = ask.limit != 0 && self.permit_key(entry).limit == 0;
+        if names_first {
             self.permit_key_mut(entry).limit = ask.limit;
         }
         let permits = self.permit_key(entry);
@@ -104,20 +107,36 @@ impl Core {
             return;
         }
         let queue = self.table.get(entry).waiters;
-        if queue.is_empty() && permits.fits(ask.take) {
-            if self.next_token == u64::MAX || !self.can_grant() {
-                return self.busy(conn, ask.owner);
+        // Ends at once: `B` (true) or `T` (false).
+        let busy = if queue.is_empty() && permits.fits(ask.take) {
+            if self.next_token != u64::MAX && self.can_grant() {
+                let label = labels::owned(ask.label);
+                return self.grant_permits(
+                    entry,
+                    conn,
+                    ask.owner,
+                    ask.take,
+                    ask.lease_s,
+                    label,
+                    now,
+                );
             }
-            let label = labels::owned(ask.label);
-            return self.grant_permits(entry, conn, ask.owner, ask.take, ask.lease_s, label, now);
+            true
+        } else if ask.wait_s == 0 {
+            false
+        } else if self.can_queue(conn, queue) {
+            return self.enqueue(conn, entry, ask, now);
+        } else {
+            true
+        };
+        if names_first {
+            self.permit_key_mut(entry).limit = 0;
         }
-        if ask.wait_s == 0 {
-            return self.timeout(conn, ask.owner);
+        if busy {
+            self.busy(conn, ask.owner)
+        } else {
+            self.timeout(conn, ask.owner)
         }
-        if !self.can_queue(conn, queue) {
-            return self.busy(conn, ask.owner);
-        }
-        self.enqueue(conn, entry, ask, now);
     }
 
     /// Queues `ask` at the tail of `entry`'s queue, its deadline armed.
@@ -142,6 +161,7 @@ impl Core {
             table: &mut self.table,
             waiters: &mut self.waiters,
             grants: &mut self.grants,
+            leases: &mut self.leases,
         };
         self.wheel.arm(
             &mut nodes,
