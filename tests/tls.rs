@@ -176,6 +176,57 @@ fn acquire_and_release_over_tls_beside_plaintext() {
     assert_eq!(text(&query.stdout), "free\n");
 }
 
+/// Issue 25 defect 5: a TLS port addressed without tls:// ends at once,
+/// saying to use it, even with --wait inf; tls:// to a plain port says
+/// the server does not speak TLS, and gives no advice about a CA.
+#[test]
+fn the_wrong_side_of_tls_ends_at_once_naming_the_mix_up() {
+    let pki = Pki::new();
+    let server = pki.server(&[]);
+    let tls_as_plain = tls_address(&server).replace("tls://", "");
+    let started = Instant::now();
+    let mut child = Command::new(kunci_bin())
+        .args(["acquire", "k", "--wait", "inf", "--server", &tls_as_plain])
+        .env_remove("KUNCI_SERVER")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while child.try_wait().unwrap().is_none() && started.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let output = child.wait_with_output().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(3), "{output:?}");
+    assert_exit(
+        &output,
+        4,
+        &format!(
+            "kunci acquire: unavailable: {tls_as_plain} answered: the server speaks TLS: \
+             address it as tls://HOST:PORT; nothing was executed\n"
+        ),
+    );
+    let plain_as_tls = format!(
+        "tls://{}",
+        plain_address(&server).replace("127.0.0.1", "localhost")
+    );
+    let ca = pki.path("ca.pem");
+    let started = Instant::now();
+    let output = kunci(&["ping", "--tls-ca", &ca, "--server", &plain_as_tls], &[]);
+    assert!(started.elapsed() < Duration::from_secs(3), "{output:?}");
+    assert_exit(
+        &output,
+        4,
+        &format!(
+            "kunci ping: unavailable: {plain_as_tls} answered: the server does not speak TLS \
+             on that port (a plain kunci port?): address it without tls://; nothing was \
+             executed\n"
+        ),
+    );
+}
+
 #[test]
 fn library_client_over_tls() {
     let pki = Pki::new();

@@ -323,6 +323,21 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
              Use --auth, --allow or a loopback/unix listener"
         );
     }
+    for address in server.secrets_in_clear_addresses() {
+        warn!(
+            "{address} is plaintext TCP reachable beyond this host, and --auth is on: \
+             clients' secrets cross the network in clear there, where anyone on the \
+             path can read them. Listen on tls://HOST:PORT (with --tls-cert and \
+             --tls-key) instead; clients refuse to send a secret in clear unless told \
+             to (--insecure-plaintext-secret)"
+        );
+    }
+    if identities == Some(0) {
+        warn!(
+            "the --auth file has no identities: every session will be refused (X 12). \
+             Add lines with `kunci secret NAME SCOPE...`"
+        );
+    }
     // Under systemd (`Type=notify`) this says "listening"; elsewhere,
     // without NOTIFY_SOCKET, it does nothing.
     if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {

@@ -156,6 +156,9 @@ pub(crate) fn start(
     if let Some(secret) = &config.secret {
         engine.authenticate_with(secret.clone());
     }
+    if let Some(problem) = config.plaintext_secret_problem(&addresses) {
+        engine.refuse_every_request(problem);
+    }
     let mut shell = Shell {
         poll,
         shared: shared.clone(),
@@ -405,6 +408,10 @@ impl Shell {
             Failure::Untrusted(why) | Failure::Other(why) => {
                 log::debug!("session {s}: TLS with {address:?}: {why}");
                 Refusal::Unavailable(super::Unavailable::Untrusted(why))
+            }
+            Failure::NotTls(why) => {
+                log::debug!("session {s}: TLS with {address:?}: {why}");
+                Refusal::Unavailable(super::Unavailable::WrongProtocol(why))
             }
             Failure::Refused(why) => {
                 log::debug!("session {s}: TLS with {address:?}: {why}");
