@@ -104,18 +104,13 @@ impl FromStr for Address {
         if let Some((scheme, _)) = text.split_once("://") {
             return Err(AddressError::address(
                 text,
-                format!(
-                    "unknown scheme {scheme}:// (expected HOST:PORT, unix:PATH, \
-                     tls://HOST:PORT or etcd://HOST:PORT[,...])"
-                ),
+                format!("unknown scheme {scheme}:// (expected {CLIENT_FORMS}"),
             ));
         }
         if let Some(problem) = host_port_problem(text) {
             return Err(AddressError::address(
                 text,
-                format!(
-                    "{problem} (expected HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])"
-                ),
+                format!("{problem} (expected {CLIENT_FORMS}"),
             ));
         }
         Ok(Address::Tcp(text.to_owned()))
@@ -153,6 +148,29 @@ impl Address {
     }
 }
 
+/// The end of a client address's parse error, naming what a client takes.
+const CLIENT_FORMS: &str = "HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])";
+/// What a server listens on: no etcd://.
+const LISTEN_FORMS: &str = "HOST:PORT, tls://HOST:PORT or unix:PATH)";
+
+/// Parses an address a server listens on (`--listen`): as a client
+/// address, but `etcd://` is refused and a message names only the forms a
+/// server takes.
+pub fn parse_listen(text: &str) -> Result<Address, AddressError> {
+    match text.parse() {
+        Ok(Address::Etcd { .. }) => Err(AddressError::address(
+            text,
+            "etcd:// is a client address: a kunci server listens on HOST:PORT, \
+             tls://HOST:PORT or unix:PATH",
+        )),
+        Ok(address) => Ok(address),
+        Err(mut error) => {
+            error.problem = error.problem.replace(CLIENT_FORMS, LISTEN_FORMS);
+            Err(error)
+        }
+    }
+}
+
 /// What is wrong with `HOST:PORT`, if anything.
 fn host_port_problem(text: &str) -> Option<String> {
     let Some((host, port)) = text.rsplit_once(':') else {
@@ -184,6 +202,18 @@ impl fmt::Display for Address {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_listen_address_names_only_what_a_server_takes() {
+        let error = parse_listen("127.0.0.1").unwrap_err().to_string();
+        assert_eq!(
+            error,
+            "invalid address \"127.0.0.1\": no port \
+             (expected HOST:PORT, tls://HOST:PORT or unix:PATH)"
+        );
+        assert!(parse_listen("etcd://a:1").is_err());
+        assert_eq!(parse_listen("unix:/k"), Ok(Address::Unix("/k".into())));
+    }
 
     #[test]
     fn secrets_stay_private_over_tls_unix_and_loopback_only() {

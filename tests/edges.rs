@@ -461,3 +461,16 @@ fn a_peer_that_is_no_kunci_server_ends_at_once() {
         stderr(&output)
     );
 }
+
+/// Smaller: `--listen` without a port names what a server listens on, and
+/// not etcd://.
+#[test]
+fn a_bad_listen_address_does_not_suggest_etcd() {
+    let output = kunci(&["serve", "--listen", "127.0.0.1"], &[]);
+    assert_eq!(output.status.code(), Some(2));
+    assert_eq!(
+        stderr(&output),
+        "kunci serve: invalid address \"127.0.0.1\": no port (expected HOST:PORT, \
+         tls://HOST:PORT or unix:PATH)\n(see kunci serve --help)\n"
+    );
+}

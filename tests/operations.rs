@@ -538,7 +538,7 @@ fn usage_errors_are_one_line_naming_what_is_wrong_and_one_hint() {
         (
             &["serve", "--listen", "nohost"],
             "kunci serve: invalid address \"nohost\": no port (expected HOST:PORT, \
-             unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])\n(see kunci serve --help)\n",
+             tls://HOST:PORT or unix:PATH)\n(see kunci serve --help)\n",
         ),
         (
             &["acquire", "k", "--server", "db:99999"],

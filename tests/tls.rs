@@ -227,6 +227,48 @@ fn the_wrong_side_of_tls_ends_at_once_naming_the_mix_up() {
     );
 }
 
+/// Issue 25: TLS option mistakes are usage errors (exit 2) before any
+/// connection: a certificate without its key, a key of another
+/// certificate.
+#[test]
+fn tls_option_mistakes_are_usage_errors() {
+    let pki = Pki::new();
+    let (ca, cert, key) = (
+        pki.path("ca.pem"),
+        pki.path("client.pem"),
+        pki.path("stranger.key"),
+    );
+    let output = kunci(
+        &["ping", "--tls-cert", &cert, "--server", "tls://localhost:1"],
+        &[],
+    );
+    assert_exit(
+        &output,
+        2,
+        "kunci ping: --tls-cert and --tls-key go together\n(see kunci ping --help)\n",
+    );
+    let output = kunci(
+        &[
+            "ping",
+            "--tls-ca",
+            &ca,
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--server",
+            "tls://localhost:1",
+        ],
+        &[],
+    );
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output.stderr));
+    assert!(
+        text(&output.stderr).starts_with("kunci ping: TLS: "),
+        "{}",
+        text(&output.stderr)
+    );
+}
+
 #[test]
 fn library_client_over_tls() {
     let pki = Pki::new();
@@ -309,7 +351,8 @@ fn an_untrusted_server_is_unavailable_with_the_problem_named() {
             "the server's certificate is not signed by a trusted CA"
         )))
     );
-    // A CA file that is not there stops the command before anything.
+    // A CA file that is not there stops the command before anything: a
+    // usage error, as every TLS option mistake.
     let missing = kunci(
         &[
             "ping",
@@ -320,7 +363,7 @@ fn an_untrusted_server_is_unavailable_with_the_problem_named() {
         ],
         &[],
     );
-    assert_eq!(missing.status.code(), Some(4));
+    assert_eq!(missing.status.code(), Some(2));
     assert!(
         text(&missing.stderr).contains("CA file /nonexistent/ca.pem: No such file or directory"),
         "{}",

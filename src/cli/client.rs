@@ -62,6 +62,28 @@ pub(super) fn tls_option(
 /// `--secret-file` is not given.
 pub const SECRET_ENV: &str = "KUNCI_SECRET";
 
+/// Refuses TLS options that cannot work, before anything is connected: a
+/// certificate without its key (or the reverse), and, when an address is
+/// `tls://`, files that do not load or a key that does not match its
+/// certificate. Usage errors, as every other wrong option.
+pub(super) fn check_tls(servers: &[Address], tls: &TlsOptions) -> Result<(), String> {
+    #[cfg(feature = "tls")]
+    {
+        if tls.cert.is_some() != tls.key.is_some() {
+            return Err("--tls-cert and --tls-key go together".to_owned());
+        }
+        if servers
+            .iter()
+            .any(|address| matches!(address, Address::Tls(_) | Address::Etcd { tls: true, .. }))
+        {
+            crate::tls::client_config(&tls_files(tls)).map_err(|e| format!("TLS: {e}"))?;
+        }
+    }
+    #[cfg(not(feature = "tls"))]
+    let _ = (servers, tls);
+    Ok(())
+}
+
 /// The environment variable that, set to `1`, allows what
 /// `--insecure-plaintext-secret` allows.
 pub const ALLOW_PLAINTEXT_SECRET_ENV: &str = "KUNCI_ALLOW_PLAINTEXT_SECRET";
@@ -288,6 +310,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         options.secret.as_ref(),
         allow_plaintext_secret,
     )?;
+    check_tls(&options.servers, &options.tls)?;
     Ok(Parsed::Run(options))
 }
 

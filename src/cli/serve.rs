@@ -104,7 +104,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Parsed>, String> {
     while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
         let limits: &mut Limits = &mut config.limits;
         match argument {
-            Long("listen") => listen.push(args::address(parser.value())?),
+            Long("listen") => listen.push(args::listen_address(parser.value())?),
             Long("metrics") => config.metrics = Some(args::address(parser.value())?),
             Long("max-keys") => limits.max_keys = positive("--max-keys", parser.value())?,
             Long("max-waiters") => {

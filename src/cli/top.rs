@@ -107,6 +107,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
         options.secret.as_ref(),
         allow_plaintext_secret,
     )?;
+    common::check_tls(&options.servers, &options.tls)?;
     if options
         .servers
         .iter()
