@@ -474,3 +474,30 @@ fn a_bad_listen_address_does_not_suggest_etcd() {
          tls://HOST:PORT or unix:PATH)\n(see kunci serve --help)\n"
     );
 }
+
+/// Defect 6: a connection failure names its last cause: refused, or a
+/// name that does not resolve.
+#[test]
+fn an_unreachable_server_names_the_last_cause() {
+    // A port nothing listens on: bound, then let go of.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let address = format!("127.0.0.1:{port}");
+    let output = kunci(&["ping", "--server", &address], &[]);
+    assert_eq!(output.status.code(), Some(4));
+    let text = stderr(&output);
+    assert!(
+        text.contains(&format!("(the last attempt: {address}: Connection refused")),
+        "{text}"
+    );
+    let output = kunci(&["ping", "--server", "nosuchhost.invalid:1"], &[]);
+    assert_eq!(output.status.code(), Some(4));
+    let text = stderr(&output);
+    assert!(
+        text.contains("(the last attempt: nosuchhost.invalid:1: "),
+        "{text}"
+    );
+}

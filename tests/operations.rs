@@ -197,7 +197,8 @@ fn busy_not_held_and_unavailable_say_what_happened_and_what_to_do() {
     assert_eq!(
         stderr(&ping),
         format!(
-            "kunci ping: unavailable: no server took the request (tried {gone}); nothing was sent, so \
+            "kunci ping: unavailable: no server took the request (tried {gone}) (the last \
+             attempt: {gone}: Connection refused (os error 111)); nothing was sent, so \
              nothing changed. Check that kunci serve runs there and lets this host in \
              (--allow, --max-connections); RUST_LOG=debug shows each attempt\n"
         )

@@ -465,6 +465,9 @@ pub(super) struct Attempt<'a> {
     /// The acquire named a limit of permits (a semaphore or a shared
     /// lock): a timeout need not mean that anyone holds the whole key.
     pub permits: bool,
+    /// Why the latest connection attempt failed, to explain an
+    /// `Unavailable` (`Client::last_connect_failure`).
+    pub connect_failure: Option<&'a str>,
 }
 
 /// Reports a failed outcome of `attempt` on stderr — its name (which the
@@ -579,8 +582,11 @@ pub(super) fn message(
         }
         Error::Unavailable(crate::client::Unavailable::Unreachable) => {
             let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
+            let last = attempt
+                .connect_failure
+                .map_or_else(String::new, |why| format!(" (the last attempt: {why})"));
             format!(
-                "no server took the request (tried {}); nothing was sent, so nothing \
+                "no server took the request (tried {}){last}; nothing was sent, so nothing \
                  changed. Check that kunci serve runs there and lets this host in \
                  (--allow, --max-connections); RUST_LOG=debug shows each attempt",
                 servers.join(", ")
@@ -991,12 +997,14 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
                 wait: Some(options.wait),
                 token: None,
                 permits: options.acquire.get_permits().key_limit().is_some(),
+                connect_failure: None,
             };
             let why = message(name, &Error::Timeout, &options.servers, &attempt);
             eprintln!("kunci {name}: timeout: {why}{}", grace_note(&client, key));
             exit::TIMEOUT
         }
         Err(error) => {
+            let connect_failure = client.last_connect_failure();
             let attempt = Attempt {
                 key: command
                     .accepts
@@ -1011,6 +1019,7 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
                     .get(1)
                     .and_then(|text| text.parse().ok()),
                 permits: false,
+                connect_failure: connect_failure.as_deref(),
             };
             report(name, error, &options.servers, &attempt)
         }

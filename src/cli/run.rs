@@ -177,6 +177,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         wait: Some(options.wait),
         token: None,
         permits: options.acquire.get_permits().key_limit().is_some(),
+        connect_failure: None,
     };
     let ticket = match common::acquire(&client, key, &options) {
         Ok(ticket) => ticket,
@@ -188,7 +189,14 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             }
             return options.conflict_exit_code;
         }
-        Err(error) => return common::report("run", error, &options.servers, &attempt),
+        Err(error) => {
+            let failure = client.last_connect_failure();
+            let attempt = common::Attempt {
+                connect_failure: failure.as_deref(),
+                ..attempt
+            };
+            return common::report("run", error, &options.servers, &attempt);
+        }
     };
     let token = ticket.token();
     let (events, inbox) = mpsc::channel();

@@ -507,6 +507,14 @@ impl Backend {
         }
     }
 
+    fn last_connect_failure(&self) -> Option<String> {
+        match self {
+            Backend::Kunci(shared) => shared.last_connect_failure(),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(_) => None,
+        }
+    }
+
     fn close(&self) {
         match self {
             Backend::Kunci(shared) => shared.close(),
@@ -810,6 +818,14 @@ impl Client {
     #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     pub(crate) fn shutdown_notices(&self) -> u64 {
         self.inner.shared.shutdown_notices()
+    }
+
+    /// Why this client's latest connection attempt to a kunci server
+    /// failed (refused, a name that does not resolve, a timeout, TLS), with
+    /// the address; `None` if none has failed. It explains an
+    /// [`Unavailable::Unreachable`] after the fact.
+    pub fn last_connect_failure(&self) -> Option<String> {
+        self.inner.shared.last_connect_failure()
     }
 
     /// An owner id no other call of this client uses: a random base plus a
