@@ -101,15 +101,73 @@ impl FromStr for Address {
             }
             return Ok(Address::Unix(PathBuf::from(path)));
         }
+        if let Some((scheme, _)) = text.split_once("://") {
+            return Err(AddressError::address(
+                text,
+                format!("unknown scheme {scheme}:// (expected {CLIENT_FORMS}"),
+            ));
+        }
         if let Some(problem) = host_port_problem(text) {
             return Err(AddressError::address(
                 text,
-                format!(
-                    "{problem} (expected HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])"
-                ),
+                format!("{problem} (expected {CLIENT_FORMS}"),
             ));
         }
         Ok(Address::Tcp(text.to_owned()))
+    }
+}
+
+impl Address {
+    /// Whether a secret sent to this address stays between this host and
+    /// the server, or is protected on the way (spec §12.5): `tls://`, a
+    /// unix socket, or TCP to a loopback address (127.0.0.0/8, ::1) or to
+    /// the name `localhost` itself. Any other name counts as remote, even
+    /// one that resolves to loopback: the client cannot know what a name
+    /// resolves to everywhere it runs. `etcd://` carries no kunci secret.
+    pub fn keeps_secrets_private(&self) -> bool {
+        match self {
+            Address::Unix(_) | Address::Tls(_) | Address::Etcd { .. } => true,
+            Address::Tcp(host_port) => {
+                let host = host_port
+                    .rsplit_once(':')
+                    .map_or(host_port.as_str(), |(host, _)| host);
+                let host = host
+                    .strip_prefix('[')
+                    .and_then(|host| host.strip_suffix(']'))
+                    .unwrap_or(host);
+                host == "localhost"
+                    || host.parse::<std::net::IpAddr>().is_ok_and(|ip| match ip {
+                        std::net::IpAddr::V6(v6) => {
+                            v6.is_loopback()
+                                || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+                        }
+                        v4 => v4.is_loopback(),
+                    })
+            }
+        }
+    }
+}
+
+/// The end of a client address's parse error, naming what a client takes.
+const CLIENT_FORMS: &str = "HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])";
+/// What a server listens on: no etcd://.
+const LISTEN_FORMS: &str = "HOST:PORT, tls://HOST:PORT or unix:PATH)";
+
+/// Parses an address a server listens on (`--listen`): as a client
+/// address, but `etcd://` is refused and a message names only the forms a
+/// server takes.
+pub fn parse_listen(text: &str) -> Result<Address, AddressError> {
+    match text.parse() {
+        Ok(Address::Etcd { .. }) => Err(AddressError::address(
+            text,
+            "etcd:// is a client address: a kunci server listens on HOST:PORT, \
+             tls://HOST:PORT or unix:PATH",
+        )),
+        Ok(address) => Ok(address),
+        Err(mut error) => {
+            error.problem = error.problem.replace(CLIENT_FORMS, LISTEN_FORMS);
+            Err(error)
+        }
     }
 }
 
@@ -144,6 +202,47 @@ impl fmt::Display for Address {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_listen_address_names_only_what_a_server_takes() {
+        let error = parse_listen("127.0.0.1").unwrap_err().to_string();
+        assert_eq!(
+            error,
+            "invalid address \"127.0.0.1\": no port \
+             (expected HOST:PORT, tls://HOST:PORT or unix:PATH)"
+        );
+        assert!(parse_listen("etcd://a:1").is_err());
+        assert_eq!(parse_listen("unix:/k"), Ok(Address::Unix("/k".into())));
+    }
+
+    #[test]
+    fn secrets_stay_private_over_tls_unix_and_loopback_only() {
+        for private in [
+            "127.0.0.1:5862",
+            "127.9.9.9:1",
+            "[::1]:5862",
+            "[::ffff:127.0.0.1]:1",
+            "localhost:5862",
+            "unix:/run/kunci.sock",
+            "tls://db1:5862",
+            "tls://10.0.0.1:5862",
+        ] {
+            let address: Address = private.parse().unwrap();
+            assert!(address.keeps_secrets_private(), "{private}");
+        }
+        for public in [
+            "0.0.0.0:5862",
+            "10.0.0.1:5862",
+            "[fd00::1]:5862",
+            "db1:5862",
+            "localhost.localdomain:5862",
+            "LOCALHOST:5862",
+            "ip6-localhost:5862",
+        ] {
+            let address: Address = public.parse().unwrap();
+            assert!(!address.keeps_secrets_private(), "{public}");
+        }
+    }
 
     #[test]
     fn parses_tcp_and_unix() {
@@ -191,6 +290,8 @@ mod tests {
             "etcd://a",
             "tls://",
             "tls://host",
+            "http://host:80",
+            "redis://host:6379",
         ] {
             assert!(bad.parse::<Address>().is_err(), "{bad}");
         }
@@ -209,6 +310,11 @@ mod tests {
         assert_eq!(
             error("host:70000"),
             "invalid address \"host:70000\": port \"70000\" is not a number 0..=65535 \
+             (expected HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])"
+        );
+        assert_eq!(
+            error("http://h:80"),
+            "invalid address \"http://h:80\": unknown scheme http:// \
              (expected HOST:PORT, unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])"
         );
         assert_eq!(

@@ -152,6 +152,9 @@ pub enum Failure {
     Untrusted(&'static str),
     /// The server refused our certificate, or its absence.
     Refused(&'static str),
+    /// The peer answered with bytes that are no TLS record: it does not
+    /// speak TLS on that port (a plain kunci port addressed as `tls://`).
+    NotTls(&'static str),
     /// Anything else (no common protocol, a corrupt record).
     Other(&'static str),
 }
@@ -202,6 +205,10 @@ fn classify(error: &rustls::Error) -> Failure {
         rustls::Error::NoCertificatesPresented => {
             Failure::Untrusted("the server presented no certificate")
         }
+        rustls::Error::InvalidMessage(_) => Failure::NotTls(
+            "the server does not speak TLS on that port (a plain kunci port?): \
+             address it without tls://",
+        ),
         rustls::Error::PeerIncompatible(_) => {
             Failure::Other("the server and this client share no TLS version or cipher")
         }

@@ -735,7 +735,7 @@ fn etcd_kunci_who_and_list_show_grants_waiters_and_every_key() {
     assert_eq!(
         json,
         format!(
-            r#"{{"key":"w/job","limit":0,"grants":[{{"token":{token},"owner":{},"lease_ms":{},"held_ms":0,"take":0,"label":"nightly ü  \"x\" 1 2"}}],"waiters":[{{"owner":{},"wait_ms":0,"take":0,"label":"second in line"}}]}}"#,
+            r#"{{"key":"w/job","limit":0,"left_out":0,"grants":[{{"token":"{token}","owner":"{}","lease_ms":{},"held_ms":null,"take":0,"label":"nightly ü  \"x\" 1 2"}}],"waiters":[{{"owner":"{}","wait_ms":null,"take":0,"label":"second in line"}}]}}"#,
             grant.owner,
             grant.lease_left.as_millis(),
             waiter.owner,
@@ -747,6 +747,8 @@ fn etcd_kunci_who_and_list_show_grants_waiters_and_every_key() {
         "{table}"
     );
     assert!(table.contains(&format!("{token} ")), "{table}");
+    // etcd keeps no grant time and no wait deadline: they are unknown.
+    assert!(table.contains(" unknown "), "{table}");
     assert!(
         table.contains(label) && table.contains("second in line"),
         "{table}"

@@ -30,15 +30,21 @@ fn stderr(output: &Output) -> String {
 }
 
 // Not `\`-continued: that would strip the first line's indent.
-const SERVER_LINES: &str = "  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
-                  several addresses of the same service (default:
-                  $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862);
-                  etcd://HOST:PORT[,HOST:PORT]... takes the locks on an
-                  etcd cluster instead (docs/ETCD.md); tls://HOST:PORT
-                  speaks TLS, checking the certificate against HOST
+const SERVER_LINES: &str = "  --server ADDR   a server address: HOST:PORT, tls://HOST:PORT (TLS,
+                  checking the certificate against HOST) or unix:PATH;
+                  repeat, or separate with commas, for several addresses
+                  of the same service (default: $KUNCI_SERVER, the same
+                  way, else 127.0.0.1:5862); etcd://HOST:PORT[,HOST:PORT]...
+                  takes the locks on an etcd cluster instead (docs/ETCD.md)
   --secret-file FILE
                   the secret for a server with --auth (one trailing
-                  newline is ignored); default: $KUNCI_SECRET, else none
+                  newline is ignored); default: $KUNCI_SECRET, else none.
+                  It is sent only over tls://, a unix socket or to a
+                  loopback address (127.0.0.0/8, ::1, localhost)
+  --insecure-plaintext-secret
+                  send the secret in clear to other addresses too (also
+                  $KUNCI_ALLOW_PLAINTEXT_SECRET=1); anyone on the path
+                  can read it
   --tls-ca FILE   trust this CA (PEM) for tls:// (default: $KUNCI_TLS_CA,
                   else the system's trust store)
   --tls-cert FILE a client certificate (PEM) for tls://, with --tls-key
@@ -91,7 +97,9 @@ fn top_level_help_names_version_server_variable_and_exit_codes() {
     for needle in [
         "  kunci --version                           print the version\n",
         "  kunci top [--interval S]                  watch the server's counters\n",
-        "in $KUNCI_SERVER, else to 127.0.0.1:5862. With etcd://HOST:PORT[,...] they\n",
+        "service), else to the addresses in $KUNCI_SERVER, else to 127.0.0.1:5862.\n",
+        "--insecure-plaintext-secret (or $KUNCI_ALLOW_PLAINTEXT_SECRET=1).\n",
+        "Client commands talk to --server ADDR (HOST:PORT, tls://HOST:PORT or\n",
         "Exit status of client commands:\n  0 done            1 timeout (the key is held by another)   2 usage error\n  3 busy (no room on the server, or it is shutting down)\n  4 unavailable (nothing was done)   5 indeterminate (no answer in time)\n  6 not held / lock lost   7 permission denied (secret or scopes)\n",
     ] {
         assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
@@ -170,12 +178,13 @@ fn busy_not_held_and_unavailable_say_what_happened_and_what_to_do() {
         "kunci release: not held: token 12 does not hold key \"a\" (its lease ran out, it was \
          released, or it never held it); nothing changed\n"
     );
-    let lost = kunci(&["renew", "a", "12", "--server", addr], &[]);
-    assert_eq!(lost.status.code(), Some(6));
-    assert!(
-        stderr(&lost).contains("): the lock is lost; nothing changed\n"),
-        "{}",
-        stderr(&lost)
+    // A wrong token is no lost lock: the same message as for release.
+    let not_held = kunci(&["renew", "a", "12", "--server", addr], &[]);
+    assert_eq!(not_held.status.code(), Some(6));
+    assert_eq!(
+        stderr(&not_held),
+        "kunci renew: not held: token 12 does not hold key \"a\" (its lease ran out, it was \
+         released, or it never held it); nothing changed\n"
     );
 
     // Nothing listens on the port of a server that has stopped.
@@ -188,7 +197,8 @@ fn busy_not_held_and_unavailable_say_what_happened_and_what_to_do() {
     assert_eq!(
         stderr(&ping),
         format!(
-            "kunci ping: unavailable: no server took the request (tried {gone}); nothing was sent, so \
+            "kunci ping: unavailable: no server took the request (tried {gone}) (the last \
+             attempt: {gone}: Connection refused (os error 111)); nothing was sent, so \
              nothing changed. Check that kunci serve runs there and lets this host in \
              (--allow, --max-connections); RUST_LOG=debug shows each attempt\n"
         )
@@ -526,7 +536,7 @@ fn usage_errors_are_one_line_naming_what_is_wrong_and_one_hint() {
         (
             &["serve", "--listen", "nohost"],
             "kunci serve: invalid address \"nohost\": no port (expected HOST:PORT, \
-             unix:PATH, tls://HOST:PORT or etcd://HOST:PORT[,...])\n(see kunci serve --help)\n",
+             tls://HOST:PORT or unix:PATH)\n(see kunci serve --help)\n",
         ),
         (
             &["acquire", "k", "--server", "db:99999"],

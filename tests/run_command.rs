@@ -104,7 +104,7 @@ fn client_commands_print_one_line_and_exit_with_their_outcome() {
         "{line}"
     );
     assert!(
-        line.contains(" lease_ms=") && line.ends_with(" waiters=0"),
+        line.contains(" lease_ms=") && line.ends_with(" waiters=0 grants=1"),
         "{line}"
     );
 

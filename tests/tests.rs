@@ -7,6 +7,7 @@ mod access_server;
 mod bench;
 mod client;
 mod core;
+mod edges;
 mod endpoint;
 #[cfg(feature = "etcd")]
 mod etcd;

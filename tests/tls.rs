@@ -176,6 +176,99 @@ fn acquire_and_release_over_tls_beside_plaintext() {
     assert_eq!(text(&query.stdout), "free\n");
 }
 
+/// Issue 25 defect 5: a TLS port addressed without tls:// ends at once,
+/// saying to use it, even with --wait inf; tls:// to a plain port says
+/// the server does not speak TLS, and gives no advice about a CA.
+#[test]
+fn the_wrong_side_of_tls_ends_at_once_naming_the_mix_up() {
+    let pki = Pki::new();
+    let server = pki.server(&[]);
+    let tls_as_plain = tls_address(&server).replace("tls://", "");
+    let started = Instant::now();
+    let mut child = Command::new(kunci_bin())
+        .args(["acquire", "k", "--wait", "inf", "--server", &tls_as_plain])
+        .env_remove("KUNCI_SERVER")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while child.try_wait().unwrap().is_none() && started.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let output = child.wait_with_output().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(3), "{output:?}");
+    assert_exit(
+        &output,
+        4,
+        &format!(
+            "kunci acquire: unavailable: {tls_as_plain} answered: the server speaks TLS: \
+             address it as tls://HOST:PORT; nothing was executed\n"
+        ),
+    );
+    let plain_as_tls = format!(
+        "tls://{}",
+        plain_address(&server).replace("127.0.0.1", "localhost")
+    );
+    let ca = pki.path("ca.pem");
+    let started = Instant::now();
+    let output = kunci(&["ping", "--tls-ca", &ca, "--server", &plain_as_tls], &[]);
+    assert!(started.elapsed() < Duration::from_secs(3), "{output:?}");
+    assert_exit(
+        &output,
+        4,
+        &format!(
+            "kunci ping: unavailable: {plain_as_tls} answered: the server does not speak TLS \
+             on that port (a plain kunci port?): address it without tls://; nothing was \
+             executed\n"
+        ),
+    );
+}
+
+/// Issue 25: TLS option mistakes are usage errors (exit 2) before any
+/// connection: a certificate without its key, a key of another
+/// certificate.
+#[test]
+fn tls_option_mistakes_are_usage_errors() {
+    let pki = Pki::new();
+    let (ca, cert, key) = (
+        pki.path("ca.pem"),
+        pki.path("client.pem"),
+        pki.path("stranger.key"),
+    );
+    let output = kunci(
+        &["ping", "--tls-cert", &cert, "--server", "tls://localhost:1"],
+        &[],
+    );
+    assert_exit(
+        &output,
+        2,
+        "kunci ping: --tls-cert and --tls-key go together\n(see kunci ping --help)\n",
+    );
+    let output = kunci(
+        &[
+            "ping",
+            "--tls-ca",
+            &ca,
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--server",
+            "tls://localhost:1",
+        ],
+        &[],
+    );
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output.stderr));
+    assert!(
+        text(&output.stderr).starts_with("kunci ping: TLS: "),
+        "{}",
+        text(&output.stderr)
+    );
+}
+
 #[test]
 fn library_client_over_tls() {
     let pki = Pki::new();
@@ -258,7 +351,8 @@ fn an_untrusted_server_is_unavailable_with_the_problem_named() {
             "the server's certificate is not signed by a trusted CA"
         )))
     );
-    // A CA file that is not there stops the command before anything.
+    // A CA file that is not there stops the command before anything: a
+    // usage error, as every TLS option mistake.
     let missing = kunci(
         &[
             "ping",
@@ -269,7 +363,7 @@ fn an_untrusted_server_is_unavailable_with_the_problem_named() {
         ],
         &[],
     );
-    assert_eq!(missing.status.code(), Some(4));
+    assert_eq!(missing.status.code(), Some(2));
     assert!(
         text(&missing.stderr).contains("CA file /nonexistent/ca.pem: No such file or directory"),
         "{}",

@@ -365,7 +365,7 @@ fn cli_who_shows_a_table_or_one_json_object() {
         format!(
             "queued: limit 7, 1 grant, 1 waiter\n\
              {:<token_width$}  {:<owner_width$}  TAKE  LEASE LEFT  HELD FOR  LABEL\n\
-             {token:<token_width$}  {owner:<owner_width$}  2     30.0 s      1.500 s   bob@h2 pid=9 \"x\"\\t→\n\
+             {token:<token_width$}  {owner:<owner_width$}  2     30.000 s    1.500 s   bob@h2 pid=9 \"x\"\\t→\n\
              waiting, next first:\n\
              #  OWNER  TAKE  WAIT LEFT  LABEL\n\
              1  5      1     2.001 s    next in line\n",
@@ -377,9 +377,9 @@ fn cli_who_shows_a_table_or_one_json_object() {
     assert_eq!(
         stdout(&output),
         format!(
-            "{{\"key\":\"queued\",\"limit\":7,\"grants\":[{{\"token\":{token},\"owner\":{owner},\
+            "{{\"key\":\"queued\",\"limit\":7,\"left_out\":0,\"grants\":[{{\"token\":\"{token}\",\"owner\":\"{owner}\",\
              \"lease_ms\":30000,\"held_ms\":1500,\"take\":2,\"label\":\"bob@h2 pid=9 \\\"x\\\"\\u0009→\"}}],\
-             \"waiters\":[{{\"owner\":5,\"wait_ms\":2001,\"take\":1,\"label\":\"next in line\"}}]}}\n"
+             \"waiters\":[{{\"owner\":\"5\",\"wait_ms\":2001,\"take\":1,\"label\":\"next in line\"}}]}}\n"
         )
     );
     let output = kunci(&server.addr, &["who", "nobody"]);
@@ -387,7 +387,7 @@ fn cli_who_shows_a_table_or_one_json_object() {
     let output = kunci(&server.addr, &["who", "nobody", "--json"]);
     assert_eq!(
         stdout(&output),
-        "{\"key\":\"nobody\",\"limit\":0,\"grants\":[],\"waiters\":[]}\n"
+        "{\"key\":\"nobody\",\"limit\":0,\"left_out\":0,\"grants\":[],\"waiters\":[]}\n"
     );
     ticket.release().unwrap();
 }
@@ -564,7 +564,7 @@ fn who_shows_run_s_default_label_and_the_queue_in_order_against_a_real_server() 
     let label = format!("tester@{}", grant.label.split_once('@').unwrap().1);
     assert_eq!(grant.label, label);
     assert!(
-        grant.label.contains(&format!(" pid={} sleep 30", run.id())),
+        grant.label.ends_with(&format!(" pid={} sleep", run.id())),
         "{}",
         grant.label
     );
@@ -583,7 +583,7 @@ fn who_shows_run_s_default_label_and_the_queue_in_order_against_a_real_server() 
     let text = stdout(&output);
     assert!(
         text.starts_with(&format!(
-            "{{\"key\":\"job\",\"limit\":0,\"grants\":[{{\"token\":{},\"owner\":{},",
+            "{{\"key\":\"job\",\"limit\":0,\"left_out\":0,\"grants\":[{{\"token\":\"{}\",\"owner\":\"{}\",",
             grant.token, grant.owner
         )),
         "{text}"

@@ -52,6 +52,11 @@ pub fn path(value: Result<OsString, lexopt::Error>) -> Result<std::path::PathBuf
     value.map(Into::into).map_err(|e| e.to_string())
 }
 
+/// Parses a `--listen` address (no `etcd://`).
+pub fn listen_address(value: Result<OsString, lexopt::Error>) -> Result<Address, String> {
+    crate::addr::parse_listen(&text(value)?).map_err(|e| e.to_string())
+}
+
 pub fn address(value: Result<OsString, lexopt::Error>) -> Result<Address, String> {
     text(value)?
         .parse()

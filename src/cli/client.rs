@@ -62,16 +62,76 @@ pub(super) fn tls_option(
 /// `--secret-file` is not given.
 pub const SECRET_ENV: &str = "KUNCI_SECRET";
 
+/// Refuses TLS options that cannot work, before anything is connected: a
+/// certificate without its key (or the reverse), and, when an address is
+/// `tls://`, files that do not load or a key that does not match its
+/// certificate. Usage errors, as every other wrong option.
+pub(super) fn check_tls(servers: &[Address], tls: &TlsOptions) -> Result<(), String> {
+    #[cfg(feature = "tls")]
+    {
+        if tls.cert.is_some() != tls.key.is_some() {
+            return Err("--tls-cert and --tls-key go together".to_owned());
+        }
+        if servers
+            .iter()
+            .any(|address| matches!(address, Address::Tls(_) | Address::Etcd { tls: true, .. }))
+        {
+            crate::tls::client_config(&tls_files(tls)).map_err(|e| format!("TLS: {e}"))?;
+        }
+    }
+    #[cfg(not(feature = "tls"))]
+    let _ = (servers, tls);
+    Ok(())
+}
+
+/// The environment variable that, set to `1`, allows what
+/// `--insecure-plaintext-secret` allows.
+pub const ALLOW_PLAINTEXT_SECRET_ENV: &str = "KUNCI_ALLOW_PLAINTEXT_SECRET";
+
+/// Refuses a secret that would go in clear beyond this host (spec §12.5)
+/// unless `--insecure-plaintext-secret` (`flag`) or
+/// `KUNCI_ALLOW_PLAINTEXT_SECRET=1` allows it: a usage error, before
+/// anything is connected.
+pub(super) fn check_plaintext_secret(
+    servers: &[Address],
+    secret: Option<&Secret>,
+    flag: bool,
+) -> Result<(), String> {
+    let allowed = flag || std::env::var_os(ALLOW_PLAINTEXT_SECRET_ENV).is_some_and(|v| v == "1");
+    if secret.is_none() || allowed {
+        return Ok(());
+    }
+    match servers
+        .iter()
+        .find(|address| !address.keeps_secrets_private())
+    {
+        Some(address) => Err(format!(
+            "the secret would go in clear to {address}, beyond this host: nothing was \
+             sent. Use tls://{address} (the server needs --listen tls://...), a unix \
+             socket or a loopback address; or, on a network you trust, allow it with \
+             --insecure-plaintext-secret or {ALLOW_PLAINTEXT_SECRET_ENV}=1"
+        )),
+        None => Ok(()),
+    }
+}
+
 // Not a `\`-continued literal: that would strip the first line's indent.
-const SERVER_HELP: &str = "  --server ADDR   a server address: HOST:PORT or unix:PATH; repeat for
-                  several addresses of the same service (default:
-                  $KUNCI_SERVER, comma-separated, else 127.0.0.1:5862);
-                  etcd://HOST:PORT[,HOST:PORT]... takes the locks on an
-                  etcd cluster instead (docs/ETCD.md); tls://HOST:PORT
-                  speaks TLS, checking the certificate against HOST
+pub(super) const SERVER_HELP: &str =
+    "  --server ADDR   a server address: HOST:PORT, tls://HOST:PORT (TLS,
+                  checking the certificate against HOST) or unix:PATH;
+                  repeat, or separate with commas, for several addresses
+                  of the same service (default: $KUNCI_SERVER, the same
+                  way, else 127.0.0.1:5862); etcd://HOST:PORT[,HOST:PORT]...
+                  takes the locks on an etcd cluster instead (docs/ETCD.md)
   --secret-file FILE
                   the secret for a server with --auth (one trailing
-                  newline is ignored); default: $KUNCI_SECRET, else none
+                  newline is ignored); default: $KUNCI_SECRET, else none.
+                  It is sent only over tls://, a unix socket or to a
+                  loopback address (127.0.0.0/8, ::1, localhost)
+  --insecure-plaintext-secret
+                  send the secret in clear to other addresses too (also
+                  $KUNCI_ALLOW_PLAINTEXT_SECRET=1); anyone on the path
+                  can read it
   --tls-ca FILE   trust this CA (PEM) for tls:// (default: $KUNCI_TLS_CA,
                   else the system's trust store)
   --tls-cert FILE a client certificate (PEM) for tls://, with --tls-key
@@ -151,6 +211,8 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
     };
     let mut permit_flags = PermitFlags::default();
     let mut secret_file = None;
+    let mut label_args = false;
+    let mut allow_plaintext_secret = false;
     let mut parser = lexopt::Parser::from_args(arguments);
     loop {
         // `--` ends the options; with a command, what follows it is the
@@ -169,9 +231,15 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
             break;
         };
         match argument {
-            Long("server") => options.servers.push(args::address(parser.value())?),
+            Long("server") => options.servers.extend(server_option(parser.value())?),
             Long("secret-file") => secret_file = Some(parser.value().map_err(|e| e.to_string())?),
-            Long("wait") if accepts.wait => {
+            Long("insecure-plaintext-secret") => allow_plaintext_secret = true,
+            // `-w S` and `-n` as flock(1) spells them.
+            Short('n') if accepts.wait => {
+                options.wait_forever = false;
+                options.wait = Duration::ZERO;
+            }
+            Short('w') | Long("wait") if accepts.wait => {
                 let text = args::text(parser.value())?;
                 options.wait_forever = text == "inf";
                 options.wait = if options.wait_forever {
@@ -197,6 +265,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
                     return Err(format!("invalid option '--{name}'"));
                 }
             }
+            Long("label-args") if accepts.command => label_args = true,
             Long(name) if accepts.permits && PermitFlags::is_option(name) => {
                 let name = name.to_owned();
                 permit_flags.take_option(&name, &mut parser)?;
@@ -228,7 +297,7 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
         // `kunci run` labels its grant with who runs what, unless told.
         let default_label = accepts
             .command
-            .then(|| permits::run_label(&options.command));
+            .then(|| permits::run_label(&options.command, label_args));
         options.acquire = permit_flags.options(default_label)?;
     }
     if options.servers.is_empty() {
@@ -236,6 +305,12 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
     }
     check_servers(&options.servers)?;
     options.secret = secret(secret_file)?;
+    check_plaintext_secret(
+        &options.servers,
+        options.secret.as_ref(),
+        allow_plaintext_secret,
+    )?;
+    check_tls(&options.servers, &options.tls)?;
     Ok(Parsed::Run(options))
 }
 
@@ -304,22 +379,26 @@ pub(super) fn default_servers() -> Result<Vec<Address>, String> {
         Ok(text) if !text.trim().is_empty() => text,
         _ => DEFAULT_ADDRESS.to_owned(),
     };
-    // An etcd address lists its members with commas itself.
-    if text.trim().starts_with("etcd://") {
-        return text
-            .trim()
-            .parse()
-            .map(|address| vec![address])
-            .map_err(|e: crate::addr::AddressError| format!("{SERVER_ENV}: {e}"));
+    server_list(&text).map_err(|e| format!("{SERVER_ENV}: {e}"))
+}
+
+/// Addresses separated by commas, as in `--server` and `$KUNCI_SERVER`
+/// alike; an `etcd://` address lists its members with commas itself.
+pub(super) fn server_list(text: &str) -> Result<Vec<Address>, crate::addr::AddressError> {
+    let text = text.trim();
+    if text.starts_with("etcd://") || text.starts_with("etcds://") {
+        return text.parse().map(|address| vec![address]);
     }
     text.split(',')
-        .map(|address| {
-            address
-                .trim()
-                .parse()
-                .map_err(|e: crate::addr::AddressError| format!("{SERVER_ENV}: {e}"))
-        })
+        .map(|address| address.trim().parse())
         .collect()
+}
+
+/// The value of `--server`: one address, or several separated by commas.
+pub(super) fn server_option(
+    value: Result<OsString, lexopt::Error>,
+) -> Result<Vec<Address>, String> {
+    server_list(&args::text(value)?).map_err(|e| e.to_string())
 }
 
 /// A client for one-shot commands: one session per address is enough.
@@ -332,6 +411,10 @@ pub(super) fn client(
     let mut config = Config {
         sessions_per_server: 1,
         secret,
+        // Every command's parsing has run `check_plaintext_secret`: a
+        // secret in clear beyond this host was refused there unless the
+        // user opted in.
+        allow_plaintext_secret: true,
         #[cfg(feature = "etcd")]
         etcd_credentials: etcd_credentials()?,
         ..Config::default()
@@ -379,6 +462,12 @@ pub(super) struct Attempt<'a> {
     /// The acquire's wait (`None` for other requests).
     pub wait: Option<Duration>,
     pub token: Option<u64>,
+    /// The acquire named a limit of permits (a semaphore or a shared
+    /// lock): a timeout need not mean that anyone holds the whole key.
+    pub permits: bool,
+    /// Why the latest connection attempt failed, to explain an
+    /// `Unavailable` (`Client::last_connect_failure`).
+    pub connect_failure: Option<&'a str>,
 }
 
 /// Reports a failed outcome of `attempt` on stderr — its name (which the
@@ -416,24 +505,38 @@ pub(super) fn message(
         .token
         .map_or_else(|| "the token".to_owned(), |token| format!("token {token}"));
     let is_lock_request = matches!(command, "acquire" | "run");
+    // Under a limit the key may have free permits and still time out: the
+    // queue is FIFO, and a request waits behind every earlier one.
+    let held = if attempt.permits {
+        "had no room for this request (its permits were taken, or earlier requests \
+         that queue before it were not yet served)"
+    } else {
+        "is held by someone else"
+    };
+    let stayed_held = if attempt.permits {
+        "had no room for this request (its permits were taken, or earlier requests \
+         queued before it) for the whole wait"
+    } else {
+        "stayed held by someone else for the whole wait"
+    };
     match error {
         Error::Timeout => match attempt.wait {
             Some(wait) if wait.is_zero() => format!(
-                "{key} is held by someone else; nothing was acquired \
+                "{key} {held}; nothing was acquired \
                  (--wait 0 tries once; --wait S waits up to S seconds)"
             ),
             Some(wait) if wait.subsec_nanos() != 0 => format!(
-                "{key} stayed held by someone else for the whole wait ({}, sent as {} s: \
+                "{key} {stayed_held} ({}, sent as {} s: \
                  the server counts whole seconds); nothing was acquired",
                 seconds_text(wait),
                 wait.as_secs() + 1
             ),
             Some(wait) => format!(
-                "{key} stayed held by someone else for the whole wait ({}); \
+                "{key} {stayed_held} ({}); \
                  nothing was acquired",
                 seconds_text(wait)
             ),
-            None => format!("{key} is held by someone else; nothing was acquired"),
+            None => format!("{key} {held}; nothing was acquired"),
         },
         Error::Busy => "the server turned the request away: it is at a capacity limit \
              (--max-keys, --max-waiters, --max-waiters-per-key, --max-waits-per-conn) \
@@ -457,6 +560,13 @@ pub(super) fn message(
         Error::PermissionDenied(Denied::Certificate(why)) => {
             format!("{why}; nothing was executed")
         }
+        Error::Unavailable(crate::client::Unavailable::WrongProtocol(why)) => {
+            let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
+            format!(
+                "{} answered: {why}; nothing was executed",
+                servers.join(", ")
+            )
+        }
         Error::Unavailable(crate::client::Unavailable::Unreachable)
             if servers
                 .iter()
@@ -472,8 +582,11 @@ pub(super) fn message(
         }
         Error::Unavailable(crate::client::Unavailable::Unreachable) => {
             let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
+            let last = attempt
+                .connect_failure
+                .map_or_else(String::new, |why| format!(" (the last attempt: {why})"));
             format!(
-                "no server took the request (tried {}); nothing was sent, so nothing \
+                "no server took the request (tried {}){last}; nothing was sent, so nothing \
                  changed. Check that kunci serve runs there and lets this host in \
                  (--allow, --max-connections); RUST_LOG=debug shows each attempt",
                 servers.join(", ")
@@ -496,10 +609,6 @@ pub(super) fn message(
             "the server did not answer in time (the request may have reached it)".to_owned()
         }
         Error::InvalidArgument(why) => format!("{why} (see kunci {command} --help)"),
-        Error::NotHeld if command == "renew" => format!(
-            "{token} does not hold {key} (its lease ran out, it was released, or it \
-             never held it): the lock is lost; nothing changed"
-        ),
         Error::NotHeld => format!(
             "{token} does not hold {key} (its lease ran out, it was released, or it \
              never held it); nothing changed"
@@ -717,7 +826,8 @@ kunci query — show who holds a key
 
 Usage: kunci query KEY [--server ADDR]...
 
-Prints `free`, or `held token=… owner=… lease_ms=… waiters=…`. After the
+Prints `free`, or `held token=… owner=… lease_ms=… waiters=… grants=…`
+(the first grant's token and owner; grants counts them all). After the
 server restarted from a crash, a key counts as held until every lease of
 its previous run may have run out: then it prints `held by an unknown
 grant of the server's previous run (crash grace) lease_ms=… waiters=…`.
@@ -739,10 +849,13 @@ Options:
                     ),
                 )
             } else {
+                // `Q` names the first grant only; a semaphore or a shared
+                // lock may have more.
+                let grants = client.holders(&options.positionals[0])?.grants.len();
                 say(
                     out,
                     format_args!(
-                        "held token={} owner={} lease_ms={} waiters={}",
+                        "held token={} owner={} lease_ms={} waiters={} grants={grants}",
                         status.token, status.owner, status.lease_ms, status.waiters
                     ),
                 )
@@ -764,17 +877,23 @@ Usage: kunci who KEY [--json] [--server ADDR]...
 Prints the key's limit, then its grants (token, owner, permits taken,
 lease left, time held, label) oldest first, then its waiters in queue
 order (owner, permits, wait left, label). A key nobody holds or waits for
-is `free`. On etcd:// the time held and the wait left are unknown and
-shown as 0, and the lease left is in whole seconds (docs/ETCD.md).
+is `free`. Times are in seconds. On etcd:// the time held and the wait
+left are `unknown` (null in JSON), and the lease left is in whole seconds
+(docs/ETCD.md).
 
 Options:
-  --json          one JSON object: {\"key\", \"limit\", \"grants\": [{\"token\",
-                  \"owner\", \"lease_ms\", \"held_ms\", \"take\", \"label\"}],
-                  \"waiters\": [{\"owner\", \"wait_ms\", \"take\", \"label\"}]};
-                  take 0 is every permit, limit 0 is none
+  --json          one JSON object: {\"key\", \"limit\", \"left_out\", \"grants\":
+                  [{\"token\", \"owner\", \"lease_ms\", \"held_ms\", \"take\",
+                  \"label\"}], \"waiters\": [{\"owner\", \"wait_ms\", \"take\",
+                  \"label\"}]}; token and owner are 64-bit, so they are
+                  strings (\"42\"), which every JSON reader keeps exact;
+                  take 0 is every permit, limit 0 is none; left_out counts
+                  the grants and waiters the server did not list (it lists
+                  at most 1000 of each)
 ",
         run: |client, options, out| {
-            super::who::who(client, &options.positionals[0], options.json, out)
+            let etcd = is_etcd(&options.servers);
+            super::who::who(client, &options.positionals[0], options.json, etcd, out)
         },
     },
     Command {
@@ -891,6 +1010,8 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
                 key: Some(key),
                 wait: Some(options.wait),
                 token: None,
+                permits: options.acquire.get_permits().key_limit().is_some(),
+                connect_failure: None,
             };
             let why = message(name, &Error::Timeout, &options.servers, &attempt);
             let note = grace_note(&client, key, deadline);
@@ -898,6 +1019,7 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
             exit::TIMEOUT
         }
         Err(error) => {
+            let connect_failure = client.last_connect_failure();
             let attempt = Attempt {
                 key: command
                     .accepts
@@ -911,6 +1033,8 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
                     .positionals
                     .get(1)
                     .and_then(|text| text.parse().ok()),
+                permits: false,
+                connect_failure: connect_failure.as_deref(),
             };
             report(name, error, &options.servers, &attempt)
         }
@@ -975,7 +1099,11 @@ fn acquire_until_granted(
             Err(Error::Busy) if !server_shut_down(client, notices) => return Err(Error::Busy),
             Err(Error::Busy) => log::debug!("{key}: the server is shutting down; asking again"),
             // A certificate problem does not go away by waiting.
-            Err(Error::Unavailable(why @ crate::client::Unavailable::Untrusted(_))) => {
+            // Nor does a peer that speaks another protocol.
+            Err(Error::Unavailable(
+                why @ (crate::client::Unavailable::Untrusted(_)
+                | crate::client::Unavailable::WrongProtocol(_)),
+            )) => {
                 return Err(Error::Unavailable(why));
             }
             Err(Error::Unavailable(why)) => {

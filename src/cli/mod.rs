@@ -42,7 +42,9 @@ Usage:
   kunci info                                show the server's counters
   kunci top [--interval S]                  watch the server's counters
   kunci ping                                measure the round-trip time
-  kunci run KEY [options] -- CMD [ARGS]...  run a command under a lock
+  kunci run KEY [-w S|-n] [--lease S]       run a command under a lock
+        [--limit N [--take K] | --shared | --exclusive] [--label TEXT]
+        [options] -- CMD [ARGS]...
   kunci bench [WORKLOAD] [options]          load-test a server
   kunci secret NAME SCOPE...                make a secret and its --auth line
   kunci help [COMMAND]                      show this help, or a command's
@@ -50,11 +52,13 @@ Usage:
 
 `kunci help COMMAND` (or `kunci COMMAND --help`) describes its options.
 
-Client commands talk to --server ADDR (HOST:PORT or unix:PATH; repeat for
-several addresses of one service), else to the comma-separated addresses
-in $KUNCI_SERVER, else to 127.0.0.1:5862. With etcd://HOST:PORT[,...] they
-take their locks on an etcd v3 cluster instead (docs/ETCD.md). A server
-with --auth wants a secret: --secret-file FILE, or $KUNCI_SECRET.
+Client commands talk to --server ADDR (HOST:PORT, tls://HOST:PORT or
+unix:PATH; repeat it or separate with commas for several addresses of one
+service), else to the addresses in $KUNCI_SERVER, else to 127.0.0.1:5862.
+With etcd://HOST:PORT[,...] they take their locks on an etcd v3 cluster
+instead (docs/ETCD.md). A server with --auth wants a secret: --secret-file
+FILE, or $KUNCI_SECRET; it goes only over tls://, unix: or loopback unless
+--insecure-plaintext-secret (or $KUNCI_ALLOW_PLAINTEXT_SECRET=1).
 
 Exit status of client commands:
   0 done            1 timeout (the key is held by another)   2 usage error

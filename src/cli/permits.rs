@@ -21,7 +21,8 @@ macro_rules! options_help {
   --exclusive     the whole key, nobody else at the same time (the
                   default; a writer); with --limit N it names the limit
   --label TEXT    who is asking, shown with the grant (at most 128 bytes;
-                  `kunci run` says `USER@HOST pid=PID CMD...` by default)"
+                  `kunci run` says `USER@HOST pid=PID PROGRAM` by default,
+                  and CMD's arguments too with --label-args)"
     };
 }
 pub(super) use options_help;
@@ -150,9 +151,11 @@ impl PermitFlags {
 }
 
 /// The label `kunci run` gives its grant unless `--label` says otherwise:
-/// `USER@HOST pid=PID CMD…`, with kunci's own pid, cut to 128 bytes at a
-/// character boundary.
-pub(super) fn run_label(command: &[OsString]) -> String {
+/// `USER@HOST pid=PID PROGRAM`, with kunci's own pid, cut to 128 bytes at
+/// a character boundary. CMD's arguments only with `--label-args`: a
+/// command line may carry a password, and every session with a `read:`
+/// scope sees the label.
+pub(super) fn run_label(command: &[OsString], with_arguments: bool) -> String {
     let user = std::env::var("USER")
         .ok()
         .filter(|user| !user.is_empty())
@@ -162,7 +165,12 @@ pub(super) fn run_label(command: &[OsString]) -> String {
             unsafe { libc::getuid() }.to_string()
         });
     let host = host_name().unwrap_or_else(|| "localhost".into());
-    let command: Vec<String> = command
+    let shown = if with_arguments {
+        command
+    } else {
+        &command[..command.len().min(1)]
+    };
+    let command: Vec<String> = shown
         .iter()
         .map(|word| word.to_string_lossy().into_owned())
         .collect();
@@ -331,18 +339,25 @@ mod tests {
 
     #[test]
     fn the_run_label_names_user_host_pid_and_command_within_128_bytes() {
-        let label = run_label(&["sh".into(), "-c".into(), "echo hi".into()]);
+        let command: Vec<OsString> = vec!["sh".into(), "-c".into(), "echo hi".into()];
+        let label = run_label(&command, true);
         let pid = format!(" pid={} sh -c echo hi", std::process::id());
         assert!(label.ends_with(&pid), "{label}");
+        // By default, the program only: arguments may be secrets.
+        let label = run_label(&command, false);
+        assert!(
+            label.ends_with(&format!(" pid={} sh", std::process::id())),
+            "{label}"
+        );
         let (user_at_host, _) = label.split_once(' ').unwrap();
         let (user, host) = user_at_host.split_once('@').unwrap();
         assert!(!user.is_empty() && !host.is_empty(), "{label}");
         // A long command is cut at a character boundary.
         let long: Vec<OsString> = vec!["€".repeat(100).into()];
-        let label = run_label(&long);
+        let label = run_label(&long, false);
         assert!(label.len() <= 128 && label.len() > 120, "{}", label.len());
         assert!(label.ends_with('€'));
-        assert!(!run_label(&["a\nb".into()]).contains('\n'));
+        assert!(!run_label(&["a\nb".into()], false).contains('\n'));
     }
 
     #[test]

@@ -52,13 +52,14 @@ use crate::client::{Error, KeptLease, Loss};
 const HELP: &str = "\
 kunci run — run a command while holding a lock
 
-Usage: kunci run KEY [--wait S|inf] [--lease S] [--kill-after S] [-E N] [-q]
-                 [--server ADDR]... -- CMD [ARGS]...
+Usage: kunci run KEY [-w|--wait S|inf] [-n] [--lease S] [--kill-after S]
+                 [-E N] [-q] [--limit N [--take K] | --shared | --exclusive]
+                 [--label TEXT | --label-args] [--server ADDR]... -- CMD [ARGS]...
 
 KEY comes before `--`; everything after `--` is the command.
 
 Acquires KEY, runs CMD in its own process group with KUNCI_KEY and
-KUNCI_TOKEN (the fencing token) set, renews the lease every lease/3, and
+KUNCI_TOKEN (the fencing token) set and KUNCI_SECRET removed, renews the lease every lease/3, and
 forwards SIGINT, SIGTERM and SIGHUP to CMD's group. In a terminal, CMD's
 group is the foreground group while it runs, so CMD can read the terminal.
 When CMD ends, whatever it left running in its group is stopped, the lock
@@ -75,13 +76,17 @@ started outlives the lock. An acquire that fails exits as `kunci acquire`
 does (1 timeout, 3 busy, 4 unavailable, 5 indeterminate).
 
 Options:
-  --wait S        how long to wait for the key, in seconds, at most 255
-                  (default 0: one immediate attempt); decimals are sent
-                  rounded up to whole seconds, so 0.5 may wait 1 s; `inf`
-                  waits until acquired, queueing again for 255 s each time
-                  a wait runs out (the place in the queue is not kept),
-                  and through a server restart or outage
+  -w, --wait S    how long to wait for the key, in seconds, at most 255
+                  (default 0: one immediate attempt, as flock -n; unlike
+                  flock, kunci does not wait unless told); decimals are
+                  sent rounded up to whole seconds, so 0.5 may wait 1 s;
+                  `inf` waits until acquired, queueing again for 255 s
+                  each time a wait runs out (the place in the queue is not
+                  kept), and through a server restart or outage
+  -n              do not wait (--wait 0, the default), as flock -n
   --lease S       the lease, whole seconds 1..=255 (default 30)
+  --label-args    label the grant with CMD's arguments too (they may hold
+                  secrets, and `kunci who` shows labels to every reader)
   --kill-after S  how long after SIGTERM CMD's group gets SIGKILL
                   (default 5)
   -E, --conflict-exit-code N
@@ -215,6 +220,8 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         key: Some(key),
         wait: Some(options.wait),
         token: None,
+        permits: options.acquire.get_permits().key_limit().is_some(),
+        connect_failure: None,
     };
     let deadline = common::call_deadline(&options);
     let ticket = match common::acquire(&client, key, &options) {
@@ -227,7 +234,14 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             }
             return options.conflict_exit_code;
         }
-        Err(error) => return common::report("run", error, &options.servers, &attempt),
+        Err(error) => {
+            let failure = client.last_connect_failure();
+            let attempt = common::Attempt {
+                connect_failure: failure.as_deref(),
+                ..attempt
+            };
+            return common::report("run", error, &options.servers, &attempt);
+        }
     };
     let token = ticket.token();
     let (events, inbox) = mpsc::channel();
@@ -263,6 +277,9 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         .args(&options.command[1..])
         .env("KUNCI_KEY", key)
         .env("KUNCI_TOKEN", token.to_string())
+        // The secret is kunci's, not CMD's: a command that needs one is
+        // given its own (spec §12.5).
+        .env_remove(common::SECRET_ENV)
         .process_group(0);
     let watchdog_fd = watchdog.fd();
     let take_terminal = terminal.is_some();

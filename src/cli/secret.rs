@@ -53,6 +53,33 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     if let Err(reason) = access::parse_scopes(&scope_words) {
         return usage(&reason);
     }
+    // The server reads the file line by its own parser, which splits at
+    // white space: a scope with a blank in it (one shell word here) would
+    // print a line that stops the server from starting. Check the line
+    // that will be printed, with a stand-in hash, by that very parser.
+    if let Some(scope) = scope_words
+        .iter()
+        .find(|scope| scope.chars().any(|c| c.is_whitespace() || c.is_control()))
+    {
+        return usage(&format!(
+            "scope {scope:?} has a blank or a control character: the server reads a \
+             line as words split at blanks, so it would not read this scope"
+        ));
+    }
+    let sample = format!("{name} {} {}", hash_hex(b""), scope_words.join(" "));
+    match access::AccessList::parse(&sample) {
+        Ok(list) if list.len() == 1 => {}
+        Ok(_) => {
+            return usage(&format!(
+                "the server would read a line that starts with {name:?} as a comment"
+            ));
+        }
+        Err(reason) => {
+            let reason = reason.to_string();
+            let reason = reason.strip_prefix("line 1: ").unwrap_or(&reason);
+            return usage(&format!("the server would not read this line: {reason}"));
+        }
+    }
     let mut random = [0u8; SECRET_BYTES];
     if let Err(e) = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut random))
     {

@@ -104,7 +104,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Parsed>, String> {
     while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
         let limits: &mut Limits = &mut config.limits;
         match argument {
-            Long("listen") => listen.push(args::address(parser.value())?),
+            Long("listen") => listen.push(args::listen_address(parser.value())?),
             Long("metrics") => config.metrics = Some(args::address(parser.value())?),
             Long("max-keys") => limits.max_keys = positive("--max-keys", parser.value())?,
             Long("max-waiters") => {
@@ -321,6 +321,21 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             "{address} is reachable beyond this host and nothing checks who connects: \
              anyone who reaches it may take, release and list every lock. \
              Use --auth, --allow or a loopback/unix listener"
+        );
+    }
+    for address in server.secrets_in_clear_addresses() {
+        warn!(
+            "{address} is plaintext TCP reachable beyond this host, and --auth is on: \
+             clients' secrets cross the network in clear there, where anyone on the \
+             path can read them. Listen on tls://HOST:PORT (with --tls-cert and \
+             --tls-key) instead; clients refuse to send a secret in clear unless told \
+             to (--insecure-plaintext-secret)"
+        );
+    }
+    if identities == Some(0) {
+        warn!(
+            "the --auth file has no identities: every session will be refused (X 12). \
+             Add lines with `kunci secret NAME SCOPE...`"
         );
     }
     // Under systemd (`Type=notify`) this says "listening"; elsewhere,

@@ -64,11 +64,15 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
         count: None,
     };
     let mut secret_file = None;
+    let mut allow_plaintext_secret = false;
     let mut parser = lexopt::Parser::from_args(arguments);
     while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
         match argument {
-            Long("server") => options.servers.push(args::address(parser.value())?),
+            Long("server") => options
+                .servers
+                .extend(common::server_option(parser.value())?),
             Long("secret-file") => secret_file = Some(parser.value().map_err(|e| e.to_string())?),
+            Long("insecure-plaintext-secret") => allow_plaintext_secret = true,
             Long("interval") => {
                 let interval = args::seconds("--interval", &args::text(parser.value())?)?;
                 if interval < Duration::from_millis(10) {
@@ -98,6 +102,12 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
     }
     common::check_servers(&options.servers)?;
     options.secret = common::secret(secret_file)?;
+    common::check_plaintext_secret(
+        &options.servers,
+        options.secret.as_ref(),
+        allow_plaintext_secret,
+    )?;
+    common::check_tls(&options.servers, &options.tls)?;
     if options
         .servers
         .iter()
@@ -116,8 +126,8 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     let options = match parse(arguments) {
         Ok(Some(options)) => options,
         Ok(None) => {
-            print!("{}", common::with_server_help(HELP));
-            println!();
+            // The shared --server lines; `top` takes no permit options.
+            print!("{HELP}{}", common::SERVER_HELP);
             return exit::DONE;
         }
         Err(message) => {

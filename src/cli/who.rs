@@ -15,18 +15,20 @@ pub(super) fn who(
     client: &Client,
     key: &str,
     json: bool,
+    etcd: bool,
     out: &mut dyn Write,
 ) -> Result<(), Error> {
     let holders = client.holders(key)?;
+    let times = if etcd { Times::LeaseOnly } else { Times::All };
     let limit = if holders.is_free() {
         0
     } else {
         key_limit(client, key)?
     };
     let text = if json {
-        who_json(key, limit, &holders)
+        who_json(key, limit, &holders, times)
     } else {
-        who_table(key, limit, &holders)
+        who_table(key, limit, &holders, times)
     };
     // A closed stdout (`kunci who k | head -1`) is not an error.
     let _ = out.write_all(text.as_bytes());
@@ -67,22 +69,43 @@ fn key_limit(client: &Client, key: &str) -> Result<u16, Error> {
     }
 }
 
+/// Which times a backend knows: etcd keeps no grant time and no wait
+/// deadline (docs/ETCD.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Times {
+    All,
+    LeaseOnly,
+}
+
+/// A time in ms for JSON, `null` when the backend does not know it.
+fn json_ms(duration: Duration, known: bool) -> String {
+    if known {
+        duration.as_millis().to_string()
+    } else {
+        "null".into()
+    }
+}
+
 /// The JSON object of `kunci who --json` (times in ms, field names as in
-/// spec §11), one line.
-pub(super) fn who_json(key: &str, limit: u16, holders: &Holders) -> String {
+/// spec §11), one line. Tokens and owners are 64-bit: they are strings, as
+/// a JSON reader that keeps numbers as doubles (jq 1.6, JavaScript) would
+/// round them above 2^53. `left_out` counts what the server did not list.
+pub(super) fn who_json(key: &str, limit: u16, holders: &Holders, times: Times) -> String {
+    let known = times == Times::All;
     let mut out = format!(
-        "{{\"key\":{},\"limit\":{limit},\"grants\":[",
-        json_string(key)
+        "{{\"key\":{},\"limit\":{limit},\"left_out\":{},\"grants\":[",
+        json_string(key),
+        holders.left_out
     );
     for (index, grant) in holders.grants.iter().enumerate() {
         let comma = if index == 0 { "" } else { "," };
         let _ = write!(
             out,
-            "{comma}{{\"token\":{},\"owner\":{},\"lease_ms\":{},\"held_ms\":{},\"take\":{},\"label\":{}}}",
+            "{comma}{{\"token\":\"{}\",\"owner\":\"{}\",\"lease_ms\":{},\"held_ms\":{},\"take\":{},\"label\":{}}}",
             grant.token,
             grant.owner,
             grant.lease_left.as_millis(),
-            grant.held_for.as_millis(),
+            json_ms(grant.held_for, known),
             grant.take,
             json_string(&grant.label)
         );
@@ -92,9 +115,9 @@ pub(super) fn who_json(key: &str, limit: u16, holders: &Holders) -> String {
         let comma = if index == 0 { "" } else { "," };
         let _ = write!(
             out,
-            "{comma}{{\"owner\":{},\"wait_ms\":{},\"take\":{},\"label\":{}}}",
+            "{comma}{{\"owner\":\"{}\",\"wait_ms\":{},\"take\":{},\"label\":{}}}",
             waiter.owner,
-            waiter.wait_left.as_millis(),
+            json_ms(waiter.wait_left, known),
             waiter.take,
             json_string(&waiter.label)
         );
@@ -134,7 +157,8 @@ fn limit_text(limit: u16) -> String {
 }
 
 /// The table of `kunci who`.
-pub(super) fn who_table(key: &str, limit: u16, holders: &Holders) -> String {
+pub(super) fn who_table(key: &str, limit: u16, holders: &Holders, times: Times) -> String {
+    let known = times == Times::All;
     let key = printable(key);
     if holders.is_free() {
         return format!("{key}: free (no grants, no waiters)\n");
@@ -155,7 +179,11 @@ pub(super) fn who_table(key: &str, limit: u16, holders: &Holders) -> String {
         );
     }
     if !holders.grants.is_empty() {
-        let rows: Vec<[String; 6]> = holders.grants.iter().map(grant_row).collect();
+        let rows: Vec<[String; 6]> = holders
+            .grants
+            .iter()
+            .map(|grant| grant_row(grant, known))
+            .collect();
         let header = ["TOKEN", "OWNER", "TAKE", "LEASE LEFT", "HELD FOR", "LABEL"];
         table(&mut out, header, &rows);
     }
@@ -165,7 +193,7 @@ pub(super) fn who_table(key: &str, limit: u16, holders: &Holders) -> String {
             .waiters
             .iter()
             .enumerate()
-            .map(|(index, waiter)| waiter_row(index, waiter))
+            .map(|(index, waiter)| waiter_row(index, waiter, known))
             .collect();
         let header = ["#", "OWNER", "TAKE", "WAIT LEFT", "LABEL"];
         table(&mut out, header, &rows);
@@ -173,23 +201,23 @@ pub(super) fn who_table(key: &str, limit: u16, holders: &Holders) -> String {
     out
 }
 
-fn grant_row(grant: &Grant) -> [String; 6] {
+fn grant_row(grant: &Grant, known: bool) -> [String; 6] {
     [
         grant.token.to_string(),
         grant.owner.to_string(),
         take_text(grant.take),
         duration_text(grant.lease_left),
-        duration_text(grant.held_for),
+        known_duration_text(grant.held_for, known),
         printable(&grant.label),
     ]
 }
 
-fn waiter_row(index: usize, waiter: &Waiter) -> [String; 5] {
+fn waiter_row(index: usize, waiter: &Waiter, known: bool) -> [String; 5] {
     [
         (index + 1).to_string(),
         waiter.owner.to_string(),
         take_text(waiter.take),
-        duration_text(waiter.wait_left),
+        known_duration_text(waiter.wait_left, known),
         printable(&waiter.label),
     ]
 }
@@ -234,18 +262,20 @@ fn take_text(take: u16) -> String {
     }
 }
 
-/// A duration for a person: `0.250 s`, `42.0 s`, `3m05s`, `2h07m`.
+/// A duration for a person, in one unit whatever its size: seconds with
+/// milliseconds (`0.250 s`, `42.000 s`, `3725.000 s`), as the server
+/// counts them.
 fn duration_text(duration: Duration) -> String {
     let ms = duration.as_millis();
-    let s = duration.as_secs();
-    if ms < 10_000 {
-        format!("{}.{:03} s", ms / 1000, ms % 1000)
-    } else if s < 60 {
-        format!("{}.{} s", s, (ms % 1000) / 100)
-    } else if s < 3600 {
-        format!("{}m{:02}s", s / 60, s % 60)
+    format!("{}.{:03} s", ms / 1000, ms % 1000)
+}
+
+/// [`duration_text`], or `unknown` when the backend keeps no such time.
+fn known_duration_text(duration: Duration, known: bool) -> String {
+    if known {
+        duration_text(duration)
     } else {
-        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
+        "unknown".into()
     }
 }
 
@@ -303,37 +333,50 @@ mod tests {
     #[test]
     fn who_json_is_one_object_with_times_in_ms_and_escaped_labels() {
         assert_eq!(
-            who_json("k\"ey", 3, &sample()),
+            who_json("k\"ey", 3, &sample(), Times::All),
             concat!(
-                r#"{"key":"k\"ey","limit":3,"grants":["#,
-                r#"{"token":1000001,"owner":77,"lease_ms":29500,"held_ms":500,"take":0,"label":"alice@db1 pid=42 make backup"},"#,
-                r#"{"token":1000002,"owner":78,"lease_ms":3,"held_ms":3725000,"take":2,"label":"é \"quoted\" \\ \u001b[31m"}],"#,
-                r#""waiters":[{"owner":9,"wait_ms":61000,"take":1,"label":""}]}"#,
+                r#"{"key":"k\"ey","limit":3,"left_out":0,"grants":["#,
+                r#"{"token":"1000001","owner":"77","lease_ms":29500,"held_ms":500,"take":0,"label":"alice@db1 pid=42 make backup"},"#,
+                r#"{"token":"1000002","owner":"78","lease_ms":3,"held_ms":3725000,"take":2,"label":"é \"quoted\" \\ \u001b[31m"}],"#,
+                r#""waiters":[{"owner":"9","wait_ms":61000,"take":1,"label":""}]}"#,
                 "\n"
             )
         );
         assert_eq!(
-            who_json("free", 0, &Holders::default()),
-            "{\"key\":\"free\",\"limit\":0,\"grants\":[],\"waiters\":[]}\n"
+            who_json("free", 0, &Holders::default(), Times::All),
+            "{\"key\":\"free\",\"limit\":0,\"left_out\":0,\"grants\":[],\"waiters\":[]}\n"
         );
+        // Above 2^53 a double cannot tell neighbours apart: strings can.
+        let mut big = sample();
+        big.grants[0].token = (1 << 53) + 1;
+        big.left_out = 7;
+        let json = who_json("k", 0, &big, Times::LeaseOnly);
+        assert!(json.contains(r#""token":"9007199254740993""#), "{json}");
+        assert!(json.contains(r#""left_out":7,"#), "{json}");
+        assert!(json.contains(r#""held_ms":null,"#), "{json}");
+        assert!(json.contains(r#""wait_ms":null,"#), "{json}");
     }
 
     #[test]
     fn who_table_lists_grants_then_waiters_in_order() {
         assert_eq!(
-            who_table("jobs/nightly", 0, &sample()),
+            who_table("jobs/nightly", 0, &sample(), Times::All),
             "\
 jobs/nightly: limit none, 2 grants, 1 waiter
-TOKEN    OWNER  TAKE  LEASE LEFT  HELD FOR  LABEL
-1000001  77     all   29.5 s      0.500 s   alice@db1 pid=42 make backup
-1000002  78     2     0.003 s     1h02m     é \"quoted\" \\ \\u{1b}[31m
+TOKEN    OWNER  TAKE  LEASE LEFT  HELD FOR    LABEL
+1000001  77     all   29.500 s    0.500 s     alice@db1 pid=42 make backup
+1000002  78     2     0.003 s     3725.000 s  é \"quoted\" \\ \\u{1b}[31m
 waiting, next first:
 #  OWNER  TAKE  WAIT LEFT  LABEL
-1  9      1     1m01s
+1  9      1     61.000 s
 "
         );
+        // etcd keeps no grant time and no wait deadline.
+        let etcd = who_table("k", 0, &sample(), Times::LeaseOnly);
+        assert!(etcd.contains("29.500 s    unknown   alice"), "{etcd}");
+        assert!(etcd.ends_with("1  9      1     unknown\n"), "{etcd}");
         assert_eq!(
-            who_table("k", 0, &Holders::default()),
+            who_table("k", 0, &Holders::default(), Times::All),
             "k: free (no grants, no waiters)\n"
         );
     }
@@ -360,12 +403,11 @@ waiting, next first:
         for (ms, text) in [
             (0, "0.000 s"),
             (9_999, "9.999 s"),
-            (10_000, "10.0 s"),
-            (59_999, "59.9 s"),
-            (60_000, "1m00s"),
-            (3_599_999, "59m59s"),
-            (3_600_000, "1h00m"),
-            (255_000, "4m15s"),
+            (10_000, "10.000 s"),
+            (59_999, "59.999 s"),
+            (60_000, "60.000 s"),
+            (3_600_000, "3600.000 s"),
+            (255_000, "255.000 s"),
         ] {
             assert_eq!(duration_text(ms * MS), text, "{ms}");
         }

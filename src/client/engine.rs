@@ -410,6 +410,9 @@ pub(crate) struct Engine<R> {
     shutdown_notices: u64,
     /// Sent as `U` first on every session.
     secret: Option<Secret>,
+    /// Why no request can run with this configuration (a secret that
+    /// would go in clear, spec §12.5): each ends `Invalid` at once.
+    refusal: Option<&'static str>,
 }
 
 impl<R> Engine<R> {
@@ -444,6 +447,7 @@ impl<R> Engine<R> {
             refusals: 0,
             shutdown_notices: 0,
             secret: None,
+            refusal: None,
         }
     }
 
@@ -452,6 +456,12 @@ impl<R> Engine<R> {
     /// anything is sent.
     pub(crate) fn authenticate_with(&mut self, secret: Secret) {
         self.secret = Some(secret);
+    }
+
+    /// Makes every request end `Invalid(why)` at once, before anything is
+    /// connected or sent.
+    pub(crate) fn refuse_every_request(&mut self, why: &'static str) {
+        self.refusal = Some(why);
     }
 
     /// How many times a server said it is shutting down (`X 8`).
@@ -482,7 +492,10 @@ impl<R> Engine<R> {
         if let Op::Acquire { owner, .. } = submission.op {
             self.owners.insert(owner, id);
         }
-        if let Some(problem) = self.secret.as_ref().and_then(Secret::problem) {
+        if let Some(problem) = self
+            .refusal
+            .or_else(|| self.secret.as_ref().and_then(Secret::problem))
+        {
             return self.complete(id, Outcome::Invalid(problem), now);
         }
         let tick = self.tick_at_or_after(submission.deadline);
@@ -818,6 +831,24 @@ impl<R> Engine<R> {
                     if let Some(refused) = self.not_allowed_at.get_mut(s / self.per_server) {
                         *refused = None;
                     }
+                }
+                Err(error) if !self.sessions.get(s).is_some_and(|x| x.heard_from) => {
+                    // The first bytes of the session are no kunci answer:
+                    // the peer speaks something else, and executed none of
+                    // its requests. That does not change by trying again.
+                    log::debug!("session {s}: not a kunci server: {error}");
+                    let why = if matches!(rest, [0x15 | 0x16, 0x03, ..]) {
+                        "the server speaks TLS: address it as tls://HOST:PORT"
+                    } else {
+                        "not a kunci server (its first answer is no kunci frame): \
+                         check the address and port"
+                    };
+                    self.refused(
+                        s,
+                        Refusal::Unavailable(Unavailable::WrongProtocol(why)),
+                        now,
+                    );
+                    return None;
                 }
                 Err(error) => {
                     log::debug!("session {s}: undecodable answer: {error}");

@@ -47,6 +47,8 @@ pub(crate) struct Shared {
     running: AtomicBool,
     /// The engine's count of `X 8` (server shutting down) frames.
     shutdown_notices: AtomicU64,
+    /// Why the latest connection attempt failed, with its address.
+    last_connect_failure: Mutex<Option<String>>,
 }
 
 impl Shared {
@@ -98,6 +100,11 @@ impl Shared {
     pub(crate) fn shutdown_notices(&self) -> u64 {
         self.shutdown_notices.load(Ordering::Acquire)
     }
+
+    /// Why the latest connection attempt failed, if one did.
+    pub(crate) fn last_connect_failure(&self) -> Option<String> {
+        lock(&self.last_connect_failure).clone()
+    }
 }
 
 /// The TLS configuration of `tls://` sessions (`None` when no address is
@@ -144,6 +151,7 @@ pub(crate) fn start(
         closed: AtomicBool::new(false),
         running: AtomicBool::new(true),
         shutdown_notices: AtomicU64::new(0),
+        last_connect_failure: Mutex::new(None),
     });
     let per_server = per_server.max(1);
     let sessions = addresses.len() * per_server;
@@ -155,6 +163,9 @@ pub(crate) fn start(
     );
     if let Some(secret) = &config.secret {
         engine.authenticate_with(secret.clone());
+    }
+    if let Some(problem) = config.plaintext_secret_problem(&addresses) {
+        engine.refuse_every_request(problem);
     }
     let mut shell = Shell {
         poll,
@@ -246,6 +257,7 @@ impl Shell {
                         }
                         Err(error) => {
                             log::debug!("session {s}: connect failed: {error}");
+                            self.connect_failure(s, &error);
                             self.drop_conn(s);
                             self.engine.connect_failed(s, now);
                             continue;
@@ -406,6 +418,10 @@ impl Shell {
                 log::debug!("session {s}: TLS with {address:?}: {why}");
                 Refusal::Unavailable(super::Unavailable::Untrusted(why))
             }
+            Failure::NotTls(why) => {
+                log::debug!("session {s}: TLS with {address:?}: {why}");
+                Refusal::Unavailable(super::Unavailable::WrongProtocol(why))
+            }
             Failure::Refused(why) => {
                 log::debug!("session {s}: TLS with {address:?}: {why}");
                 Refusal::PermissionDenied(why)
@@ -492,6 +508,8 @@ impl Shell {
             Ok(stream) => stream,
             Err(error) => {
                 log::debug!("session {s}: cannot connect to {address}: {error}");
+                let failure = format!("{address}: {error}");
+                *lock(&self.shared.last_connect_failure) = Some(failure);
                 self.engine.connect_failed(s, now);
                 return;
             }
@@ -508,6 +526,14 @@ impl Shell {
             connecting: true,
             writable: false,
         });
+    }
+
+    /// Keeps why session `s`'s connection attempt failed, for the message
+    /// of an `Unavailable` that may follow.
+    fn connect_failure(&self, s: SessionId, error: &io::Error) {
+        if let Some(address) = self.addresses.get(s / self.per_server) {
+            *lock(&self.shared.last_connect_failure) = Some(format!("{address}: {error}"));
+        }
     }
 
     fn drop_conn(&mut self, s: SessionId) {

@@ -83,6 +83,14 @@ pub struct Config {
     /// bytes makes every call fail [`Error::InvalidArgument`] before
     /// anything is sent.
     pub secret: Option<Secret>,
+    /// Whether [`secret`](Self::secret) may go in clear to a TCP address
+    /// beyond this host (default: no). A secret goes only over `tls://`,
+    /// a unix socket, or to a loopback address (127.0.0.0/8, `::1`, or the
+    /// name `localhost` itself: any other name counts as remote); to any
+    /// other address every call fails [`Error::InvalidArgument`] before
+    /// anything is connected or sent (spec §12.5). Set it (or use
+    /// [`Config::allow_plaintext_secret`]) only on a network you trust.
+    pub allow_plaintext_secret: bool,
     /// With `etcd://` addresses: the etcd user and password, when etcd has
     /// authentication on (docs/ETCD.md). Ignored for kunci servers.
     #[cfg(feature = "etcd")]
@@ -99,6 +107,7 @@ impl Default for Config {
             sessions_per_server: 2,
             connect_timeout: Duration::from_secs(1),
             secret: None,
+            allow_plaintext_secret: false,
             #[cfg(feature = "etcd")]
             etcd_credentials: None,
             #[cfg(feature = "tls")]
@@ -106,6 +115,34 @@ impl Default for Config {
         }
     }
 }
+
+impl Config {
+    /// The same configuration, with
+    /// [`allow_plaintext_secret`](Config::allow_plaintext_secret) set: the
+    /// explicit opt-in to send the secret in clear beyond this host.
+    pub fn allow_plaintext_secret(self, allow: bool) -> Config {
+        Config {
+            allow_plaintext_secret: allow,
+            ..self
+        }
+    }
+
+    /// Why no call can run with this configuration for `servers`: a secret
+    /// that would go in clear beyond this host without the opt-in.
+    pub(crate) fn plaintext_secret_problem(&self, servers: &[Address]) -> Option<&'static str> {
+        let in_clear = servers
+            .iter()
+            .any(|address| !address.keeps_secrets_private());
+        (self.secret.is_some() && in_clear && !self.allow_plaintext_secret)
+            .then_some(PLAINTEXT_SECRET_REFUSED)
+    }
+}
+
+/// Why a call with a secret to a plaintext address beyond this host fails.
+pub const PLAINTEXT_SECRET_REFUSED: &str = "the secret would go in clear to an address beyond \
+     this host: use tls://, a unix socket or a loopback address, or opt in with \
+     Config::allow_plaintext_secret (kunci: --insecure-plaintext-secret or \
+     KUNCI_ALLOW_PLAINTEXT_SECRET=1)";
 
 /// A secret that lets a client in to a server with `--auth` (see
 /// `kunci secret`). Its `Debug` never shows it.
@@ -231,6 +268,11 @@ pub enum Unavailable {
     /// This client does not trust the server: its TLS certificate failed
     /// verification, for the reason given (or the handshake failed).
     Untrusted(&'static str),
+    /// The peer at the address is no kunci server, or speaks TLS where
+    /// plain TCP was addressed (or the reverse): its first bytes were no
+    /// answer this client can read. The text says which. Nothing was
+    /// executed, and waiting does not change it.
+    WrongProtocol(&'static str),
 }
 
 impl fmt::Display for Error {
@@ -249,6 +291,9 @@ impl fmt::Display for Error {
             ),
             Error::Unavailable(Unavailable::Untrusted(why)) => {
                 write!(f, "unavailable: TLS: {why}; nothing was sent")
+            }
+            Error::Unavailable(Unavailable::WrongProtocol(why)) => {
+                write!(f, "unavailable: {why}; nothing was executed")
             }
             Error::Indeterminate => f.write_str(
                 "indeterminate: the request may have reached the server but no answer \
@@ -459,6 +504,14 @@ impl Backend {
             Backend::Kunci(shared) => shared.shutdown_notices(),
             #[cfg(feature = "etcd")]
             Backend::Etcd(_) => 0,
+        }
+    }
+
+    fn last_connect_failure(&self) -> Option<String> {
+        match self {
+            Backend::Kunci(shared) => shared.last_connect_failure(),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(_) => None,
         }
     }
 
@@ -773,6 +826,14 @@ impl Client {
     #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     pub(crate) fn shutdown_notices(&self) -> u64 {
         self.inner.shared.shutdown_notices()
+    }
+
+    /// Why this client's latest connection attempt to a kunci server
+    /// failed (refused, a name that does not resolve, a timeout, TLS), with
+    /// the address; `None` if none has failed. It explains an
+    /// [`Unavailable::Unreachable`] after the fact.
+    pub fn last_connect_failure(&self) -> Option<String> {
+        self.inner.shared.last_connect_failure()
     }
 
     /// An owner id no other call of this client uses: a random base plus a

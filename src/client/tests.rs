@@ -604,8 +604,9 @@ fn answers_correlate_by_token_nonce_and_order() {
 
 #[test]
 fn bad_bytes_close_the_session_and_sent_requests_are_indeterminate() {
+    // Answers that decode but correlate with nothing; bytes that do not
+    // decode as a session's first answer are another case (below).
     for bad in [
-        b"Y".to_vec(),
         answer(Response::Acquired {
             owner: 999,
             token: 1,
@@ -616,7 +617,6 @@ fn bad_bytes_close_the_session_and_sent_requests_are_indeterminate() {
             id: 0,
             text: "server shutting down".into(),
         }),
-        b"T12345678x".to_vec(),
     ] {
         let mut h = Harness::new(1);
         h.acquire(1, 1, S);
@@ -640,6 +640,34 @@ fn bad_bytes_close_the_session_and_sent_requests_are_indeterminate() {
                 }
             ]
         );
+    }
+}
+
+/// Issue 25 defect 5: a session whose first bytes are no kunci answer is
+/// talking to something else (Redis, HTTP, a TLS port addressed without
+/// tls://): it executed none of the requests, so they end `Unavailable`
+/// with the reason at once, instead of `Indeterminate` and a reconnect
+/// loop that `--wait inf` would follow forever.
+#[test]
+fn a_first_answer_that_is_no_kunci_frame_is_a_wrong_protocol() {
+    for (bad, why) in [
+        (&b"Y"[..], "not a kunci server"),
+        (b"T12345678x", "not a kunci server"),
+        (b"-ERR unknown command\r\n", "not a kunci server"),
+        (b"\x15\x03\x03\x00\x02\x02\x32", "the server speaks TLS"),
+    ] {
+        let mut h = Harness::new(1);
+        h.acquire(1, 1, S);
+        h.actions();
+        h.engine.connected(0, h.now);
+        h.write(0);
+        h.engine.handle_input(0, bad, h.now);
+        let completions = h.completions();
+        let [(1, Outcome::Unavailable(Unavailable::WrongProtocol(text)))] = completions.as_slice()
+        else {
+            panic!("{bad:?}: {completions:?}");
+        };
+        assert!(text.starts_with(why), "{bad:?}: {text}");
     }
 }
 

@@ -390,6 +390,19 @@ impl Server {
             .collect()
     }
 
+    /// The plaintext listeners that clients reach from beyond this host on
+    /// a server with `--auth` (spec §12.5): their secrets cross the
+    /// network in clear. Neither `tls://`, loopback nor unix.
+    pub fn secrets_in_clear_addresses(&self) -> Vec<&Address> {
+        if !self.shell.endpoint.authenticates() {
+            return Vec::new();
+        }
+        self.addresses
+            .iter()
+            .filter(|address| !address.keeps_secrets_private())
+            .collect()
+    }
+
     /// Whether the listener with this index checks its peers, or only this
     /// host can reach it: a loopback or unix listener, a server with
     /// `--auth` or an `--allow` list, or a `tls://` listener that requires

@@ -61,7 +61,10 @@ semaphore and rw as contended, with 1 key and --hold 1):
                        closed loops through the client (one thread per
                        connection, --pipeline 1)
   --secret-file FILE   the secret for a server with --auth (default:
-                       $KUNCI_SECRET): each connection sends U first
+                       $KUNCI_SECRET): each connection sends U first;
+                       only over tls://, unix: or loopback unless
+                       --insecure-plaintext-secret (or
+                       $KUNCI_ALLOW_PLAINTEXT_SECRET=1)
   --connections C      connections (50 / 50 / 4 / 1+N/4000 / N / 8 probes)
   --pipeline P         requests in flight per connection (32 / 1 / 128)
   --keys K             key space (1000000 / 8 / N / 1000)
@@ -112,6 +115,8 @@ enum Which {
 struct Options {
     server: Option<Address>,
     secret_file: Option<OsString>,
+    /// `--insecure-plaintext-secret`.
+    allow_plaintext_secret: bool,
     tls: super::client::TlsOptions,
     workload: Option<Which>,
     connections: Option<usize>,
@@ -177,6 +182,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
         match argument {
             Long("server") => o.server = Some(args::address(parser.value())?),
             Long("secret-file") => o.secret_file = Some(parser.value().map_err(|e| e.to_string())?),
+            Long("insecure-plaintext-secret") => o.allow_plaintext_secret = true,
             Long("connections") => o.connections = Some(positive("--connections", parser.value())?),
             Long("pipeline") => o.pipeline = Some(positive("--pipeline", parser.value())?),
             Long("keys") => o.keys = Some(count("--keys", parser.value())?),
@@ -363,18 +369,25 @@ impl Run {
             plan.pipeline = 1;
         }
         let duration = o.duration.unwrap_or(Duration::from_secs(duration));
+        let server = match o.server {
+            Some(server) => server,
+            // One server is driven: the first of $KUNCI_SERVER's.
+            None => super::client::default_servers()?
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| Address::Tcp(DEFAULT_ADDRESS.to_owned())),
+        };
+        let secret = super::client::secret(o.secret_file)?;
+        super::client::check_plaintext_secret(
+            std::slice::from_ref(&server),
+            secret.as_ref(),
+            o.allow_plaintext_secret,
+        )?;
         Ok(Run {
             which,
-            secret: super::client::secret(o.secret_file)?,
+            secret,
             tls: o.tls,
-            server: match o.server {
-                Some(server) => server,
-                // One server is driven: the first of $KUNCI_SERVER's.
-                None => super::client::default_servers()?
-                    .into_iter()
-                    .next()
-                    .unwrap_or_else(|| Address::Tcp(DEFAULT_ADDRESS.to_owned())),
-            },
+            server,
             plan,
             mix,
             key_prefix: o.key_prefix.unwrap_or_else(|| prefix.to_owned()),
