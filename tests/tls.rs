@@ -750,23 +750,40 @@ fn endpoint_tls_backpressure_keeps_the_bounds() {
     }
     // Client records into the server, in reads of at most 64 KiB, while
     // the endpoint wants to read.
-    fn to_server(endpoint: &mut Endpoint, client: &mut rustls::ClientConnection) -> usize {
-        let mut records = Vec::new();
-        while client.wants_write() && records.len() < 64 * 1024 {
-            client.write_tls(&mut records).unwrap();
+    // Records the client wrote and the server has not read yet are kept
+    // in `pending`, as a socket buffer would keep them.
+    fn to_server(
+        endpoint: &mut Endpoint,
+        client: &mut rustls::ClientConnection,
+        pending: &mut Vec<u8>,
+    ) -> usize {
+        while client.wants_write() && pending.len() < 64 * 1024 {
+            client.write_tls(pending).unwrap();
         }
         let mut fed = 0;
-        for chunk in records.chunks(64 * 1024) {
-            assert!(endpoint.wants_read(0), "read while backpressured");
-            endpoint.handle_read(0, chunk, 1_000);
-            fed += chunk.len();
+        while !pending.is_empty() {
+            // A connection that spent its turn goes on at the next one.
+            while endpoint
+                .connection(0)
+                .is_some_and(|conn| conn.phase() == kunci::core::connection::Phase::Yielded)
+            {
+                endpoint.begin_turn(1_000);
+            }
+            if !endpoint.wants_read(0) {
+                break;
+            }
+            let n = pending.len().min(64 * 1024);
+            endpoint.handle_read(0, &pending[..n], 1_000);
+            pending.drain(..n);
+            fed += n;
         }
         fed
     }
+    let mut pending = Vec::new();
 
     // The handshake.
     for _ in 0..4 {
-        to_server(&mut endpoint, &mut client);
+        to_server(&mut endpoint, &mut client, &mut pending);
         to_client(&mut endpoint, &mut client, &mut answers, usize::MAX);
     }
     assert!(!client.is_handshaking());
@@ -781,8 +798,12 @@ fn endpoint_tls_backpressure_keeps_the_bounds() {
             .unwrap();
     }
     let mut rounds = 0;
-    while endpoint.wants_read(0) && client.wants_write() {
-        to_server(&mut endpoint, &mut client);
+    while client.wants_write()
+        && endpoint
+            .connection(0)
+            .is_some_and(|conn| conn.phase() != kunci::core::connection::Phase::Backpressured)
+    {
+        to_server(&mut endpoint, &mut client, &mut pending);
         endpoint.check_invariants();
         rounds += 1;
         assert!(rounds < 1_000);
@@ -798,10 +819,12 @@ fn endpoint_tls_backpressure_keeps_the_bounds() {
     }
     // The socket drains 16 KiB at a time; reading resumes in between.
     while answers.len() < expected.len() {
+        // One turn of the loop: what spent the last turn's share goes on.
+        endpoint.begin_turn(1_000);
         let moved = to_client(&mut endpoint, &mut client, &mut answers, 16 * 1024);
         endpoint.check_invariants();
         let fed = if endpoint.wants_read(0) {
-            to_server(&mut endpoint, &mut client)
+            to_server(&mut endpoint, &mut client, &mut pending)
         } else {
             0
         };
