@@ -841,3 +841,73 @@ fn endpoint_tls_backpressure_keeps_the_bounds() {
     assert_eq!(answers.len(), expected.len());
     assert!(answers == expected, "answers out of order");
 }
+
+/// Issue 27, finding 6: a replayed ClientHello forced a full handshake
+/// (a signature each) for every connection read in one turn of the loop,
+/// so 512 of them delayed established sessions by hundreds of
+/// milliseconds. Now one turn advances at most `HANDSHAKES_PER_TURN`
+/// handshakes; the others wait for the next turn, and all finish.
+#[test]
+fn one_turn_advances_a_bounded_number_of_handshakes() {
+    use kunci::core::connection::Phase;
+    use kunci::core::endpoint::{Action, Endpoint, HANDSHAKES_PER_TURN};
+    use kunci::core::{Core, Limits};
+
+    let pki = Pki::new();
+    let server_config = kunci::tls::server_config(&kunci::tls::ServerFiles {
+        cert: pki.dir.join("server.pem"),
+        key: pki.dir.join("server.key"),
+        client_ca: None,
+    })
+    .unwrap();
+    let client_config = kunci::tls::client_config(&ClientFiles {
+        ca: Some(pki.dir.join("ca.pem")),
+        ..ClientFiles::default()
+    })
+    .unwrap();
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), 1), Vec::new());
+    let connections = 3 * HANDSHAKES_PER_TURN;
+    let mut clients = Vec::new();
+    for id in 0..connections {
+        endpoint.accept_tls(id, None, &server_config, 1_000);
+        let mut client = rustls::ClientConnection::new(
+            client_config.clone(),
+            kunci::tls::server_name("localhost:1").unwrap(),
+        )
+        .unwrap();
+        let mut hello = Vec::new();
+        client.write_tls(&mut hello).unwrap();
+        clients.push((client, hello));
+    }
+    // One turn: every ClientHello is read, as a wake-up with all of them
+    // ready would.
+    endpoint.begin_turn(1_000);
+    for (id, (_, hello)) in clients.iter().enumerate() {
+        endpoint.handle_read(id as u32, hello, 1_000);
+        endpoint.check_invariants();
+    }
+    let answered: Vec<u32> = (0..connections)
+        .filter(|&id| endpoint.transmit(id).is_some())
+        .collect();
+    assert_eq!(answered.len(), HANDSHAKES_PER_TURN as usize);
+    let waiting = (0..connections)
+        .filter(|&id| endpoint.connection(id).map(|conn| conn.phase()) == Some(Phase::Yielded))
+        .count();
+    assert_eq!(waiting, connections as usize - answered.len());
+    assert!(endpoint.has_yielded());
+    // The next turns answer the rest, a few at a time, and ask the shell
+    // to read each again.
+    for turn in 2..=3u32 {
+        endpoint.begin_turn(1_000 * u64::from(turn));
+        endpoint.check_invariants();
+        let answered = (0..connections)
+            .filter(|&id| endpoint.transmit(id).is_some())
+            .count();
+        assert_eq!(answered, turn as usize * HANDSHAKES_PER_TURN as usize);
+    }
+    assert!(!endpoint.has_yielded());
+    let reads = std::iter::from_fn(|| endpoint.poll_action())
+        .filter(|(_, action)| *action == Action::Read)
+        .count();
+    assert_eq!(reads, connections as usize - HANDSHAKES_PER_TURN as usize);
+}
