@@ -867,16 +867,27 @@ impl Endpoint {
         // index lines prefetched before any of them was evaluated.
         let mut prefetched = 0;
         let turn = self.turn;
+        // The output length and the core's work before the last request:
+        // its cost is charged at the top of the next round, where the
+        // connection is looked up anyway.
+        let mut charge: Option<(usize, u64)> = None;
         loop {
             let Some(conn) = self.conns[id as usize].as_mut() else {
                 return (at, Stop::OutputFull);
             };
-            if conn.output_full() {
-                return (at, Stop::OutputFull);
-            }
             if conn.turn != turn {
                 conn.turn = turn;
                 conn.work = 0;
+            }
+            if let Some((output_before, work_before)) = charge.take() {
+                let answered = conn.output.len().saturating_sub(output_before);
+                let cost = u64::from(REQUEST_WORK)
+                    + (self.core.work() - work_before)
+                    + (answered / ANSWER_BYTES_PER_WORK) as u64;
+                conn.work = u32::try_from(u64::from(conn.work) + cost).unwrap_or(u32::MAX);
+            }
+            if conn.output_full() {
+                return (at, Stop::OutputFull);
             }
             let spent = conn.work >= TURN_WORK_MAX;
             let output_before = conn.output.len();
@@ -916,13 +927,7 @@ impl Endpoint {
                 }
             }
             self.route();
-            let core_work = self.core.work() - work_before;
-            if let Some(conn) = self.conn_mut(id) {
-                let answered = conn.output.len().saturating_sub(output_before);
-                let cost =
-                    u64::from(REQUEST_WORK) + core_work + (answered / ANSWER_BYTES_PER_WORK) as u64;
-                conn.work = u32::try_from(u64::from(conn.work) + cost).unwrap_or(u32::MAX);
-            }
+            charge = Some((output_before, work_before));
         }
     }
 
