@@ -14,8 +14,8 @@ starts the flood, and prints one line per attack:
 - idle:    as many idle connections from 127.0.0.1 as the server takes
            (of --max-connections 16,384); then whether a client from
            127.0.0.2 gets a pong.
-- unread:  200 connections each send 100 `H` on a key with 1,000
-           labelled grants and never read; the server's RSS growth.
+- unread:  1,000 keys of 255 bytes; 200 connections each send 100 `L`
+           of 1,000 and never read; the server's RSS growth.
 
 Stdlib only; every server and flood is stopped before it returns.
 """
@@ -178,11 +178,10 @@ def attack(binary, name):
         return f"{len(held)} idle connections opened from 127.0.0.1; then 127.0.0.2 got {kind}"
     elif name == "unread":
         server, port = start(binary)
-        label = b"l" * 128
-        grants = b"".join(s_frame(owner, b"h", label) for owner in range(1000))
-        prepare(port, grants, 1000 * 18)
+        keys = b"".join(acquire(1, b"%0255d" % n) for n in range(1000))
+        prepare(port, keys, 1000 * 18)
         before = rss_kib(server.pid)
-        frame = (b"H" + struct.pack(">Q", 1) + b"h\n") * 100
+        frame = (b"L" + struct.pack(">QQH", 1, 0, 1000) + b"\n") * 100
         conns = []
         for _ in range(200):
             conn = socket.create_connection(("127.0.0.1", port))

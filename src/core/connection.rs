@@ -118,10 +118,6 @@ pub struct Connection {
     /// and output above are its plaintext.
     #[cfg(feature = "tls")]
     pub(super) tls: Option<Box<super::tls::TlsLayer>>,
-    /// Handshake records read while this turn's handshake work was spent:
-    /// fed to the session on the next turn.
-    #[cfg(feature = "tls")]
-    pub(super) held_records: Vec<u8>,
 }
 
 impl Connection {
@@ -138,8 +134,6 @@ impl Connection {
             peer: None,
             #[cfg(feature = "tls")]
             tls: None,
-            #[cfg(feature = "tls")]
-            held_records: Vec::new(),
         }
     }
 

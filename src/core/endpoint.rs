@@ -218,9 +218,13 @@ impl Endpoint {
                 continue;
             }
             #[cfg(feature = "tls")]
-            if !conn.held_records.is_empty() {
+            if let Some(records) = conn
+                .tls
+                .as_mut()
+                .map(|tls| std::mem::take(&mut tls.held_records))
+                .filter(|records| !records.is_empty())
+            {
                 conn.phase = Phase::Open;
-                let records = std::mem::take(&mut conn.held_records);
                 self.handle_records(id, &records, now);
                 if self.connection(id).map(Connection::phase) == Some(Phase::Open) {
                     self.actions.push_back((id, Action::Read));
@@ -521,12 +525,10 @@ impl Endpoint {
             if self.handshakes_this_turn >= HANDSHAKES_PER_TURN {
                 // This turn's handshake work is spent: the records wait
                 // (at most one read's worth, since the shell stops reading).
+                tls.held_records.extend_from_slice(bytes);
                 if conn.phase == Phase::Open {
-                    conn.held_records.extend_from_slice(bytes);
                     conn.phase = Phase::Yielded;
                     self.yielded.push(id);
-                } else {
-                    conn.held_records.extend_from_slice(bytes);
                 }
                 return;
             }
