@@ -68,7 +68,12 @@ fn a_thousand_partial_frames_are_closed_after_the_timeout() {
 
 #[test]
 fn a_flood_past_max_connections_is_refused_with_x7() {
-    let server = TestServer::start(&["--max-connections", "50"]);
+    let server = TestServer::start(&[
+        "--max-connections",
+        "50",
+        "--max-connections-per-peer",
+        "50",
+    ]);
     let mut kept: Vec<Peer> = (0..49).map(|_| server.peer()).collect();
     let mut probe = server.peer();
     probe.send(&ping(1));

@@ -236,7 +236,7 @@ fn timers_measure_timeouts_and_expiries_never_early() {
 
 #[test]
 fn errors_from_the_server_are_counted_printed_and_fail_the_run() {
-    let server = TestServer::start(&["--max-connections", "2"]);
+    let server = TestServer::start(&["--max-connections", "2", "--max-connections-per-peer", "2"]);
     let output = bench(
         &server,
         &[

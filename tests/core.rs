@@ -2877,3 +2877,80 @@ proptest! {
         prop_assert!(!listed.contains("elsewhere"));
     }
 }
+
+/// The bytes `frames` take on the wire.
+fn wire_bytes(frames: &[Response]) -> usize {
+    let mut out = Vec::new();
+    for frame in frames {
+        kunci::protocol::encode_response(frame, &mut out);
+    }
+    out.len()
+}
+
+/// Issue 27, finding 4: one `H` answer was 1,000 labelled `G` frames
+/// (164 KB) on top of a full output buffer. Now its frames stop at
+/// `ANSWER_BYTES_MAX` and the `Z` counts the rest as left out.
+#[test]
+fn holders_of_labelled_grants_stays_within_the_answer_bound_and_counts_the_rest() {
+    let mut fake = Fake::with_conns(2);
+    let label = "l".repeat(128);
+    for owner in 0..1_000 {
+        let out = fake.permits(1, "k", 0, 30, owner, 65535, 1, &label);
+        assert_eq!(out.len(), 1, "{out:?}");
+    }
+    let frames = holders(&mut fake, 9, "k");
+    let Some(&Response::End { count, next, .. }) = frames.last() else {
+        panic!("no Z: {:?}", frames.last());
+    };
+    let grants = frames.len() - 1;
+    assert_eq!(count as usize, grants);
+    assert_eq!(count as u64 + next, 1_000);
+    // 164 B a frame: as many as fit in 64 KiB, no fewer.
+    assert_eq!(grants, kunci::core::ANSWER_BYTES_MAX / 164);
+    assert!(wire_bytes(&frames[..grants]) <= kunci::core::ANSWER_BYTES_MAX);
+}
+
+/// Issue 27, finding 4: one `L` page of 1,000 keys of 255 bytes was
+/// 275 KB. Now a page ends at `ANSWER_BYTES_MAX`, and following the
+/// cursor still returns every key exactly once.
+#[test]
+fn a_list_page_stays_within_the_answer_bound_and_the_cursor_goes_on_from_there() {
+    let mut fake = Fake::with_conns(2);
+    let mut keys = HashSet::new();
+    for n in 0..1_000 {
+        let key = format!("{n:0>255}");
+        fake.grant(1, &key, 30, 1);
+        keys.insert(key);
+    }
+    let mut seen = HashSet::new();
+    let mut cursor = 0;
+    let mut pages = 0;
+    loop {
+        let out = fake.request(
+            0,
+            &Request::List {
+                id: 9,
+                cursor,
+                count: 1_000,
+                prefix: "",
+            },
+        );
+        let frames: Vec<Response> = out.into_iter().map(|(_, frame)| frame).collect();
+        assert!(wire_bytes(&frames[..frames.len() - 1]) <= kunci::core::ANSWER_BYTES_MAX);
+        for frame in &frames {
+            if let Response::Key { key, .. } = frame {
+                assert!(seen.insert(key.clone()), "{key} twice");
+            }
+        }
+        pages += 1;
+        match frames.last() {
+            Some(&Response::End { next: 0, .. }) => break,
+            Some(&Response::End { next, .. }) => cursor = next,
+            other => panic!("no Z: {other:?}"),
+        }
+        assert!(pages < 10);
+    }
+    assert_eq!(seen, keys);
+    // 275 B a frame: 238 keys a page.
+    assert_eq!(pages, 5);
+}

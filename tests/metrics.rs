@@ -224,7 +224,8 @@ pub fn assert_lines(text: &str, lines: &[&str]) {
 
 #[test]
 fn a_scrape_over_a_socket_shows_what_the_server_did() {
-    let (server, metrics) = server_with_metrics(&["--max-connections", "2"]);
+    let (server, metrics) =
+        server_with_metrics(&["--max-connections", "2", "--max-connections-per-peer", "2"]);
     let mut holder = server.peer();
     holder.send(&acquire(0, 60, 1, "a"));
     let token_a = granted(holder.recv(), 1);

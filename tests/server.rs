@@ -271,7 +271,7 @@ fn limits_answer_busy() {
 
 #[test]
 fn connection_limit_sends_x7_and_closes() {
-    let server = TestServer::start(&["--max-connections", "2"]);
+    let server = TestServer::start(&["--max-connections", "2", "--max-connections-per-peer", "2"]);
     let mut first = server.peer();
     let mut second = server.peer();
     first.send(&ping(1));

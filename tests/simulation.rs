@@ -1692,6 +1692,9 @@ mod wire {
         /// What the shell does before it sleeps: read the sockets it was
         /// told to, write every queued output, carry out the actions.
         fn shell_turn(&mut self) -> Result<(), String> {
+            // A turn of the loop: connections that spent their share of
+            // the last one go on (spec §4, fairness).
+            self.endpoint.begin_turn(self.now);
             for id in std::mem::take(&mut self.ready) {
                 if self.peers.get(&id).is_some_and(|peer| !peer.closed) {
                     self.deliver(id);

@@ -12,6 +12,7 @@ mod endpoint;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod fencing;
+mod hostile;
 mod metrics;
 mod operations;
 mod permit_options;

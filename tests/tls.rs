@@ -844,23 +844,40 @@ fn endpoint_tls_backpressure_keeps_the_bounds() {
     }
     // Client records into the server, in reads of at most 64 KiB, while
     // the endpoint wants to read.
-    fn to_server(endpoint: &mut Endpoint, client: &mut rustls::ClientConnection) -> usize {
-        let mut records = Vec::new();
-        while client.wants_write() && records.len() < 64 * 1024 {
-            client.write_tls(&mut records).unwrap();
+    // Records the client wrote and the server has not read yet are kept
+    // in `pending`, as a socket buffer would keep them.
+    fn to_server(
+        endpoint: &mut Endpoint,
+        client: &mut rustls::ClientConnection,
+        pending: &mut Vec<u8>,
+    ) -> usize {
+        while client.wants_write() && pending.len() < 64 * 1024 {
+            client.write_tls(pending).unwrap();
         }
         let mut fed = 0;
-        for chunk in records.chunks(64 * 1024) {
-            assert!(endpoint.wants_read(0), "read while backpressured");
-            endpoint.handle_read(0, chunk, 1_000);
-            fed += chunk.len();
+        while !pending.is_empty() {
+            // A connection that spent its turn goes on at the next one.
+            while endpoint
+                .connection(0)
+                .is_some_and(|conn| conn.phase() == kunci::core::connection::Phase::Yielded)
+            {
+                endpoint.begin_turn(1_000);
+            }
+            if !endpoint.wants_read(0) {
+                break;
+            }
+            let n = pending.len().min(64 * 1024);
+            endpoint.handle_read(0, &pending[..n], 1_000);
+            pending.drain(..n);
+            fed += n;
         }
         fed
     }
+    let mut pending = Vec::new();
 
     // The handshake.
     for _ in 0..4 {
-        to_server(&mut endpoint, &mut client);
+        to_server(&mut endpoint, &mut client, &mut pending);
         to_client(&mut endpoint, &mut client, &mut answers, usize::MAX);
     }
     assert!(!client.is_handshaking());
@@ -875,8 +892,12 @@ fn endpoint_tls_backpressure_keeps_the_bounds() {
             .unwrap();
     }
     let mut rounds = 0;
-    while endpoint.wants_read(0) && client.wants_write() {
-        to_server(&mut endpoint, &mut client);
+    while client.wants_write()
+        && endpoint
+            .connection(0)
+            .is_some_and(|conn| conn.phase() != kunci::core::connection::Phase::Backpressured)
+    {
+        to_server(&mut endpoint, &mut client, &mut pending);
         endpoint.check_invariants();
         rounds += 1;
         assert!(rounds < 1_000);
@@ -892,10 +913,12 @@ fn endpoint_tls_backpressure_keeps_the_bounds() {
     }
     // The socket drains 16 KiB at a time; reading resumes in between.
     while answers.len() < expected.len() {
+        // One turn of the loop: what spent the last turn's share goes on.
+        endpoint.begin_turn(1_000);
         let moved = to_client(&mut endpoint, &mut client, &mut answers, 16 * 1024);
         endpoint.check_invariants();
         let fed = if endpoint.wants_read(0) {
-            to_server(&mut endpoint, &mut client)
+            to_server(&mut endpoint, &mut client, &mut pending)
         } else {
             0
         };
@@ -911,4 +934,74 @@ fn endpoint_tls_backpressure_keeps_the_bounds() {
     }
     assert_eq!(answers.len(), expected.len());
     assert!(answers == expected, "answers out of order");
+}
+
+/// Issue 27, finding 6: a replayed ClientHello forced a full handshake
+/// (a signature each) for every connection read in one turn of the loop,
+/// so 512 of them delayed established sessions by hundreds of
+/// milliseconds. Now one turn advances at most `HANDSHAKES_PER_TURN`
+/// handshakes; the others wait for the next turn, and all finish.
+#[test]
+fn one_turn_advances_a_bounded_number_of_handshakes() {
+    use kunci::core::connection::Phase;
+    use kunci::core::endpoint::{Action, Endpoint, HANDSHAKES_PER_TURN};
+    use kunci::core::{Core, Limits};
+
+    let pki = Pki::new();
+    let server_config = kunci::tls::server_config(&kunci::tls::ServerFiles {
+        cert: pki.dir.join("server.pem"),
+        key: pki.dir.join("server.key"),
+        client_ca: None,
+    })
+    .unwrap();
+    let client_config = kunci::tls::client_config(&ClientFiles {
+        ca: Some(pki.dir.join("ca.pem")),
+        ..ClientFiles::default()
+    })
+    .unwrap();
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), 1), Vec::new());
+    let connections = 3 * HANDSHAKES_PER_TURN;
+    let mut clients = Vec::new();
+    for id in 0..connections {
+        endpoint.accept_tls(id, None, &server_config, 1_000);
+        let mut client = rustls::ClientConnection::new(
+            client_config.clone(),
+            kunci::tls::server_name("localhost:1").unwrap(),
+        )
+        .unwrap();
+        let mut hello = Vec::new();
+        client.write_tls(&mut hello).unwrap();
+        clients.push((client, hello));
+    }
+    // One turn: every ClientHello is read, as a wake-up with all of them
+    // ready would.
+    endpoint.begin_turn(1_000);
+    for (id, (_, hello)) in clients.iter().enumerate() {
+        endpoint.handle_read(id as u32, hello, 1_000);
+        endpoint.check_invariants();
+    }
+    let answered: Vec<u32> = (0..connections)
+        .filter(|&id| endpoint.transmit(id).is_some())
+        .collect();
+    assert_eq!(answered.len(), HANDSHAKES_PER_TURN as usize);
+    let waiting = (0..connections)
+        .filter(|&id| endpoint.connection(id).map(|conn| conn.phase()) == Some(Phase::Yielded))
+        .count();
+    assert_eq!(waiting, connections as usize - answered.len());
+    assert!(endpoint.has_yielded());
+    // The next turns answer the rest, a few at a time, and ask the shell
+    // to read each again.
+    for turn in 2..=3u32 {
+        endpoint.begin_turn(1_000 * u64::from(turn));
+        endpoint.check_invariants();
+        let answered = (0..connections)
+            .filter(|&id| endpoint.transmit(id).is_some())
+            .count();
+        assert_eq!(answered, turn as usize * HANDSHAKES_PER_TURN as usize);
+    }
+    assert!(!endpoint.has_yielded());
+    let reads = std::iter::from_fn(|| endpoint.poll_action())
+        .filter(|(_, action)| *action == Action::Read)
+        .count();
+    assert_eq!(reads, connections as usize - HANDSHAKES_PER_TURN as usize);
 }

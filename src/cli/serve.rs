@@ -42,6 +42,11 @@ Options:
                               shared holder)
   --max-connections N         open connections; one more gets `X 7` and is
                               closed (default {max_connections})
+  --max-connections-per-peer N
+                              open connections from one TCP peer address
+                              (each IP on its own, 127.0.0.2 too; unix
+                              socket peers are not limited); one more gets
+                              `X 7` (default: half of --max-connections)
   --metrics ADDR              serve Prometheus metrics at http://ADDR/metrics
                               (HOST:PORT, or unix:PATH for HTTP over a unix
                               socket; default: none). No --allow applies:
@@ -118,6 +123,10 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Parsed>, String> {
             }
             Long("max-connections") => {
                 limits.max_connections = positive("--max-connections", parser.value())?
+            }
+            Long("max-connections-per-peer") => {
+                config.max_connections_per_peer =
+                    Some(positive("--max-connections-per-peer", parser.value())?)
             }
             Long("max-grants") => max_grants = Some(args::number("--max-grants", parser.value())?),
             Long("unix-mode") => {

@@ -14,6 +14,8 @@
 //! (or handed back to the endpoint's spare), so ten thousand idle
 //! connections cost well under 256 B each.
 
+use std::net::IpAddr;
+
 use crate::protocol::REQUEST_FRAME_MAX;
 
 use super::Micros;
@@ -30,6 +32,18 @@ pub const INPUT_MAX: usize = READ_CHUNK + REQUEST_FRAME_MAX;
 pub const OUTPUT_HIGH_WATER: usize = 64 * 1024;
 /// ...and resume once it is below this.
 pub const OUTPUT_LOW_WATER: usize = 16 * 1024;
+/// The work one connection gets per turn of the event loop (spec §4,
+/// fairness), in the core's units (one table slot an `L` examines, one
+/// grant or waiter an `H` walks) plus [`REQUEST_WORK`] per request and
+/// one per [`ANSWER_BYTES_PER_WORK`] bytes of answers. A request is never
+/// split: the one that passes the budget finishes, and the next waits for
+/// the next turn. About a millisecond of work: 1,024 plain requests, one
+/// `L` of 1,000, one `H` on a key with 16,384 grants.
+pub const TURN_WORK_MAX: u32 = 16 * 1024;
+/// What a request costs besides the core's work.
+pub const REQUEST_WORK: u32 = 16;
+/// Answer bytes that cost one unit of work.
+pub const ANSWER_BYTES_PER_WORK: usize = 16;
 /// A frame left incomplete this long closes the connection (spec §4).
 pub const PARTIAL_FRAME_TIMEOUT_US: Micros = 10_000_000;
 /// How long a closing connection may take to drain its last answers and
@@ -40,13 +54,21 @@ pub const LINGER_US: Micros = 2_000_000;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
     /// Reading requests and answering them. Deadline: the partial frame's,
-    /// while one is incomplete.
+    /// while one is incomplete; a TLS handshake's and (with `--auth`) the
+    /// `U`'s run from the accept.
     Open,
     /// Unsent output passed [`OUTPUT_HIGH_WATER`]: requests already read
     /// wait in `input`, and the shell reads nothing more until output is
     /// below [`OUTPUT_LOW_WATER`]. No deadline: our output is late, not the
     /// peer's input.
     Backpressured,
+    /// The connection spent its share of this turn of the event loop
+    /// ([`TURN_WORK_MAX`], or the turn's TLS handshake work): what it sent
+    /// waits in `input` (or, mid-handshake, as records), and the shell
+    /// reads nothing more until the endpoint's next turn evaluates it
+    /// (spec §4, fairness). Deadline: only the handshake's or `U`'s, which
+    /// run from the accept.
+    Yielded,
     /// No more requests (fatal error, end-of-file, shutdown, refusal): the
     /// core has forgotten the connection, its last answers drain and input
     /// is discarded. Deadline: the linger's.
@@ -65,7 +87,7 @@ pub enum Phase {
 impl Phase {
     /// Whether the core knows the connection (its requests are evaluated).
     pub fn is_live(self) -> bool {
-        matches!(self, Phase::Open | Phase::Backpressured)
+        matches!(self, Phase::Open | Phase::Backpressured | Phase::Yielded)
     }
 }
 
@@ -84,6 +106,14 @@ pub struct Connection {
     pub(super) transmit_queued: bool,
     /// Refused at accept (`X 7`, `X 9`): never known to the core.
     pub(super) refused: bool,
+    /// The turn of the event loop `work` counts for.
+    pub(super) turn: u32,
+    /// Work done in that turn (see [`TURN_WORK_MAX`]).
+    pub(super) work: u32,
+    /// The TCP peer's address, counted in the per-peer share of the
+    /// connection limit while the connection is live; `None` for a Unix
+    /// peer or a refused one.
+    pub(super) peer: Option<IpAddr>,
     /// The TLS session of a connection accepted on a TLS listener: input
     /// and output above are its plaintext.
     #[cfg(feature = "tls")]
@@ -99,6 +129,9 @@ impl Connection {
             timer: TimerLinks::UNARMED,
             transmit_queued: false,
             refused: false,
+            turn: 0,
+            work: 0,
+            peer: None,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -138,9 +171,9 @@ impl Connection {
     }
 
     /// Whether the shell should read from the socket: not while requests
-    /// wait for output to drain.
+    /// wait for output to drain or for the next turn.
     pub fn wants_read(&self) -> bool {
-        self.phase != Phase::Backpressured
+        !matches!(self.phase, Phase::Backpressured | Phase::Yielded)
     }
 
     /// Whether evaluation must stop for now.

@@ -23,7 +23,8 @@ use log::{debug, warn};
 
 use super::access::AccessList;
 use super::connection::{
-    Connection, LINGER_US, OUTPUT_HIGH_WATER, OUTPUT_LOW_WATER, PARTIAL_FRAME_TIMEOUT_US, Phase,
+    ANSWER_BYTES_PER_WORK, Connection, LINGER_US, OUTPUT_HIGH_WATER, OUTPUT_LOW_WATER,
+    PARTIAL_FRAME_TIMEOUT_US, Phase, REQUEST_WORK, TURN_WORK_MAX,
 };
 use super::restart::{Durability, Promise};
 use super::{ConnId, Core, Micros};
@@ -47,6 +48,19 @@ pub const SHUTDOWN_GRACE_US: Micros = 3_000_000;
 /// idle connection still owns none.
 const SPARE_OUTPUT_CAPACITY_MAX: usize = 16 * 1024;
 const SPARE_OUTPUTS_MAX: usize = 64;
+/// TLS handshake steps (reads of a connection still in its handshake) per
+/// turn of the event loop, over all connections: each may cost a
+/// signature (~0.5 ms with RSA-2048), so a flood of ClientHellos delays
+/// established sessions' answers by a few milliseconds a turn at most
+/// (spec §4, fairness). Connections beyond it wait for the next turn.
+pub const HANDSHAKES_PER_TURN: u32 = 4;
+/// At most one `authentication failed` line per peer address per this
+/// long; the next line says how many were not logged (the `auth_failures`
+/// counter stays exact).
+pub const AUTH_FAILURE_LOG_EVERY_US: Micros = 60_000_000;
+/// Peers whose failures are remembered for [`AUTH_FAILURE_LOG_EVERY_US`]
+/// before the quiet ones are forgotten.
+const AUTH_FAILURE_PEERS_MAX: usize = 1024;
 
 /// What the shell must do to a connection's socket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +83,8 @@ enum Stop {
     Incomplete,
     /// Output passed the high-water mark.
     OutputFull,
+    /// The connection's work for this turn is spent; whole frames wait.
+    Yield,
     /// Framing is lost; the `X` is queued.
     Fatal,
 }
@@ -105,6 +121,21 @@ pub struct Endpoint {
     /// Where TLS connections' records are decrypted, reused across reads.
     #[cfg(feature = "tls")]
     tls_plaintext: Vec<u8>,
+    /// The turn of the event loop (see [`begin_turn`](Self::begin_turn)).
+    turn: u32,
+    /// Connections in [`Phase::Yielded`], to go on with next turn.
+    yielded: Vec<ConnId>,
+    /// Handshake steps taken this turn (see [`HANDSHAKES_PER_TURN`]).
+    #[cfg(feature = "tls")]
+    handshakes_this_turn: u32,
+    /// Connections not yet closed, by TCP peer address.
+    peer_connections: HashMap<IpAddr, u32>,
+    /// The most connections one peer address may hold; `None`: half of
+    /// `max_connections`.
+    max_connections_per_peer: Option<usize>,
+    /// With `--auth`: when failures from each peer were last logged, and
+    /// how many came since.
+    auth_failure_log: HashMap<Option<IpAddr>, (Micros, u64)>,
 }
 
 /// A session that has not sent a good `U` (yet).
@@ -143,6 +174,89 @@ impl Endpoint {
             unauthenticated_peers: HashMap::new(),
             #[cfg(feature = "tls")]
             tls_plaintext: Vec::new(),
+            turn: 0,
+            yielded: Vec::new(),
+            #[cfg(feature = "tls")]
+            handshakes_this_turn: 0,
+            peer_connections: HashMap::new(),
+            max_connections_per_peer: None,
+            auth_failure_log: HashMap::new(),
+        }
+    }
+
+    /// Limits the connections one TCP peer address may hold (spec §4);
+    /// by default half of `max_connections`, so that a second host can
+    /// always connect. Unix peers are not limited: only this host reaches
+    /// them, and the socket file's permissions say who.
+    pub fn limit_connections_per_peer(&mut self, max: usize) {
+        self.max_connections_per_peer = Some(max);
+    }
+
+    /// The most connections one TCP peer address may hold.
+    pub fn max_connections_per_peer(&self) -> usize {
+        self.max_connections_per_peer
+            .unwrap_or(self.core.limits().max_connections / 2)
+            .max(1)
+    }
+
+    /// Starts a turn of the event loop (spec §4, fairness): every
+    /// connection gets a fresh share of work, and those that spent theirs
+    /// last turn go on with what they had read (then, when done, the shell
+    /// reads them again: [`Action::Read`]). The shell calls it once per
+    /// wake-up, before it reads.
+    pub fn begin_turn(&mut self, now: Micros) {
+        self.turn = self.turn.wrapping_add(1);
+        #[cfg(feature = "tls")]
+        {
+            self.handshakes_this_turn = 0;
+        }
+        for id in std::mem::take(&mut self.yielded) {
+            let Some(conn) = self.conn_mut(id) else {
+                continue;
+            };
+            if conn.phase != Phase::Yielded {
+                continue;
+            }
+            #[cfg(feature = "tls")]
+            if let Some(records) = conn
+                .tls
+                .as_mut()
+                .map(|tls| std::mem::take(&mut tls.held_records))
+                .filter(|records| !records.is_empty())
+            {
+                conn.phase = Phase::Open;
+                self.handle_records(id, &records, now);
+                if self.connection(id).map(Connection::phase) == Some(Phase::Open) {
+                    self.actions.push_back((id, Action::Read));
+                }
+                continue;
+            }
+            self.resume(id, now);
+        }
+    }
+
+    /// Whether connections wait for the next turn: the shell must not
+    /// sleep before it.
+    pub fn has_yielded(&self) -> bool {
+        !self.yielded.is_empty()
+    }
+
+    /// Whether `id` must keep a deadline that runs from its accept: a TLS
+    /// handshake's, or (with `--auth`) the `U`'s (spec §12.2).
+    fn keeps_accept_deadline(&self, id: ConnId) -> bool {
+        self.connection(id).is_some_and(Connection::is_handshaking)
+            || (self.access.is_some() && !self.is_authenticated(id))
+    }
+
+    /// Stops evaluating `id` for this turn.
+    fn yield_turn(&mut self, id: ConnId) {
+        let Some(conn) = self.conn_mut(id) else {
+            return;
+        };
+        conn.phase = Phase::Yielded;
+        self.yielded.push(id);
+        if !self.keeps_accept_deadline(id) {
+            self.cancel(id);
         }
     }
 
@@ -224,12 +338,13 @@ impl Endpoint {
 
     /// The most output a connection can hold: the high-water mark plus the
     /// answers to the frame that passed it (a hand-over to itself
-    /// included), plus one deferred answer per wait it may queue, plus the
+    /// included, or an `H`/`L` answer of at most
+    /// [`ANSWER_BYTES_MAX`](super::ANSWER_BYTES_MAX) and its `Z`), plus one deferred answer per wait it may queue, plus the
     /// `X 8` of a shutdown.
     pub fn output_bound(&self) -> usize {
         let per_wait = 18;
         OUTPUT_HIGH_WATER
-            + 2 * RESPONSE_FRAME_MAX
+            + (2 * RESPONSE_FRAME_MAX).max(super::ANSWER_BYTES_MAX + RESPONSE_FRAME_MAX)
             + self.core.limits().max_waits_per_conn as usize * per_wait
             + RESPONSE_FRAME_MAX
     }
@@ -246,13 +361,32 @@ impl Endpoint {
             return self.refuse(id, code, now);
         }
         self.conns[id as usize] = Some(Connection::new(Phase::Open));
+        self.count_peer(id, peer);
         self.core.connect(id);
-        self.expect_authentication(id, peer);
+        self.expect_authentication(id, peer, now);
     }
 
-    /// With `--auth`, a new session has not authenticated yet.
-    fn expect_authentication(&mut self, id: ConnId, peer: Option<IpAddr>) {
+    /// Counts live connection `id` in its peer's share.
+    fn count_peer(&mut self, id: ConnId, peer: Option<IpAddr>) {
+        let Some(ip) = peer.map(|ip| ip.to_canonical()) else {
+            return;
+        };
+        if let Some(conn) = self.conn_mut(id) {
+            conn.peer = Some(ip);
+            *self.peer_connections.entry(ip).or_insert(0) += 1;
+        }
+    }
+
+    /// With `--auth`, a new session has not authenticated yet: it has
+    /// [`PARTIAL_FRAME_TIMEOUT_US`] from its accept to do so (spec §12.2).
+    fn expect_authentication(&mut self, id: ConnId, peer: Option<IpAddr>, now: Micros) {
         if self.access.is_some() {
+            if !self
+                .connection(id)
+                .is_some_and(|conn| conn.timer.is_armed())
+            {
+                self.arm(id, now + PARTIAL_FRAME_TIMEOUT_US, now);
+            }
             let index = id as usize;
             if self.identities.len() <= index {
                 self.identities.resize(index + 1, UNAUTHENTICATED);
@@ -290,9 +424,10 @@ impl Endpoint {
         conn.tls = Some(Box::new(tls));
         self.count += 1;
         self.conns[id as usize] = Some(conn);
+        self.count_peer(id, peer);
         self.core.connect(id);
-        self.expect_authentication(id, peer);
         self.arm(id, now + PARTIAL_FRAME_TIMEOUT_US, now);
+        self.expect_authentication(id, peer, now);
     }
 
     fn make_room(&mut self, id: ConnId) {
@@ -320,6 +455,14 @@ impl Endpoint {
             debug!("refusing {peer:?}: connection limit");
             self.core.stats_mut().refused_max_connections += 1;
             return Some(ErrorCode::ConnectionLimit);
+        }
+        if let Some(ip) = peer.map(|ip| ip.to_canonical()) {
+            let held = self.peer_connections.get(&ip).copied().unwrap_or(0);
+            if held as usize >= self.max_connections_per_peer() {
+                debug!("refusing {ip}: its share of the connection limit");
+                self.core.stats_mut().refused_max_connections += 1;
+                return Some(ErrorCode::ConnectionLimit);
+            }
         }
         None
     }
@@ -378,6 +521,19 @@ impl Endpoint {
             return;
         };
         let was_handshaking = tls.is_handshaking();
+        if was_handshaking {
+            if self.handshakes_this_turn >= HANDSHAKES_PER_TURN {
+                // This turn's handshake work is spent: the records wait
+                // (at most one read's worth, since the shell stops reading).
+                tls.held_records.extend_from_slice(bytes);
+                if conn.phase == Phase::Open {
+                    conn.phase = Phase::Yielded;
+                    self.yielded.push(id);
+                }
+                return;
+            }
+            self.handshakes_this_turn += 1;
+        }
         let mut plaintext = std::mem::take(&mut self.tls_plaintext);
         let result = tls.read(bytes, &mut plaintext);
         let handshaking = tls.is_handshaking();
@@ -394,7 +550,7 @@ impl Endpoint {
                 return self.begin_close(id, false, now);
             }
         };
-        if was_handshaking && !handshaking {
+        if was_handshaking && !handshaking && !self.keeps_accept_deadline(id) {
             // The handshake's deadline ends with it; a frame gets its own.
             self.cancel(id);
         }
@@ -416,7 +572,7 @@ impl Endpoint {
         match conn.phase {
             Phase::Open => {}
             // The shell should not read now; keep what it did read.
-            Phase::Backpressured => return conn.carry(bytes),
+            Phase::Backpressured | Phase::Yielded => return conn.carry(bytes),
             // Closing: input is discarded.
             Phase::Flushing { .. } | Phase::Lingering => return,
         }
@@ -445,7 +601,7 @@ impl Endpoint {
             return;
         };
         match conn.phase {
-            Phase::Open | Phase::Backpressured => {
+            Phase::Open | Phase::Backpressured | Phase::Yielded => {
                 debug!("connection {id} closed by peer");
                 self.begin_close(id, true, now);
             }
@@ -590,7 +746,22 @@ impl Endpoint {
             .timers
             .poll(&mut ConnTimers(&mut self.conns), tick_reached(now))
         {
-            if self.connection(id).map(Connection::phase) == Some(Phase::Open) {
+            let Some(conn) = self.connection(id) else {
+                continue;
+            };
+            if conn.phase.is_live()
+                && !conn.is_handshaking()
+                && !self.is_authenticated(id)
+                && self.access.is_some()
+            {
+                // No `U` within 10 s of the accept (spec §12.2).
+                debug!("connection {id}: not authenticated within 10 s");
+                self.fail_authentication(id, now);
+                self.route();
+                self.begin_close(id, false, now);
+                continue;
+            }
+            if conn.phase == Phase::Open {
                 debug!("connection {id}: frame incomplete for 10 s");
             }
             self.close(id, now);
@@ -653,9 +824,17 @@ impl Endpoint {
                     );
                     assert_eq!(
                         conn.timer.is_armed(),
-                        !conn.input.is_empty() || conn.is_handshaking(),
-                        "partial-frame or handshake deadline of connection {id}"
+                        !conn.input.is_empty() || self.keeps_accept_deadline(id),
+                        "partial-frame, handshake or `U` deadline of connection {id}"
                     );
+                }
+                Phase::Yielded => {
+                    assert_eq!(
+                        conn.timer.is_armed(),
+                        self.keeps_accept_deadline(id),
+                        "handshake or `U` deadline of yielded connection {id}"
+                    );
+                    assert!(self.yielded.contains(&id), "yielded {id} is not listed");
                 }
                 Phase::Backpressured => {
                     assert!(!conn.timer.is_armed(), "backpressured {id} has a deadline");
@@ -697,17 +876,40 @@ impl Endpoint {
         // With a large table, the frames before `prefetched` had their
         // index lines prefetched before any of them was evaluated.
         let mut prefetched = 0;
+        let turn = self.turn;
+        // The output length and the core's work before the last request:
+        // its cost is charged at the top of the next round, where the
+        // connection is looked up anyway.
+        let mut charge: Option<(usize, u64)> = None;
         loop {
-            if self.conns[id as usize]
-                .as_ref()
-                .is_none_or(Connection::output_full)
-            {
+            let Some(conn) = self.conns[id as usize].as_mut() else {
+                return (at, Stop::OutputFull);
+            };
+            if conn.turn != turn {
+                conn.turn = turn;
+                conn.work = 0;
+            }
+            if let Some((output_before, work_before)) = charge.take() {
+                let answered = conn.output.len().saturating_sub(output_before);
+                let cost = u64::from(REQUEST_WORK)
+                    + (self.core.work() - work_before)
+                    + (answered / ANSWER_BYTES_PER_WORK) as u64;
+                conn.work = u32::try_from(u64::from(conn.work) + cost).unwrap_or(u32::MAX);
+            }
+            if conn.output_full() {
                 return (at, Stop::OutputFull);
             }
+            let spent = conn.work >= TURN_WORK_MAX;
+            let output_before = conn.output.len();
             if at >= prefetched && self.core.prefetch_pays() {
                 prefetched = at + prefetch_ahead(&self.core, &buf[at..]);
             }
-            match protocol::decode_request(&buf[at..]) {
+            let work_before = self.core.work();
+            let decoded = protocol::decode_request(&buf[at..]);
+            if spent && !matches!(decoded, Decoded::Incomplete) {
+                return (at, Stop::Yield);
+            }
+            match decoded {
                 Decoded::Incomplete => return (at, Stop::Incomplete),
                 Decoded::Request { request, len } => {
                     at += len;
@@ -721,7 +923,7 @@ impl Endpoint {
                 Decoded::Invalid { error, len } => {
                     at += len;
                     if self.access.is_some() && !self.is_authenticated(id) {
-                        self.fail_authentication(id);
+                        self.fail_authentication(id, now);
                         self.route();
                         return (buf.len(), Stop::Fatal);
                     }
@@ -735,6 +937,7 @@ impl Endpoint {
                 }
             }
             self.route();
+            charge = Some((output_before, work_before));
         }
     }
 
@@ -765,7 +968,7 @@ impl Endpoint {
                 _ => None,
             };
             let Some(index) = authenticated else {
-                self.fail_authentication(id);
+                self.fail_authentication(id, now);
                 return false;
             };
             *session = index;
@@ -787,14 +990,44 @@ impl Endpoint {
         true
     }
 
-    /// `id` sent something other than a good `U` first: `X 12`, counted
-    /// and logged with the peer (never the secret); the caller closes it.
-    fn fail_authentication(&mut self, id: ConnId) {
+    /// `id` sent something other than a good `U` first, or nothing in
+    /// time: `X 12`, counted, and logged with the peer (never the secret)
+    /// at most once per peer per [`AUTH_FAILURE_LOG_EVERY_US`]; the caller
+    /// closes it.
+    fn fail_authentication(&mut self, id: ConnId, now: Micros) {
         self.core.send_error(id, ErrorCode::NotAuthenticated, 0);
         self.core.stats_mut().auth_failures += 1;
-        match self.unauthenticated_peers.remove(&id).flatten() {
-            Some(ip) => warn!("authentication failed: peer {ip}; connection closed"),
-            None => warn!("authentication failed: peer on a unix socket; connection closed"),
+        let peer = self.unauthenticated_peers.remove(&id).flatten();
+        if self.auth_failure_log.len() >= AUTH_FAILURE_PEERS_MAX
+            && !self.auth_failure_log.contains_key(&peer)
+        {
+            self.auth_failure_log
+                .retain(|_, &mut (logged_at, _)| now < logged_at + AUTH_FAILURE_LOG_EVERY_US);
+        }
+        let (logged_at, since) = self
+            .auth_failure_log
+            .entry(peer)
+            .or_insert((Micros::MAX, 0));
+        if *logged_at != Micros::MAX && now < *logged_at + AUTH_FAILURE_LOG_EVERY_US {
+            *since += 1;
+            return;
+        }
+        let unlogged = std::mem::take(since);
+        *logged_at = now;
+        let peer = match peer {
+            Some(ip) => format!("peer {ip}"),
+            None => "peer on a unix socket".to_owned(),
+        };
+        if unlogged == 0 {
+            warn!(
+                "authentication failed: {peer}; connection closed \
+                 (the next failure from this peer within a minute is not logged)"
+            );
+        } else {
+            warn!(
+                "authentication failed: {peer}; connection closed; \
+                 {unlogged} more from this peer since the last line were not logged"
+            );
         }
     }
 
@@ -819,6 +1052,7 @@ impl Endpoint {
     fn after_evaluation(&mut self, id: ConnId, progress: bool, stop: Stop, now: Micros) {
         match stop {
             Stop::Fatal => self.begin_close(id, false, now),
+            Stop::Yield => self.yield_turn(id),
             Stop::OutputFull => {
                 if let Some(conn) = self.conn_mut(id) {
                     conn.phase = Phase::Backpressured;
@@ -830,7 +1064,11 @@ impl Endpoint {
                     return;
                 };
                 if conn.input.is_empty() {
-                    self.cancel(id);
+                    if !self.keeps_accept_deadline(id) {
+                        self.cancel(id);
+                    }
+                } else if self.keeps_accept_deadline(id) {
+                    // The deadline from the accept covers the frame.
                 } else if progress || !conn.timer.is_armed() {
                     // A new frame was left incomplete: its clock starts
                     // now. A frame that only grew keeps its deadline, so a
@@ -861,7 +1099,7 @@ impl Endpoint {
             return;
         };
         match conn.phase {
-            Phase::Open | Phase::Lingering => {}
+            Phase::Open | Phase::Lingering | Phase::Yielded => {}
             Phase::Backpressured => self.resume(id, now),
             Phase::Flushing { peer_closed: true } => self.close(id, now),
             Phase::Flushing { peer_closed: false } => {
@@ -915,6 +1153,14 @@ impl Endpoint {
         self.count -= 1;
         if self.access.is_some() {
             self.unauthenticated_peers.remove(&id);
+        }
+        if let Some(ip) = conn.peer {
+            if let Some(held) = self.peer_connections.get_mut(&ip) {
+                *held -= 1;
+                if *held == 0 {
+                    self.peer_connections.remove(&ip);
+                }
+            }
         }
         if conn.phase.is_live() {
             self.core.disconnect(id, now);

@@ -45,6 +45,7 @@ use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
 
 pub use adoption::{EarlierGrant, HeldGrant, RestoreError};
+pub use request::ANSWER_BYTES_MAX;
 
 /// A connection as the core knows it: the shell's slab index.
 pub type ConnId = u32;
@@ -229,6 +230,10 @@ pub struct Core {
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
+    /// Work done so far, in units of one table slot examined or one grant
+    /// or waiter walked (by `L` and `H`): the endpoint charges it to the
+    /// connection whose request did it (spec §4, fairness).
+    work: u64,
 }
 
 /// Gives the timer wheel the links embedded in entries, waiters and
@@ -293,6 +298,7 @@ impl Core {
             next_token: first_token.max(1),
             stats: Stats::default(),
             outbox: Vec::new(),
+            work: 0,
         }
     }
 
@@ -309,6 +315,12 @@ impl Core {
 
     pub fn limits(&self) -> &Limits {
         &self.limits
+    }
+
+    /// Work done since the core was made, in slots examined and grants
+    /// or waiters walked: the difference across a request is its cost.
+    pub fn work(&self) -> u64 {
+        self.work
     }
 
     pub fn stats(&self) -> &Stats {

@@ -151,6 +151,8 @@ pub fn run(data: &[u8]) {
             6 => {
                 let step = u64::from(bytes.next().unwrap_or(0));
                 now += step * step * 200;
+                // A wake-up: a new turn of the loop (spec §4, fairness).
+                endpoint.begin_turn(now);
                 endpoint.handle_timeout(now);
             }
             _ => {
@@ -160,6 +162,7 @@ pub fn run(data: &[u8]) {
                 if let Some(at) = endpoint.poll_timeout() {
                     now = now.max(at);
                 }
+                endpoint.begin_turn(now);
                 endpoint.handle_timeout(now);
             }
         }

@@ -23,6 +23,9 @@ pub(crate) struct TlsLayer {
     close_notify_sent: bool,
     /// The session failed: only its alert is left to send.
     failed: bool,
+    /// Handshake records read while the loop's turn had no handshake work
+    /// left: fed to the session on the next turn.
+    pub(super) held_records: Vec<u8>,
 }
 
 impl TlsLayer {
@@ -33,6 +36,7 @@ impl TlsLayer {
             carried: 0,
             close_notify_sent: false,
             failed: false,
+            held_records: Vec::new(),
         })
     }
 

@@ -70,6 +70,9 @@ pub struct Config {
     /// With `--auth`: who may connect and what each may do (spec §12);
     /// `None` lets every session do everything.
     pub access: Option<AccessList>,
+    /// The most connections one TCP peer address may hold (spec §4);
+    /// `None`: half of `limits.max_connections`.
+    pub max_connections_per_peer: Option<usize>,
     /// The certificate, key and optional client CA of the `tls://`
     /// listeners; required when there is one.
     #[cfg(feature = "tls")]
@@ -106,6 +109,7 @@ impl Default for Config {
             state_dir: None,
             metrics: None,
             access: None,
+            max_connections_per_peer: None,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -328,6 +332,9 @@ impl Server {
             state.resume(&mut core)?;
         }
         let mut endpoint = Endpoint::new(core, config.allow.clone());
+        if let Some(max) = config.max_connections_per_peer {
+            endpoint.limit_connections_per_peer(max);
+        }
         if let Some(access) = config.access {
             endpoint.require_authentication(access);
         }
@@ -444,6 +451,10 @@ impl Server {
                 }
                 return Err(error);
             }
+            // Connections that spent their share of the last turn go on
+            // first (spec §4, fairness); what they answer is written below.
+            let now = self.shell.now();
+            self.shell.endpoint.begin_turn(now);
             for event in events.iter() {
                 match event.token() {
                     WAKE_TOKEN => {
@@ -551,7 +562,7 @@ impl Shell {
     }
 
     fn poll_timeout(&self) -> Option<Duration> {
-        if !self.ready.is_empty() {
+        if !self.ready.is_empty() || self.endpoint.has_yielded() {
             return Some(Duration::ZERO);
         }
         let scrape_deadline = self

@@ -61,8 +61,8 @@
 //! capped at [`MAX_GRACE`] from the restart.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufWriter, Write};
-use std::os::fd::AsRawFd;
+use std::io::{self, BufWriter, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -341,6 +341,81 @@ pub fn is_state_dir_error(error: &io::Error) -> bool {
         .is_some_and(|inner| inner.is::<StateDirError>())
 }
 
+/// Refuses a state directory that another user owns or that group or
+/// others may write to: whoever can write it can replace the state file
+/// and make this server hand out a token twice.
+fn check_private(dir: &Path) -> io::Result<()> {
+    let metadata = fs::metadata(dir)
+        .map_err(|e| state_error(dir, format!("cannot read its metadata: {e}")))?;
+    if !metadata.is_dir() {
+        return Err(state_error(dir, "not a directory"));
+    }
+    let me = rustix::process::geteuid().as_raw();
+    if metadata.uid() != me {
+        return Err(state_error(
+            dir,
+            format!(
+                "owned by uid {}, not by this server's uid {me}: refusing to use it",
+                metadata.uid()
+            ),
+        ));
+    }
+    if metadata.mode() & 0o022 != 0 {
+        return Err(state_error(
+            dir,
+            format!(
+                "mode {:o} lets others write it: refusing to use it (chmod 700 it)",
+                metadata.mode() & 0o7777
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Opens a file of the state directory as `options` say, created `0600`,
+/// without following a symbolic link and without blocking on a FIFO; then
+/// anything but a regular file is an error that says what it is.
+fn open_private(path: &Path, options: &mut OpenOptions) -> io::Result<File> {
+    let file = options
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{} is a symbolic link: refusing to follow it",
+                        path.display()
+                    ),
+                )
+            } else {
+                e
+            }
+        })?;
+    let file_type = file.metadata()?.file_type();
+    if !file_type.is_file() {
+        use std::os::unix::fs::FileTypeExt;
+        let what = if file_type.is_fifo() {
+            "a FIFO"
+        } else if file_type.is_dir() {
+            "a directory"
+        } else if file_type.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        };
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is {what}, not a regular file", path.display()),
+        ));
+    }
+    // Reads and writes block as on any file (O_NONBLOCK was only for the
+    // open of a FIFO).
+    rustix::fs::fcntl_setfl(&file, rustix::fs::OFlags::empty())?;
+    Ok(file)
+}
+
 fn state_error(dir: &Path, what: impl std::fmt::Display) -> io::Error {
     io::Error::other(StateDirError(format!(
         "state dir {}: {what}",
@@ -352,25 +427,39 @@ impl StateDir {
     /// Opens (creating) `dir`, takes its lock, and reads what the previous
     /// run recorded. A file that cannot be read exactly is an error that
     /// names it and what is wrong, never a silent fresh start.
+    ///
+    /// The directory holds every held key and label after a clean stop, so
+    /// it is created `0700` and its files `0600`, whatever the umask; one
+    /// owned by another user or writable by group or others is refused, as
+    /// is a symbolic link or anything but a regular file where a file of
+    /// ours belongs (a FIFO there is an error, not a hang).
     pub fn open(dir: &Path) -> io::Result<StateDir> {
-        fs::create_dir_all(dir).map_err(|e| state_error(dir, format!("cannot create: {e}")))?;
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(dir.join(LOCK_FILE))
-            .map_err(|e| state_error(dir, format!("cannot open {LOCK_FILE}: {e}")))?;
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| state_error(dir, format!("cannot create: {e}")))?;
+        check_private(dir)?;
+        let lock = open_private(
+            &dir.join(LOCK_FILE),
+            OpenOptions::new().create(true).write(true),
+        )
+        .map_err(|e| state_error(dir, format!("{LOCK_FILE}: {e}")))?;
+        if rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
             return Err(state_error(
                 dir,
                 "another kunci server uses this state directory",
             ));
         }
         let path = dir.join(STATE_FILE);
-        let recorded = match fs::read(&path) {
-            Ok(bytes) => parse(&bytes, &Clocks::now())
-                .map_err(|what| state_error(dir, format!("{}: {what}", path.display())))?,
+        let recorded = match open_private(&path, OpenOptions::new().read(true)) {
+            Ok(mut file) => {
+                let mut bytes = Vec::new();
+                file.read_to_end(&mut bytes)
+                    .map_err(|e| state_error(dir, format!("{}: {e}", path.display())))?;
+                parse(&bytes, &Clocks::now())
+                    .map_err(|what| state_error(dir, format!("{}: {what}", path.display())))?
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => Recorded::default(),
             Err(e) => return Err(state_error(dir, format!("{}: {e}", path.display()))),
         };
@@ -520,7 +609,10 @@ impl StateDir {
         grants: &mut dyn Iterator<Item = SavedGrant<'a>>,
     ) -> io::Result<()> {
         let temporary = self.dir.join(format!("{STATE_FILE}.tmp"));
-        let file = File::create(&temporary)?;
+        let file = open_private(
+            &temporary,
+            OpenOptions::new().create(true).write(true).truncate(true),
+        )?;
         let mut out = ChecksumWriter::new(BufWriter::with_capacity(1 << 20, file));
         write_header(&mut out, kind, at, token_high_water, horizon_ms)?;
         out.write_all(&[if counted_grants {

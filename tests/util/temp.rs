@@ -19,7 +19,10 @@ impl TempDir {
             path.to_string_lossy()
                 .replace([' ', '{', '}', ':', ','], "_"),
         );
-        std::fs::create_dir_all(&path).expect("create temp dir");
+        // Private, as a state directory must be (whatever the umask).
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+            .create(&path)
+            .expect("create temp dir");
         TempDir(path)
     }
 

@@ -1,7 +1,8 @@
 //! `H` (spec §11.2): the grants of one key in token order, then its
 //! waiters in queue order, then `Z`. Bounded: at most [`FRAMES_MAX`] of
-//! each.
+//! each, and at most [`ANSWER_BYTES_MAX`] of frames in all (spec §4).
 
+use super::{ANSWER_BYTES_MAX, GRANT_FRAME_FIXED, WAITER_FRAME_FIXED};
 use crate::core::labels::LabelOf;
 use crate::core::permits::PERMITS;
 use crate::core::waiters::held_ms;
@@ -21,6 +22,10 @@ impl Core {
         let mut grants: Vec<Response> = Vec::new();
         let mut waiters: Vec<Response> = Vec::new();
         let mut left_out = 0u64;
+        // The bytes of the frames so far (an upper bound), and the grants
+        // and waiters walked: the request's cost.
+        let mut bytes = 0usize;
+        let mut walked = 0u64;
         let unknown = Response::Grant {
             id,
             token: 0,
@@ -44,16 +49,20 @@ impl Core {
                         grants.push(unknown);
                     }
                     for &grant in &permits.grants {
+                        walked += 1;
                         let node = self.grants.get(grant);
                         let lease_ms = millis_left(self.lease_deadline(&node.lease), now);
                         if lease_ms == 0 {
                             // It may have run out (see below).
                             continue;
                         }
-                        if grants.len() == FRAMES_MAX {
+                        let label = self.labels.get(LabelOf::Grant(grant));
+                        let size = GRANT_FRAME_FIXED + label.len();
+                        if grants.len() == FRAMES_MAX || bytes + size > ANSWER_BYTES_MAX {
                             left_out += 1;
                             continue;
                         }
+                        bytes += size;
                         let held_us = now.saturating_sub(node.granted_at);
                         grants.push(Response::Grant {
                             id,
@@ -62,7 +71,7 @@ impl Core {
                             lease_ms,
                             held_ms: u32::try_from(held_us / 1_000).unwrap_or(u32::MAX),
                             take: node.take,
-                            label: self.labels.get(LabelOf::Grant(grant)).to_owned(),
+                            label: label.to_owned(),
                         });
                     }
                 } else if held.token == 0 {
@@ -84,21 +93,26 @@ impl Core {
                     }));
                 }
                 for waiter in self.waiters.queue(held.waiters) {
-                    if waiters.len() == FRAMES_MAX {
+                    walked += 1;
+                    let label = self.labels.get(LabelOf::Waiter(waiter));
+                    let size = WAITER_FRAME_FIXED + label.len();
+                    if waiters.len() == FRAMES_MAX || bytes + size > ANSWER_BYTES_MAX {
                         left_out += 1;
                         continue;
                     }
+                    bytes += size;
                     let node = self.waiters.get(waiter);
                     waiters.push(Response::Waiter {
                         id,
                         owner: node.owner,
                         wait_ms: millis_left(self.lease_deadline(&node.timer), now),
                         take: node.take,
-                        label: self.labels.get(LabelOf::Waiter(waiter)).to_owned(),
+                        label: label.to_owned(),
                     });
                 }
             }
         }
+        self.work += walked;
         let count = (grants.len() + waiters.len()) as u32;
         self.outbox
             .extend(grants.into_iter().map(|frame| (conn, frame)));

@@ -8,6 +8,8 @@ use crate::core::permits::PERMITS;
 use crate::core::{ConnId, Core, Micros};
 use crate::protocol::Response;
 
+use super::{ANSWER_BYTES_MAX, KEY_FRAME_FIXED};
+
 /// One `L` examines at most this many entry slots per frame it may send.
 pub const SLOTS_PER_FRAME: usize = 16;
 
@@ -36,17 +38,27 @@ impl Core {
         let mut at = usize::try_from(cursor).unwrap_or(usize::MAX);
         let mut examined = 0;
         let mut sent = 0u32;
+        let mut bytes = 0usize;
         while at < slots && examined < budget && sent < u32::from(count) {
             let entry = at as u32;
-            at += 1;
             examined += 1;
             if !self.table.is_live(entry) {
+                at += 1;
                 continue;
             }
             let key = self.table.key(entry);
             if !key.starts_with(prefix) || within.is_some_and(|scopes| !scopes.lists(key)) {
+                at += 1;
                 continue;
             }
+            let size = KEY_FRAME_FIXED + key.len();
+            if bytes + size > ANSWER_BYTES_MAX {
+                // The page is full (spec §4): the next one starts at this
+                // key. At least one frame was sent, so the cursor moved.
+                break;
+            }
+            bytes += size;
+            at += 1;
             let held = self.table.get(entry);
             let (grants, limit) = if held.token == PERMITS {
                 let permits = self.permit_key(entry);
@@ -66,8 +78,9 @@ impl Core {
             self.outbox.push((conn, frame));
             sent += 1;
         }
-        // `at` ≥ 1 whenever a slot was examined, so a continuing cursor is
-        // never 0, which means "done".
+        self.work += examined as u64;
+        // `at` ≥ 1 whenever a frame was sent or a slot passed over, so a
+        // continuing cursor is never 0, which means "done".
         let next = if at < slots { at as u64 } else { 0 };
         self.outbox.push((
             conn,
