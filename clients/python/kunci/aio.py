@@ -33,8 +33,8 @@ from typing import (
 from . import _etcd
 from . import _protocol as P
 from ._common import (
-    DENIED, EXIT_CLIENTS, EXIT_FLUSH, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds, Pending,
-    TicketBase,
+    DENIED, EXIT_CLIENTS, EXIT_FLUSH, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds,
+    Pending, TicketBase, exiting,
     acquire_call, answered_call, check_args, closed_result, granted_token, holders_call,
     info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
     release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
@@ -508,7 +508,14 @@ class Client(object):
             except RuntimeError:  # the loop is closed: nobody takes it
                 release_if_granted(outcome)
 
-        threading.Thread(target=work, name="kunci-etcd-call", daemon=True).start()
+        # No thread starts while the program ends (Python 3.10 and 3.11
+        # hang on one, 3.12+ refuse it): nothing was sent.
+        if exiting():
+            raise Unavailable("the program is ending: no call on etcd starts now")
+        try:
+            threading.Thread(target=work, name="kunci-etcd-call", daemon=True).start()
+        except RuntimeError as error:
+            raise Unavailable("cannot start a thread for the call on etcd: %s" % error)
         try:
             outcome = await future
         except asyncio.CancelledError:
