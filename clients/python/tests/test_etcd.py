@@ -402,7 +402,6 @@ def test_etcd_wait_forever_is_granted_after_any_number_of_waits(
     ticket = box["result"]
     assert ticket.token > held.token and ticket.lease == 7
     assert 2.6 <= box["took"] < 8
-    assert [lease for _, _, lease in entries(etcd_cluster, key)] != []
     assert len(entries(etcd_cluster, key)) == 1, "the waits that ran out left nothing behind"
     ticket.release()
     assert client.query(key) is None
