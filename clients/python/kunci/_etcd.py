@@ -513,6 +513,14 @@ class Members(object):
         tls.close()
         return None
 
+    def close_idle(self):
+        """Closes the idle connections."""
+        with self._lock:
+            idle, self._idle = self._idle, [[] for _ in self.endpoints]
+        for socks in idle:
+            for sock in socks:
+                sock.close()
+
     def _put_idle(self, member, sock):
         with self._lock:
             idle = self._idle[member]
@@ -758,6 +766,10 @@ def _encode(body):
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+#: Seconds an interrupted acquire may take to revoke its entry's lease.
+WITHDRAW_WAIT = 1.0
+
+
 def _attempt_until(deadline):
     return min(deadline, monotonic() + ATTEMPT_LIMIT)
 
@@ -794,6 +806,20 @@ class Cluster(object):
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ a call
+
+    def run_aside(self, call):
+        """As :meth:`run`, on connections and locks of its own (a fresh
+        view of the same cluster, closed after): for a call made while
+        this thread is inside another call of the same client (a signal
+        handler), which may hold any lock of this cluster."""
+        members = self.members
+        aside = Cluster(members.endpoints, members.connect_timeout, members.tls,
+                        members.credentials)
+        aside.members.preferred = members.preferred
+        try:
+            return aside.run(call)
+        finally:
+            aside.members.close_idle()
 
     def run(self, call):
         """Runs ``call`` (a ``_common.Call``) to its result tuple, setting
@@ -960,9 +986,15 @@ class Cluster(object):
         try:
             return self._acquire(call, granted)
         except BaseException:
-            # Interrupted (KeyboardInterrupt): the entry goes with its lease.
+            # Interrupted (KeyboardInterrupt, an exception from a signal
+            # handler): the entry goes with its lease, revoked at once (for
+            # at most WITHDRAW_WAIT: the program may be ending), as the
+            # wait on a kunci server is withdrawn; else on a thread.
             for lease in granted:
-                self.revoke_in_background(lease)
+                try:
+                    self._revoke(lease, monotonic() + WITHDRAW_WAIT)
+                except (Fault, Denied, OSError):
+                    self.revoke_in_background(lease)
             raise
 
     def _acquire(self, call, granted):

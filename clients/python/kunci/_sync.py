@@ -447,7 +447,14 @@ class Client(object):
                 log.debug("clean-up after an indeterminate acquire: %s", error)
             finally:
                 self._cleanups.pop(call.owner, None)
-        _start_thread(clean_up, "kunci-clean-up")
+        if not _start_thread(clean_up, "kunci-clean-up"):
+            # The program ends (no thread may start then): done here, on
+            # a connection of its own, bounded as the flush at exit.
+            self._cleanups.pop(call.owner, None)
+            try:
+                release_found(self, [], [(call.owner, call.key)], monotonic() + EXIT_FLUSH)
+            except Exception as error:  # never in the way of the program's end
+                log.debug("clean-up after an indeterminate acquire: %s", error)
 
     def lock(self, key: str, wait: Optional[float] = 0, lease: int = 30,
              on_lost: Optional[Callable[["Ticket"], object]] = None, *,
@@ -579,15 +586,21 @@ class Client(object):
         """Runs ``call`` to its result: moves it while it is certainly not
         sent (rule 4), never resends it once possibly sent (rule 5)."""
         self._check_process()
-        if self._etcd is not None:
-            return self._etcd.run(call)
         if getattr(self._depth, "calls", 0):
             # This thread is inside a call of this client already: a signal
             # handler interrupted it, maybe holding the client's locks or
             # the role of its connection's reader. Run on a connection of
-            # its own, so that a release on SIGTERM works at once.
+            # its own (on etcd: connections and locks of its own), so that
+            # a release on SIGTERM works at once.
+            if self._etcd is not None:
+                return self._etcd.run_aside(call)
             return self._run_aside(call)
         self._depth.calls = 1
+        if self._etcd is not None:
+            try:
+                return self._etcd.run(call)
+            finally:
+                self._depth.calls = 0
         try:
             return self._run_on_sessions(call)
         except Error:
@@ -1269,6 +1282,13 @@ def flush_client(client, deadline):
             releases.append((ticket._key_bytes, ticket.token))
     releases.extend(client._exit_leftovers())
     cleanups = list(getattr(client, "_cleanups", {}).items())
+    release_found(client, releases, cleanups, deadline)
+
+
+def release_found(client, releases, cleanups, deadline):
+    """Releases the ``(key, token)`` pairs ``releases`` and the grants of
+    the owners in ``cleanups`` (``(owner, key)`` pairs of acquires that
+    ended Indeterminate) by ``deadline``, on connections of their own."""
     if cleanups and client._etcd is None:
         # Acquires that ended Indeterminate or were interrupted: a grant of
         # their owner is found, then released with the rest (rule 11).

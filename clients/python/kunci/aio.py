@@ -33,8 +33,8 @@ from typing import (
 from . import _etcd
 from . import _protocol as P
 from ._common import (
-    DENIED, EXIT_CLIENTS, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds, Pending,
-    TicketBase,
+    DENIED, EXIT_CLIENTS, EXIT_FLUSH, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds,
+    Pending, TicketBase, exiting,
     acquire_call, answered_call, check_args, closed_result, granted_token, holders_call,
     info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
     release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
@@ -143,6 +143,7 @@ class Client(object):
             self._addresses, self._connect_timeout, self._access.etcd_tls,
             self._access.etcd_credentials)
         self._loop = None
+        self._loop_end = None
         # Background releases not yet answered: a loop that ends may take
         # them along unsent, and the next loop sends them again.
         self._unreleased = set()
@@ -328,6 +329,7 @@ class Client(object):
         self._closed = True
         if self._pid != os.getpid():
             return
+        self._forget_loop_end()
         for session in self._book.sessions:
             if session is not None:
                 self._close_session(session, "the client was closed")
@@ -368,7 +370,54 @@ class Client(object):
             if old is not None:
                 self._leave_loop(old)
             self._loop = loop
+            self._watch_loop_end(loop)
         return loop
+
+    def _watch_loop_end(self, loop):
+        """Has ``loop`` tell the client when it ends: ``asyncio.run`` (and
+        uvloop's) closes every asynchronous generator still open, after it
+        cancelled its tasks and before it closes the loop. A generator of
+        the client's, started here, lets it finish there what the cancelled
+        tasks started (a Ctrl-C during a waiting acquire), while the loop
+        still runs: see :meth:`_finish_at_loop_end`."""
+        self._forget_loop_end()
+        if getattr(loop, "_asyncgens_shutdown_called", False):
+            return
+        quiet = []
+        watcher = _loop_end(weakref.ref(self), loop, quiet)
+        try:
+            watcher.asend(None).send(None)
+        except StopIteration:
+            pass
+        # A watcher left open when its loop is gone would be handed to that
+        # loop's finalizer hook (an error on a closed loop): it is closed
+        # here, with nothing to do, when the client moves on or is freed.
+        self._loop_end = weakref.finalize(self, _close_quietly, watcher, quiet)
+
+    def _forget_loop_end(self):
+        if self._loop_end is not None:
+            self._loop_end()
+            self._loop_end = None
+
+    async def _finish_at_loop_end(self):
+        """The loop ends (its tasks are cancelled) and the program may go
+        on without one. For at most ``EXIT_FLUSH`` seconds the loop still
+        runs for this client: the withdrawal of a cancelled wait (see
+        :meth:`_withdraw`) reads on until the server's end, so that a grant
+        sent before it is released, and the releases not answered yet
+        (their tasks were cancelled) are sent again and answered. Nothing
+        is then left queued or granted to nobody."""
+        if self._closed or self._pid != os.getpid() or self._etcd is not None:
+            return
+        until = monotonic() + EXIT_FLUSH
+        for key, token in list(self._unreleased):
+            self._start_background(key, token)
+        while monotonic() < until:
+            withdrawing = any(session.alive and session.half_closed
+                              for session in list(self._private))
+            if not withdrawing and not self._unreleased:
+                return
+            await asyncio.sleep(0.005)
 
     def _leave_loop(self, old, clean_up=True):
         """The client moves to another event loop (a second ``asyncio.run``):
@@ -459,7 +508,14 @@ class Client(object):
             except RuntimeError:  # the loop is closed: nobody takes it
                 release_if_granted(outcome)
 
-        threading.Thread(target=work, name="kunci-etcd-call", daemon=True).start()
+        # No thread starts while the program ends (Python 3.10 and 3.11
+        # hang on one, 3.12+ refuse it): nothing was sent.
+        if exiting():
+            raise Unavailable("the program is ending: no call on etcd starts now")
+        try:
+            threading.Thread(target=work, name="kunci-etcd-call", daemon=True).start()
+        except RuntimeError as error:
+            raise Unavailable("cannot start a thread for the call on etcd: %s" % error)
         try:
             outcome = await future
         except asyncio.CancelledError:
@@ -951,6 +1007,25 @@ class _KeepAlive(object):
                     await asyncio.sleep(retry_in)
                     continue
                 break
+
+
+async def _loop_end(client_ref, loop, quiet):
+    """The watcher of :meth:`Client._watch_loop_end`: closed by the loop
+    as it ends, or quietly (``quiet`` set) by the client."""
+    try:
+        yield
+    finally:
+        client = client_ref()
+        if not quiet and client is not None and client._loop is loop:
+            await client._finish_at_loop_end()
+
+
+def _close_quietly(watcher, quiet):
+    quiet.append(True)
+    try:
+        watcher.aclose().send(None)
+    except (StopIteration, RuntimeError):
+        pass
 
 
 def _current_task():

@@ -29,7 +29,7 @@ def test_on_lost_that_is_not_callable_is_refused_at_once(make_client):
     started = time.monotonic()
     with pytest.raises(kunci.InvalidArgument, match="on_lost must be callable"):
         client.lock("k", wait=1, on_lost="not a function")
-    assert time.monotonic() - started < 0.1
+    assert time.monotonic() - started < 1.0  # generous; nothing is waited for
 
 
 def test_timeout_is_a_timeout_error(server, make_client):

@@ -414,7 +414,7 @@ def test_bad_etcd_addresses_are_refused_at_construction(make_client, servers, pr
     start = time.monotonic()
     with pytest.raises(kunci.InvalidArgument, match=re.escape(problem)):
         make_client(servers)
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 2.0  # generous; a DNS error takes 5 s
 
 
 def test_etcd_in_kunci_server_names_the_variable_when_refused(make_client, monkeypatch):

@@ -17,7 +17,7 @@ import time
 import pytest
 
 import kunci
-from conftest import PACKAGE_ROOT
+from conftest import PACKAGE_ROOT, wait_for
 
 # How long a program that ends may take, start to end (it starts an
 # interpreter and imports kunci), and from its last statement on.
@@ -289,6 +289,88 @@ def test_the_flush_does_the_clean_up_of_an_indeterminate_acquire(server):
     assert observer.query("k") is None
     client.close()
     observer.close()
+
+
+LATE_CLEAN_UP = """
+import atexit, sys, time
+def late():
+    # Runs after the flush at exit (registered before kunci's own handler).
+    client = kunci.Client(ADDRESS)
+    print("acquiring", flush=True)
+    try:
+        client.acquire(KEY, lease=60)
+        print("granted", flush=True)
+    except kunci.Indeterminate:
+        print("indeterminate", flush=True)
+atexit.register(late)
+sys.path.insert(0, %(root)r)
+import kunci, kunci._protocol
+kunci._protocol.TRANSPORT_DEADLINE = 1.0
+ADDRESS, KEY = %(address)r, %(key)r
+"""
+
+
+def test_late_clean_up_of_an_indeterminate_acquire_at_the_end_starts_no_thread(
+        server, make_proxy):
+    # The clean-up of rule 11 after an acquire that ended Indeterminate
+    # while the program ends (here: in an atexit handler that runs after
+    # the flush) starts no thread (3.10 and 3.11 hang on one, 3.12+ raise
+    # RuntimeError): it is done at once, bounded as the flush is.
+    observer = kunci.Client(server.address)
+    for python in interpreters():
+        key = "late-clean-up/" + python
+        proxy = make_proxy(server.port)
+        proxy.down = "drop"  # the grant is made, its answer never comes
+        script = LATE_CLEAN_UP % {"root": PACKAGE_ROOT, "address": proxy.address, "key": key}
+        child = subprocess.Popen([python, "-c", script], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)
+        try:
+            assert child.stdout.readline() == b"acquiring\n"
+            wait_for(lambda: observer.query(key) is not None, 5)
+            proxy.down = "pass"
+            assert child.stdout.readline() == b"indeterminate\n"
+            assert child.wait(5) == 0
+            # Freed before the program ended, not when the 60 s lease ends.
+            assert observer.query(key) is None
+        finally:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+            stderr = child.stderr.read().decode()
+        assert "Traceback" not in stderr and "RuntimeError" not in stderr, stderr
+    observer.close()
+
+
+LATE_AIO_ON_ETCD = """
+import asyncio, atexit, sys
+def late():
+    # Runs after the flush at exit (registered before kunci's own handler).
+    async def main():
+        try:
+            await kunci.aio.Client(ADDRESS).query(KEY)
+            print("answered", flush=True)
+        except kunci.Error as error:
+            print("refused %%s" %% type(error).__name__, flush=True)
+    asyncio.run(main())
+atexit.register(late)
+sys.path.insert(0, %(root)r)
+import kunci, kunci.aio
+ADDRESS, KEY = %(address)r, %(key)r
+"""
+
+
+def test_an_aio_call_on_etcd_while_the_program_ends_starts_no_thread(etcd_cluster):
+    # kunci.aio runs each etcd call on a thread: while the program ends
+    # none starts (3.10 and 3.11 would hang, 3.12+ raise RuntimeError); the
+    # call ends Unavailable (nothing was sent).
+    for python in interpreters():
+        script = LATE_AIO_ON_ETCD % {"root": PACKAGE_ROOT, "address": etcd_cluster.address,
+                                     "key": "late-aio"}
+        child = subprocess.run([python, "-c", script], capture_output=True, timeout=20)
+        stderr = child.stderr.decode()
+        assert child.returncode == 0, stderr
+        assert child.stdout == b"refused Unavailable\n", (python, child.stdout, stderr)
+        assert "Traceback" not in stderr, stderr
 
 
 @pytest.mark.parametrize("program", ["last line", "aio after asyncio.run"])

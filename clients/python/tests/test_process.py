@@ -54,11 +54,26 @@ CTRL_C = {
             print("interrupted", flush=True)
         time.sleep(30)   # the program goes on, and reads nothing
     """,
+    # The program catches the interrupt around asyncio.run and goes on
+    # without an event loop: the loop that had the connection is closed.
+    "aio": """
+        client = kunci.aio.Client(ADDRESS)
+        async def main():
+            await client.ping()
+            print("ready", flush=True)
+            t = await client.acquire(KEY, wait=30, lease=30)
+            print("granted", flush=True)
+            await asyncio.sleep(30)
+        try:
+            asyncio.run(main())
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        time.sleep(30)   # the program goes on, and reads nothing
+    """,
 }
 
 
-# kunci.aio: a cancelled acquire's wait is withdrawn by issue 26's defect 7.
-@pytest.mark.parametrize("flavour", ["sync"])
+@pytest.mark.parametrize("flavour", sorted(CTRL_C))
 def test_ctrl_c_during_a_waiting_acquire_leaves_no_grant_to_nobody(server, flavour):
     observer = kunci.Client(server.address)
     for python in interpreters():
@@ -72,6 +87,38 @@ def test_ctrl_c_during_a_waiting_acquire_leaves_no_grant_to_nobody(server, flavo
             assert child.stdout.readline() == b"interrupted\n"
             # The wait is withdrawn: the key goes on at once when released.
             holder.release()
+            wait_for(lambda: observer.query(key) is None, 2)
+            assert child.poll() is None  # still running, reading nothing
+        finally:
+            stderr = stop(child)
+        assert "Traceback" not in stderr, stderr
+    observer.close()
+
+
+@pytest.mark.parametrize("flavour", sorted(CTRL_C))
+def test_ctrl_c_when_the_grant_is_already_sent_releases_it(server, flavour):
+    # The grant is on its way (the child is stopped while the server grants)
+    # when Ctrl-C comes: whichever the program sees first, the grant is
+    # released at once, although the program goes on and reads nothing.
+    observer = kunci.Client(server.address)
+    for python in oldest_and_newest():
+        key = "ctrl-c-late/" + python
+        holder = observer.acquire(key, lease=30)
+        child = start(python, CTRL_C[flavour], server.address, key)
+        try:
+            assert child.stdout.readline() == b"ready\n"
+            wait_for(lambda: observer.query(key).waiters == 1, 5)
+            child.send_signal(signal.SIGSTOP)
+            holder.release()
+            wait_for(lambda: observer.query(key) is not None
+                     and observer.query(key).waiters == 0, 2)
+            child.send_signal(signal.SIGINT)
+            child.send_signal(signal.SIGCONT)
+            line = child.stdout.readline()
+            if line == b"granted\n":
+                child.send_signal(signal.SIGINT)
+                line = child.stdout.readline()
+            assert line == b"interrupted\n"
             wait_for(lambda: observer.query(key) is None, 2)
             assert child.poll() is None  # still running, reading nothing
         finally:
