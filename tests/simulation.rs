@@ -741,7 +741,7 @@ impl Sim {
         let mut recorded = Recorded::new(clean, written.clone(), core.next_token(), 0);
         if clean {
             core.check_invariants();
-            self.fake.core.shut_down();
+            self.fake.core.shut_down(self.fake.now);
             let out = self.fake.drain();
             let want = self.model.shut_down();
             same_as_multiset(&out, &want)?;

@@ -12,6 +12,7 @@ mod endpoint;
 mod etcd;
 mod fencing;
 mod metrics;
+mod observe;
 mod operations;
 mod permit_options;
 mod permits_server;

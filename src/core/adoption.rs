@@ -119,6 +119,7 @@ impl Core {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
+                watches: &mut self.watches,
             };
             self.wheel
                 .arm(&mut nodes, entry, tick_at_or_after(self.grace_until));

@@ -597,7 +597,7 @@ impl Endpoint {
             return;
         }
         self.shutdown_deadline = Some(now + SHUTDOWN_GRACE_US);
-        self.core.shut_down();
+        self.core.shut_down(now);
         self.route();
         for id in 0..self.conns.len() as ConnId {
             if self.connection(id).is_some_and(|conn| conn.phase.is_live()) {

@@ -28,6 +28,7 @@ pub mod script;
 pub(crate) mod tls;
 pub mod wait_histogram;
 pub mod waiters;
+pub mod watches;
 
 use std::collections::HashSet;
 
@@ -40,6 +41,7 @@ use lock_table::{LockTable, NIL};
 use permits::{Grants, PERMITS, PermitKey};
 use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
+use watches::Watches;
 
 pub use adoption::{EarlierGrant, HeldGrant, RestoreError};
 
@@ -56,6 +58,8 @@ const MICROS_PER_S: u64 = 1_000_000;
 const WAITER_TIMER: TimerId = 1 << 30;
 /// Timer ids with this bit are grants of permit keys.
 const GRANT_TIMER: TimerId = 1 << 31;
+/// Timer ids with both bits are watches (spec §13).
+const WATCH_TIMER: TimerId = WAITER_TIMER | GRANT_TIMER;
 
 /// Capacity limits (spec §4). Every one is a bound on memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +110,15 @@ impl Limits {
                 ids - 1
             ));
         }
+        // Watches share `--max-waiters` (spec §13.3); their timer ids
+        // carry both bits and stay below the wheel's reserved ids.
+        let watch_ids = (crate::timer_wheel::TIMER_ID_MAX - WATCH_TIMER) as usize;
+        if self.max_waiters > watch_ids {
+            return Err(format!(
+                "--max-waiters {} is above {}",
+                self.max_waiters, watch_ids
+            ));
+        }
         if self.max_grants >= ids {
             return Err(format!(
                 "--max-grants {} is above {}",
@@ -150,7 +163,7 @@ pub struct Stats {
     /// ...or because the process had no file descriptor left.
     pub refused_fd_limit: u64,
     /// `X` frames sent, by code (index = code; 0 unused).
-    pub errors_by_code: [u64; 14],
+    pub errors_by_code: [u64; 15],
     /// How long queued acquires waited before their grant or timeout.
     pub acquire_wait: WaitHistogram,
     /// `H` requests answered (spec §11.2).
@@ -217,6 +230,8 @@ pub struct Core {
     grants_held: usize,
     /// The labels of grants and waiters that have one.
     labels: Labels,
+    /// Held observe requests (spec §13).
+    watches: Watches,
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
@@ -228,12 +243,15 @@ struct TimerNodes<'a> {
     table: &'a mut LockTable,
     waiters: &'a mut Waiters,
     grants: &'a mut Grants,
+    watches: &'a mut Watches,
 }
 
 impl TimerStore for TimerNodes<'_> {
     fn links(&mut self, id: TimerId) -> &mut TimerLinks {
-        if id & (GRANT_TIMER | WAITER_TIMER) == 0 {
+        if id & WATCH_TIMER == 0 {
             &mut self.table.get_mut(id).lease
+        } else if id & WATCH_TIMER == WATCH_TIMER {
+            &mut self.watches.get_mut(id & !WATCH_TIMER).timer
         } else if id & WAITER_TIMER != 0 {
             &mut self.waiters.get_mut(id & !WAITER_TIMER).timer
         } else {
@@ -264,6 +282,7 @@ impl Core {
             grants: Grants::default(),
             grants_held: 0,
             labels: Labels::default(),
+            watches: Watches::default(),
             next_token: first_token.max(1),
             stats: Stats::default(),
             outbox: Vec::new(),
@@ -306,6 +325,11 @@ impl Core {
     /// Queued waiters.
     pub fn waiter_count(&self) -> usize {
         self.waiters.len()
+    }
+
+    /// Held watches (spec §13).
+    pub fn watch_count(&self) -> usize {
+        self.watches.len()
     }
 
     /// Open connections the core knows of.
@@ -370,10 +394,15 @@ impl Core {
         }
         self.conns[conn as usize].open = false;
         self.connections -= 1;
+        self.drop_watches_of(conn);
         for entry in left {
             // A key may be left twice, and gone after the first.
             if self.table.is_live(entry) {
+                let watched = self.watched_entry(entry);
                 self.waiter_left(entry, Some(now));
+                if let Some(slot) = watched {
+                    self.wake_watch_slot(slot, now);
+                }
             }
         }
     }
@@ -442,7 +471,8 @@ impl Core {
                     take,
                     label,
                 };
-                self.acquire(conn, &ask, now)
+                self.acquire(conn, &ask, now);
+                self.wake_watches(key, now);
             }
             Request::Holders { id, key } => self.holders(conn, id, key, now),
             Request::List {
@@ -459,12 +489,24 @@ impl Core {
                     name: String::new(),
                 },
             )),
-            Request::Release { token, key } => self.release(conn, key, token, now),
+            Request::Release { token, key } => {
+                self.release(conn, key, token, now);
+                self.wake_watches(key, now);
+            }
             Request::Extend {
                 lease_s,
                 token,
                 key,
-            } => self.extend(conn, key, token, lease_s, now),
+            } => {
+                self.extend(conn, key, token, lease_s, now);
+                self.wake_watches(key, now);
+            }
+            Request::Observe {
+                wait_s,
+                id,
+                since,
+                key,
+            } => self.observe(conn, wait_s, id, since, key, now),
             Request::Query { key } => self.query(conn, key, now),
             Request::Ping { nonce } => self.outbox.push((conn, Response::Pong { nonce })),
             Request::Info => {
@@ -515,9 +557,25 @@ impl Core {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
+                watches: &mut self.watches,
             };
             let Some(id) = self.wheel.poll(&mut nodes, now_tick) else {
                 break;
+            };
+            if id & WATCH_TIMER == WATCH_TIMER {
+                self.watch_deadline(id & !WATCH_TIMER, now);
+                continue;
+            }
+            // The key this timer is about, if it is watched: its watches
+            // are answered after the whole event (spec §13.1).
+            let watched = if self.watches.is_empty() {
+                None
+            } else if id & GRANT_TIMER != 0 {
+                self.watched_entry(self.grants.get(id & !GRANT_TIMER).entry)
+            } else if id & WAITER_TIMER != 0 {
+                self.watched_entry(self.waiters.get(id & !WAITER_TIMER).lock)
+            } else {
+                self.watched_entry(id)
             };
             if id & GRANT_TIMER != 0 {
                 let grant = id & !GRANT_TIMER;
@@ -546,12 +604,16 @@ impl Core {
                 }
                 self.hand_over(id, now);
             }
+            if let Some(slot) = watched {
+                self.wake_watch_slot(slot, now);
+            }
         }
     }
 
-    /// Graceful shutdown (spec §4): every queued waiter gets `B`, then every
-    /// open connection gets `X 8`. The shell flushes and closes.
-    pub fn shut_down(&mut self) {
+    /// Graceful shutdown (spec §4, §13.3) at `now`: every queued waiter
+    /// gets `B`, then every watch its key's state, then every open
+    /// connection `X 8`. The shell flushes and closes.
+    pub fn shut_down(&mut self, now: Micros) {
         for conn in 0..self.conns.len() {
             if !self.conns[conn].open {
                 continue;
@@ -566,6 +628,11 @@ impl Core {
                 self.stats.busy += 1;
                 self.outbox.push((conn as ConnId, Response::Busy { owner }));
                 waiter = next;
+            }
+        }
+        if !self.watches.is_empty() {
+            for conn in 0..self.conns.len() {
+                self.answer_watches_of(conn as ConnId, now);
             }
         }
         for conn in 0..self.conns.len() {
@@ -669,6 +736,7 @@ impl Core {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
+                watches: &mut self.watches,
             },
         )
     }
@@ -681,6 +749,7 @@ impl Core {
             table: &mut self.table,
             waiters: &mut self.waiters,
             grants: &mut self.grants,
+            watches: &mut self.watches,
         };
         self.wheel
             .arm(&mut nodes, entry, tick_at_or_after(deadline));
@@ -691,6 +760,7 @@ impl Core {
             table: &mut self.table,
             waiters: &mut self.waiters,
             grants: &mut self.grants,
+            watches: &mut self.watches,
         };
         self.wheel.cancel(&mut nodes, entry);
     }
@@ -722,6 +792,7 @@ impl Core {
             table: &mut self.table,
             waiters: &mut self.waiters,
             grants: &mut self.grants,
+            watches: &mut self.watches,
         };
         self.wheel.cancel(&mut nodes, waiter | WAITER_TIMER);
         let (conn, entry) = {

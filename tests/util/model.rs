@@ -192,6 +192,7 @@ impl Model {
                 self.counters.errors += 1;
                 vec![(conn, ErrorCode::NotPermitted.response(id))]
             }
+            Request::Observe { .. } => unimplemented!("the model keeps no watches yet"),
             Request::Authenticate { .. } => vec![(
                 conn,
                 Response::Authenticated {
