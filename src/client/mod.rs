@@ -40,6 +40,7 @@ mod kept;
 mod listing;
 mod permits;
 mod ticket;
+mod wait_forever;
 
 use std::fmt;
 use std::sync::Arc;
@@ -761,8 +762,7 @@ impl Client {
     }
 
     /// How many times a server of this client said it is shutting down
-    /// (`X 8`); always 0 on etcd. (`kunci run --wait inf` asks.)
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    /// (`X 8`); always 0 on etcd. (Waiting forever asks.)
     pub(crate) fn shutdown_notices(&self) -> u64 {
         self.inner.shared.shutdown_notices()
     }
