@@ -902,6 +902,11 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
     }
 }
 
+/// A command's help with the shared `--server` lines (no final newline).
+pub(super) fn with_plain_server_help(help: &str) -> String {
+    format!("{help}{}", SERVER_HELP.trim_end())
+}
+
 /// The help of `kunci run`, with the permit options and the shared
 /// `--server` lines (no final newline: the caller prints a line).
 pub(super) fn with_server_help(help: &str) -> String {
