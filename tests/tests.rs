@@ -11,6 +11,7 @@ mod endpoint;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod fencing;
+mod leader;
 mod metrics;
 mod observe;
 mod operations;
