@@ -478,3 +478,34 @@ fn during_a_crash_grace_v_shows_what_q_shows_and_the_end_is_no_change() {
     wire.at(20 * S);
     assert_eq!(wire.recv(0), v_free(2));
 }
+
+/// Regression: the output a connection may hold counted 18 bytes per
+/// wait (a `T`), but a watch's deferred answer is a `V` of up to 160
+/// bytes; a connection that watched one labelled key 4,096 times and did
+/// not read broke the endpoint's output bound when the key changed.
+#[test]
+fn every_watch_of_a_connection_answered_at_once_stays_within_the_output_bound() {
+    let mut wire = Wire::new();
+    wire.connect(0);
+    wire.connect(1);
+    let label = "l".repeat(128);
+    wire.send(0, &s_frame(0, 30, 1, 0, 0, b"k", label.as_bytes()));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    let per_conn = Limits::default().max_waits_per_conn as u64;
+    let mut bytes = Vec::new();
+    for id in 0..per_conn {
+        bytes.extend_from_slice(&observe(60, id, FIRST_TOKEN, "k"));
+    }
+    for chunk in bytes.chunks(4096) {
+        wire.send(1, chunk);
+    }
+    assert_eq!(wire.endpoint.core().watch_count() as u64, per_conn);
+    // Connection 1 reads nothing; the key goes to a labelled waiter.
+    wire.connect(2);
+    wire.send(2, &s_frame(60, 30, 2, 0, 0, b"k", label.as_bytes()));
+    wire.send(0, &release(FIRST_TOKEN, "k"));
+    assert_eq!(wire.recv(2), a(2, FIRST_TOKEN + 1));
+    assert_eq!(wire.endpoint.core().watch_count(), 0);
+    let answers = wire.recv(1);
+    assert_eq!(answers.len() as u64, per_conn * (1 + 30 + 128 + 1));
+}

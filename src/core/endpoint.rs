@@ -224,10 +224,11 @@ impl Endpoint {
 
     /// The most output a connection can hold: the high-water mark plus the
     /// answers to the frame that passed it (a hand-over to itself
-    /// included), plus one deferred answer per wait it may queue, plus the
-    /// `X 8` of a shutdown.
+    /// included), plus one deferred answer per wait it may queue (the
+    /// largest: a watch's `V` with a 128-byte label), plus the `X 8` of a
+    /// shutdown.
     pub fn output_bound(&self) -> usize {
-        let per_wait = 18;
+        let per_wait = 1 + 30 + crate::protocol::LABEL_LEN_MAX + 1;
         OUTPUT_HIGH_WATER
             + 2 * RESPONSE_FRAME_MAX
             + self.core.limits().max_waits_per_conn as usize * per_wait

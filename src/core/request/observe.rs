@@ -35,6 +35,7 @@ impl KeyState {
 }
 
 impl Core {
+    #[inline(never)]
     pub(in crate::core) fn observe(
         &mut self,
         conn: ConnId,
