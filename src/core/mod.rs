@@ -254,18 +254,7 @@ impl TimerStore for TimerNodes<'_> {
     fn links(&mut self, id: TimerId) -> &mut TimerLinks {
         if id & WATCH_TIMER == 0 {
             &mut self.table.get_mut(id).lease
-        } else {
-            self.other_links(id)
-        }
-    }
-}
-
-impl TimerNodes<'_> {
-    /// The links of a waiter, a grant of a permit key or a watch: out of
-    /// the plain lease's way.
-    #[inline(never)]
-    fn other_links(&mut self, id: TimerId) -> &mut TimerLinks {
-        if id & WATCH_TIMER == WATCH_TIMER {
+        } else if id & WATCH_TIMER == WATCH_TIMER {
             &mut self.watches.get_mut(id & !WATCH_TIMER).timer
         } else if id & WAITER_TIMER != 0 {
             &mut self.waiters.get_mut(id & !WAITER_TIMER).timer
@@ -486,8 +475,7 @@ impl Core {
                     take,
                     label,
                 };
-                self.acquire(conn, &ask, now);
-                self.wake_watches(key, now);
+                self.acquire(conn, &ask, now)
             }
             Request::Holders { id, key } => self.holders(conn, id, key, now),
             Request::List {
@@ -504,18 +492,12 @@ impl Core {
                     name: String::new(),
                 },
             )),
-            Request::Release { token, key } => {
-                self.release(conn, key, token, now);
-                self.wake_watches(key, now);
-            }
+            Request::Release { token, key } => self.release(conn, key, token, now),
             Request::Extend {
                 lease_s,
                 token,
                 key,
-            } => {
-                self.extend(conn, key, token, lease_s, now);
-                self.wake_watches(key, now);
-            }
+            } => self.extend(conn, key, token, lease_s, now),
             Request::Observe {
                 wait_s,
                 id,
@@ -528,6 +510,25 @@ impl Core {
                 let text = self.info_text(now);
                 self.outbox.push((conn, Response::Info(text)));
             }
+        }
+        // The request's key may have a new token: its watches are
+        // answered after the whole request (spec §13.1). One branch while
+        // nobody watches anything.
+        if !self.watches.is_empty() {
+            self.wake_after(request, now);
+        }
+    }
+
+    /// After `request`: answers the watches of its key if an `A`, `S`,
+    /// `R` or `E` changed the key's token.
+    #[cold]
+    #[inline(never)]
+    fn wake_after(&mut self, request: &Request<'_>, now: Micros) {
+        if let Request::Acquire { key, .. }
+        | Request::Release { key, .. }
+        | Request::Extend { key, .. } = *request
+        {
+            self.wake_watches(key, now);
         }
     }
 
