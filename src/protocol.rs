@@ -107,6 +107,15 @@ pub enum Request<'a> {
     /// `U secret \n` — the first request of a session on a server with
     /// `--auth` (spec §12).
     Authenticate { secret: &'a [u8] },
+    /// `O wait:u8 id:u64 since:u64 key \n` — the key's current token, at
+    /// once when it is not `since`, else when it changes or `wait` ends
+    /// (spec §13).
+    Observe {
+        wait_s: u8,
+        id: u64,
+        since: u64,
+        key: &'a str,
+    },
 }
 
 /// A `Debug` for a secret that never shows it, only its length.
@@ -179,6 +188,18 @@ impl fmt::Debug for Request<'_> {
                 .debug_struct("Authenticate")
                 .field("secret", &Secret(secret))
                 .finish(),
+            Request::Observe {
+                wait_s,
+                id,
+                since,
+                key,
+            } => f
+                .debug_struct("Observe")
+                .field("wait_s", &wait_s)
+                .field("id", &id)
+                .field("since", &since)
+                .field("key", &key)
+                .finish(),
         }
     }
 }
@@ -196,6 +217,7 @@ impl Request<'_> {
             Request::Holders { id, .. } => Correlation::Holders { id },
             Request::List { id, .. } => Correlation::List { id },
             Request::Authenticate { .. } => Correlation::Authenticate,
+            Request::Observe { id, .. } => Correlation::Observe { id },
         }
     }
 
@@ -243,6 +265,7 @@ pub enum Correlation {
     Holders { id: u64 },
     List { id: u64 },
     Authenticate,
+    Observe { id: u64 },
 }
 
 impl Correlation {
@@ -252,7 +275,9 @@ impl Correlation {
             Correlation::Acquire { owner } => owner,
             Correlation::Release { token } | Correlation::Extend { token } => token,
             Correlation::Ping { nonce } => nonce,
-            Correlation::Holders { id } | Correlation::List { id } => id,
+            Correlation::Holders { id }
+            | Correlation::List { id }
+            | Correlation::Observe { id } => id,
             Correlation::Query | Correlation::Info | Correlation::Authenticate => 0,
         }
     }
@@ -287,6 +312,7 @@ impl Correlation {
                 Response::Key { id, .. } | Response::End { id, .. },
                 Correlation::List { id: sent },
             ) => *id == sent,
+            (Response::KeyState { id, .. }, Correlation::Observe { id: sent }) => *id == sent,
             (Response::Error { id, .. }, sent) => *id == sent.error_id(),
             _ => false,
         }
@@ -363,6 +389,18 @@ pub enum Response {
     /// `U name \n` — the session is authenticated as `name` (empty on a
     /// server without `--auth`).
     Authenticated { name: String },
+    /// `V id:u64 token:u64 lease_ms:u32 held_ms:u32 grants:u16 waiters:u32
+    /// label \n` — the state of the key an observe request (`O`) watches
+    /// (spec §13): token 0 = free (then all numbers 0, no label).
+    KeyState {
+        id: u64,
+        token: u64,
+        lease_ms: u32,
+        held_ms: u32,
+        grants: u16,
+        waiters: u32,
+        label: String,
+    },
 }
 
 impl Response {
@@ -403,7 +441,7 @@ pub fn parse_limit_mismatch(text: &str) -> Option<u16> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum ErrorCode {
-    /// The op byte is not one of `A R E Q P I S H L U`: framing is lost.
+    /// The op byte is not one of `A R E Q P I S H L U O`: framing is lost.
     UnknownOp = 1,
     /// No `\n` within 256 bytes after the fixed header (`S`: within
     /// `klen` + 129).
@@ -433,6 +471,9 @@ pub enum ErrorCode {
     NotAuthenticated = 12,
     /// The session's scopes do not cover this key or op (spec §12).
     NotPermitted = 13,
+    /// An `O` that would be held over `--max-waits-per-conn` or
+    /// `--max-waiters` (spec §13.3).
+    TooManyWatches = 14,
 }
 
 impl ErrorCode {
@@ -467,6 +508,7 @@ impl ErrorCode {
             ErrorCode::InvalidCount => "invalid count",
             ErrorCode::NotAuthenticated => "not authenticated",
             ErrorCode::NotPermitted => "not permitted",
+            ErrorCode::TooManyWatches => "too many watches",
         }
     }
 
@@ -486,6 +528,7 @@ impl ErrorCode {
             11 => ErrorCode::InvalidCount,
             12 => ErrorCode::NotAuthenticated,
             13 => ErrorCode::NotPermitted,
+            14 => ErrorCode::TooManyWatches,
             _ => return None,
         })
     }
@@ -545,6 +588,7 @@ pub fn request_header_len(op: u8) -> Option<usize> {
         b'P' | b'H' => Some(8),
         b'S' => Some(PERMITS_HEADER_LEN),
         b'L' => Some(18),
+        b'O' => Some(17),
         _ => None,
     }
 }
@@ -617,6 +661,7 @@ fn header_id(op: u8, header: &[u8]) -> u64 {
     match op {
         b'A' | b'S' => be_u64(header, 2),
         b'R' | b'P' | b'H' | b'L' => be_u64(header, 0),
+        b'O' => be_u64(header, 1),
         b'E' => be_u64(header, 1),
         _ => 0,
     }
@@ -686,6 +731,12 @@ fn validate_request<'a>(
             })
         }
         b'U' => Ok(Request::Authenticate { secret: payload }),
+        b'O' => Ok(Request::Observe {
+            wait_s: header_byte(0),
+            id: be_u64(header, 1),
+            since: be_u64(header, 9),
+            key: validate_key(payload)?,
+        }),
         b'R' => Ok(Request::Release {
             token: be_u64(header, 0),
             key: validate_key(payload)?,
@@ -838,6 +889,17 @@ pub fn encode_request(request: &Request<'_>, out: &mut Vec<u8>) {
             out.push(b'U');
             out.extend_from_slice(secret);
         }
+        Request::Observe {
+            wait_s,
+            id,
+            since,
+            key,
+        } => {
+            out.extend_from_slice(&[b'O', wait_s]);
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&since.to_be_bytes());
+            out.extend_from_slice(key.as_bytes());
+        }
     }
     out.push(b'\n');
 }
@@ -950,6 +1012,24 @@ pub fn encode_response(response: &Response, out: &mut Vec<u8>) {
             out.push(b'U');
             push_text(out, name);
         }
+        Response::KeyState {
+            id,
+            token,
+            lease_ms,
+            held_ms,
+            grants,
+            waiters,
+            ref label,
+        } => {
+            out.push(b'V');
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&token.to_be_bytes());
+            out.extend_from_slice(&lease_ms.to_be_bytes());
+            out.extend_from_slice(&held_ms.to_be_bytes());
+            out.extend_from_slice(&grants.to_be_bytes());
+            out.extend_from_slice(&waiters.to_be_bytes());
+            push_text(out, label);
+        }
     }
 }
 
@@ -1004,13 +1084,14 @@ pub fn response_header_len(op: u8) -> Option<usize> {
         b'W' => Some(22),
         b'K' => Some(18),
         b'Z' => Some(20),
+        b'V' => Some(30),
         _ => None,
     }
 }
 
 /// Whether a response op carries text between its fixed header and `\n`.
 pub fn response_has_text(op: u8) -> bool {
-    matches!(op, b'I' | b'X' | b'G' | b'W' | b'K' | b'U')
+    matches!(op, b'I' | b'X' | b'G' | b'W' | b'K' | b'U' | b'V')
 }
 
 /// Decodes the response frame at the start of `buf`: `Ok(None)` when more
@@ -1099,6 +1180,15 @@ pub fn decode_response(buf: &[u8]) -> Result<Option<(Response, usize)>, Response
             next: be_u64(header, 12),
         },
         b'U' => Response::Authenticated { name: text() },
+        b'V' => Response::KeyState {
+            id: be_u64(header, 0),
+            token: be_u64(header, 8),
+            lease_ms: be_u32(header, 16),
+            held_ms: be_u32(header, 20),
+            grants: be_u16(header, 24),
+            waiters: be_u32(header, 26),
+            label: text(),
+        },
         _ => Response::Error {
             code: header[0],
             id: be_u64(header, 1),

@@ -831,7 +831,7 @@ fn shutdown_answers_every_waiter_busy_then_every_connection_x_8() {
     fake.enqueue(3, "a", 100, 30, 4);
     fake.enqueue(2, "b", 100, 30, 5);
     fake.core.disconnect(0, fake.now);
-    fake.core.shut_down();
+    fake.core.shut_down(fake.now);
     let out = fake.drain();
     let (busy_part, errors) = out.split_at(3);
     let mut waiters: Vec<Output> = busy_part.to_vec();
@@ -857,7 +857,7 @@ fn shutdown_during_the_grace_answers_its_waiters_busy_and_empties_the_table() {
     fake.enqueue(1, "a", 100, 30, 1);
     fake.enqueue(2, "a", 100, 30, 2);
     fake.enqueue(2, "b", 100, 30, 3);
-    fake.core.shut_down();
+    fake.core.shut_down(fake.now);
     let mut out = fake.drain();
     out.truncate(3);
     out.sort_by_key(|(conn, response)| (*conn, format!("{response:?}")));
@@ -1147,7 +1147,7 @@ fn a_clean_stop_keeps_every_permit_with_its_take_label_and_limit() {
     let w = fake.grant_permits(0, "excl", 20, 3, 5, 0);
     let plain = fake.grant(0, "plain", 10, 4);
     fake.set_now(4 * S);
-    fake.core.shut_down();
+    fake.core.shut_down(fake.now);
     fake.drain();
     let stop = CleanStop::of(&fake.core, fake.now);
     assert_eq!(stop.count, 4);
@@ -1559,7 +1559,7 @@ fn a_clean_stop_saves_and_restores_several_adopted_grants_of_one_key() {
             assert_eq!(fake.extend(1, "rw", 60, token), vec![(1, extended(token))]);
         }
         fake.run_until(6 * S);
-        fake.core.shut_down();
+        fake.core.shut_down(fake.now);
         fake.drain();
         state
             .save_clean_stop(&CleanStop::of(&fake.core, fake.now))
@@ -1605,7 +1605,7 @@ fn adopted_grants_restored_within_the_grace_keep_their_key_held_until_the_horizo
             assert_eq!(fake.extend(1, key, 60, token), vec![(1, extended(token))]);
         }
         fake.enqueue_permits(0, "rw", 60, 30, 3, 65_535, 1);
-        fake.core.shut_down();
+        fake.core.shut_down(fake.now);
         fake.drain();
         state
             .save_clean_stop(&CleanStop::of(&fake.core, fake.now))
@@ -1846,7 +1846,7 @@ fn a_clean_stop_saved_and_resumed_restores_every_grant_and_the_remaining_grace()
         let b = fake.grant(1, long_key, 255, 2);
         fake.grant(1, "expires-now", 1, 3);
         fake.run_until(21 * S);
-        fake.core.shut_down();
+        fake.core.shut_down(fake.now);
         fake.drain();
         state
             .save_clean_stop(&CleanStop::of(&fake.core, fake.now))

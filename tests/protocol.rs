@@ -546,7 +546,7 @@ fn error_codes_carry_the_right_id_and_consume_the_whole_frame() {
 
 #[test]
 fn unknown_op_is_fatal_error_1_with_id_0() {
-    for op in (0..=255u8).filter(|op| !b"AREQPISHLU".contains(op)) {
+    for op in (0..=255u8).filter(|op| !b"AREQPISHLUO".contains(op)) {
         let fatal = Decoded::Fatal(RequestError {
             code: ErrorCode::UnknownOp,
             id: 0,

@@ -87,6 +87,14 @@ struct Attempt {
     orphaned: bool,
 }
 
+/// A watch (`O` held, spec §13) as its client sees it.
+struct Watching {
+    conn: ConnId,
+    key: String,
+    since: u64,
+    deadline_tick: u64,
+}
+
 /// A grant as its holder sees it.
 struct Live {
     key: String,
@@ -128,6 +136,9 @@ struct Sim {
     /// What the state file promises: the server's own policy, consulted
     /// after every step as the shell does before any answer leaves.
     durability: Durability,
+    /// Held watches by id.
+    watches: BTreeMap<u64, Watching>,
+    next_watch: u64,
     counts: Counts,
 }
 
@@ -153,6 +164,10 @@ struct Counts {
     adopted: u64,
     /// Times the state file's horizon was brought down as leases ended.
     horizon_lowered: u64,
+    observed_at_once: u64,
+    watches_woken: u64,
+    watches_at_deadline: u64,
+    watches_refused: u64,
 }
 
 impl Counts {
@@ -174,6 +189,10 @@ impl Counts {
         self.restored += other.restored;
         self.adopted += other.adopted;
         self.horizon_lowered += other.horizon_lowered;
+        self.observed_at_once += other.observed_at_once;
+        self.watches_woken += other.watches_woken;
+        self.watches_at_deadline += other.watches_at_deadline;
+        self.watches_refused += other.watches_refused;
     }
 }
 
@@ -251,6 +270,8 @@ impl Sim {
             stale_tokens: Vec::new(),
             fired_tick: 0,
             durability,
+            watches: BTreeMap::new(),
+            next_watch: 0,
             counts: Counts::default(),
         }
     }
@@ -440,6 +461,7 @@ impl Sim {
                 self.log(|| format!("disconnect {conn}"));
                 self.fake.core.disconnect(conn, self.fake.now);
                 self.model.disconnect(conn);
+                self.watches.retain(|_, watch| watch.conn != conn);
                 self.open[conn as usize] = false;
                 for attempt in self.attempts.values_mut() {
                     if attempt.conn == conn && attempt.answers == 0 {
@@ -453,8 +475,115 @@ impl Sim {
                 self.check()
             }
             67..=69 => self.reconnect(),
+            70..=74 => self.observe_key(conn),
             _ => self.advance(),
         }
+    }
+
+    /// The key's current token as a client would read it (spec §13.1):
+    /// its holder's, 0 when free or held by an earlier run's grant.
+    fn current_token(&self, key: &str) -> u64 {
+        self.model.keys.get(key).map_or(0, |held| held.token)
+    }
+
+    /// One `O`: mostly on the current token, so that it is held.
+    fn observe_key(&mut self, conn: ConnId) -> Result<(), String> {
+        let key = self.key();
+        let current = self.current_token(&key);
+        let since = match self.rng.below(10) {
+            0 => 0,
+            1 => self.rng.next(),
+            _ => current,
+        };
+        let wait_s = self.wait_s();
+        self.next_watch += 1;
+        let id = self.next_watch;
+        let request = Request::Observe {
+            wait_s,
+            id,
+            since,
+            key: &key,
+        };
+        let out = self.fake.request(conn, &request);
+        self.log(|| format!("{request:?} from {conn} → {out:?}"));
+        if since != current || wait_s == 0 {
+            match out.as_slice() {
+                [(to, Response::KeyState { id: got, token, .. })]
+                    if *to == conn && *got == id && *token == current => {}
+                _ => return Err(format!("O at once: {out:?}, token {current} expected")),
+            }
+            self.counts.observed_at_once += 1;
+        } else if self.model.wait_fits(conn) {
+            if !out.is_empty() {
+                return Err(format!("a watch on {key:?} since {since} answered {out:?}"));
+            }
+            self.watches.insert(
+                id,
+                Watching {
+                    conn,
+                    key,
+                    since,
+                    deadline_tick: tick_of(self.fake.now + u64::from(wait_s) * S),
+                },
+            );
+            *self.model.watches.entry(conn).or_insert(0) += 1;
+        } else {
+            if out != [(conn, ErrorCode::TooManyWatches.response(id))] {
+                return Err(format!("O over the wait limits: {out:?}, X 14 expected"));
+            }
+            self.model.counters.errors += 1;
+            self.counts.watches_refused += 1;
+        }
+        self.check()
+    }
+
+    /// Takes the watches' answers (`V`) out of `out` and checks each: on
+    /// its own connection, at most once, with a new token only after a
+    /// change (the key's token now, or one granted in this same call),
+    /// with the unchanged one only at its deadline or a clean stop.
+    fn watch_answers(&mut self, out: Vec<Output>, stop: bool) -> Result<Vec<Output>, String> {
+        let now_tick = self.fake.now / MS;
+        let granted: Vec<u64> = out
+            .iter()
+            .filter_map(|(_, response)| match *response {
+                Response::Acquired { token, .. } => Some(token),
+                _ => None,
+            })
+            .collect();
+        let mut rest = Vec::with_capacity(out.len());
+        for (conn, response) in out {
+            let Response::KeyState { id, token, .. } = response else {
+                rest.push((conn, response));
+                continue;
+            };
+            let Some(watch) = self.watches.remove(&id) else {
+                return Err(format!("V for watch {id}, which is not held"));
+            };
+            if watch.conn != conn {
+                return Err(format!("V for watch {id} on connection {conn}"));
+            }
+            *self.model.watches.get_mut(&conn).unwrap() -= 1;
+            let current = self.current_token(&watch.key);
+            if token != watch.since {
+                if token != current && !granted.contains(&token) {
+                    return Err(format!(
+                        "watch {id} of {:?} woken with token {token}, the key's is {current}",
+                        watch.key
+                    ));
+                }
+                self.counts.watches_woken += 1;
+            } else if stop {
+            } else if watch.deadline_tick > now_tick {
+                return Err(format!(
+                    "watch {id} of {:?} answered unchanged at tick {now_tick}, before its \
+                     deadline tick {}",
+                    watch.key, watch.deadline_tick
+                ));
+            } else {
+                self.counts.watches_at_deadline += 1;
+            }
+        }
+        Ok(rest)
     }
 
     fn reconnect(&mut self) -> Result<(), String> {
@@ -475,7 +604,7 @@ impl Sim {
     /// Moves the clock, landing exactly on deadlines often.
     fn advance(&mut self) -> Result<(), String> {
         let now = self.fake.now;
-        if self.model.earliest_tick().is_none() && self.rng.chance(20) {
+        if self.model.earliest_tick().is_none() && self.watches.is_empty() && self.rng.chance(20) {
             // Idle for up to 60 days: with nothing armed, the shell sleeps
             // and the next request comes before any handle_timeout.
             let idle = self.rng.range(1, 60 * 86_400) * S + self.rng.below(S);
@@ -484,7 +613,13 @@ impl Sim {
             self.counts.idle_spells += 1;
             return Ok(());
         }
-        let earliest = self.model.earliest_tick().map(|tick| tick * MS);
+        let earliest = self
+            .model
+            .earliest_tick()
+            .into_iter()
+            .chain(self.watches.values().map(|watch| watch.deadline_tick))
+            .min()
+            .map(|tick| tick * MS);
         let wakeup = self.fake.core.poll_timeout();
         let target = match self.rng.below(100) {
             0..=29 => wakeup.unwrap_or(now + 1),
@@ -532,6 +667,7 @@ impl Sim {
         let out = self.fake.request(conn, request);
         self.log(|| format!("{request:?} from {conn} → {out:?}"));
         let want = self.model.request(conn, request, now);
+        let out = self.watch_answers(out, false)?;
         same_in_order(&out, &want)?;
         self.observe(&out, None)?;
         self.check()?;
@@ -546,7 +682,13 @@ impl Sim {
         if !out.is_empty() {
             self.log(|| format!("fire → {out:?}"));
         }
-        let want = self.model.timeout(now, &out)?;
+        let kept: Vec<Output> = out
+            .iter()
+            .filter(|(_, response)| !matches!(response, Response::KeyState { .. }))
+            .cloned()
+            .collect();
+        let want = self.model.timeout(now, &kept)?;
+        let out = self.watch_answers(out, false)?;
         same_as_multiset(&out, &want)?;
         self.observe(&out, Some((before, exact)))?;
         self.fired_tick = now / MS;
@@ -753,8 +895,12 @@ impl Sim {
         let mut recorded = Recorded::new(clean, written.clone(), core.next_token(), 0);
         if clean {
             core.check_invariants();
-            self.fake.core.shut_down();
+            self.fake.core.shut_down(self.fake.now);
             let out = self.fake.drain();
+            let out = self.watch_answers(out, true)?;
+            if !self.watches.is_empty() {
+                return Err(format!("a clean stop left {} watches", self.watches.len()));
+            }
             let want = self.model.shut_down();
             same_as_multiset(&out, &want)?;
             self.observe(&out, None)?;
@@ -856,6 +1002,7 @@ impl Sim {
         }
         self.fake = Fake { core, now: 0 };
         self.model = model;
+        self.watches.clear();
         self.durability = Durability::new();
         if let Some(promise) = self.durability.needed(&self.fake.core) {
             self.durability.persisted(promise);
@@ -940,7 +1087,30 @@ impl Sim {
                 "(keys, waiters, next token, connections) = {gauges:?}, the model has {expected:?}"
             ));
         }
-        match (core.poll_timeout(), model.earliest_tick()) {
+        // Every watch waits on its key's current token: a change that woke
+        // nobody shows here.
+        for (id, watch) in &self.watches {
+            let current = model.keys.get(&watch.key).map_or(0, |held| held.token);
+            if current != watch.since {
+                return Err(format!(
+                    "watch {id} of {:?} still waits on {} though the token is {current}",
+                    watch.key, watch.since
+                ));
+            }
+        }
+        if core.watch_count() != self.watches.len() {
+            return Err(format!(
+                "{} watches held, the clients hold {}",
+                core.watch_count(),
+                self.watches.len()
+            ));
+        }
+        let earliest = model
+            .earliest_tick()
+            .into_iter()
+            .chain(self.watches.values().map(|watch| watch.deadline_tick))
+            .min();
+        match (core.poll_timeout(), earliest) {
             (None, None) => {}
             (Some(at), Some(tick)) if at <= tick * MS => {}
             (got, want) => {
@@ -1029,6 +1199,10 @@ fn simulation_of_many_clients_on_a_fake_clock() {
             counts.busy,
             counts.not_held,
             counts.leases_run_out,
+            counts.observed_at_once,
+            counts.watches_woken,
+            counts.watches_at_deadline,
+            counts.watches_refused,
         ];
         assert!(reached.iter().all(|&n| n > 1_000), "{counts:?}");
         let restarts = [

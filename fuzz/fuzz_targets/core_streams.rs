@@ -110,7 +110,7 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
-    core.shut_down();
+    core.shut_down(now);
     let answered: Vec<_> = core.drain_outbox().collect();
     assert!(answered.iter().all(|(to, _)| open[*to as usize]));
     assert_eq!(core.waiter_count(), 0);

@@ -4,6 +4,7 @@
 pub mod args;
 mod bench;
 mod client;
+mod leader;
 mod logging;
 mod permits;
 mod run;
@@ -45,6 +46,8 @@ Usage:
   kunci run KEY [-w S|-n] [--lease S]       run a command under a lock
         [--limit N [--take K] | --shared | --exclusive] [--label TEXT]
         [options] -- CMD [ARGS]...
+  kunci elect NAME VALUE [options] -- CMD   run a command while leading
+  kunci leader NAME [--json] [--watch]      show (or follow) who leads
   kunci bench [WORKLOAD] [options]          load-test a server
   kunci secret NAME SCOPE...                make a secret and its --auth line
   kunci help [COMMAND]                      show this help, or a command's
@@ -69,7 +72,10 @@ Exit status of client commands:
 
 /// Every command `kunci help COMMAND` knows.
 fn is_command(name: &str) -> bool {
-    matches!(name, "serve" | "run" | "bench" | "top" | "secret") || client::is_command(name)
+    matches!(
+        name,
+        "serve" | "run" | "bench" | "top" | "secret" | "elect" | "leader"
+    ) || client::is_command(name)
 }
 
 /// Runs `name` with `arguments`; `None` when there is no such command.
@@ -77,6 +83,8 @@ fn dispatch(name: &str, arguments: Vec<OsString>) -> Option<u8> {
     Some(match name {
         "serve" => serve::main(arguments),
         "run" => run::main(arguments),
+        "elect" => leader::elect(arguments),
+        "leader" => leader::leader(arguments),
         "bench" => bench::main(arguments),
         "top" => top::main(arguments),
         "secret" => secret::main(arguments),

@@ -30,6 +30,7 @@ use slab::Slab;
 use crate::protocol::{self, Correlation, ErrorCode, KEY_LEN_MAX, Request, Response};
 use crate::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 
+use super::leader::KeyState;
 use super::listing::{Grant, HOLDERS_MAX, Holders, KeyPage, KeySummary, Waiter};
 use super::permits::{Label, Permits};
 use super::{Denied, KeyStatus, Secret, TRANSPORT_DEADLINE, Unavailable};
@@ -145,6 +146,13 @@ pub(crate) enum Op {
         cursor: u64,
         count: u16,
     },
+    /// `O`: the key's state, at once when its token is not `since`, else
+    /// when it changes or `wait_s` ends (spec §13).
+    Observe {
+        id: u64,
+        since: u64,
+        wait_s: u8,
+    },
 }
 
 impl Op {
@@ -160,6 +168,7 @@ impl Op {
             Op::Info => Correlation::Info,
             Op::Holders { id, .. } => Correlation::Holders { id },
             Op::List { id, .. } => Correlation::List { id },
+            Op::Observe { id, .. } => Correlation::Observe { id },
         }
     }
 }
@@ -199,6 +208,8 @@ pub(crate) enum Outcome {
     Info(String),
     Holders(Holders),
     Keys(KeyPage),
+    /// A `V` (spec §13).
+    Observed(KeyState),
     /// A non-fatal `X`: the server found the request invalid.
     Invalid(&'static str),
     /// `X 10`: the acquire named a limit other than the key's, which the
@@ -932,6 +943,8 @@ impl<R> Engine<R> {
                         key_limit: protocol::parse_limit_mismatch(text),
                     },
                     ErrorCode::NotPermitted => Outcome::PermissionDenied(Denied::NotPermitted),
+                    // Definitive, nothing held: a capacity limit.
+                    ErrorCode::TooManyWatches => Outcome::Busy,
                     code => Outcome::Invalid(code.text()),
                 };
                 (request, outcome)
@@ -1029,6 +1042,22 @@ impl<R> Engine<R> {
                         round_trip: now.saturating_duration_since(sent_at),
                     },
                     Response::Info(text) => Outcome::Info(text),
+                    Response::KeyState {
+                        token,
+                        lease_ms,
+                        held_ms,
+                        grants,
+                        waiters,
+                        label,
+                        ..
+                    } => Outcome::Observed(KeyState {
+                        token,
+                        lease_ms,
+                        held_ms,
+                        grants,
+                        waiters,
+                        label,
+                    }),
                     _ => return false,
                 };
                 (id, outcome)
@@ -1491,6 +1520,12 @@ fn encode<R>(req: &Req<R>, now: Instant, out: &mut Vec<u8>) {
             cursor,
             count,
             prefix: key,
+        },
+        Op::Observe { id, since, wait_s } => Request::Observe {
+            wait_s,
+            id,
+            since,
+            key,
         },
     };
     protocol::encode_request(&request, out);

@@ -37,9 +37,11 @@ mod etcd;
 mod io;
 mod keep_alive;
 mod kept;
+mod leader;
 mod listing;
 mod permits;
 mod ticket;
+mod wait_forever;
 
 use std::fmt;
 use std::sync::Arc;
@@ -53,6 +55,7 @@ use engine::{Key, Op, Outcome, Submission};
 pub use etcd::EtcdCredentials;
 pub use keep_alive::Loss;
 pub use kept::KeptLease;
+pub use leader::{KeyState, Leader, Observe};
 pub use listing::{Grant, Holders, KeyPage, KeySummary, Keys, Waiter};
 pub use permits::{AcquireOptions, Permits};
 pub use ticket::Ticket;
@@ -822,8 +825,7 @@ impl Client {
     }
 
     /// How many times a server of this client said it is shutting down
-    /// (`X 8`); always 0 on etcd. (`kunci run --wait inf` asks.)
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    /// (`X 8`); always 0 on etcd. (Waiting forever asks.)
     pub(crate) fn shutdown_notices(&self) -> u64 {
         self.inner.shared.shutdown_notices()
     }

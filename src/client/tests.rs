@@ -66,6 +66,12 @@ enum Frame {
     U {
         secret: Vec<u8>,
     },
+    O {
+        wait_s: u8,
+        id: u64,
+        since: u64,
+        key: String,
+    },
 }
 
 fn frames(mut bytes: &[u8]) -> Vec<Frame> {
@@ -137,6 +143,17 @@ fn frames(mut bytes: &[u8]) -> Vec<Frame> {
             },
             Request::Authenticate { secret } => Frame::U {
                 secret: secret.to_vec(),
+            },
+            Request::Observe {
+                wait_s,
+                id,
+                since,
+                key,
+            } => Frame::O {
+                wait_s,
+                id,
+                since,
+                key: key.into(),
             },
         });
         bytes = &bytes[len..];

@@ -39,9 +39,9 @@ impl Scopes {
             Request::Acquire { key, .. }
             | Request::Release { key, .. }
             | Request::Extend { key, .. } => covers(&self.lock, key),
-            Request::Query { key } | Request::Holders { key, .. } => {
-                covers(&self.lock, key) || covers(&self.read, key)
-            }
+            Request::Query { key }
+            | Request::Holders { key, .. }
+            | Request::Observe { key, .. } => covers(&self.lock, key) || covers(&self.read, key),
             Request::Info => self.info,
             Request::Ping { .. } => true,
             Request::List { .. } => !self.lock.is_empty() || !self.read.is_empty(),

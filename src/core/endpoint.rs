@@ -339,10 +339,11 @@ impl Endpoint {
     /// The most output a connection can hold: the high-water mark plus the
     /// answers to the frame that passed it (a hand-over to itself
     /// included, or an `H`/`L` answer of at most
-    /// [`ANSWER_BYTES_MAX`](super::ANSWER_BYTES_MAX) and its `Z`), plus one deferred answer per wait it may queue, plus the
-    /// `X 8` of a shutdown.
+    /// [`ANSWER_BYTES_MAX`](super::ANSWER_BYTES_MAX) and its `Z`), plus one
+    /// deferred answer per wait it may queue (the largest: a watch's `V`
+    /// with a 128-byte label), plus the `X 8` of a shutdown.
     pub fn output_bound(&self) -> usize {
-        let per_wait = 18;
+        let per_wait = 1 + 30 + crate::protocol::LABEL_LEN_MAX + 1;
         OUTPUT_HIGH_WATER
             + (2 * RESPONSE_FRAME_MAX).max(super::ANSWER_BYTES_MAX + RESPONSE_FRAME_MAX)
             + self.core.limits().max_waits_per_conn as usize * per_wait
@@ -776,7 +777,7 @@ impl Endpoint {
             return;
         }
         self.shutdown_deadline = Some(now + SHUTDOWN_GRACE_US);
-        self.core.shut_down();
+        self.core.shut_down(now);
         self.route();
         for id in 0..self.conns.len() as ConnId {
             if self.connection(id).is_some_and(|conn| conn.phase.is_live()) {

@@ -14,6 +14,7 @@ impl Core {
     /// in a later, unrelated answer; simulations call it after every step.
     #[doc(hidden)]
     pub fn check_invariants(&self) {
+        self.check_watches();
         let mut entries = 0;
         let mut unknown = 0;
         let mut queued = 0;
@@ -205,13 +206,44 @@ impl Core {
         assert_eq!(listed, self.waiters.len(), "waiters on connection lists");
         assert_eq!(
             self.wheel.len(),
-            leased_entries + listed_grants + queued,
-            "armed timers vs leases, grants and waiters"
+            leased_entries + listed_grants + queued + self.watches.len(),
+            "armed timers vs leases, grants, waiters and watches"
         );
         assert_eq!(
             self.leases.len(),
             leased_entries + listed_grants,
             "lease timers counted by deadline vs leases and grants"
         );
+    }
+
+    /// Watches: indexed consistently, each on an open connection, each
+    /// key's record waiting on the key's current token (a change that
+    /// answered nobody would show here), within the shared limits.
+    fn check_watches(&self) {
+        self.watches.check();
+        let mut by_conn = 0;
+        for (conn, state) in self.conns.iter().enumerate() {
+            let watches = self.watches.of_conn(conn as super::ConnId);
+            if watches > 0 {
+                assert!(state.open, "watches on closed connection {conn}");
+            }
+            assert!(
+                state.waiters.len as usize + watches <= self.limits.max_waits_per_conn as usize,
+                "connection {conn} over --max-waits-per-conn"
+            );
+            by_conn += watches;
+        }
+        assert_eq!(by_conn, self.watches.len());
+        assert!(self.waiters.len() + self.watches.len() <= self.limits.max_waiters);
+        let now = self.grace_until; // the state's token does not depend on it
+        for slot in self.watches.slots() {
+            let record = self.watches.key(slot);
+            let token = self.key_state(&record.key, now).token;
+            assert_eq!(
+                token, record.since,
+                "watches of {:?} wait on {} but the token is {token}",
+                record.key, record.since
+            );
+        }
     }
 }

@@ -29,6 +29,7 @@ pub mod script;
 pub(crate) mod tls;
 pub mod wait_histogram;
 pub mod waiters;
+pub mod watches;
 
 use std::collections::HashSet;
 
@@ -43,6 +44,7 @@ use permits::{Grants, PERMITS, PermitKey};
 use restart::LeaseLedger;
 use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
+use watches::Watches;
 
 pub use adoption::{EarlierGrant, HeldGrant, RestoreError};
 pub use request::ANSWER_BYTES_MAX;
@@ -60,6 +62,8 @@ const MICROS_PER_S: u64 = 1_000_000;
 const WAITER_TIMER: TimerId = 1 << 30;
 /// Timer ids with this bit are grants of permit keys.
 const GRANT_TIMER: TimerId = 1 << 31;
+/// Timer ids with both bits are watches (spec §13).
+const WATCH_TIMER: TimerId = WAITER_TIMER | GRANT_TIMER;
 
 /// Capacity limits (spec §4). Every one is a bound on memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,6 +114,15 @@ impl Limits {
                 ids - 1
             ));
         }
+        // Watches share `--max-waiters` (spec §13.3); their timer ids
+        // carry both bits and stay below the wheel's reserved ids.
+        let watch_ids = (crate::timer_wheel::TIMER_ID_MAX - WATCH_TIMER) as usize;
+        if self.max_waiters > watch_ids {
+            return Err(format!(
+                "--max-waiters {} is above {}",
+                self.max_waiters, watch_ids
+            ));
+        }
         if self.max_grants >= ids {
             return Err(format!(
                 "--max-grants {} is above {}",
@@ -154,7 +167,7 @@ pub struct Stats {
     /// ...or because the process had no file descriptor left.
     pub refused_fd_limit: u64,
     /// `X` frames sent, by code (index = code; 0 unused).
-    pub errors_by_code: [u64; 14],
+    pub errors_by_code: [u64; 15],
     /// How long queued acquires waited before their grant or timeout.
     pub acquire_wait: WaitHistogram,
     /// `H` requests answered (spec §11.2).
@@ -227,6 +240,8 @@ pub struct Core {
     grants_held: usize,
     /// The labels of grants and waiters that have one.
     labels: Labels,
+    /// Held observe requests (spec §13).
+    watches: Watches,
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
@@ -244,12 +259,19 @@ struct TimerNodes<'a> {
     grants: &'a mut Grants,
     /// Counts the lease timers (every timer but the waiters').
     leases: &'a mut LeaseLedger,
+    watches: &'a mut Watches,
 }
 
 impl TimerStore for TimerNodes<'_> {
+    // Inlined into the wheel's `arm` and `cancel`, as it was before it
+    // had four kinds of node to tell apart (callgrind_pairs: out of line
+    // it cost 45 instructions per request).
+    #[inline(always)]
     fn links(&mut self, id: TimerId) -> &mut TimerLinks {
-        if id & (GRANT_TIMER | WAITER_TIMER) == 0 {
+        if id & WATCH_TIMER == 0 {
             &mut self.table.get_mut(id).lease
+        } else if id & WATCH_TIMER == WATCH_TIMER {
+            &mut self.watches.get_mut(id & !WATCH_TIMER).timer
         } else if id & WAITER_TIMER != 0 {
             &mut self.waiters.get_mut(id & !WAITER_TIMER).timer
         } else {
@@ -295,6 +317,7 @@ impl Core {
             grants: Grants::default(),
             grants_held: 0,
             labels: Labels::default(),
+            watches: Watches::default(),
             next_token: first_token.max(1),
             stats: Stats::default(),
             outbox: Vec::new(),
@@ -344,6 +367,11 @@ impl Core {
     /// Queued waiters.
     pub fn waiter_count(&self) -> usize {
         self.waiters.len()
+    }
+
+    /// Held watches (spec §13).
+    pub fn watch_count(&self) -> usize {
+        self.watches.len()
     }
 
     /// Open connections the core knows of.
@@ -408,10 +436,15 @@ impl Core {
         }
         self.conns[conn as usize].open = false;
         self.connections -= 1;
+        self.drop_watches_of(conn);
         for entry in left {
             // A key may be left twice, and gone after the first.
             if self.table.is_live(entry) {
+                let watched = self.watched_entry(entry);
                 self.waiter_left(entry, Some(now));
+                if let Some(slot) = watched {
+                    self.wake_watch_slot(slot, now);
+                }
             }
         }
     }
@@ -503,12 +536,37 @@ impl Core {
                 token,
                 key,
             } => self.extend(conn, key, token, lease_s, now),
+            Request::Observe {
+                wait_s,
+                id,
+                since,
+                key,
+            } => self.observe(conn, wait_s, id, since, key, now),
             Request::Query { key } => self.query(conn, key, now),
             Request::Ping { nonce } => self.outbox.push((conn, Response::Pong { nonce })),
             Request::Info => {
                 let text = self.info_text(now);
                 self.outbox.push((conn, Response::Info(text)));
             }
+        }
+        // The request's key may have a new token: its watches are
+        // answered after the whole request (spec §13.1). One branch while
+        // nobody watches anything.
+        if !self.watches.is_empty() {
+            self.wake_after(request, now);
+        }
+    }
+
+    /// After `request`: answers the watches of its key if an `A`, `S`,
+    /// `R` or `E` changed the key's token.
+    #[cold]
+    #[inline(never)]
+    fn wake_after(&mut self, request: &Request<'_>, now: Micros) {
+        if let Request::Acquire { key, .. }
+        | Request::Release { key, .. }
+        | Request::Extend { key, .. } = *request
+        {
+            self.wake_watches(key, now);
         }
     }
 
@@ -554,9 +612,25 @@ impl Core {
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
                 leases: &mut self.leases,
+                watches: &mut self.watches,
             };
             let Some(id) = self.wheel.poll(&mut nodes, now_tick) else {
                 break;
+            };
+            if id & WATCH_TIMER == WATCH_TIMER {
+                self.watch_deadline(id & !WATCH_TIMER, now);
+                continue;
+            }
+            // The key this timer is about, if it is watched: its watches
+            // are answered after the whole event (spec §13.1).
+            let watched = if self.watches.is_empty() {
+                None
+            } else if id & GRANT_TIMER != 0 {
+                self.watched_entry(self.grants.get(id & !GRANT_TIMER).entry)
+            } else if id & WAITER_TIMER != 0 {
+                self.watched_entry(self.waiters.get(id & !WAITER_TIMER).lock)
+            } else {
+                self.watched_entry(id)
             };
             if id & GRANT_TIMER != 0 {
                 let grant = id & !GRANT_TIMER;
@@ -585,12 +659,16 @@ impl Core {
                 }
                 self.hand_over(id, now);
             }
+            if let Some(slot) = watched {
+                self.wake_watch_slot(slot, now);
+            }
         }
     }
 
-    /// Graceful shutdown (spec §4): every queued waiter gets `B`, then every
-    /// open connection gets `X 8`. The shell flushes and closes.
-    pub fn shut_down(&mut self) {
+    /// Graceful shutdown (spec §4, §13.3) at `now`: every queued waiter
+    /// gets `B`, then every watch its key's state, then every open
+    /// connection `X 8`. The shell flushes and closes.
+    pub fn shut_down(&mut self, now: Micros) {
         for conn in 0..self.conns.len() {
             if !self.conns[conn].open {
                 continue;
@@ -605,6 +683,11 @@ impl Core {
                 self.stats.busy += 1;
                 self.outbox.push((conn as ConnId, Response::Busy { owner }));
                 waiter = next;
+            }
+        }
+        if !self.watches.is_empty() {
+            for conn in 0..self.conns.len() {
+                self.answer_watches_of(conn as ConnId, now);
             }
         }
         for conn in 0..self.conns.len() {
@@ -709,6 +792,7 @@ impl Core {
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
                 leases: &mut self.leases,
+                watches: &mut self.watches,
             },
         )
     }
@@ -722,6 +806,7 @@ impl Core {
             waiters: &mut self.waiters,
             grants: &mut self.grants,
             leases: &mut self.leases,
+            watches: &mut self.watches,
         };
         self.wheel
             .arm(&mut nodes, entry, tick_at_or_after(deadline));
@@ -733,6 +818,7 @@ impl Core {
             waiters: &mut self.waiters,
             grants: &mut self.grants,
             leases: &mut self.leases,
+            watches: &mut self.watches,
         };
         self.wheel.cancel(&mut nodes, entry);
     }
@@ -765,6 +851,7 @@ impl Core {
             waiters: &mut self.waiters,
             grants: &mut self.grants,
             leases: &mut self.leases,
+            watches: &mut self.watches,
         };
         self.wheel.cancel(&mut nodes, waiter | WAITER_TIMER);
         let (conn, entry) = {

@@ -8,6 +8,8 @@
 //! everything written to a peer decodes as response frames (however the
 //! writes were split); that tokens strictly increase on each connection;
 //! that nothing is queued for a connection once it stopped being live;
+//! that a `V` shows only a token that was granted (the core's invariants
+//! check that every held watch waits on its key's current token);
 //! that the shell is never told to act on a socket it does not have.
 //!
 //! When the first byte is odd the server runs with `--auth` (spec §12):
@@ -192,6 +194,10 @@ pub fn run(data: &[u8]) {
                         );
                     }
                     Response::Authenticated { .. } => socket.authenticated = true,
+                    Response::KeyState { token, .. } => assert!(
+                        token < endpoint.core().next_token(),
+                        "V shows token {token}, never granted"
+                    ),
                     Response::Error { code: 12, .. } => socket.denied = true,
                     _ => {}
                 }
@@ -216,10 +222,21 @@ pub fn run(data: &[u8]) {
 }
 
 /// Appends to `out` an acquire built from `shape` and 3 more bytes: `A`
-/// or `S` with limits 1, 2, 3 or 65535 and any take, on keys `a`–`c`.
+/// or `S` with limits 1, 2, 3 or 65535 and any take, on keys `a`–`c`; or,
+/// for `shape` 240 and up, an `O` (spec §13) on one of those keys, `since`
+/// a small token (the core's first is 1), so that many are held.
 fn permits_request(shape: u8, bytes: &mut impl Iterator<Item = u8>, out: &mut Vec<u8>) {
     let mut field = || bytes.next().unwrap_or(0);
     let (wait_s, lease_s, owner) = (field(), field(), field());
+    if shape >= 240 {
+        let request = protocol::Request::Observe {
+            wait_s: wait_s % 4,
+            id: u64::from(owner),
+            since: u64::from(lease_s % 6),
+            key: ["a", "b", "c"][usize::from(shape % 3)],
+        };
+        return protocol::encode_request(&request, out);
+    }
     let limit = [0, 1, 2, 3, 65535][usize::from(shape % 5)];
     let take = match limit {
         0 => 0,

@@ -32,6 +32,8 @@ pub struct Snapshot {
     pub grants_held: usize,
     pub keys: usize,
     pub waiters: usize,
+    /// Observe requests held now (spec §13).
+    pub watches: usize,
     pub connections: usize,
     pub stats: Stats,
     pub limits: Limits,
@@ -45,6 +47,7 @@ impl Snapshot {
             grants_held: core.grants_held(),
             keys: core.keys(),
             waiters: core.waiter_count(),
+            watches: core.watch_count(),
             connections: core.connections(),
             stats: *core.stats(),
             limits: *core.limits(),
@@ -55,7 +58,7 @@ impl Snapshot {
 /// The meaning of each `X` code, for the errors metric's help text.
 const ERROR_CODES: &str = "1 unknown op, 2 frame too long, 3 empty key, 4 key not UTF-8, \
 5 lease 0, 6 unexpected payload, 7 connection limit, 8 shutting down, 9 peer not allowed, \
-10 limit mismatch, 11 invalid count, 12 not authenticated, 13 not permitted";
+10 limit mismatch, 11 invalid count, 12 not authenticated, 13 not permitted, 14 too many watches";
 
 /// Writes the exposition of `snapshot` and, when it could be read,
 /// `process` into `out`.
@@ -85,6 +88,12 @@ pub fn render(snapshot: &Snapshot, process: Option<&ProcessStats>, out: &mut Str
         "gauge",
         "Acquires queued now.",
         snapshot.waiters as u64,
+    );
+    w.single(
+        "kunci_watches",
+        "gauge",
+        "Observe requests (O) held now until their key's token changes.",
+        snapshot.watches as u64,
     );
     w.single(
         "kunci_connections",
@@ -171,8 +180,8 @@ pub fn render(snapshot: &Snapshot, process: Option<&ProcessStats>, out: &mut Str
          or a secret that is too short or unknown).",
         s.auth_failures,
     );
-    const CODES: [&str; 13] = [
-        "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13",
+    const CODES: [&str; 14] = [
+        "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14",
     ];
     let mut by_code = [("", 0); CODES.len()];
     for (index, code) in CODES.iter().enumerate() {
@@ -327,6 +336,7 @@ mod tests {
             grants_held: 0,
             keys: 0,
             waiters: 0,
+            watches: 0,
             connections: 0,
             stats: Stats::default(),
             limits: Limits::default(),
@@ -356,6 +366,8 @@ mod tests {
             "kunci_connections_refused_total{reason=\"fd_limit\"} 0",
             "kunci_errors_total{code=\"9\"} 0",
             "kunci_errors_total{code=\"13\"} 0",
+            "kunci_errors_total{code=\"14\"} 0",
+            "kunci_watches 0",
             "# TYPE kunci_auth_failures_total counter",
             "kunci_auth_failures_total 0",
             "kunci_limit{limit=\"keys\"} 1048576",
@@ -383,6 +395,7 @@ mod tests {
             grants_held: 7,
             keys: 4,
             waiters: 5,
+            watches: 8,
             connections: 6,
             ..idle()
         };
@@ -408,6 +421,7 @@ mod tests {
             "kunci_grants_held 7",
             "kunci_keys 4",
             "kunci_waiters 5",
+            "kunci_watches 8",
             "kunci_connections 6",
             "kunci_acquires_total{result=\"acquired\"} 10",
             "kunci_releases_total{result=\"not_held\"} 2",

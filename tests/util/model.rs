@@ -62,6 +62,10 @@ pub struct Model {
     /// How often a wait ran out at the tick its key's lease did, and the
     /// core let the wait go first.
     pub ties: u64,
+    /// Watches held (spec §13) by connection: kept by the simulation,
+    /// which checks the watches' answers itself; they count toward the
+    /// wait limits here.
+    pub watches: BTreeMap<ConnId, u32>,
 }
 
 impl Model {
@@ -76,6 +80,7 @@ impl Model {
             freed: BTreeSet::new(),
             first_token: first_token.max(1),
             ties: 0,
+            watches: BTreeMap::new(),
         }
     }
 
@@ -83,7 +88,22 @@ impl Model {
         self.conns.entry(conn).or_insert(0);
     }
 
+    /// Watches held in all.
+    pub fn watch_count(&self) -> usize {
+        self.watches.values().map(|&n| n as usize).sum()
+    }
+
+    /// Whether one more wait (a queued acquire or a watch) of `conn` fits
+    /// within `--max-waiters` and `--max-waits-per-conn`, which both share.
+    pub fn wait_fits(&self, conn: ConnId) -> bool {
+        let of_conn = self.conns.get(&conn).copied().unwrap_or(0)
+            + self.watches.get(&conn).copied().unwrap_or(0);
+        self.waiters() + self.watch_count() < self.limits.max_waiters
+            && of_conn < self.limits.max_waits_per_conn
+    }
+
     pub fn disconnect(&mut self, conn: ConnId) {
+        self.watches.remove(&conn);
         if self.conns.remove(&conn).is_some() {
             for key in self.keys.values_mut() {
                 key.queue.retain(|waiter| waiter.conn != conn);
@@ -127,6 +147,7 @@ impl Model {
             }
         }
         self.drop_unknown_holders();
+        self.watches.clear();
         for &conn in self.conns.keys() {
             self.counters.errors += 1;
             out.push((conn, ErrorCode::ShuttingDown.response(0)));
@@ -192,6 +213,7 @@ impl Model {
                 self.counters.errors += 1;
                 vec![(conn, ErrorCode::NotPermitted.response(id))]
             }
+            Request::Observe { .. } => unimplemented!("the model keeps no watches yet"),
             Request::Authenticate { .. } => vec![(
                 conn,
                 Response::Authenticated {
@@ -205,16 +227,14 @@ impl Model {
                 key,
                 ..
             } => {
-                let waiters = self.waiters();
-                let queued_by_conn = self.conns[&conn];
+                let wait_fits = self.wait_fits(conn);
                 if let Some(held) = self.keys.get_mut(key) {
                     if wait_s == 0 {
                         self.counters.timeouts += 1;
                         return vec![(conn, Response::Timeout { owner })];
                     }
-                    let fits = waiters < self.limits.max_waiters
-                        && held.queue.len() < self.limits.max_waiters_per_key as usize
-                        && queued_by_conn < self.limits.max_waits_per_conn;
+                    let fits =
+                        wait_fits && held.queue.len() < self.limits.max_waiters_per_key as usize;
                     if !fits {
                         self.counters.busy += 1;
                         return vec![(conn, Response::Busy { owner })];
@@ -234,9 +254,8 @@ impl Model {
                         self.counters.timeouts += 1;
                         return vec![(conn, Response::Timeout { owner })];
                     }
-                    let fits = waiters < self.limits.max_waiters
+                    let fits = wait_fits
                         && self.limits.max_waiters_per_key > 0
-                        && queued_by_conn < self.limits.max_waits_per_conn
                         && self.keys.len() < self.limits.max_keys;
                     if !fits {
                         self.counters.busy += 1;
@@ -401,7 +420,8 @@ impl Model {
         let c = &self.counters;
         format!(
             "uptime_s={} connections={} keys={} held={} waiters={} grants={} timeouts={} \
-             busy={} expired={} released={} extended={} not_held={} errors={} next_token={}",
+             busy={} expired={} released={} extended={} not_held={} errors={} next_token={} \
+             watches={}",
             now / S,
             self.conns.len(),
             self.keys.len(),
@@ -416,6 +436,7 @@ impl Model {
             c.not_held,
             c.errors,
             self.next_token,
+            self.watch_count(),
         )
     }
 

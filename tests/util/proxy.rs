@@ -276,6 +276,9 @@ fn record_frames(pending: &mut Vec<u8>, forwarded: bool, state: &State) {
                     Request::Holders { id, key } => (b'H', 0, 0, id, key),
                     Request::List { id, prefix, .. } => (b'L', 0, 0, id, prefix),
                     Request::Authenticate { .. } => (b'U', 0, 0, 0, ""),
+                    Request::Observe {
+                        wait_s, id, key, ..
+                    } => (b'O', wait_s, 0, id, key),
                 };
                 let frame = Frame {
                     op,

@@ -133,6 +133,7 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: super::engine::Key, deadline: In
         // `Indeterminate` has already revoked its own lease.
         Op::Holders { .. } => cluster.holders(key, deadline),
         Op::List { cursor, count, .. } => cluster.list(key, cursor, count, deadline),
+        Op::Observe { .. } => Outcome::Invalid("observe is not available on etcd in this client"),
     }
 }
 

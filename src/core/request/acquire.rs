@@ -162,6 +162,7 @@ impl Core {
             waiters: &mut self.waiters,
             grants: &mut self.grants,
             leases: &mut self.leases,
+            watches: &mut self.watches,
         };
         self.wheel.arm(
             &mut nodes,
@@ -176,9 +177,11 @@ impl Core {
         let Some(state) = self.conns.get(conn as usize).filter(|state| state.open) else {
             return false;
         };
-        self.waiters.len() < self.limits.max_waiters
+        // Watches share the total and the connection's limits (spec §13.3).
+        self.waiters.len() + self.watches.len() < self.limits.max_waiters
             && self.waiters.queue_len(queue) < self.limits.max_waiters_per_key
-            && state.waiters.len < self.limits.max_waits_per_conn
+            && (state.waiters.len as usize + self.watches.of_conn(conn))
+                < self.limits.max_waits_per_conn as usize
             && self.can_grant()
     }
 

@@ -13,7 +13,7 @@ impl Core {
             text,
             "version={} uptime_s={} connections={} keys={} held={} waiters={} \
              grants={} timeouts={} busy={} expired={} released={} extended={} \
-             not_held={} errors={} refused={} grants_held={} next_token={} auth_failures={}",
+             not_held={} errors={} refused={} grants_held={} next_token={} auth_failures={} watches={}",
             env!("CARGO_PKG_VERSION"),
             now / MICROS_PER_S,
             self.connections,
@@ -32,6 +32,7 @@ impl Core {
             self.grants_held,
             self.next_token,
             s.auth_failures,
+            self.watches.len(),
         );
         text
     }

@@ -8,6 +8,7 @@ mod extend;
 mod holders;
 mod info;
 mod list;
+mod observe;
 mod query;
 mod release;
 

@@ -1,0 +1,190 @@
+//! Following a key and leader election (spec §13): one `O` as
+//! [`Client::observe_key`], and on top of it [`Client::leader`],
+//! [`Client::observe`] and [`Client::campaign`]. An election keeps no
+//! state of its own on the server: the leader is the holder of an
+//! exclusive key, its value the grant's label, its term the grant's token.
+
+use std::time::{Duration, Instant};
+
+use super::engine::{Key, Op, Outcome};
+use super::{
+    AcquireOptions, Client, Error, KeptLease, TRANSPORT_DEADLINE, WAIT_MAX, outcome_error,
+};
+
+/// A key's state as one `O` answers it (spec §13.2).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyState {
+    /// The key's current token: the smallest among its grants, 0 when it
+    /// has none (or during a crash grace).
+    pub token: u64,
+    /// That grant's lease left, rounded up (during a grace: to its end).
+    pub lease_ms: u32,
+    /// How long that grant has been held, rounded down.
+    pub held_ms: u32,
+    /// How many grants the key has (saturating).
+    pub grants: u16,
+    /// How many wait for it.
+    pub waiters: u32,
+    /// That grant's label.
+    pub label: String,
+}
+
+/// Who leads an election (spec §13.6).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Leader {
+    /// The value the leader campaigned with.
+    pub value: String,
+    /// Its term: the grant's token, a fencing token for what it writes.
+    pub term: u64,
+    /// How long it has led, when known.
+    pub held_for: Option<Duration>,
+}
+
+impl Leader {
+    /// The leader a state shows, if any.
+    fn of(state: KeyState) -> Option<Leader> {
+        (state.token != 0).then(|| Leader {
+            value: state.label,
+            term: state.token,
+            held_for: Some(Duration::from_millis(u64::from(state.held_ms))),
+        })
+    }
+}
+
+/// The longest pause between two attempts of [`Observe`] after a failure.
+const PAUSE_MAX: Duration = Duration::from_secs(2);
+/// The first such pause; it doubles up to [`PAUSE_MAX`].
+const PAUSE_FIRST: Duration = Duration::from_millis(100);
+
+impl Client {
+    /// One `O` on `key` (spec §13.1): the key's state at once when its
+    /// token is not `since` (or `wait` is zero), else when the token
+    /// changes or `wait` (at most 255 s, sent rounded up to whole
+    /// seconds) has passed, then unchanged. It returns by
+    /// `start + wait + 5 s`; nothing changes on the server, so asking
+    /// again is always safe. A server with no room for one more watch
+    /// answers [`Error::Busy`].
+    pub fn observe_key(&self, key: &str, since: u64, wait: Duration) -> Result<KeyState, Error> {
+        let key = Key::new(key).map_err(Error::InvalidArgument)?;
+        if wait > WAIT_MAX {
+            return Err(Error::InvalidArgument("wait is longer than 255 s"));
+        }
+        let wait_s = wait.as_secs() as u8 + u8::from(wait.subsec_nanos() != 0);
+        let op = Op::Observe {
+            id: self.fresh_owner(),
+            since,
+            wait_s,
+        };
+        let deadline = Instant::now() + wait + TRANSPORT_DEADLINE;
+        match self.call(op, key, deadline) {
+            Outcome::Observed(state) => Ok(state),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
+    /// Who leads the election `name` now (one `O` with wait 0), or `None`
+    /// while nobody does.
+    pub fn leader(&self, name: &str) -> Result<Option<Leader>, Error> {
+        self.observe_key(name, 0, Duration::ZERO).map(Leader::of)
+    }
+
+    /// Follows the election `name` (spec §13.6): an iterator that yields
+    /// the current leader (or `None`) first, then one item per change of
+    /// leader. Across restarts and outages it asks again quietly, with a
+    /// pause that doubles up to 2 s, and yields a state only when it
+    /// differs from the last one yielded; a change shorter than one round
+    /// trip may be missed, and terms only ever increase. It yields an
+    /// error only for [`Error::InvalidArgument`] or
+    /// [`Error::PermissionDenied`], and ends after it.
+    ///
+    /// ```no_run
+    /// # use kunci::client::{Client, Config};
+    /// # let client = Client::new(["127.0.0.1:5862".parse()?], Config::default())?;
+    /// for leader in client.observe("db-primary") {
+    ///     match leader? {
+    ///         Some(leader) => println!("{} leads, term {}", leader.value, leader.term),
+    ///         None => println!("nobody leads"),
+    ///     }
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn observe(&self, name: &str) -> Observe {
+        Observe {
+            client: self.clone(),
+            name: name.to_owned(),
+            since: None,
+            reported: None,
+            ended: false,
+        }
+    }
+
+    /// Campaigns in the election `name` with `value` (1..=128 bytes, no
+    /// newline): an exclusive acquire of `name` labelled `value`, waiting
+    /// as long as it takes ([`acquire_forever`](Self::acquire_forever)),
+    /// kept alive in the background. It returns once this candidate
+    /// leads; the lease's token is its term. Releasing the lease resigns;
+    /// a candidate whose process dies loses the lead at its lease's end.
+    pub fn campaign(&self, name: &str, value: &str, lease: Duration) -> Result<KeptLease, Error> {
+        if value.is_empty() {
+            return Err(Error::InvalidArgument("value is empty"));
+        }
+        let options = AcquireOptions::new().label(value);
+        self.acquire_forever(name, lease, options)?
+            .keep_alive_fresh()
+    }
+}
+
+/// The changes of leader of one election: see [`Client::observe`].
+#[derive(Debug)]
+pub struct Observe {
+    client: Client,
+    name: String,
+    /// The token of the last answer, `None` before the first.
+    since: Option<u64>,
+    /// The last state yielded (value and term), `None` before the first.
+    reported: Option<Option<(String, u64)>>,
+    ended: bool,
+}
+
+impl Iterator for Observe {
+    type Item = Result<Option<Leader>, Error>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.ended {
+            return None;
+        }
+        let mut pause = PAUSE_FIRST;
+        loop {
+            let (since, wait) = match self.since {
+                None => (0, Duration::ZERO),
+                Some(since) => (since, WAIT_MAX),
+            };
+            match self.client.observe_key(&self.name, since, wait) {
+                Ok(state) => {
+                    pause = PAUSE_FIRST;
+                    self.since = Some(state.token);
+                    let leader = Leader::of(state);
+                    let shown = leader.as_ref().map(|l| (l.value.clone(), l.term));
+                    let last_term = self
+                        .reported
+                        .as_ref()
+                        .and_then(|last| last.as_ref().map(|(_, term)| *term));
+                    let older = matches!((&shown, last_term), (Some((_, term)), Some(last)) if *term < last);
+                    if self.reported.as_ref() != Some(&shown) && !older {
+                        self.reported = Some(shown);
+                        return Some(Ok(leader));
+                    }
+                }
+                Err(error @ (Error::InvalidArgument(_) | Error::PermissionDenied(_))) => {
+                    self.ended = true;
+                    return Some(Err(error));
+                }
+                Err(error) => {
+                    log::debug!("{}: {error}; asking again in {pause:?}", self.name);
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(PAUSE_MAX);
+                }
+            }
+        }
+    }
+}

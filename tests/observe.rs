@@ -1,0 +1,511 @@
+//! `O` and `V` (spec §13) byte for byte through the sans-IO endpoint on a
+//! fake clock: answered at once or held as a watch, woken after the whole
+//! event, never early, `X 14` over the shared limits, dropped with its
+//! connection, answered on a clean stop, within scopes, during a grace.
+
+use kunci::core::access::AccessList;
+use kunci::core::endpoint::{Action, Endpoint};
+use kunci::core::{ConnId, Core, Limits, Micros};
+use kunci::protocol::{self, Request, Response};
+
+use crate::access::{LOCKER, READER, auth_file, authenticate};
+use crate::util::fake::{FIRST_TOKEN, MS, S};
+use crate::util::{acquire, extend, ping, query, release, s_frame};
+
+/// An `O` frame written out as §2.1 lays it out:
+/// `O wait:u8 id:u64 since:u64 key \n`.
+fn observe(wait_s: u8, id: u64, since: u64, key: &str) -> Vec<u8> {
+    let mut frame = vec![b'O', wait_s];
+    frame.extend_from_slice(&id.to_be_bytes());
+    frame.extend_from_slice(&since.to_be_bytes());
+    frame.extend_from_slice(key.as_bytes());
+    frame.push(b'\n');
+    frame
+}
+
+/// A `V` frame written out as §2.2 lays it out: `V id:u64 token:u64
+/// lease_ms:u32 held_ms:u32 grants:u16 waiters:u32 label \n`.
+fn v(
+    id: u64,
+    token: u64,
+    lease_ms: u32,
+    held_ms: u32,
+    grants: u16,
+    waiters: u32,
+    label: &str,
+) -> Vec<u8> {
+    let mut frame = vec![b'V'];
+    frame.extend_from_slice(&id.to_be_bytes());
+    frame.extend_from_slice(&token.to_be_bytes());
+    frame.extend_from_slice(&lease_ms.to_be_bytes());
+    frame.extend_from_slice(&held_ms.to_be_bytes());
+    frame.extend_from_slice(&grants.to_be_bytes());
+    frame.extend_from_slice(&waiters.to_be_bytes());
+    frame.extend_from_slice(label.as_bytes());
+    frame.push(b'\n');
+    frame
+}
+
+/// `V` of a free key.
+fn v_free(id: u64) -> Vec<u8> {
+    v(id, 0, 0, 0, 0, 0, "")
+}
+
+fn x(code: u8, id: u64, text: &str) -> Vec<u8> {
+    let mut frame = vec![b'X', code];
+    frame.extend_from_slice(&id.to_be_bytes());
+    frame.extend_from_slice(text.as_bytes());
+    frame.push(b'\n');
+    frame
+}
+
+fn a(owner: u64, token: u64) -> Vec<u8> {
+    let mut frame = vec![b'A'];
+    frame.extend_from_slice(&owner.to_be_bytes());
+    frame.extend_from_slice(&token.to_be_bytes());
+    frame.push(b'\n');
+    frame
+}
+
+fn op_u64(op: u8, value: u64) -> Vec<u8> {
+    let mut frame = vec![op];
+    frame.extend_from_slice(&value.to_be_bytes());
+    frame.push(b'\n');
+    frame
+}
+
+fn cat(frames: &[Vec<u8>]) -> Vec<u8> {
+    frames.concat()
+}
+
+struct Wire {
+    endpoint: Endpoint,
+    now: Micros,
+}
+
+impl Wire {
+    fn new() -> Wire {
+        Wire::with(Limits::default())
+    }
+
+    fn with(limits: Limits) -> Wire {
+        Wire {
+            endpoint: Endpoint::new(Core::new(limits, FIRST_TOKEN), Vec::new()),
+            now: 0,
+        }
+    }
+
+    fn connect(&mut self, id: ConnId) {
+        self.endpoint.accept(id, None, self.now);
+    }
+
+    fn send(&mut self, id: ConnId, bytes: &[u8]) {
+        self.endpoint.handle_read(id, bytes, self.now);
+        self.endpoint.check_invariants();
+    }
+
+    fn at(&mut self, now: Micros) {
+        assert!(now >= self.now);
+        self.now = now;
+        self.endpoint.handle_timeout(now);
+        self.endpoint.check_invariants();
+    }
+
+    fn recv(&mut self, id: ConnId) -> Vec<u8> {
+        let mut all = Vec::new();
+        while let Some(bytes) = self.endpoint.transmit(id) {
+            all.extend_from_slice(bytes);
+            let n = bytes.len();
+            self.endpoint.handle_written(id, n, self.now);
+        }
+        self.endpoint.check_invariants();
+        all
+    }
+
+    fn exchange(&mut self, id: ConnId, bytes: &[u8]) -> Vec<u8> {
+        self.send(id, bytes);
+        self.recv(id)
+    }
+
+    fn actions(&mut self) -> Vec<(ConnId, Action)> {
+        std::iter::from_fn(|| self.endpoint.poll_action()).collect()
+    }
+
+    fn info(&mut self, id: ConnId, name: &str) -> String {
+        let bytes = self.exchange(id, b"I\n");
+        let text = String::from_utf8(bytes).unwrap();
+        text.trim_end()
+            .split(' ')
+            .find_map(|pair| pair.strip_prefix(&format!("{name}=")).map(str::to_owned))
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    }
+}
+
+#[test]
+fn o_and_v_frames_are_what_the_codec_reads_and_writes() {
+    let frame = observe(7, 0x0102_0304_0506_0708, 42, "k");
+    assert_eq!(frame.len(), 1 + 17 + 1 + 1);
+    match protocol::decode_request(&frame) {
+        protocol::Decoded::Request { request, len } => {
+            assert_eq!(len, frame.len());
+            assert_eq!(
+                request,
+                Request::Observe {
+                    wait_s: 7,
+                    id: 0x0102_0304_0506_0708,
+                    since: 42,
+                    key: "k"
+                }
+            );
+            let mut again = Vec::new();
+            protocol::encode_request(&request, &mut again);
+            assert_eq!(again, frame);
+        }
+        other => panic!("{other:?}"),
+    }
+    let state = Response::KeyState {
+        id: 9,
+        token: 1_000,
+        lease_ms: 30_000,
+        held_ms: 5,
+        grants: 2,
+        waiters: 3,
+        label: "host-a".into(),
+    };
+    let bytes = v(9, 1_000, 30_000, 5, 2, 3, "host-a");
+    assert_eq!(bytes.len(), 1 + 30 + 6 + 1);
+    let mut encoded = Vec::new();
+    protocol::encode_response(&state, &mut encoded);
+    assert_eq!(encoded, bytes);
+    assert_eq!(
+        protocol::decode_response(&bytes),
+        Ok(Some((state, bytes.len())))
+    );
+}
+
+#[test]
+fn a_changed_or_free_key_and_wait_0_are_answered_at_once() {
+    let mut wire = Wire::new();
+    wire.connect(0);
+    // Free key, `since` 0, wait 0: a read.
+    assert_eq!(wire.exchange(0, &observe(0, 1, 0, "k")), v_free(1));
+    // Free key, another `since`: at once, whatever the wait.
+    assert_eq!(wire.exchange(0, &observe(30, 2, 77, "k")), v_free(2));
+    wire.send(0, &s_frame(0, 30, 5, 0, 0, b"k", b"host-a"));
+    assert_eq!(wire.recv(0), a(5, FIRST_TOKEN));
+    wire.at(1_500 * MS);
+    // Held: token, lease left (rounded up), held (rounded down), label.
+    assert_eq!(
+        wire.exchange(0, &observe(30, 3, 0, "k")),
+        v(3, FIRST_TOKEN, 28_500, 1_500, 1, 0, "host-a")
+    );
+    // `since` equal but wait 0: at once too.
+    assert_eq!(
+        wire.exchange(0, &observe(0, 4, FIRST_TOKEN, "k")),
+        v(4, FIRST_TOKEN, 28_500, 1_500, 1, 0, "host-a")
+    );
+    assert_eq!(wire.info(0, "watches"), "0");
+}
+
+#[test]
+fn a_watch_is_answered_after_the_whole_hand_over_with_the_new_token() {
+    let mut wire = Wire::new();
+    for id in 0..3 {
+        wire.connect(id);
+    }
+    wire.send(0, &acquire(0, 30, 1, "k"));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    wire.send(1, &s_frame(60, 30, 2, 0, 0, b"k", b"host-b"));
+    // The watch is held: nothing yet.
+    assert_eq!(wire.exchange(2, &observe(60, 9, FIRST_TOKEN, "k")), b"");
+    assert_eq!(wire.info(2, "watches"), "1");
+    // It is not a waiter: not in `Q`'s waiters, not a key.
+    assert_eq!(wire.exchange(2, &query("k"))[21..25], 1u32.to_be_bytes());
+    assert_eq!(wire.info(2, "waiters"), "1");
+    wire.at(2 * S);
+    wire.send(0, &release(FIRST_TOKEN, "k"));
+    assert_eq!(wire.recv(0), op_u64(b'R', FIRST_TOKEN));
+    assert_eq!(wire.recv(1), a(2, FIRST_TOKEN + 1));
+    // Never 0 in between: the new grant, its label, held 0.
+    assert_eq!(
+        wire.recv(2),
+        v(9, FIRST_TOKEN + 1, 30_000, 0, 1, 0, "host-b")
+    );
+    assert_eq!(wire.info(2, "watches"), "0");
+    // The lease runs out at 32 s: a watch sees the key free then.
+    assert_eq!(
+        wire.exchange(2, &observe(255, 10, FIRST_TOKEN + 1, "k")),
+        b""
+    );
+    wire.at(32 * S - 1);
+    assert_eq!(wire.recv(2), b"");
+    wire.at(32 * S);
+    assert_eq!(wire.recv(2), v_free(10));
+    assert_eq!(wire.endpoint.core().keys(), 0);
+}
+
+#[test]
+fn an_expiry_that_hands_on_wakes_with_the_next_grant() {
+    let mut wire = Wire::new();
+    for id in 0..3 {
+        wire.connect(id);
+    }
+    wire.send(0, &acquire(0, 2, 1, "k"));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    wire.send(1, &acquire(60, 30, 2, "k"));
+    assert_eq!(wire.exchange(2, &observe(60, 3, FIRST_TOKEN, "k")), b"");
+    wire.at(2 * S);
+    assert_eq!(wire.recv(1), a(2, FIRST_TOKEN + 1));
+    assert_eq!(wire.recv(2), v(3, FIRST_TOKEN + 1, 30_000, 0, 1, 0, ""));
+}
+
+#[test]
+fn a_watch_never_delays_a_grant_and_wakes_on_the_first_one() {
+    let mut wire = Wire::new();
+    wire.connect(0);
+    wire.connect(1);
+    // Watching a free key (since 0) adds no key to the table.
+    assert_eq!(wire.exchange(1, &observe(10, 4, 0, "free")), b"");
+    assert_eq!(wire.endpoint.core().keys(), 0);
+    assert_eq!(wire.info(0, "keys"), "0");
+    wire.send(0, &acquire(0, 5, 1, "free"));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    assert_eq!(wire.recv(1), v(4, FIRST_TOKEN, 5_000, 0, 1, 0, ""));
+}
+
+#[test]
+fn extend_and_requests_on_other_keys_do_not_wake_a_watch() {
+    let mut wire = Wire::new();
+    wire.connect(0);
+    wire.connect(1);
+    wire.send(0, &acquire(0, 5, 1, "k"));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    assert_eq!(wire.exchange(1, &observe(10, 4, FIRST_TOKEN, "k")), b"");
+    wire.send(0, &extend(9, FIRST_TOKEN, "k"));
+    wire.send(0, &acquire(0, 5, 2, "other"));
+    wire.send(0, &release(FIRST_TOKEN + 1, "other"));
+    wire.send(0, &acquire(0, 5, 3, "k"));
+    assert_eq!(
+        wire.recv(0),
+        cat(&[
+            op_u64(b'E', FIRST_TOKEN),
+            a(2, FIRST_TOKEN + 1),
+            op_u64(b'R', FIRST_TOKEN + 1),
+            op_u64(b'T', 3),
+        ])
+    );
+    assert_eq!(wire.recv(1), b"");
+    assert_eq!(wire.info(1, "watches"), "1");
+}
+
+#[test]
+fn wait_ends_exactly_at_its_deadline_with_the_unchanged_state() {
+    let mut wire = Wire::new();
+    wire.connect(0);
+    wire.send(0, &acquire(0, 30, 1, "k"));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    wire.at(250 * MS);
+    assert_eq!(wire.exchange(0, &observe(2, 6, FIRST_TOKEN, "k")), b"");
+    wire.at(2_250 * MS - 1);
+    assert_eq!(wire.recv(0), b"", "answered early");
+    wire.at(2_250 * MS);
+    assert_eq!(wire.recv(0), v(6, FIRST_TOKEN, 27_750, 2_250, 1, 0, ""));
+    assert_eq!(wire.info(0, "watches"), "0");
+}
+
+#[test]
+fn watches_share_the_wait_limits_and_get_x14_over_them() {
+    let limits = Limits {
+        max_waits_per_conn: 2,
+        max_waiters: 3,
+        ..Limits::default()
+    };
+    let mut wire = Wire::with(limits);
+    for id in 0..3 {
+        wire.connect(id);
+    }
+    wire.send(0, &acquire(0, 30, 1, "k"));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    // Connection 1: one wait and one watch fill its two.
+    wire.send(1, &acquire(60, 30, 2, "k"));
+    assert_eq!(wire.exchange(1, &observe(60, 3, FIRST_TOKEN, "k")), b"");
+    assert_eq!(
+        wire.exchange(1, &observe(60, 4, FIRST_TOKEN, "k")),
+        x(14, 4, "too many watches")
+    );
+    // An `O` answered at once is never refused.
+    assert_eq!(
+        wire.exchange(1, &observe(60, 5, 1, "k")),
+        v(5, FIRST_TOKEN, 30_000, 0, 1, 1, "")
+    );
+    // An acquire wait over the connection's limit gets `B` as before.
+    assert_eq!(wire.exchange(1, &acquire(60, 30, 6, "k")), op_u64(b'B', 6));
+    // Connection 2: the total (--max-waiters 3) has room for one more.
+    assert_eq!(wire.exchange(2, &observe(60, 7, FIRST_TOKEN, "k")), b"");
+    assert_eq!(
+        wire.exchange(2, &observe(60, 8, FIRST_TOKEN, "k")),
+        x(14, 8, "too many watches")
+    );
+    assert_eq!(wire.exchange(2, &acquire(60, 30, 9, "k")), op_u64(b'B', 9));
+    assert_eq!(wire.info(2, "watches"), "2");
+    assert_eq!(wire.info(2, "waiters"), "1");
+    // X 14 is not fatal: the connection goes on.
+    assert_eq!(wire.exchange(2, &ping(1)), op_u64(b'P', 1));
+}
+
+#[test]
+fn a_watch_ends_with_its_connection_without_a_trace() {
+    let mut wire = Wire::new();
+    wire.connect(0);
+    wire.connect(1);
+    wire.send(0, &acquire(0, 30, 1, "k"));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    let mut bytes = observe(60, 2, FIRST_TOKEN, "k");
+    bytes.extend_from_slice(&observe(60, 3, 0, "other"));
+    wire.send(1, &bytes);
+    assert_eq!(wire.info(0, "watches"), "2");
+    wire.endpoint.handle_eof(1, wire.now);
+    assert_eq!(wire.actions(), [(1, Action::Close)]);
+    assert_eq!(wire.info(0, "watches"), "0");
+    wire.send(0, &release(FIRST_TOKEN, "k"));
+    assert_eq!(wire.recv(0), op_u64(b'R', FIRST_TOKEN));
+    // The deadline that was armed fires nothing.
+    wire.at(60 * S);
+    assert_eq!(wire.endpoint.poll_timeout(), None);
+}
+
+#[test]
+fn a_clean_stop_answers_waiters_b_then_watches_v_then_x8() {
+    let mut wire = Wire::new();
+    wire.connect(0);
+    wire.connect(1);
+    wire.send(0, &s_frame(0, 30, 1, 0, 0, b"k", b"host-a"));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    wire.at(3 * S);
+    wire.send(1, &observe(60, 2, FIRST_TOKEN, "k"));
+    wire.send(1, &acquire(60, 30, 3, "k"));
+    wire.endpoint.shut_down(wire.now);
+    // The waiter's B first, then the watch with the state at that moment
+    // (the waiter gone), then X 8.
+    assert_eq!(
+        wire.recv(1),
+        cat(&[
+            op_u64(b'B', 3),
+            v(2, FIRST_TOKEN, 27_000, 3_000, 1, 0, "host-a"),
+            x(8, 0, "server shutting down"),
+        ])
+    );
+    assert_eq!(wire.endpoint.core().watch_count(), 0);
+}
+
+#[test]
+fn observe_needs_read_or_lock_on_the_key() {
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
+    endpoint.require_authentication(AccessList::parse(&auth_file()).unwrap());
+    let mut wire = Wire { endpoint, now: 0 };
+    for (id, secret) in [(0, READER), (1, LOCKER)] {
+        wire.connect(id);
+        let answer = wire.exchange(id, &authenticate(secret));
+        assert_eq!(answer[0], b'U');
+    }
+    assert_eq!(wire.exchange(0, &observe(0, 1, 0, "app/x")), v_free(1));
+    assert_eq!(wire.exchange(1, &observe(0, 2, 0, "app/x")), v_free(2));
+    assert_eq!(
+        wire.exchange(0, &observe(0, 3, 0, "other")),
+        x(13, 3, "not permitted")
+    );
+    assert_eq!(
+        wire.exchange(1, &observe(10, 4, 0, "other")),
+        x(13, 4, "not permitted")
+    );
+    assert_eq!(wire.endpoint.core().watch_count(), 0);
+}
+
+#[test]
+fn a_malformed_observe_gets_its_error_with_its_id() {
+    let mut wire = Wire::new();
+    wire.connect(0);
+    assert_eq!(
+        wire.exchange(0, &observe(10, 5, 0, "")),
+        x(3, 5, "key is empty")
+    );
+    let mut bad = observe(10, 6, 0, "k");
+    bad.insert(bad.len() - 1, 0xff);
+    assert_eq!(wire.exchange(0, &bad), x(4, 6, "key is not valid UTF-8"));
+    assert_eq!(wire.exchange(0, &ping(1)), op_u64(b'P', 1));
+}
+
+#[test]
+fn a_permit_key_shows_its_smallest_token_and_wakes_only_when_it_goes() {
+    let mut wire = Wire::new();
+    wire.connect(0);
+    wire.connect(1);
+    wire.send(0, &s_frame(0, 30, 1, 3, 1, b"p", b"one"));
+    wire.send(0, &s_frame(0, 30, 2, 3, 1, b"p", b"two"));
+    assert_eq!(
+        wire.recv(0),
+        cat(&[a(1, FIRST_TOKEN), a(2, FIRST_TOKEN + 1)])
+    );
+    assert_eq!(wire.exchange(1, &observe(60, 7, FIRST_TOKEN, "p")), b"");
+    // The newer grant going changes nothing.
+    wire.send(0, &release(FIRST_TOKEN + 1, "p"));
+    assert_eq!(wire.recv(0), op_u64(b'R', FIRST_TOKEN + 1));
+    assert_eq!(wire.recv(1), b"");
+    wire.send(0, &s_frame(0, 30, 3, 3, 1, b"p", b"three"));
+    wire.send(0, &release(FIRST_TOKEN, "p"));
+    assert_eq!(
+        wire.recv(0),
+        cat(&[a(3, FIRST_TOKEN + 2), op_u64(b'R', FIRST_TOKEN)])
+    );
+    assert_eq!(
+        wire.recv(1),
+        v(7, FIRST_TOKEN + 2, 30_000, 0, 1, 0, "three")
+    );
+}
+
+#[test]
+fn during_a_crash_grace_v_shows_what_q_shows_and_the_end_is_no_change() {
+    let mut wire = Wire::new();
+    wire.endpoint.core_mut().set_grace_until(10 * S);
+    wire.connect(0);
+    assert_eq!(
+        wire.exchange(0, &observe(0, 1, 0, "k")),
+        v(1, 0, 10_000, 0, 1, 0, "")
+    );
+    assert_eq!(wire.exchange(0, &observe(20, 2, 0, "k")), b"");
+    wire.at(10 * S);
+    assert_eq!(wire.recv(0), b"", "the end of the grace is a change");
+    wire.at(20 * S);
+    assert_eq!(wire.recv(0), v_free(2));
+}
+
+/// Regression: the output a connection may hold counted 18 bytes per
+/// wait (a `T`), but a watch's deferred answer is a `V` of up to 160
+/// bytes; a connection that watched one labelled key 4,096 times and did
+/// not read broke the endpoint's output bound when the key changed.
+#[test]
+fn every_watch_of_a_connection_answered_at_once_stays_within_the_output_bound() {
+    let mut wire = Wire::new();
+    wire.connect(0);
+    wire.connect(1);
+    let label = "l".repeat(128);
+    wire.send(0, &s_frame(0, 30, 1, 0, 0, b"k", label.as_bytes()));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    let per_conn = Limits::default().max_waits_per_conn as u64;
+    let mut bytes = Vec::new();
+    for id in 0..per_conn {
+        bytes.extend_from_slice(&observe(60, id, FIRST_TOKEN, "k"));
+    }
+    for chunk in bytes.chunks(4096) {
+        wire.send(1, chunk);
+    }
+    assert_eq!(wire.endpoint.core().watch_count() as u64, per_conn);
+    // Connection 1 reads nothing; the key goes to a labelled waiter.
+    wire.connect(2);
+    wire.send(2, &s_frame(60, 30, 2, 0, 0, b"k", label.as_bytes()));
+    wire.send(0, &release(FIRST_TOKEN, "k"));
+    assert_eq!(wire.recv(2), a(2, FIRST_TOKEN + 1));
+    assert_eq!(wire.endpoint.core().watch_count(), 0);
+    let answers = wire.recv(1);
+    assert_eq!(answers.len() as u64, per_conn * (1 + 30 + 128 + 1));
+}
