@@ -484,7 +484,6 @@ class Client(object):
         candidate leads: a :class:`Ticket` whose ``token`` is the term.
         ``release()`` — or leaving its ``with`` block — resigns; a
         candidate whose process dies loses the lead at its lease's end."""
-        self._not_on_etcd()
         check_campaign_value(value)
         ticket = self._acquire_until_granted(WaitForever(name, lease, label=value))
         return _keep_alive(ticket, None)

@@ -209,7 +209,6 @@ class Client(object):
         candidate leads (``t.token`` is the term; ``await t.release()``
         resigns), and ``async with client.campaign(...) as t:`` resigns
         when the block ends."""
-        self._not_on_etcd()
         check_campaign_value(value)
         forever = WaitForever(name, lease, label=value)
         return _Campaign(self, forever)

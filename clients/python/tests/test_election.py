@@ -429,10 +429,31 @@ def test_invalid_name_is_refused_at_once(make_client):
         observe("a\nb")
 
 
-def test_not_on_etcd_yet(make_client):
+def test_leader_and_observe_not_on_etcd_yet(make_client):
     client = make_client("etcd://127.0.0.1:%d" % free_port())
     observe = client.observe if client.flavour == "sync" else client.client.observe
-    for call in (lambda: client.leader("svc"), lambda: observe("svc"),
-                 lambda: campaign(client, "svc", "a")):
+    for call in (lambda: client.leader("svc"), lambda: observe("svc")):
         with pytest.raises(kunci.InvalidArgument, match="not on etcd yet"):
             call()
+
+
+def test_campaign_on_etcd_blocks_until_the_leader_resigns(etcd_cluster, make_client):
+    # campaign is an acquire with wait=None and a label: etcd has it already.
+    first = make_client(etcd_cluster.address)
+    second = make_client(etcd_cluster.address)
+    name = "svc-%s" % first.flavour
+    leading = campaign(first, name, "a", lease=2)
+    box = in_thread(campaign, second, name, "b", lease=2)
+    time.sleep(3.0)  # longer than the lease: the keep-alive holds it
+    assert "at" not in box
+    grants = first.holders(name).grants
+    assert [(g.token, g.label) for g in grants] == [(leading.token, "a")]
+    resigned = time.monotonic()
+    leading.release()
+    follower = joined(box, 5)
+    assert box["at"] - resigned < 1.5
+    assert follower.token > leading.token
+    assert [g.label for g in first.holders(name).grants] == ["b"]
+    follower.release()
+    with pytest.raises(kunci.InvalidArgument):
+        campaign(first, name, "x" * 129)
