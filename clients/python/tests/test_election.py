@@ -25,7 +25,8 @@ def test_observe_request_is_encoded_byte_for_byte():
     assert frame == (b"O\xff" + bytes(range(1, 9)) + bytes(range(0x11, 0x19))
                      + b"db-primary\n")
     assert len(frame) == 1 + 17 + len(b"db-primary") + 1
-    assert P.encode_observe(0, 1, 0, b"k") == b"O\x00" + b"\x00" * 7 + b"\x01" + b"\x00" * 8 + b"k\n"
+    assert P.encode_observe(0, 1, 0, b"k") == (b"O\x00" + b"\x00" * 7 + b"\x01" + b"\x00" * 8
+                                               + b"k\n")
 
 
 def _v(ident, token, lease_ms, held_ms, grants, waiters, label):
@@ -293,8 +294,9 @@ def test_observe_sees_the_takeover_when_the_leader_resigns(server, make_client):
     at, item = follower.wait_count(3)
     assert at - resigned < 1.0
     won = joined(second, 5)
-    assert follower.leaders() == [None, kunci.Leader("a", first.token, follower.leaders()[1].held_for),
-                                  kunci.Leader("b", won.token, item.held_for)]
+    seen = follower.leaders()
+    assert seen == [None, kunci.Leader("a", first.token, seen[1].held_for),
+                    kunci.Leader("b", won.token, item.held_for)]
     assert won.token > first.token
     won.release()
     assert follower.wait_count(4)[1] is None
