@@ -231,7 +231,8 @@ def test_campaign_blocks_until_the_leader_resigns(server, make_client):
     follower = joined(box, 5)
     assert box["at"] - resigned < 1.0
     assert follower.token > leading.token
-    assert first.leader("svc") == kunci.Leader("b", follower.token, first.leader("svc").held_for)
+    now = first.leader("svc")
+    assert (now.value, now.term) == ("b", follower.token)
     follower.release()
 
 
@@ -316,7 +317,7 @@ def test_observe_sees_the_lease_end_of_a_dead_leader(server, make_client):
     assert follower.wait_count(2)[1].term == held.token
     at, item = follower.wait_count(3)
     assert item is None
-    assert 1.0 - 0.05 <= at - granted < 3.0
+    assert 1.0 <= at - granted < 3.0  # never before the lease's end
     dead.close()
 
 
@@ -331,7 +332,7 @@ def test_observe_goes_from_a_dead_leader_straight_to_the_next(server, make_clien
     box = in_thread(campaign, sync_client(server.address), "svc", "b")
     at, item = follower.wait_count(2)
     assert item.value == "b" and item.term > held.token
-    assert at - granted >= 1.0 - 0.05
+    assert at - granted >= 1.0
     joined(box, 5).release()
     assert follower.wait_count(3)[1] is None
     assert [i is None for i in follower.leaders()] == [False, False, True]
