@@ -33,7 +33,7 @@ from ._errors import (
     Timeout,
     Unavailable,
 )
-from ._common import Grant, Holders, KeyInfo, KeyStatus, Waiter
+from ._common import Grant, Holders, KeyInfo, KeyStatus, Leader, Waiter
 from ._protocol import DEFAULT_SERVER, TRANSPORT_DEADLINE, drift_margin
 from ._sync import Client, Ticket
 from . import aio
@@ -51,6 +51,7 @@ __all__ = [
     "InvalidArgument",
     "KeyInfo",
     "KeyStatus",
+    "Leader",
     "LimitMismatch",
     "LockLost",
     "NotHeld",

@@ -123,6 +123,29 @@ KeyInfo.__doc__ = """One key of the server's table (a ``K`` frame): the ``key`` 
 its numbers of ``grants`` and ``waiters``, and its ``limit`` of permits
 (0 when no request named one)."""
 
+KeyState = collections.namedtuple("KeyState", "token lease_ms held_ms grants waiters label")
+KeyState.__doc__ = """A key's state as one ``O`` answers it (spec §13.2): its current
+``token`` (the smallest among its grants, 0 when it has none or during a
+crash grace), that grant's ``lease_ms`` left and ``held_ms`` held, the
+number of ``grants`` and ``waiters``, and that grant's ``label``."""
+
+
+class Leader(collections.namedtuple("Leader", "value term held_for")):
+    """Who leads an election (spec §13.6): the ``value`` it campaigned
+    with (str), its ``term`` (the grant's token: a fencing token for what
+    it writes) and how long it has led (``held_for``, seconds as a float,
+    as the server answered)."""
+
+    __slots__ = ()
+
+
+def leader_of(state):
+    """The :class:`Leader` a :class:`KeyState` shows, or ``None``."""
+    if state.token == 0:
+        return None
+    return Leader(state.label, state.token, state.held_ms / 1000.0)
+
+
 # Result kinds a call ends with. A tuple whose first item is one of these.
 INDETERMINATE = ("?",)
 MOVED = "moved"  # ("moved", reason, code): executed by nobody, may move on
@@ -148,13 +171,15 @@ class Call(object):
         "deadline", "result", "sent_at", "writing", "background", "abandoned",
         "reason", "refusals", "tried", "waiter", "signalled", "future", "timer",
         "session", "answered_at", "limit", "take", "label",
-        "ident", "cursor", "count", "gathered", "clean_up_for", "denials",
+        "ident", "cursor", "count", "gathered", "clean_up_for", "denials", "wait_s",
     )
 
     def __init__(self, op, key, deadline, owner=0, token=0, nonce=0, lease=0,
                  wait_until=None, background=False, limit=0, take=0, label=b"",
-                 ident=0, cursor=0, count=0, clean_up_for=None):
+                 ident=0, cursor=0, count=0, clean_up_for=None, wait_s=0):
         self.op = op
+        # ``O`` (spec §13): its wait in whole seconds; ``token`` is its since.
+        self.wait_s = wait_s
         # ``H`` and ``L`` (spec §11): the request's id, ``L``'s cursor and
         # count, and the frames of the answer that came before its ``Z``.
         self.ident = ident
@@ -236,6 +261,8 @@ class Call(object):
             return P.encode_holders(self.ident, self.key)
         if op == "L":
             return P.encode_list(self.ident, self.cursor, self.count, self.key)
+        if op == "O":
+            return P.encode_observe(self.wait_s, self.ident, self.token, self.key)
         return P.INFO_FRAME
 
     def error_id(self):
@@ -246,7 +273,7 @@ class Call(object):
             return self.token
         if self.op == "P":
             return self.nonce
-        if self.op in ("H", "L"):
+        if self.op in ("H", "L", "O"):
             return self.ident
         return 0
 
@@ -324,6 +351,9 @@ class Pending(object):
         if kind == "P":
             nonce = frame[1]
             return self._take_other(lambda call: call.op == "P" and call.nonce == nonce)
+        if kind == "V":
+            ident = frame[1]
+            return self._take_other(lambda call: call.op == "O" and call.ident == ident)
         if kind == "X":
             ident = frame[2]
             call = self.acquires.get(ident)
@@ -763,6 +793,8 @@ def result_of(call, frame, now, compensate):
         return ("Q", KeyStatus(frame[1], frame[2], frame[3], frame[4]))
     if kind == "P":
         return ("P", now - call.sent_at)
+    if kind == "V":
+        return ("O", KeyState(*frame[2:]))
     if kind == "I":
         return ("I", frame[1])
     if kind == "X":
@@ -787,6 +819,9 @@ def raise_for(call, result):
         raise NotHeld("not held: token %d is not the key's active grant" % call.token)
     if kind == "X":
         code, text = result[1], result[2]
+        if code == P.ERROR_TOO_MANY_WATCHES:
+            raise Busy("busy: the server holds as many watches or waits as it allows "
+                       "(X 14: %s); nothing is held" % text)
         if code == P.ERROR_NOT_PERMITTED:
             raise PermissionDenied(
                 "permission denied: the secret's scopes do not cover this request (X 13: %s); "
@@ -889,6 +924,75 @@ def list_call(prefix, cursor, count, ident, now):
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= P.LIST_COUNT_MAX:
         raise InvalidArgument("count must be 1..=%d" % P.LIST_COUNT_MAX)
     return Call("L", prefix, now + P.TRANSPORT_DEADLINE, ident=ident, cursor=cursor, count=count)
+
+
+def observe_call(key, since, wait_s, ident, now):
+    """One ``O`` (spec §13.1): ``wait_s`` whole seconds (0..=255); its
+    deadline is ``start + wait + 5 s`` (rule 5, as a query's)."""
+    return Call("O", check_args(P.check_key, key), now + wait_s + P.TRANSPORT_DEADLINE,
+                token=since, ident=ident, wait_s=wait_s)
+
+
+def check_campaign_value(value):
+    """A candidate's value as label bytes: 1..=128 UTF-8 bytes, no newline."""
+    label = check_args(P.check_label, value)
+    if not label:
+        raise InvalidArgument("value is empty (a candidate's value is 1..=128 bytes)")
+    return label
+
+
+#: On ``etcd://`` the election calls are not there yet.
+NOT_ON_ETCD = "not on etcd yet"
+
+
+class Follow(object):
+    """The decisions of ``observe(name)`` (spec §13.6), free of I/O; each
+    client drives it: the first ``O`` reads (wait 0), each next one waits
+    255 s with the last answer's token as its since. After a failure other
+    than ``InvalidArgument`` or ``PermissionDenied`` it asks again after a
+    pause that doubles from 0.1 s up to 2 s. A state is reported only when
+    it differs from the last one reported, and never with a term older
+    than the last reported."""
+
+    def __init__(self, key):
+        self.key = key
+        self.since = None
+        self.reported = _NOTHING
+        self.pause = RETRY_PAUSE_FIRST
+
+    def call(self, ident, now):
+        if self.since is None:
+            return observe_call(self.key, 0, 0, ident, now)
+        return observe_call(self.key, self.since, P.WAIT_MAX, ident, now)
+
+    def failed(self, error):
+        """The pause before asking again after ``error``; raises it if it
+        is one that asking again cannot change."""
+        if isinstance(error, (InvalidArgument, PermissionDenied)):
+            raise error
+        pause = self.pause
+        self.pause = min(pause * 2, RETRY_PAUSE_MAX)
+        return pause
+
+    def answered(self, state):
+        """The leader (or ``None``) to report after ``state``, or
+        ``Follow.NOTHING`` when it reports nothing new."""
+        self.pause = RETRY_PAUSE_FIRST
+        self.since = state.token
+        leader = leader_of(state)
+        shown = None if leader is None else (leader.value, leader.term)
+        last = self.reported
+        if last is not _NOTHING:
+            if shown == last:
+                return _NOTHING
+            if shown is not None and last is not None and shown[1] < last[1]:
+                return _NOTHING
+        self.reported = shown
+        return leader
+
+
+_NOTHING = object()
+Follow.NOTHING = _NOTHING
 
 
 def _is_u64(value):
@@ -1002,7 +1106,7 @@ def outcome_of(call, result):
         return P.parse_info(result[1])
     if op == "P":
         return result[1]
-    if op in ("H", "L"):
+    if op in ("H", "L", "O"):
         return result[1]
     return None
 

@@ -62,10 +62,11 @@ _HEADER_LEN = {
     0x4B: 18,  # K id grants waiters limit key
     0x5A: 20,  # Z id count next
     0x55: 0,  # U name
+    0x56: 30,  # V id token lease_ms held_ms grants waiters label
 }
 
 # The ops whose frame carries text between the fixed header and ``\n``.
-_TEXT_OPS = frozenset((0x49, 0x58, 0x47, 0x57, 0x4B, 0x55))
+_TEXT_OPS = frozenset((0x49, 0x58, 0x47, 0x57, 0x4B, 0x55, 0x56))
 
 # Error codes (spec §6).
 ERROR_CONNECTION_LIMIT = 7
@@ -75,9 +76,11 @@ ERROR_LIMIT_MISMATCH = 10
 ERROR_INVALID_COUNT = 11
 ERROR_NOT_AUTHENTICATED = 12
 ERROR_NOT_PERMITTED = 13
+ERROR_TOO_MANY_WATCHES = 14
 ERROR_UNKNOWN_OP = 1
 NON_FATAL_ERRORS = frozenset(
-    (3, 4, 5, 6, ERROR_LIMIT_MISMATCH, ERROR_INVALID_COUNT, ERROR_NOT_PERMITTED))
+    (3, 4, 5, 6, ERROR_LIMIT_MISMATCH, ERROR_INVALID_COUNT, ERROR_NOT_PERMITTED,
+     ERROR_TOO_MANY_WATCHES))
 ERROR_TEXT = {
     1: "unknown op byte",
     2: "frame too long",
@@ -92,6 +95,7 @@ ERROR_TEXT = {
     11: "invalid count",
     12: "not authenticated",
     13: "not permitted",
+    14: "too many watches",
 }
 
 #: The shortest secret a server accepts (spec §12.2), in bytes; the longest
@@ -115,6 +119,8 @@ _UNPACK_W = struct.Struct(">QQIH").unpack_from
 _UNPACK_K = struct.Struct(">QIIH").unpack_from
 _UNPACK_Z = struct.Struct(">QIQ").unpack_from
 _PACK_L = struct.Struct(">QQH").pack
+_PACK_O = struct.Struct(">BQQ").pack
+_UNPACK_V = struct.Struct(">QQIIHI").unpack_from
 
 
 class ProtocolError(Exception):
@@ -340,6 +346,13 @@ def encode_list(ident, cursor, count, prefix):
     return b"L" + _PACK_L(ident, cursor, count) + prefix + b"\n"
 
 
+def encode_observe(wait_s, ident, since, key):
+    """``O wait id since key``: the key's state when its current token is
+    not ``since``, else when it changes or ``wait_s`` seconds end (spec
+    §13.1)."""
+    return b"O" + _PACK_O(wait_s, ident, since) + key + b"\n"
+
+
 def decode_frames(buf):
     """Decodes every whole response frame at the start of ``buf`` (a
     bytearray) and removes them from it. Returns a list of tuples:
@@ -349,7 +362,8 @@ def decode_frames(buf):
     ``("G", id, token, owner, lease_ms, held_ms, take, label)``,
     ``("W", id, owner, wait_ms, take, label)``,
     ``("K", id, grants, waiters, limit, key)``, ``("Z", id, count, next)``,
-    ``("U", name)``
+    ``("U", name)``,
+    ``("V", id, token, lease_ms, held_ms, grants, waiters, label)``
     (texts decoded as UTF-8, an invalid byte replaced).
     Raises :class:`ProtocolError` on bytes that cannot be a frame; the
     frames decoded before them are lost with the session anyway."""
@@ -382,6 +396,8 @@ def decode_frames(buf):
                 frames.append(("W",) + _UNPACK_W(buf, pos + 1) + (text,))
             elif op == 0x55:
                 frames.append(("U", text))
+            elif op == 0x56:
+                frames.append(("V",) + _UNPACK_V(buf, pos + 1) + (text,))
             else:
                 frames.append(("K",) + _UNPACK_K(buf, pos + 1) + (text,))
             pos = newline + 1

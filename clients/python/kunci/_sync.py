@@ -51,6 +51,7 @@ from ._common import (
     RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
     waits_forever,
 )
+from ._common import NOT_ON_ETCD, Follow, Leader, check_campaign_value, leader_of, observe_call
 from ._errors import Busy, Error, Indeterminate, InvalidArgument, NotHeld, Unavailable
 
 monotonic = time.monotonic
@@ -474,6 +475,59 @@ class Client(object):
         check_on_lost(on_lost)
         return _LockContext(self, (key, wait, lease),
                             dict(limit=limit, take=take, shared=shared, label=label), on_lost)
+
+    def campaign(self, name: str, value: Union[str, bytes], lease: int = 30) -> "Ticket":
+        """Campaigns in the election ``name`` with ``value`` (1..=128 UTF-8
+        bytes, no newline; spec §13.6): an exclusive acquire of ``name``
+        labelled ``value`` that waits as ``acquire(wait=None)`` does,
+        kept alive as :meth:`lock` keeps its lock. It returns once this
+        candidate leads: a :class:`Ticket` whose ``token`` is the term.
+        ``release()`` — or leaving its ``with`` block — resigns; a
+        candidate whose process dies loses the lead at its lease's end."""
+        check_campaign_value(value)
+        ticket = self._acquire_until_granted(WaitForever(name, lease, label=value))
+        return _keep_alive(ticket, None)
+
+    def leader(self, name: str) -> Optional[Leader]:
+        """Who leads the election ``name`` now (one ``O`` with wait 0): a
+        :class:`kunci.Leader` (``.value``, ``.term``, ``.held_for``) or
+        ``None`` while nobody does. Ends by start + 5 s."""
+        self._not_on_etcd()
+        call = observe_call(name, 0, 0, self._ids.next(), monotonic())
+        return leader_of(outcome_of(call, self._run(call)))
+
+    def observe(self, name: str) -> Iterator[Optional[Leader]]:
+        """Follows the election ``name`` (spec §13.6): an iterator of the
+        current leader (a :class:`kunci.Leader`, or ``None``) first, then
+        one item per change of leader. Through restarts and outages it
+        asks again quietly (pauses doubling up to 2 s) and reports a state
+        only if it differs from the last one reported; a change shorter
+        than one round trip may be missed; terms only increase. It raises
+        only ``InvalidArgument`` or ``PermissionDenied``."""
+        self._not_on_etcd()
+        check_args(P.check_key, name)
+        return self._observe(name)
+
+    def _observe(self, name):
+        follow = Follow(name)
+        while True:
+            call = follow.call(self._ids.next(), monotonic())
+            try:
+                state = outcome_of(call, self._run(call))
+            except Error as error:
+                if self._closed:
+                    raise  # the client was closed under it: nothing to follow with
+                pause = follow.failed(error)
+                log.debug("%s: %s; asking again in %.1f s", name, error, pause)
+                time.sleep(pause)
+                continue
+            leader = follow.answered(state)
+            if leader is not Follow.NOTHING:
+                yield leader
+
+    def _not_on_etcd(self):
+        if self._etcd is not None:
+            raise InvalidArgument(NOT_ON_ETCD)
 
     def release(self, key: str, token: int) -> None:
         """Releases grant ``token`` of ``key``. Raises ``NotHeld`` if that
@@ -1471,6 +1525,21 @@ class _KeepAlive(object):
             ticket._client._schedule(ticket.valid_until, self._check)
 
 
+def _keep_alive(ticket, on_lost):
+    """Hands ``ticket`` over managed: renewed first if it came with less
+    than two thirds of its lease left, then every lease/3."""
+    if ticket._needs_renewal_before_handover():
+        try:
+            ticket.renew()
+        except Error as error:
+            ticket._handover_renewal_failed(error)
+    ticket._on_lost = on_lost
+    keepalive = _KeepAlive(ticket)
+    ticket._keepalive = keepalive
+    keepalive.start()
+    return ticket
+
+
 class _LockContext(object):
     """What ``client.lock(...)`` returns. Each entry takes a ticket of its
     own, so one object may be entered by several threads at once (as a
@@ -1485,16 +1554,7 @@ class _LockContext(object):
         self._entries = {}  # thread id -> its tickets, the latest entry's last
 
     def __enter__(self):
-        ticket = self._client.acquire(*self._args, **self._permits)
-        if ticket._needs_renewal_before_handover():
-            try:
-                ticket.renew()
-            except Error as error:
-                ticket._handover_renewal_failed(error)
-        ticket._on_lost = self._on_lost
-        keepalive = _KeepAlive(ticket)
-        ticket._keepalive = keepalive
-        keepalive.start()
+        ticket = _keep_alive(self._client.acquire(*self._args, **self._permits), self._on_lost)
         self._entries.setdefault(threading.get_ident(), []).append(ticket)
         return ticket
 

@@ -46,6 +46,7 @@ from ._common import (
     RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
     waits_forever,
 )
+from ._common import NOT_ON_ETCD, Follow, Leader, check_campaign_value, leader_of, observe_call
 from ._errors import Busy, Error, Indeterminate, InvalidArgument, NotHeld, Unavailable
 from ._sync import CONNECT_TIMEOUT
 
@@ -201,6 +202,56 @@ class Client(object):
                 if isinstance(error, Indeterminate):
                     await self._release_own_grant(call)
             await asyncio.sleep(pause)
+
+    def campaign(self, name: str, value: Union[str, bytes], lease: int = 30) -> "_Campaign":
+        """As :meth:`kunci.Client.campaign`: ``t = await
+        client.campaign(...)`` returns the :class:`Ticket` once this
+        candidate leads (``t.token`` is the term; ``await t.release()``
+        resigns), and ``async with client.campaign(...) as t:`` resigns
+        when the block ends."""
+        check_campaign_value(value)
+        forever = WaitForever(name, lease, label=value)
+        return _Campaign(self, forever)
+
+    async def _campaign(self, forever):
+        ticket = await self._acquire_until_granted(forever)
+        return await _keep_alive(ticket, None)
+
+    async def leader(self, name: str) -> Optional[Leader]:
+        """As :meth:`kunci.Client.leader`: a :class:`kunci.Leader` or ``None``."""
+        self._not_on_etcd()
+        call = observe_call(name, 0, 0, self._ids.next(), monotonic())
+        return leader_of(outcome_of(call, await self._run(call)))
+
+    def observe(self, name: str) -> AsyncIterator[Optional[Leader]]:
+        """As :meth:`kunci.Client.observe`: ``async for leader in
+        client.observe(name):`` the current leader (or ``None``) first,
+        then one item per change. It raises only ``InvalidArgument`` or
+        ``PermissionDenied``."""
+        self._not_on_etcd()
+        check_args(P.check_key, name)
+        return self._observe(name)
+
+    async def _observe(self, name):
+        follow = Follow(name)
+        while True:
+            call = follow.call(self._ids.next(), monotonic())
+            try:
+                state = outcome_of(call, await self._run(call))
+            except Error as error:
+                if self._closed:
+                    raise  # the client was closed under it: nothing to follow with
+                pause = follow.failed(error)
+                log.debug("%s: %s; asking again in %.1f s", name, error, pause)
+                await asyncio.sleep(pause)
+                continue
+            leader = follow.answered(state)
+            if leader is not Follow.NOTHING:
+                yield leader
+
+    def _not_on_etcd(self):
+        if self._etcd is not None:
+            raise InvalidArgument(NOT_ON_ETCD)
 
     async def _shutdown_seen(self, notices):
         give_up = monotonic() + SHUTDOWN_NOTICE_WAIT
@@ -1035,6 +1086,43 @@ def _current_task():
         return None
 
 
+async def _keep_alive(ticket, on_lost):
+    """As :func:`kunci._sync._keep_alive`."""
+    if ticket._needs_renewal_before_handover():
+        try:
+            await ticket.renew()
+        except Error as error:
+            ticket._handover_renewal_failed(error)
+    ticket._on_lost = on_lost
+    keepalive = _KeepAlive(ticket, asyncio.get_running_loop())
+    ticket._keepalive = keepalive
+    keepalive.start()
+    return ticket
+
+
+class _Campaign(object):
+    """What ``client.campaign(...)`` returns: awaited, the leader's
+    :class:`Ticket`; as an ``async with``, the same, resigned at the
+    block's end."""
+
+    def __init__(self, client, forever):
+        self._client = client
+        self._forever = forever
+        self._ticket = None
+
+    def __await__(self):
+        return self._client._campaign(self._forever).__await__()
+
+    async def __aenter__(self):
+        self._ticket = await self._client._campaign(self._forever)
+        return self._ticket
+
+    async def __aexit__(self, exc_type, exc, tb):
+        ticket, self._ticket = self._ticket, None
+        await _exit_release(ticket, exc_type)
+        return False
+
+
 class _LockContext(object):
     """As :class:`kunci._sync._LockContext`: each entry (by a task, or the
     same task again) takes a ticket of its own."""
@@ -1047,16 +1135,8 @@ class _LockContext(object):
         self._entries = {}  # task -> its tickets, the latest entry's last
 
     async def __aenter__(self):
-        ticket = await self._client.acquire(*self._args, **self._permits)
-        if ticket._needs_renewal_before_handover():
-            try:
-                await ticket.renew()
-            except Error as error:
-                ticket._handover_renewal_failed(error)
-        ticket._on_lost = self._on_lost
-        keepalive = _KeepAlive(ticket, asyncio.get_running_loop())
-        ticket._keepalive = keepalive
-        keepalive.start()
+        ticket = await _keep_alive(await self._client.acquire(*self._args, **self._permits),
+                                   self._on_lost)
         self._entries.setdefault(_current_task(), []).append(ticket)
         return ticket
 
