@@ -23,6 +23,10 @@ import asyncio, gc, os, signal, sys, threading, time
 sys.path.insert(0, %(root)r)
 import kunci, kunci.aio
 ADDRESS, KEY = %(address)r, %(key)r
+# Ctrl-C raises KeyboardInterrupt, as in a program started from a terminal,
+# even when the suite itself runs in the background of a script (bash starts
+# such a job with SIGINT ignored, and Python then leaves it ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 """
 
 
