@@ -163,11 +163,19 @@ fn a_secret_from_kunci_secret_is_accepted() {
         .output()
         .unwrap();
     assert!(!String::from_utf8_lossy(&again.stdout).contains(secret));
+    let quota = Command::new(kunci_bin())
+        .args(["secret", "ci", "info", "max-keys=5"])
+        .output()
+        .unwrap();
+    assert!(quota.status.success());
+    let quota = String::from_utf8(quota.stdout).unwrap();
+    assert!(quota.ends_with(" info max-keys=5\n"), "{quota}");
     for bad in [
         &["secret", "ci"][..],
         &["secret", "ci", "lock:"],
         &["secret"],
         &["secret", "a b", "info"],
+        &["secret", "ci", "info", "max-keys=x"],
     ] {
         let output = Command::new(kunci_bin()).args(bad).output().unwrap();
         assert_eq!(output.status.code(), Some(2), "{bad:?}");
