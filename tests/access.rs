@@ -546,3 +546,57 @@ fn a_key_quota_answers_b_to_its_identity_only() {
     );
     assert_eq!(e.core().keys_charged(0), 2);
 }
+
+#[test]
+fn a_key_stays_charged_to_its_maker_across_a_hand_over() {
+    const TENANT: &[u8] = b"tenant-secret-0123456789abcdef-0123";
+    let text = format!(
+        "tenant {} lock:t/ max-keys=1\nroot {} lock:* info\n",
+        hash_hex(TENANT),
+        hash_hex(EVERYTHING)
+    );
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
+    endpoint.require_authentication(AccessList::parse(&text).unwrap());
+    let e = &mut endpoint;
+    for (id, secret, name) in [(0, TENANT, "tenant"), (1, EVERYTHING, "root")] {
+        e.accept(id, None, 0);
+        assert_eq!(
+            exchange_at(e, id, &authenticate(secret), 0),
+            frame(&authenticated(name))
+        );
+    }
+    let t = FIRST_TOKEN;
+    let granted = |owner, token| frame(&Response::Acquired { owner, token });
+    assert_eq!(
+        exchange_at(e, 0, &acquire(0, 30, 1, "t/1"), 0),
+        granted(1, t)
+    );
+    // Root queues; the tenant's release hands the key over to it.
+    assert_eq!(exchange_at(e, 1, &acquire(5, 30, 2, "t/1"), 0), b"");
+    assert_eq!(
+        exchange_at(e, 0, &release(t, "t/1"), 0),
+        frame(&Response::Released { token: t })
+    );
+    let mut handed = Vec::new();
+    while let Some(bytes) = e.transmit(1) {
+        handed.extend_from_slice(bytes);
+        let n = bytes.len();
+        e.handle_written(1, n, 0);
+    }
+    assert_eq!(handed, granted(2, t + 1));
+    // The key is still in the table: still the tenant's.
+    assert_eq!(e.core().keys_charged(0), 1);
+    assert_eq!(
+        exchange_at(e, 0, &acquire(0, 30, 3, "t/2"), 0),
+        frame(&Response::Busy { owner: 3 })
+    );
+    assert_eq!(
+        exchange_at(e, 1, &release(t + 1, "t/1"), 0),
+        frame(&Response::Released { token: t + 1 })
+    );
+    assert_eq!(e.core().keys_charged(0), 0);
+    assert_eq!(
+        exchange_at(e, 0, &acquire(0, 30, 4, "t/2"), 0),
+        granted(4, t + 2)
+    );
+}
