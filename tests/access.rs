@@ -439,3 +439,164 @@ fn the_secret_never_shows_in_debug_output() {
     let text = format!("{list:?}");
     assert!(!text.contains(&hash_hex(LOCKER)), "{text}");
 }
+
+/// Sends `bytes` on `id` at `now` and returns everything it answers.
+fn exchange_at(endpoint: &mut Endpoint, id: ConnId, bytes: &[u8], now: u64) -> Vec<u8> {
+    endpoint.handle_read(id, bytes, now);
+    endpoint.check_invariants();
+    let mut all = Vec::new();
+    while let Some(bytes) = endpoint.transmit(id) {
+        all.extend_from_slice(bytes);
+        let n = bytes.len();
+        endpoint.handle_written(id, n, now);
+    }
+    all
+}
+
+#[test]
+fn a_key_quota_answers_b_to_its_identity_only() {
+    const TENANT: &[u8] = b"tenant-secret-0123456789abcdef-0123";
+    let text = format!(
+        "tenant {} lock:t/ max-keys=2\nroot {} lock:* info\n",
+        hash_hex(TENANT),
+        hash_hex(EVERYTHING)
+    );
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
+    endpoint.require_authentication(AccessList::parse(&text).unwrap());
+    let granted = |owner, token| frame(&Response::Acquired { owner, token });
+    let busy = |owner| frame(&Response::Busy { owner });
+    let ms = 1_000;
+    for (id, secret, name) in [(0, TENANT, "tenant"), (1, EVERYTHING, "root")] {
+        endpoint.accept(id, None, 0);
+        assert_eq!(
+            exchange_at(&mut endpoint, id, &authenticate(secret), 0),
+            frame(&authenticated(name))
+        );
+    }
+    let t = FIRST_TOKEN;
+    let e = &mut endpoint;
+    assert_eq!(
+        exchange_at(e, 0, &acquire(0, 1, 1, "t/1"), 0),
+        granted(1, t)
+    );
+    assert_eq!(
+        exchange_at(e, 0, &acquire(5, 30, 2, "t/2"), 0),
+        granted(2, t + 1)
+    );
+    // A third key is over the quota: `B` at once, nothing queued or made.
+    assert_eq!(exchange_at(e, 0, &acquire(5, 30, 3, "t/3"), 0), busy(3));
+    assert_eq!(e.core().keys_charged(0), 2);
+    assert_eq!(
+        exchange_at(e, 1, &query("t/3"), 0),
+        frame(&Response::Query {
+            token: 0,
+            owner: 0,
+            lease_ms: 0,
+            waiters: 0
+        })
+    );
+    // The other identity still takes keys, within the same prefix too.
+    assert_eq!(
+        exchange_at(e, 1, &acquire(0, 30, 4, "t/3"), 0),
+        granted(4, t + 2)
+    );
+    assert_eq!(e.core().keys_charged(1), 0);
+    // A key already in the table costs the quota nothing.
+    assert_eq!(
+        exchange_at(e, 0, &acquire(0, 30, 5, "t/3"), 0),
+        frame(&Response::Timeout { owner: 5 })
+    );
+    // A release gives the key back; then a new one fits.
+    assert_eq!(
+        exchange_at(e, 0, &release(t + 1, "t/2"), 0),
+        frame(&Response::Released { token: t + 1 })
+    );
+    assert_eq!(e.core().keys_charged(0), 1);
+    assert_eq!(
+        exchange_at(e, 0, &acquire(0, 30, 6, "t/4"), 0),
+        granted(6, t + 3)
+    );
+    assert_eq!(exchange_at(e, 0, &acquire(0, 30, 7, "t/5"), 0), busy(7));
+    // Closing the session leaves its keys charged while they are leased...
+    e.handle_eof(0, 0);
+    e.handle_broken(0, 0);
+    e.check_invariants();
+    assert_eq!(e.core().keys_charged(0), 2);
+    // ...and an expiry gives `t/1` back (its 1 s lease, at the next tick).
+    e.handle_timeout(1_000 * ms - 1);
+    assert_eq!(e.core().keys_charged(0), 2);
+    e.handle_timeout(1_001 * ms);
+    e.check_invariants();
+    assert_eq!(e.core().keys_charged(0), 1);
+    let now = 1_001 * ms;
+    e.accept(2, None, now);
+    assert_eq!(
+        exchange_at(e, 2, &authenticate(TENANT), now),
+        frame(&authenticated("tenant"))
+    );
+    assert_eq!(
+        exchange_at(e, 2, &acquire(0, 30, 8, "t/6"), now),
+        granted(8, t + 4)
+    );
+    assert_eq!(exchange_at(e, 2, &acquire(0, 30, 9, "t/7"), now), busy(9));
+    // Another identity's key leaving the table changes nothing.
+    assert_eq!(
+        exchange_at(e, 1, &release(t + 2, "t/3"), now),
+        frame(&Response::Released { token: t + 2 })
+    );
+    assert_eq!(e.core().keys_charged(0), 2);
+}
+
+#[test]
+fn a_key_stays_charged_to_its_maker_across_a_hand_over() {
+    const TENANT: &[u8] = b"tenant-secret-0123456789abcdef-0123";
+    let text = format!(
+        "tenant {} lock:t/ max-keys=1\nroot {} lock:* info\n",
+        hash_hex(TENANT),
+        hash_hex(EVERYTHING)
+    );
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
+    endpoint.require_authentication(AccessList::parse(&text).unwrap());
+    let e = &mut endpoint;
+    for (id, secret, name) in [(0, TENANT, "tenant"), (1, EVERYTHING, "root")] {
+        e.accept(id, None, 0);
+        assert_eq!(
+            exchange_at(e, id, &authenticate(secret), 0),
+            frame(&authenticated(name))
+        );
+    }
+    let t = FIRST_TOKEN;
+    let granted = |owner, token| frame(&Response::Acquired { owner, token });
+    assert_eq!(
+        exchange_at(e, 0, &acquire(0, 30, 1, "t/1"), 0),
+        granted(1, t)
+    );
+    // Root queues; the tenant's release hands the key over to it.
+    assert_eq!(exchange_at(e, 1, &acquire(5, 30, 2, "t/1"), 0), b"");
+    assert_eq!(
+        exchange_at(e, 0, &release(t, "t/1"), 0),
+        frame(&Response::Released { token: t })
+    );
+    let mut handed = Vec::new();
+    while let Some(bytes) = e.transmit(1) {
+        handed.extend_from_slice(bytes);
+        let n = bytes.len();
+        e.handle_written(1, n, 0);
+    }
+    assert_eq!(handed, granted(2, t + 1));
+    // The key is still in the table: still the tenant's.
+    assert_eq!(e.core().keys_charged(0), 1);
+    assert_eq!(
+        exchange_at(e, 0, &acquire(0, 30, 3, "t/2"), 0),
+        frame(&Response::Busy { owner: 3 })
+    );
+    assert_eq!(
+        exchange_at(e, 1, &release(t + 1, "t/1"), 0),
+        frame(&Response::Released { token: t + 1 })
+    );
+    assert_eq!(e.core().keys_charged(0), 0);
+    assert_eq!(
+        exchange_at(e, 0, &acquire(0, 30, 4, "t/2"), 0),
+        granted(4, t + 2)
+    );
+}

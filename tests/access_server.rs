@@ -163,11 +163,19 @@ fn a_secret_from_kunci_secret_is_accepted() {
         .output()
         .unwrap();
     assert!(!String::from_utf8_lossy(&again.stdout).contains(secret));
+    let quota = Command::new(kunci_bin())
+        .args(["secret", "ci", "info", "max-keys=5"])
+        .output()
+        .unwrap();
+    assert!(quota.status.success());
+    let quota = String::from_utf8(quota.stdout).unwrap();
+    assert!(quota.ends_with(" info max-keys=5\n"), "{quota}");
     for bad in [
         &["secret", "ci"][..],
         &["secret", "ci", "lock:"],
         &["secret"],
         &["secret", "a b", "info"],
+        &["secret", "ci", "info", "max-keys=x"],
     ] {
         let output = Command::new(kunci_bin()).args(bad).output().unwrap();
         assert_eq!(output.status.code(), Some(2), "{bad:?}");
@@ -196,4 +204,58 @@ fn a_listener_open_to_anyone_is_warned_about_at_start() {
         let log = server.log.lock().unwrap().join("\n");
         assert!(!log.contains(warning), "{args:?}:\n{log}");
     }
+}
+
+#[test]
+fn a_key_quota_busies_its_identity_while_another_still_acquires() {
+    let dir = TempDir::new("auth-key-quota");
+    let path = dir.join("auth");
+    let text = format!(
+        "locker {} lock:app/ max-keys=1\nroot {} lock:* info\n",
+        kunci::core::access::hash_hex(LOCKER),
+        kunci::core::access::hash_hex(EVERYTHING)
+    );
+    std::fs::write(&path, text).unwrap();
+    let server = TestServer::start(&["--auth", path.to_str().unwrap()]);
+    let mut locker = server.peer();
+    locker.send(&authenticate(LOCKER));
+    assert_eq!(
+        locker.recv(),
+        Response::Authenticated {
+            name: "locker".into()
+        }
+    );
+    let mut root = server.peer();
+    root.send(&authenticate(EVERYTHING));
+    assert_eq!(
+        root.recv(),
+        Response::Authenticated {
+            name: "root".into()
+        }
+    );
+    locker.send(&acquire(0, 30, 1, "app/a"));
+    granted(locker.recv(), 1);
+    locker.send(&acquire(5, 30, 2, "app/b"));
+    assert_eq!(locker.recv(), Response::Busy { owner: 2 });
+    root.send(&acquire(0, 30, 3, "app/b"));
+    granted(root.recv(), 3);
+
+    // max-grants= is parsed but not enforced yet: the start is refused.
+    std::fs::write(
+        &path,
+        format!(
+            "root {} lock:* max-grants=5\n",
+            kunci::core::access::hash_hex(EVERYTHING)
+        ),
+    )
+    .unwrap();
+    let output = Command::new(kunci_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--auth"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("max-grants= quotas are not enforced")
+    );
 }

@@ -348,3 +348,44 @@ fn a_fifo_or_a_symbolic_link_for_the_state_file_stops_the_start() {
     let stderr = failed_start(&["--state-dir".as_ref(), fifo_dir.0.as_os_str()]);
     assert!(stderr.contains("is a FIFO, not a regular file"), "{stderr}");
 }
+
+/// Finding 9: one host could hold every metrics slot (8) open. Now one
+/// peer address holds at most 4 and a scrape from another (127.0.0.2)
+/// is served while they stay open.
+#[test]
+fn one_peer_address_holds_at_most_half_of_the_metrics_slots() {
+    let (_server, metrics) = crate::metrics::server_with_metrics(&[]);
+    let connect = |ip: &str| -> TcpStream {
+        let addr: SocketAddr = metrics.parse().unwrap();
+        let socket =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        let from: SocketAddr = format!("{ip}:0").parse().unwrap();
+        socket.bind(&from.into()).unwrap();
+        socket.connect(&addr.into()).unwrap();
+        socket.into()
+    };
+    let held: Vec<TcpStream> = (0..8).map(|_| connect("127.0.0.1")).collect();
+    let mut other = connect("127.0.0.2");
+    other
+        .set_read_timeout(Some(Duration::from_secs(4)))
+        .unwrap();
+    other
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: kunci\r\n\r\n")
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = other.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer:?}");
+    // The first 4 of the 8 are being served; the others were closed.
+    let mut closed = 0;
+    for mut stream in held {
+        stream
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let mut byte = [0];
+        if matches!(stream.read(&mut byte), Ok(0)) {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 4);
+}

@@ -50,7 +50,12 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         return usage(&reason);
     }
     let scope_words: Vec<&str> = scopes.iter().map(String::as_str).collect();
-    if let Err(reason) = access::parse_scopes(&scope_words) {
+    let (quota_words, bare_scopes): (Vec<&str>, Vec<&str>) = scope_words
+        .iter()
+        .partition(|word| word.starts_with("max-"));
+    if let Err(reason) =
+        access::parse_scopes(&bare_scopes).and_then(|_| access::parse_quota(&quota_words))
+    {
         return usage(&reason);
     }
     // The server reads the file line by its own parser, which splits at

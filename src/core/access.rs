@@ -60,12 +60,34 @@ fn covers(prefixes: &[Box<str>], key: &str) -> bool {
     prefixes.iter().any(|prefix| key.starts_with(&**prefix))
 }
 
+/// What one identity's sessions may hold at once (issue 27): written
+/// `max-keys=N` and `max-grants=N` after the scopes of its line. `None` is
+/// no quota (only the server's limits apply). A word starting `max-` was
+/// never a scope, so a file without these words parses as before.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Quota {
+    /// Keys the identity's requests brought into the table.
+    pub max_keys: Option<u32>,
+    /// Grants plus queued waiters the identity's sessions asked for.
+    pub max_grants: Option<u32>,
+}
+
+impl Quota {
+    pub fn is_none(&self) -> bool {
+        self.max_keys.is_none() && self.max_grants.is_none()
+    }
+}
+
+/// The largest quota a line may set: what the core's tables can index.
+pub const QUOTA_MAX: u32 = (1 << 30) - 1;
+
 /// One line of the `--auth` file.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Identity {
     pub name: Box<str>,
     hash: [u8; 32],
     pub scopes: Scopes,
+    pub quota: Quota,
 }
 
 impl fmt::Debug for Identity {
@@ -73,6 +95,7 @@ impl fmt::Debug for Identity {
         f.debug_struct("Identity")
             .field("name", &self.name)
             .field("scopes", &self.scopes)
+            .field("quota", &self.quota)
             .finish_non_exhaustive()
     }
 }
@@ -120,8 +143,10 @@ impl AccessList {
                 .next()
                 .ok_or_else(|| error("missing SHA256HEX after the name".into()))
                 .and_then(|hex| parse_hash(hex).map_err(error))?;
-            let scope_words: Vec<&str> = words.collect();
+            let (quota_words, scope_words): (Vec<&str>, Vec<&str>) =
+                words.partition(|word| word.starts_with("max-"));
             let scopes = parse_scopes(&scope_words).map_err(error)?;
+            let quota = parse_quota(&quota_words).map_err(error)?;
             if identities.iter().any(|known| *known.name == *name) {
                 return Err(error(format!("name {name:?} appears twice")));
             }
@@ -132,6 +157,7 @@ impl AccessList {
                 name: name.into(),
                 hash,
                 scopes,
+                quota,
             });
         }
         Ok(AccessList { identities })
@@ -149,6 +175,20 @@ impl AccessList {
     /// [`authenticate`](Self::authenticate)).
     pub fn identity(&self, index: u32) -> Option<&Identity> {
         self.identities.get(index as usize)
+    }
+
+    /// Whether any line sets a quota.
+    pub fn has_quotas(&self) -> bool {
+        self.identities
+            .iter()
+            .any(|identity| !identity.quota.is_none())
+    }
+
+    /// Whether any line sets `max-grants=`.
+    pub fn has_grant_quotas(&self) -> bool {
+        self.identities
+            .iter()
+            .any(|identity| identity.quota.max_grants.is_some())
     }
 
     /// The index of the line whose hash is the secret's, if any. A secret
@@ -243,6 +283,36 @@ pub fn parse_scopes(words: &[&str]) -> Result<Scopes, String> {
     Ok(scopes)
 }
 
+/// Parses the quota words of one line: `max-keys=N` and `max-grants=N`
+/// (decimal, 0..=[`QUOTA_MAX`]), each at most once.
+pub fn parse_quota(words: &[&str]) -> Result<Quota, String> {
+    let mut quota = Quota::default();
+    for &word in words {
+        let (name, value) = word.split_once('=').unwrap_or((word, ""));
+        let slot = match name {
+            "max-keys" => &mut quota.max_keys,
+            "max-grants" => &mut quota.max_grants,
+            _ => {
+                return Err(format!(
+                    "unknown quota {word:?} (max-keys=N or max-grants=N)"
+                ));
+            }
+        };
+        if slot.is_some() {
+            return Err(format!("quota {name} appears twice"));
+        }
+        let number = value
+            .bytes()
+            .all(|byte| byte.is_ascii_digit())
+            .then(|| value.parse::<u32>().ok())
+            .flatten()
+            .filter(|&number| number <= QUOTA_MAX)
+            .ok_or_else(|| format!("quota {word:?}: N must be a number 0..={QUOTA_MAX}"))?;
+        *slot = Some(number);
+    }
+    Ok(quota)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,6 +366,42 @@ mod tests {
                 "twice",
             ),
             (&line("b", SECRET, "info"), "twice"),
+            (
+                &line("b", b"another secret of thirty-two bytes", "max-keys=5"),
+                "no scope",
+            ),
+            (
+                &line("b", b"another secret of thirty-two bytes", "info max-key=5"),
+                "unknown quota",
+            ),
+            (
+                &line("b", b"another secret of thirty-two bytes", "info max-keys="),
+                "must be a number",
+            ),
+            (
+                &line(
+                    "b",
+                    b"another secret of thirty-two bytes",
+                    "info max-keys=+5",
+                ),
+                "must be a number",
+            ),
+            (
+                &line(
+                    "b",
+                    b"another secret of thirty-two bytes",
+                    "info max-grants=1073741824",
+                ),
+                "must be a number",
+            ),
+            (
+                &line(
+                    "b",
+                    b"another secret of thirty-two bytes",
+                    "info max-keys=1 max-keys=2",
+                ),
+                "max-keys appears twice",
+            ),
         ];
         for (bad, reason) in cases {
             let text = format!("# header\n{good}{bad}");
@@ -303,6 +409,36 @@ mod tests {
             assert_eq!(error.line, 3, "{bad}");
             assert!(error.reason.contains(reason), "{bad}: {}", error.reason);
         }
+    }
+
+    #[test]
+    fn quotas_follow_the_scopes_and_old_lines_have_none() {
+        let other = b"another secret of thirty-two bytes";
+        let text = line("old", SECRET, "lock:t/ read:* info")
+            + &line("new", other, "lock:t/ max-keys=100 max-grants=0 info");
+        let list = AccessList::parse(&text).unwrap();
+        assert!(list.has_quotas());
+        let old = list.identity(0).unwrap();
+        assert_eq!(old.quota, Quota::default());
+        assert_eq!(
+            old.scopes,
+            parse_scopes(&["lock:t/", "read:*", "info"]).unwrap()
+        );
+        let new = list.identity(1).unwrap();
+        assert_eq!(
+            new.quota,
+            Quota {
+                max_keys: Some(100),
+                max_grants: Some(0)
+            }
+        );
+        assert_eq!(new.scopes, parse_scopes(&["lock:t/", "info"]).unwrap());
+        let max = format!("info max-grants={QUOTA_MAX}");
+        let list = AccessList::parse(&line("a", SECRET, &max)).unwrap();
+        assert_eq!(list.identity(0).unwrap().quota.max_grants, Some(QUOTA_MAX));
+        let none = AccessList::parse(&line("a", SECRET, "lock:max-keys=1")).unwrap();
+        assert!(!none.has_quotas());
+        assert!(none.identity(0).unwrap().scopes.lists("max-keys=1/x"));
     }
 
     #[test]

@@ -986,7 +986,7 @@ impl Endpoint {
                 .send_error(id, ErrorCode::NotPermitted, request.error_id());
         } else {
             self.core
-                .handle_request_within(id, request, &identity.scopes, now);
+                .handle_request_as(id, request, *session, identity, now);
         }
         true
     }

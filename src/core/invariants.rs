@@ -173,6 +173,20 @@ impl Core {
             self.labels.len() <= self.grants_held + queued,
             "labels of nothing"
         );
+        let mut charged = 0;
+        for (entry, identity) in self.quotas.charged_entries() {
+            charged += 1;
+            assert!(
+                self.table.is_live(entry),
+                "key quota of identity {identity} charged for a dead entry {entry}"
+            );
+        }
+        assert_eq!(
+            charged,
+            self.quotas.keys_total(),
+            "per-identity key charges vs charged entries"
+        );
+        assert!(self.quotas.current.is_none(), "a request's charge left set");
         let mut open = 0;
         let mut listed = 0;
         for (conn, state) in self.conns.iter().enumerate() {

@@ -21,6 +21,7 @@ pub mod labels;
 pub mod lock_table;
 mod memory;
 pub mod permits;
+mod quota;
 mod request;
 pub mod restart;
 #[doc(hidden)]
@@ -242,6 +243,8 @@ pub struct Core {
     labels: Labels,
     /// Held observe requests (spec §13).
     watches: Watches,
+    /// Per-identity quotas' charges (empty without quotas).
+    quotas: quota::Quotas,
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
@@ -318,6 +321,7 @@ impl Core {
             grants_held: 0,
             labels: Labels::default(),
             watches: Watches::default(),
+            quotas: quota::Quotas::default(),
             next_token: first_token.max(1),
             stats: Stats::default(),
             outbox: Vec::new(),
@@ -591,6 +595,36 @@ impl Core {
         }
     }
 
+    /// Evaluates a request of the session of `identity` (its index in the
+    /// `--auth` file), within its scopes and charged to its quota.
+    pub fn handle_request_as(
+        &mut self,
+        conn: ConnId,
+        request: &Request<'_>,
+        index: u32,
+        identity: &access::Identity,
+        now: Micros,
+    ) {
+        let Some(max_keys) = identity.quota.max_keys else {
+            return self.handle_request_within(conn, request, &identity.scopes, now);
+        };
+        self.quotas.current = Some((index, max_keys));
+        self.handle_request_within(conn, request, &identity.scopes, now);
+        self.quotas.current = None;
+    }
+
+    /// Keys in the table charged to identity `index`'s `max-keys`.
+    pub fn keys_charged(&self, index: u32) -> u32 {
+        self.quotas.keys_of(index)
+    }
+
+    /// Takes `entry` out of the table, uncharging its identity's quota.
+    #[inline(always)]
+    fn remove_key(&mut self, entry: u32) {
+        self.quotas.uncharge_key(entry);
+        self.table.remove(entry);
+    }
+
     /// Answers a successful `U` (spec §12.2).
     pub fn send_authenticated(&mut self, conn: ConnId, name: &str) {
         self.outbox.push((
@@ -734,7 +768,7 @@ impl Core {
         loop {
             let Some(head) = self.table.get(entry).waiters.head() else {
                 self.note_freed_in_grace(entry, now);
-                self.table.remove(entry);
+                self.remove_key(entry);
                 return;
             };
             let (conn, owner, lease_s) = {
@@ -839,7 +873,7 @@ impl Core {
         } else if held.token == 0 && held.waiters.is_empty() {
             self.cancel_lease(entry);
             self.unknown_holders -= 1;
-            self.table.remove(entry);
+            self.remove_key(entry);
         }
     }
 

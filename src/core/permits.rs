@@ -396,7 +396,7 @@ impl Core {
             self.note_freed_in_grace(entry, now);
         }
         self.permit_keys.remove(index);
-        self.table.remove(entry);
+        self.remove_key(entry);
     }
 
     /// The unknown grant of permit key `entry` reached the horizon.

@@ -12,7 +12,7 @@ use log::{debug, warn};
 use mio::{Interest, Registry, Token};
 use slab::Slab;
 
-use super::listener::Listener;
+use super::listener::{Listener, Peer};
 use crate::addr::Address;
 use crate::core::{Core, Micros};
 use crate::metrics::http::Exchange;
@@ -22,6 +22,10 @@ use crate::stream::Stream;
 /// Scrapes served at once; more are closed at accept. Prometheus sends one
 /// at a time per target.
 pub const SCRAPES_MAX: usize = 8;
+/// Scrapes one peer address may hold at once (every unix-socket peer
+/// counts as one), so that one host holding its share open leaves the
+/// others room (issue 27).
+pub const SCRAPES_PER_PEER_MAX: usize = SCRAPES_MAX / 2;
 
 /// The listener's token; scrape `slot` has `SCRAPE_TOKEN_BASE + slot`.
 /// Far above any client connection's id and below the listeners' tokens.
@@ -36,6 +40,8 @@ pub fn is_metrics_token(token: Token) -> bool {
 struct Scrape {
     stream: Stream,
     exchange: Exchange,
+    /// The peer's IP address; `None` on a unix socket.
+    peer: Option<std::net::IpAddr>,
 }
 
 /// The metrics listener and its open scrapes.
@@ -111,8 +117,9 @@ impl MetricsEndpoint {
 
     fn accept_all(&mut self, registry: &Registry, now: Micros) {
         loop {
-            let stream = match self.listener.accept() {
-                Ok((stream, _peer)) => stream,
+            let (stream, peer) = match self.listener.accept() {
+                Ok((stream, Peer::Tcp(peer))) => (stream, Some(peer.ip())),
+                Ok((stream, Peer::Unix)) => (stream, None),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
@@ -127,11 +134,21 @@ impl MetricsEndpoint {
                 debug!("metrics: {SCRAPES_MAX} scrapes open; closing a new one");
                 continue; // dropping the stream closes it
             }
+            let held = self
+                .scrapes
+                .iter()
+                .filter(|(_, scrape)| scrape.peer == peer)
+                .count();
+            if held >= SCRAPES_PER_PEER_MAX {
+                debug!("metrics: {peer:?} holds {held} scrapes; closing a new one");
+                continue;
+            }
             let entry = self.scrapes.vacant_entry();
             let slot = entry.key();
             let scrape = entry.insert(Scrape {
                 stream,
                 exchange: Exchange::new(now),
+                peer,
             });
             if let Err(e) = registry.register(
                 &mut scrape.stream,

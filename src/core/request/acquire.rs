@@ -199,9 +199,11 @@ impl Core {
         token: u64,
         owner: u64,
     ) -> Option<u32> {
-        if self.table.len() >= self.limits.max_keys {
+        if self.table.len() >= self.limits.max_keys || !self.quotas.key_fits() {
             return None;
         }
-        self.table.insert(key, hash, token, owner)
+        let entry = self.table.insert(key, hash, token, owner)?;
+        self.quotas.charge_key(entry);
+        Some(entry)
     }
 }
