@@ -7,16 +7,12 @@ use kunci::core::connection::{
     LINGER_US, OUTPUT_HIGH_WATER, PARTIAL_FRAME_TIMEOUT_US, Phase, READ_CHUNK,
 };
 use kunci::core::endpoint::{Action, Endpoint};
-use kunci::core::{ConnId, Core, Limits, Micros};
+use kunci::core::{ConnId, Core, Limits};
 use kunci::protocol::{self, ErrorCode, Response};
 
 use crate::util::fake::{FIRST_TOKEN, MS, S};
+use crate::util::wire::Wire;
 use crate::util::{acquire, extend, ping, query, release};
-
-struct Wire {
-    endpoint: Endpoint,
-    now: Micros,
-}
 
 fn frame(response: Response) -> Vec<u8> {
     let mut out = Vec::new();
@@ -25,46 +21,6 @@ fn frame(response: Response) -> Vec<u8> {
 }
 
 impl Wire {
-    fn new() -> Wire {
-        Wire {
-            endpoint: Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new()),
-            now: 0,
-        }
-    }
-
-    fn connect(&mut self, id: ConnId) {
-        self.endpoint.accept(id, None, self.now);
-    }
-
-    fn send(&mut self, id: ConnId, bytes: &[u8]) {
-        self.endpoint.handle_read(id, bytes, self.now);
-        self.endpoint.check_invariants();
-    }
-
-    /// Moves the clock to `now` and fires what is due.
-    fn at(&mut self, now: Micros) {
-        assert!(now >= self.now);
-        self.now = now;
-        self.endpoint.handle_timeout(now);
-        self.endpoint.check_invariants();
-    }
-
-    /// Everything `id` has to send, the socket taking it all.
-    fn recv(&mut self, id: ConnId) -> Vec<u8> {
-        let mut all = Vec::new();
-        while let Some(bytes) = self.endpoint.transmit(id) {
-            all.extend_from_slice(bytes);
-            let n = bytes.len();
-            self.endpoint.handle_written(id, n, self.now);
-        }
-        self.endpoint.check_invariants();
-        all
-    }
-
-    fn actions(&mut self) -> Vec<(ConnId, Action)> {
-        std::iter::from_fn(|| self.endpoint.poll_action()).collect()
-    }
-
     fn token_of(&mut self, id: ConnId, owner: u64) -> u64 {
         let bytes = self.recv(id);
         match protocol::decode_response(&bytes) {

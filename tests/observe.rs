@@ -5,11 +5,12 @@
 
 use kunci::core::access::AccessList;
 use kunci::core::endpoint::{Action, Endpoint};
-use kunci::core::{ConnId, Core, Limits, Micros};
+use kunci::core::{ConnId, Core, Limits};
 use kunci::protocol::{self, Request, Response};
 
 use crate::access::{LOCKER, READER, auth_file, authenticate};
 use crate::util::fake::{FIRST_TOKEN, MS, S};
+use crate::util::wire::Wire;
 use crate::util::{acquire, extend, ping, query, release, s_frame};
 
 /// An `O` frame written out as §2.1 lays it out:
@@ -78,59 +79,7 @@ fn cat(frames: &[Vec<u8>]) -> Vec<u8> {
     frames.concat()
 }
 
-struct Wire {
-    endpoint: Endpoint,
-    now: Micros,
-}
-
 impl Wire {
-    fn new() -> Wire {
-        Wire::with(Limits::default())
-    }
-
-    fn with(limits: Limits) -> Wire {
-        Wire {
-            endpoint: Endpoint::new(Core::new(limits, FIRST_TOKEN), Vec::new()),
-            now: 0,
-        }
-    }
-
-    fn connect(&mut self, id: ConnId) {
-        self.endpoint.accept(id, None, self.now);
-    }
-
-    fn send(&mut self, id: ConnId, bytes: &[u8]) {
-        self.endpoint.handle_read(id, bytes, self.now);
-        self.endpoint.check_invariants();
-    }
-
-    fn at(&mut self, now: Micros) {
-        assert!(now >= self.now);
-        self.now = now;
-        self.endpoint.handle_timeout(now);
-        self.endpoint.check_invariants();
-    }
-
-    fn recv(&mut self, id: ConnId) -> Vec<u8> {
-        let mut all = Vec::new();
-        while let Some(bytes) = self.endpoint.transmit(id) {
-            all.extend_from_slice(bytes);
-            let n = bytes.len();
-            self.endpoint.handle_written(id, n, self.now);
-        }
-        self.endpoint.check_invariants();
-        all
-    }
-
-    fn exchange(&mut self, id: ConnId, bytes: &[u8]) -> Vec<u8> {
-        self.send(id, bytes);
-        self.recv(id)
-    }
-
-    fn actions(&mut self) -> Vec<(ConnId, Action)> {
-        std::iter::from_fn(|| self.endpoint.poll_action()).collect()
-    }
-
     fn info(&mut self, id: ConnId, name: &str) -> String {
         let bytes = self.exchange(id, b"I\n");
         let text = String::from_utf8(bytes).unwrap();

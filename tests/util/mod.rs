@@ -18,6 +18,7 @@ pub mod proxy;
 pub mod scripted;
 mod temp;
 mod tool;
+pub mod wire;
 
 pub use temp::TempDir;
 pub use tool::require_tool;
