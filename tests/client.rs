@@ -904,3 +904,63 @@ fn a_kept_lock_whose_first_renewal_finds_it_gone_is_not_handed_over() {
     );
     assert!(connect(&[&server.addr]).query("gone").unwrap().is_free());
 }
+
+/// Spec §8 rule 9: when the program ends holding a ticket (the end of
+/// `main` drops the ticket, then the client), its release goes out before
+/// the last drop returns, and that drop waits for it at most 0.5 s in all.
+#[test]
+fn the_last_drop_flushes_the_releases_of_dropped_tickets_within_half_a_second() {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    proxy.set_faults(Faults {
+        answer_delay: 300 * MS,
+        ..Faults::default()
+    });
+    let client = connect(&[&proxy.addr]);
+    let ticket = client
+        .acquire("exit-flush", Duration::ZERO, 30 * S)
+        .unwrap();
+    let token = ticket.token();
+    drop(ticket);
+    let started = Instant::now();
+    drop(client);
+    let took = started.elapsed();
+    let released = |proxy: &Proxy| {
+        proxy
+            .forwarded()
+            .iter()
+            .any(|f| f.op == b'R' && f.id == token && f.key == "exit-flush")
+    };
+    assert!(
+        released(&proxy),
+        "the release was not sent by the drop's end"
+    );
+    // It waited for the release's answer (held 300 ms by the proxy).
+    assert!(took >= 300 * MS, "{took:?}");
+    assert!(took < 2 * S, "{took:?}");
+
+    // A server that never answers holds the drop no longer than 0.5 s.
+    let client = connect(&[&proxy.addr]);
+    proxy.set_faults(Faults::default());
+    let ticket = client
+        .acquire("exit-flush", Duration::ZERO, 30 * S)
+        .unwrap();
+    proxy.set_faults(Faults {
+        swallow_answers: true,
+        ..Faults::default()
+    });
+    let token = ticket.token();
+    drop(ticket);
+    let started = Instant::now();
+    drop(client);
+    let took = started.elapsed();
+    assert!(
+        proxy
+            .forwarded()
+            .iter()
+            .any(|f| f.op == b'R' && f.id == token),
+        "the release was not sent by the drop's end"
+    );
+    assert!(took >= 500 * MS, "{took:?}");
+    assert!(took < 2 * S, "{took:?}");
+}

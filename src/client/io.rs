@@ -33,6 +33,13 @@ const READ_CHUNK: usize = 64 * 1024;
 /// (plus a timer tick), so this only guards against a bug.
 const CALL_GRACE: Duration = Duration::from_secs(1);
 
+/// The most the last handle's drop waits for the background releases
+/// (spec §8 rule 9: one bounded flush when the program ends).
+pub(crate) const EXIT_FLUSH: Duration = Duration::from_millis(500);
+
+/// The name of the client's I/O thread.
+const IO_THREAD: &str = "kunci-client";
+
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -94,6 +101,17 @@ impl Shared {
     pub(crate) fn close(&self) {
         self.closed.store(true, Ordering::Release);
         let _ = self.waker.wake();
+        // Spec §8 rule 9: the releases of tickets dropped just before (the
+        // end of `main` drops them, then the client) go out before the
+        // program can end, in one wait of at most EXIT_FLUSH. Not on the
+        // I/O thread itself, which would only wait for itself.
+        if std::thread::current().name() == Some(IO_THREAD) {
+            return;
+        }
+        let give_up = Instant::now() + EXIT_FLUSH;
+        while self.running.load(Ordering::Acquire) && Instant::now() < give_up {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// How many times a server said it is shutting down (`X 8`).
@@ -181,7 +199,7 @@ pub(crate) fn start(
         tls,
     };
     std::thread::Builder::new()
-        .name("kunci-client".into())
+        .name(IO_THREAD.into())
         .spawn(move || shell.run())?;
     Ok(shared)
 }
