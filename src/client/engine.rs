@@ -30,7 +30,6 @@ use slab::Slab;
 use crate::protocol::{self, Correlation, ErrorCode, KEY_LEN_MAX, Request, Response};
 use crate::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 
-use super::leader::KeyState;
 use super::listing::{Grant, HOLDERS_MAX, Holders, KeyPage, KeySummary, Waiter};
 use super::permits::{Label, Permits};
 use super::{Denied, KeyStatus, Secret, TRANSPORT_DEADLINE, Unavailable};
@@ -181,6 +180,24 @@ pub(crate) struct Submission<R> {
     pub key: Key,
     pub deadline: Instant,
     pub reply: Option<R>,
+}
+
+/// A key's state as one `O` answers it (spec §13.2).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyState {
+    /// The key's current token: the smallest among its grants, 0 when it
+    /// has none (or during a crash grace).
+    pub token: u64,
+    /// That grant's lease left, rounded up (during a grace: to its end).
+    pub lease_ms: u32,
+    /// How long that grant has been held, rounded down.
+    pub held_ms: u32,
+    /// How many grants the key has (saturating).
+    pub grants: u16,
+    /// How many wait for it.
+    pub waiters: u32,
+    /// That grant's label.
+    pub label: String,
 }
 
 /// How a request ended, as the engine saw it.

@@ -6,28 +6,10 @@
 
 use std::time::{Duration, Instant};
 
-use super::engine::{Key, Op, Outcome};
+use super::engine::{Key, KeyState, Op, Outcome};
 use super::{
     AcquireOptions, Client, Error, KeptLease, TRANSPORT_DEADLINE, WAIT_MAX, outcome_error,
 };
-
-/// A key's state as one `O` answers it (spec §13.2).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct KeyState {
-    /// The key's current token: the smallest among its grants, 0 when it
-    /// has none (or during a crash grace).
-    pub token: u64,
-    /// That grant's lease left, rounded up (during a grace: to its end).
-    pub lease_ms: u32,
-    /// How long that grant has been held, rounded down.
-    pub held_ms: u32,
-    /// How many grants the key has (saturating).
-    pub grants: u16,
-    /// How many wait for it.
-    pub waiters: u32,
-    /// That grant's label.
-    pub label: String,
-}
 
 /// Who leads an election (spec §13.6).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -51,11 +51,12 @@ use std::time::{Duration, Instant};
 use crate::addr::Address;
 use engine::{Key, Op, Outcome, Submission};
 
+pub use engine::KeyState;
 #[cfg(feature = "etcd")]
 pub use etcd::EtcdCredentials;
 pub use keep_alive::Loss;
 pub use kept::KeptLease;
-pub use leader::{KeyState, Leader, Observe};
+pub use leader::{Leader, Observe};
 pub use listing::{Grant, Holders, KeyPage, KeySummary, Keys, Waiter};
 pub use permits::{AcquireOptions, Permits};
 pub use ticket::Ticket;
