@@ -1,10 +1,12 @@
 """What the sync and asyncio clients share, free of I/O: the call record
 and the result kinds, the calls of the API and what they return,
 correlation of answers, what the client knows of each address, ticket
-bookkeeping and the keep-alive's decisions. Only blocking versus awaiting
-stays in the clients."""
+bookkeeping. The courses of the calls that take more than one request or
+a pause, and the keep-alive's, are in ``_engine``; only blocking versus
+awaiting stays in the clients."""
 
 import collections
+import contextlib
 import ipaddress
 import itertools
 import logging
@@ -156,10 +158,6 @@ UNSENT = 0
 SENT = 1
 
 _U64 = (1 << 64) - 1
-
-# How soon a keep-alive retries a renewal that ended Unavailable or
-# Indeterminate while valid_until is still ahead.
-RENEW_RETRY = 0.05
 
 
 class Call(object):
@@ -596,6 +594,21 @@ class AddressBook(object):
             return self.denial
         return None
 
+    def gives_up(self, call, now, closed):
+        """Whether ``call`` looks for a session no longer: its deadline
+        has passed, or the client's credentials were refused since it
+        began (its result then says so). Raises once the client is
+        closed."""
+        if now >= call.deadline:
+            return True
+        if closed:
+            raise Error("the client is closed")
+        denial = self.denial_for(call)
+        if denial is not None:
+            call.result = (DENIED, denial)
+            return True
+        return False
+
     def deny(self, reason):
         self.denials += 1
         self.denial = reason
@@ -707,6 +720,26 @@ def answered_call(session, frame):
     if call is None:
         return None, "answer %r matches no request" % (frame,)
     return call, None
+
+
+def answers(book, session, frames, close):
+    """The ``(call, frame)`` pairs of ``frames`` (decoded from
+    ``session``): each call taken out of the session's pending requests by
+    :func:`answered_call`, its address noted as answering, one pair at a
+    time while the session lives. A frame that must end the session goes
+    to ``close(session, why)`` and ends the pairs; the answer to the
+    session's ``U`` makes no pair."""
+    for frame in frames:
+        if not session.alive:
+            return
+        call, failure = answered_call(session, frame)
+        if call is None:
+            if failure is not None:
+                close(session, failure)
+                return
+            continue
+        book.answered(session.index)
+        yield call, frame
 
 
 # The frames of a multi-frame answer and the op of the request they answer.
@@ -1155,6 +1188,10 @@ class TicketBase(object):
     take: int
     valid_until: float
 
+    # What guards the ticket's state against another thread (the sync
+    # ticket's lock); nothing in an event loop.
+    _state_lock = contextlib.nullcontext()
+
     def __init__(self, client, key, key_bytes, token, lease, sent_at, limit=0, take=0):
         self._client = client
         self.key = key
@@ -1353,27 +1390,3 @@ class TicketBase(object):
             return False
         self._released = True
         return True
-
-
-def renewal_retry_in(keepalive, error, now):
-    """After a keep-alive's renewal raised ``error``: the seconds to wait
-    before trying again, or ``None`` to stop renewing (the loss is declared
-    where it is one). A renewal whose outcome is unknown or that reached no
-    server is retried while ``valid_until`` is ahead (rule 10)."""
-    ticket = keepalive.ticket
-    if isinstance(error, (Unavailable, Indeterminate)):
-        if keepalive.stopped:
-            return None
-        left = ticket.valid_until - now
-        if left <= 0:
-            ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
-            return None
-        return min(RENEW_RETRY, left)
-    if isinstance(error, (NotHeld, LockLost)):
-        # renew() declared the loss, or it was known already.
-        return None
-    # Any other outcome is definitive and a loss: PermissionDenied (the
-    # secret's scopes do not cover the key, or the server refuses the
-    # client's credentials since it restarted) is not retried.
-    ticket._declare_lost("renewal failed: %s" % error)
-    return None

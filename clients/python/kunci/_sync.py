@@ -31,33 +31,23 @@ import sys
 import threading
 import time
 import weakref
-from typing import (
-    Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union,
-)
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
 
+from . import _engine as E
 from . import _etcd
 from . import _protocol as P
 from ._common import (
-    DENIED, EXIT_CLIENTS, EXIT_FLUSH, INDETERMINATE, MOVED, SENT, UNSENT, Access, AddressBook,
-    Call, OwnerIds, Pending, TicketBase, acquire_call, answered_call, begin_exit, check_args,
-    closed_result, exiting, granted_token, holders_call, info_call, key_text, list_call, log,
-    needs_clean_up, outcome_of, ping_call, query_call, release_call, renew_call,
-    renewal_retry_in, result_of, tls_refusal,
+    EXIT_CLIENTS, EXIT_FLUSH, INDETERMINATE, MOVED, SENT, UNSENT, AddressBook, Call, Pending,
+    TicketBase, answered_call, answers, begin_exit, check_args, check_on_lost, closed_result,
+    exiting, holders_call, info_call, list_call, log, observe_call, ping_call, query_call,
+    release_call, renew_call, result_of, tls_refusal,
 )
-from ._common import (
-    Holders, KeyInfo, KeyStatus, check_connect_timeout, check_on_lost, client_repr,
-)
-from ._common import (
-    RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
-    waits_forever,
-)
-from ._common import NOT_ON_ETCD, Follow, Leader, check_campaign_value, leader_of, observe_call
-from ._errors import Busy, Error, Indeterminate, InvalidArgument, NotHeld, Unavailable
+from ._common import NOT_ON_ETCD, SHUTDOWN_NOTICE_WAIT, WaitForever, check_campaign_value
+from ._common import Holders, KeyInfo, KeyStatus, Leader, leader_of, outcome_of
+from ._engine import attempt_result, run_result
+from ._errors import Error, InvalidArgument, Unavailable
 
 monotonic = time.monotonic
-
-#: How long a connection attempt may take before it counts as failed.
-CONNECT_TIMEOUT = 1.0
 
 # How long past its deadline a follower waits for its leader before it
 # gives up on it (the leader always ends a call by its deadline; this only
@@ -259,7 +249,7 @@ def _side_exchange(sock, authenticating, calls, deadline, compensate):
             call.result = closed_result(session)
 
 
-class Client(object):
+class Client(E.ClientBase):
     """A handle to one lock service, reachable at one or more addresses.
 
     ``servers``: a list of ``HOST:PORT`` / ``tls://HOST:PORT`` /
@@ -289,27 +279,15 @@ class Client(object):
     no ``secret``, and ``etcd://`` no ``tls``.
     """
 
-    def __init__(self, servers: Union[str, Sequence[str], None] = None,
-                 connect_timeout: float = CONNECT_TIMEOUT, *, secret: Union[str, bytes, None] = None,
-                 tls: Union[None, bool, ssl.SSLContext] = None,
-                 etcd_credentials: Optional[Tuple[str, str]] = None,
-                 secret_file: Optional[str] = None, allow_plaintext_secret: bool = False) -> None:
-        self._addresses = check_args(P.resolve_servers, servers)
-        self._access = Access(self._addresses, secret, tls, etcd_credentials, secret_file,
-                              allow_plaintext_secret)
-        self._connect_timeout = check_connect_timeout(connect_timeout)
-        self._ids = OwnerIds()
-        self._closed = False
-        # This client's tickets (weakly), to release them at exit, and the
-        # clean-ups after an indeterminate acquire not done yet (owner: key).
-        self._tickets = {}
+    def _init_client(self):
+        # The clean-ups after an indeterminate acquire not done yet (owner:
+        # key), for the flush at exit.
         self._cleanups = {}
         # How deep the calling thread is inside this client's calls: a call
         # made from a signal handler that interrupted one runs aside.
         self._depth = threading.local()
         self._init_state()
         _CLIENTS.add(self)
-        EXIT_CLIENTS.add(self)
 
     def _init_state(self):
         self._pid = os.getpid()
@@ -356,37 +334,7 @@ class Client(object):
         again (:class:`kunci._common.WaitForever`). It ends only with a
         ``Ticket`` or an outcome that waiting cannot change (``Busy`` at a
         capacity limit, ``PermissionDenied``, ``LimitMismatch``...)."""
-        if waits_forever(wait):
-            return self._acquire_until_granted(
-                WaitForever(key, lease, limit, take, shared, label))
-        call = acquire_call(key, wait, lease, self._ids.next(), monotonic(),
-                            limit, take, shared, label)
-        return self._acquire(call)
-
-    def _acquire(self, call, clean_up=True):
-        result = self._run(call)
-        if clean_up and needs_clean_up(call, result):
-            self._clean_up_after(call)
-        token = granted_token(call, result, monotonic(), self._release_background)
-        return Ticket(self, key_text(call.key), call.key, token, call.lease, call.sent_at,
-                      call.limit, call.take)
-
-    def _acquire_until_granted(self, forever):
-        """Drives ``forever`` (a :class:`WaitForever`) to a ``Ticket``."""
-        while True:
-            notices = self._book.shutdowns
-            call = forever.call(self._ids.next(), monotonic())
-            try:
-                return self._acquire(call, clean_up=False)
-            except Error as error:
-                shut_down = isinstance(error, Busy) and self._shutdown_seen(notices)
-                pause = forever.after(error, shut_down)
-                if pause is None:
-                    raise
-                log.debug("%s: %s; asking again", key_text(call.key), error)
-                if isinstance(error, Indeterminate):
-                    self._release_own_grant(call)
-            time.sleep(pause)
+        return self._drive(E.acquire(self, key, wait, lease, limit, take, shared, label))
 
     def _shutdown_seen(self, notices):
         """Whether a server said it is shutting down (``X 8``) since the
@@ -402,35 +350,6 @@ class Client(object):
                 self._take_in_unread(session, _PROBE)
             time.sleep(0.005)
         return True
-
-    def _release_own_grant(self, call):
-        """After ``call`` (an acquire) ended ``Indeterminate``: asks who
-        holds its key until the server answers, and releases the grant of
-        the call's owner, if any (rule 11), so that the next attempt never
-        queues behind its own unseen grant."""
-        pause = RETRY_PAUSE_FIRST
-        while True:
-            try:
-                holders = self.holders(call.key)
-                released = True
-                for token in own_grants(holders, call.owner):
-                    try:
-                        self.release(call.key, token)
-                    except NotHeld:
-                        pass
-                    except Error as error:
-                        log.debug("releasing an unseen grant: %s", error)
-                        released = False
-                if released:
-                    return
-            except InvalidArgument:
-                return
-            except Error as error:
-                if self._closed:
-                    raise
-                log.debug("asking who holds %r: %s", key_text(call.key), error)
-            time.sleep(pause)
-            pause = min(pause * 2, RETRY_PAUSE_MAX)
 
     def _clean_up_after(self, call):
         """After ``call`` (an acquire) ended ``Indeterminate``: on a thread
@@ -485,8 +404,7 @@ class Client(object):
         ``release()`` — or leaving its ``with`` block — resigns; a
         candidate whose process dies loses the lead at its lease's end."""
         check_campaign_value(value)
-        ticket = self._acquire_until_granted(WaitForever(name, lease, label=value))
-        return _keep_alive(ticket, None)
+        return self._drive(E.campaign(self, WaitForever(name, lease, label=value)))
 
     def leader(self, name: str) -> Optional[Leader]:
         """Who leads the election ``name`` now (one ``O`` with wait 0): a
@@ -506,24 +424,7 @@ class Client(object):
         only ``InvalidArgument`` or ``PermissionDenied``."""
         self._not_on_etcd()
         check_args(P.check_key, name)
-        return self._observe(name)
-
-    def _observe(self, name):
-        follow = Follow(name)
-        while True:
-            call = follow.call(self._ids.next(), monotonic())
-            try:
-                state = outcome_of(call, self._run(call))
-            except Error as error:
-                if self._closed:
-                    raise  # the client was closed under it: nothing to follow with
-                pause = follow.failed(error)
-                log.debug("%s: %s; asking again in %.1f s", name, error, pause)
-                time.sleep(pause)
-                continue
-            leader = follow.answered(state)
-            if leader is not Follow.NOTHING:
-                yield leader
+        return E.drive_items(E.observe(self, name), self)
 
     def _not_on_etcd(self):
         if self._etcd is not None:
@@ -538,11 +439,8 @@ class Client(object):
     def renew(self, key: str, token: int, lease: int = 30) -> float:
         """Resets grant ``token``'s lease to ``lease`` seconds from now.
         Returns the new conservative expiry (``time.monotonic()`` seconds)."""
-        return self._renew(key, token, lease)[0]
-
-    def _renew(self, key, token, lease):
         call = renew_call(key, token, lease, monotonic())
-        return outcome_of(call, self._run(call))
+        return outcome_of(call, self._run(call))[0]
 
     def query(self, key: str) -> Optional[KeyStatus]:
         """``None`` if ``key`` is free, else a :class:`KeyStatus`."""
@@ -623,10 +521,14 @@ class Client(object):
         self.close()
         return False
 
-    def __repr__(self) -> str:
-        return client_repr(self)
-
     # ------------------------------------------------------------- a call
+
+    def _drive(self, course):
+        """Runs ``course`` (of :mod:`kunci._engine`) on this thread,
+        blocking on each of its effects."""
+        return E.drive(course, self)
+
+    _pause = staticmethod(time.sleep)
 
     def _check_process(self):
         if self._pid != os.getpid():
@@ -734,17 +636,14 @@ class Client(object):
         while True:
             session = self._session_for(call)
             if session is None:
-                if call.result is not None:
-                    return call.result
-                raise Unavailable(call.reason or "no server could be reached by the deadline")
+                return run_result(call)
             if self._write(session, call) == UNSENT:
                 continue
             if call.result is None:
                 self._await(session, call)
-            result = call.result
-            if result[0] != MOVED:
+            result = attempt_result(call, session.index)
+            if result is not None:
                 return result
-            call.move_on(session.index)
 
     def _session_for(self, call):
         """A connected session for ``call``, or ``None`` once its deadline
@@ -752,14 +651,8 @@ class Client(object):
         book = self._book
         while True:
             now = monotonic()
-            if now >= call.deadline:
-                return None
             with self._mu:
-                if self._closed:
-                    raise Error("the client is closed")
-                denial = book.denial_for(call)
-                if denial is not None:
-                    call.result = (DENIED, denial)
+                if book.gives_up(call, now, self._closed):
                     return None
                 session = book.live_session()
                 if session is not None:
@@ -1078,16 +971,7 @@ class Client(object):
                 return
             now = monotonic()
             compensate = lambda key, token: releases.append((key, token))
-            for frame in frames:
-                if not session.alive:
-                    break
-                call, failure = answered_call(session, frame)
-                if call is None:
-                    if failure is None:
-                        continue  # the answer to the session's U
-                    self._close_session(session, failure)
-                    break
-                self._book.answered(session.index)
+            for call, frame in answers(self._book, session, frames, self._close_session):
                 result = result_of(call, frame, now, compensate)
                 if result is not None and call.result is None:
                     call.result = result
@@ -1394,37 +1278,19 @@ class Ticket(TicketBase):
         send instant + lease − margin. ``NotHeld``: the lock is lost.
         ``Indeterminate``: ``valid_until`` keeps the earlier of the two
         bounds."""
-        lease = self._renewal_lease(lease)
-        started = monotonic()
-        try:
-            new_valid_until, sent_at = self._client._renew(self._key_bytes, self.token, lease)
-        except NotHeld:
-            self._declare_lost("a renewal was answered N")
-            raise
-        except Indeterminate:
-            with self._state_lock:
-                self._renewal_indeterminate(started, lease)
-            raise
-        with self._state_lock:
-            self._renewed(sent_at, lease, new_valid_until)
-        return self.valid_until
+        return self._client._drive(E.renewal(self, lease))
 
     def release(self) -> None:
         """Releases the lock (``R`` for exactly this token). ``NotHeld``:
         the lease had already run out. After a known loss it sends nothing
         and raises :class:`LockLost`."""
-        self._begin_release()
-        try:
-            self._client.release(self._key_bytes, self.token)
-        except NotHeld:
-            self._declare_lost("the release was answered N")
-            raise
+        self._client._drive(E.release(self))
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        _exit_release(self, exc_type)
+        self._client._drive(E.exit_release(self, exc_type))
         return False
 
     def _declare_lost(self, why):
@@ -1454,34 +1320,20 @@ class Ticket(TicketBase):
             keepalive.stopped = True
 
 
-def _exit_release(ticket, exc_type):
-    """Leaving a ``with`` block: release, unless the lock was lost (then
-    nothing is sent and nothing raised) or the ticket is a parent's. A
-    failed release raises only if the block itself did not."""
-    if not ticket._release_at_block_end():
-        return
-    try:
-        ticket._client.release(ticket._key_bytes, ticket.token)
-    except NotHeld:
-        ticket._declare_lost("the release at the end of the block was answered N")
-    except Error:
-        if exc_type is None:
-            raise
-
-
-class _KeepAlive(object):
-    """Managed renewal of one ticket (spec §8 rule 10)."""
+class _KeepAlive(E.KeepAlive):
+    """Drives a :class:`kunci._engine.KeepAlive` on the maintenance
+    thread's timers: each round on a thread of its own (never on the thread
+    that runs every keep-alive's timers), the check at ``valid_until`` on
+    that thread."""
 
     def __init__(self, ticket):
-        self.ticket = ticket
-        self.stopped = False
+        super().__init__(ticket)
         self.renewing = False
 
     def start(self):
-        ticket = self.ticket
-        client = ticket._client
-        client._schedule(ticket._renew_due_at(), self._renew_due)
-        client._schedule(ticket.valid_until, self._check)
+        client = self.ticket._client
+        client._schedule(self.due_at(), self._renew_due)
+        client._schedule(self.ticket.valid_until, self._check)
 
     def _renew_due(self):
         if self.stopped or self.renewing:
@@ -1491,7 +1343,6 @@ class _KeepAlive(object):
             self.renewing = False
 
     def _renew(self):
-        ticket = self.ticket
         renewed = False
         try:
             renewed = self._renew_until_done()
@@ -1500,44 +1351,19 @@ class _KeepAlive(object):
             # renewal never finds the previous one still marked running.
             self.renewing = False
         if renewed and not self.stopped:
-            ticket._client._schedule(ticket._renew_due_at(), self._renew_due)
+            self.ticket._client._schedule(self.due_at(), self._renew_due)
 
     def _renew_until_done(self):
-        """Renews once, retrying while ``valid_until`` is ahead. Whether it
-        succeeded."""
-        while not self.stopped:
-            try:
-                self.ticket.renew()
-            except Error as error:
-                retry_in = renewal_retry_in(self, error, monotonic())
-                if retry_in is None:
-                    return False
-                time.sleep(retry_in)
-                continue
-            return True
-        return False
+        return self.ticket._client._drive(self.round())
 
     def _check(self):
-        if self.stopped:
-            return
-        ticket = self.ticket
-        if not ticket._declare_lost_if_expired():
-            ticket._client._schedule(ticket.valid_until, self._check)
+        again_at = self.check()
+        if again_at is not None:
+            self.ticket._client._schedule(again_at, self._check)
 
 
-def _keep_alive(ticket, on_lost):
-    """Hands ``ticket`` over managed: renewed first if it came with less
-    than two thirds of its lease left, then every lease/3."""
-    if ticket._needs_renewal_before_handover():
-        try:
-            ticket.renew()
-        except Error as error:
-            ticket._handover_renewal_failed(error)
-    ticket._on_lost = on_lost
-    keepalive = _KeepAlive(ticket)
-    ticket._keepalive = keepalive
-    keepalive.start()
-    return ticket
+Ticket._keep_alive_type = _KeepAlive
+Client._ticket_type = Ticket
 
 
 class _LockContext(object):
@@ -1554,7 +1380,9 @@ class _LockContext(object):
         self._entries = {}  # thread id -> its tickets, the latest entry's last
 
     def __enter__(self):
-        ticket = _keep_alive(self._client.acquire(*self._args, **self._permits), self._on_lost)
+        client = self._client
+        ticket = client._drive(E.hand_over(client.acquire(*self._args, **self._permits),
+                                           self._on_lost))
         self._entries.setdefault(threading.get_ident(), []).append(ticket)
         return ticket
 
@@ -1567,7 +1395,7 @@ class _LockContext(object):
         ticket = stack.pop()
         if not stack:
             del self._entries[thread]
-        _exit_release(ticket, exc_type)
+        self._client._drive(E.exit_release(ticket, exc_type))
         return False
 
 

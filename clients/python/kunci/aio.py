@@ -21,40 +21,30 @@ cancellation ends, so that the server drops the wait at once.
 import asyncio
 import os
 import socket
-import ssl
 import threading
 import time
 import weakref
 from typing import (
-    Any, AsyncContextManager, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple,
-    Union,
+    Any, AsyncContextManager, AsyncIterator, Callable, Dict, List, Optional, Tuple, Union,
 )
 
+from . import _engine as E
 from . import _etcd
 from . import _protocol as P
 from ._common import (
-    DENIED, EXIT_CLIENTS, EXIT_FLUSH, MOVED, SENT, UNSENT, Access, AddressBook, Call, OwnerIds,
-    Pending, TicketBase, exiting,
-    acquire_call, answered_call, check_args, closed_result, granted_token, holders_call,
-    info_call, key_text, list_call, log, needs_clean_up, outcome_of, ping_call, query_call,
-    release_call, renew_call, renewal_retry_in, result_of, tls_refusal,
+    EXIT_FLUSH, SENT, UNSENT, Call, Pending, TicketBase, WaitForever, answers,
+    check_args, check_campaign_value, check_on_lost, closed_result, exiting, holders_call,
+    info_call, list_call, log, observe_call, ping_call, query_call, release_call, renew_call,
+    result_of, tls_refusal,
 )
-from ._common import (
-    Holders, KeyInfo, KeyStatus, check_connect_timeout, check_on_lost, client_repr,
-)
-from ._common import (
-    RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
-    waits_forever,
-)
-from ._common import NOT_ON_ETCD, Follow, Leader, check_campaign_value, leader_of, observe_call
-from ._errors import Busy, Error, Indeterminate, InvalidArgument, NotHeld, Unavailable
-from ._sync import CONNECT_TIMEOUT
+from ._common import AddressBook, Holders, KeyInfo, KeyStatus, Leader, leader_of, outcome_of
+from ._common import NOT_ON_ETCD, SHUTDOWN_NOTICE_WAIT
+from ._engine import attempt_result, run_result
+from ._errors import Error, InvalidArgument, Unavailable
 
 __all__ = ["Client", "Ticket"]
 
 monotonic = time.monotonic
-
-_CLIENTS = weakref.WeakSet()
 
 # How many idle sessions of waiting acquires a client keeps for reuse.
 _IDLE_PRIVATE_MAX = 8
@@ -111,28 +101,14 @@ class _Session(asyncio.Protocol):
         self.client._close_session(self, reason)
 
 
-class Client(object):
+class Client(E.ClientBase):
     """An asyncio handle to one lock service (see :class:`kunci.Client`
     for ``servers``, ``secret``, ``tls`` and ``etcd_credentials``). Create it anywhere; it works in the event loop
     that calls it, one loop after another (not two running at once). Close
     it with ``await client.close()`` or ``async with``."""
 
-    def __init__(self, servers: Union[str, Sequence[str], None] = None,
-                 connect_timeout: float = CONNECT_TIMEOUT, *, secret: Union[str, bytes, None] = None,
-                 tls: Union[None, bool, ssl.SSLContext] = None,
-                 etcd_credentials: Optional[Tuple[str, str]] = None,
-                 secret_file: Optional[str] = None, allow_plaintext_secret: bool = False) -> None:
-        self._addresses = check_args(P.resolve_servers, servers)
-        self._access = Access(self._addresses, secret, tls, etcd_credentials, secret_file,
-                              allow_plaintext_secret)
-        self._connect_timeout = check_connect_timeout(connect_timeout)
-        self._ids = OwnerIds()
-        self._closed = False
-        # This client's tickets (weakly), for the flush at exit.
-        self._tickets = {}
+    def _init_client(self):
         self._init_state()
-        _CLIENTS.add(self)
-        EXIT_CLIENTS.add(self)
 
     def _init_state(self):
         self._pid = os.getpid()
@@ -170,38 +146,7 @@ class Client(object):
         (``wait`` seconds, 0 by default: one attempt that never queues;
         ``wait=None`` waits until granted); returns a :class:`Ticket`.
         Cancelling it while it waits ends its wait on the server at once."""
-        if waits_forever(wait):
-            return await self._acquire_until_granted(
-                WaitForever(key, lease, limit, take, shared, label))
-        call = acquire_call(key, wait, lease, self._ids.next(), monotonic(),
-                            limit, take, shared, label)
-        return await self._acquire(call)
-
-    async def _acquire(self, call, clean_up=True):
-        result = await self._run(call)
-        if clean_up and needs_clean_up(call, result):
-            self._clean_up_after(call)
-        token = granted_token(call, result, monotonic(), self._release_background)
-        return Ticket(self, key_text(call.key), call.key, token, call.lease, call.sent_at,
-                      call.limit, call.take)
-
-    async def _acquire_until_granted(self, forever):
-        """Drives ``forever`` (a :class:`kunci._common.WaitForever`) to a
-        ``Ticket``, as :meth:`kunci.Client._acquire_until_granted`."""
-        while True:
-            notices = self._book.shutdowns
-            call = forever.call(self._ids.next(), monotonic())
-            try:
-                return await self._acquire(call, clean_up=False)
-            except Error as error:
-                shut_down = isinstance(error, Busy) and await self._shutdown_seen(notices)
-                pause = forever.after(error, shut_down)
-                if pause is None:
-                    raise
-                log.debug("%s: %s; asking again", key_text(call.key), error)
-                if isinstance(error, Indeterminate):
-                    await self._release_own_grant(call)
-            await asyncio.sleep(pause)
+        return await self._drive(E.acquire(self, key, wait, lease, limit, take, shared, label))
 
     def campaign(self, name: str, value: Union[str, bytes], lease: int = 30) -> "_Campaign":
         """As :meth:`kunci.Client.campaign`: ``t = await
@@ -214,8 +159,7 @@ class Client(object):
         return _Campaign(self, forever)
 
     async def _campaign(self, forever):
-        ticket = await self._acquire_until_granted(forever)
-        return await _keep_alive(ticket, None)
+        return await self._drive(E.campaign(self, forever))
 
     async def leader(self, name: str) -> Optional[Leader]:
         """As :meth:`kunci.Client.leader`: a :class:`kunci.Leader` or ``None``."""
@@ -230,24 +174,7 @@ class Client(object):
         ``PermissionDenied``."""
         self._not_on_etcd()
         check_args(P.check_key, name)
-        return self._observe(name)
-
-    async def _observe(self, name):
-        follow = Follow(name)
-        while True:
-            call = follow.call(self._ids.next(), monotonic())
-            try:
-                state = outcome_of(call, await self._run(call))
-            except Error as error:
-                if self._closed:
-                    raise  # the client was closed under it: nothing to follow with
-                pause = follow.failed(error)
-                log.debug("%s: %s; asking again in %.1f s", name, error, pause)
-                await asyncio.sleep(pause)
-                continue
-            leader = follow.answered(state)
-            if leader is not Follow.NOTHING:
-                yield leader
+        return self._follow(E.observe(self, name))
 
     def _not_on_etcd(self):
         if self._etcd is not None:
@@ -260,32 +187,6 @@ class Client(object):
                 return False
             await asyncio.sleep(0.005)
         return True
-
-    async def _release_own_grant(self, call):
-        """As :meth:`kunci.Client._release_own_grant`."""
-        pause = RETRY_PAUSE_FIRST
-        while True:
-            try:
-                holders = await self.holders(call.key)
-                released = True
-                for token in own_grants(holders, call.owner):
-                    try:
-                        await self.release(call.key, token)
-                    except NotHeld:
-                        pass
-                    except Error as error:
-                        log.debug("releasing an unseen grant: %s", error)
-                        released = False
-                if released:
-                    return
-            except InvalidArgument:
-                return
-            except Error as error:
-                if self._closed:
-                    raise
-                log.debug("asking who holds %r: %s", key_text(call.key), error)
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, RETRY_PAUSE_MAX)
 
     def _clean_up_after(self, call):
         """As :meth:`kunci.Client._clean_up_after`, as a task."""
@@ -323,11 +224,8 @@ class Client(object):
         """Resets grant ``token``'s lease to ``lease`` seconds from now;
         returns the new conservative expiry (``time.monotonic()``
         seconds), as :meth:`kunci.Client.renew`."""
-        return (await self._renew(key, token, lease))[0]
-
-    async def _renew(self, key, token, lease):
         call = renew_call(key, token, lease, monotonic())
-        return outcome_of(call, await self._run(call))
+        return outcome_of(call, await self._run(call))[0]
 
     async def query(self, key: str) -> Optional[KeyStatus]:
         """``None`` if ``key`` is free, else a :class:`kunci.KeyStatus`."""
@@ -358,12 +256,12 @@ class Client(object):
                 return
 
     async def info(self) -> Dict[str, Any]:
-        """The server's counters (the ``I`` line) as a dict."""
+        """As :meth:`kunci.Client.info`: the server's counters."""
         call = info_call(monotonic())
         return outcome_of(call, await self._run(call))
 
     async def ping(self) -> float:
-        """The round trip of one ``P``, in seconds."""
+        """As :meth:`kunci.Client.ping`: one round trip, in seconds."""
         call = ping_call(self._ids.next(), monotonic())
         return outcome_of(call, await self._run(call))
 
@@ -399,10 +297,38 @@ class Client(object):
         await self.close()
         return False
 
-    def __repr__(self) -> str:
-        return client_repr(self)
-
     # ------------------------------------------------------------- a call
+
+    async def _drive(self, course):
+        """Runs ``course`` (of :mod:`kunci._engine`) in this task,
+        awaiting each of its effects."""
+        steps = E.Steps(course)
+        effect = steps.next()
+        while effect is not None:
+            try:
+                steps.answer(await effect.perform(self))
+            except BaseException as error:
+                steps.fail(error)
+            effect = steps.next()
+        return steps.value
+
+    async def _follow(self, course):
+        """As :meth:`_drive`, as an asynchronous iterator of the course's
+        items."""
+        steps = E.Steps(course)
+        effect = steps.next()
+        while effect is not None:
+            if isinstance(effect, E.Item):
+                yield effect.value
+                steps.answer(None)
+            else:
+                try:
+                    steps.answer(await effect.perform(self))
+                except BaseException as error:
+                    steps.fail(error)
+            effect = steps.next()
+
+    _pause = staticmethod(asyncio.sleep)
 
     def _bind_loop(self):
         if self._pid != os.getpid():
@@ -515,9 +441,7 @@ class Client(object):
         while True:
             session = await self._session_for(call, loop, waits)
             if session is None:
-                if call.result is not None:
-                    return call.result
-                raise Unavailable(call.reason or "no server could be reached by the deadline")
+                return run_result(call)
             if waits and not session.private:
                 session.waiting_acquire = call
             if self._write(session, call, loop) == UNSENT:
@@ -527,10 +451,9 @@ class Client(object):
             if call.result is None:
                 await self._await(call, session)
             self._done_waiting(session, call)
-            result = call.result
-            if result[0] != MOVED:
+            result = attempt_result(call, session.index)
+            if result is not None:
                 return result
-            call.move_on(session.index)
 
     async def _run_on_etcd(self, call, loop):
         """Runs ``call`` on a thread. Cancelled, the call is abandoned: a
@@ -584,13 +507,7 @@ class Client(object):
         book = self._book
         while True:
             now = monotonic()
-            if now >= call.deadline:
-                return None
-            if self._closed:
-                raise Error("the client is closed")
-            denial = book.denial_for(call)
-            if denial is not None:
-                call.result = (DENIED, denial)
+            if book.gives_up(call, now, self._closed):
                 return None
             session = book.live_session()
             if session is not None and (not waits or session.waiting_acquire is None):
@@ -800,16 +717,7 @@ class Client(object):
             self._close_session(session, str(error))
             return
         now = monotonic()
-        for frame in frames:
-            if not session.alive:
-                return
-            call, failure = answered_call(session, frame)
-            if call is None:
-                if failure is None:
-                    continue  # the answer to the session's U
-                self._close_session(session, failure)
-                return
-            self._book.answered(session.index)
+        for call, frame in answers(self._book, session, frames, self._close_session):
             if call.background:
                 self._unreleased.discard((call.key, call.token))
             result = result_of(call, frame, now, self._release_background)
@@ -945,33 +853,17 @@ class Ticket(TicketBase):
     async def renew(self, lease: Optional[int] = None) -> float:
         """As :meth:`kunci.Ticket.renew`: resets the lease to ``lease``
         seconds (default: the ticket's) and moves ``valid_until``."""
-        lease = self._renewal_lease(lease)
-        started = monotonic()
-        try:
-            new_valid_until, sent_at = await self._client._renew(self._key_bytes, self.token, lease)
-        except NotHeld:
-            self._declare_lost("a renewal was answered N")
-            raise
-        except Indeterminate:
-            self._renewal_indeterminate(started, lease)
-            raise
-        self._renewed(sent_at, lease, new_valid_until)
-        return self.valid_until
+        return await self._client._drive(E.renewal(self, lease))
 
     async def release(self) -> None:
         """As :meth:`kunci.Ticket.release`: ``R`` for exactly this token."""
-        self._begin_release()
-        try:
-            await self._client.release(self._key_bytes, self.token)
-        except NotHeld:
-            self._declare_lost("the release was answered N")
-            raise
+        await self._client._drive(E.release(self))
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, exc_type, exc, tb):
-        await _exit_release(self, exc_type)
+        await self._client._drive(E.exit_release(self, exc_type))
         return False
 
     def _declare_lost(self, why):
@@ -999,32 +891,20 @@ class Ticket(TicketBase):
             keepalive.stop()
 
 
-async def _exit_release(ticket, exc_type):
-    if not ticket._release_at_block_end():
-        return
-    try:
-        await ticket._client.release(ticket._key_bytes, ticket.token)
-    except NotHeld:
-        ticket._declare_lost("the release at the end of the block was answered N")
-    except Error:
-        if exc_type is None:
-            raise
+class _KeepAlive(E.KeepAlive):
+    """Drives a :class:`kunci._engine.KeepAlive` in the event loop: a task
+    that runs a round a third into each lease, and a timer at
+    ``valid_until``."""
 
-
-class _KeepAlive(object):
-    """Managed renewal of one ticket (spec §8 rule 10): a task that renews
-    every lease/3 and a timer at ``valid_until``."""
-
-    def __init__(self, ticket, loop):
-        self.ticket = ticket
-        self.loop = loop
+    def __init__(self, ticket):
+        super().__init__(ticket)
+        self.loop = asyncio.get_running_loop()
         self.task = None
         self.timer = None
-        self.stopped = False
 
     def start(self):
         self.task = self.loop.create_task(self._run())
-        self._arm_check()
+        self._arm_check(self.ticket.valid_until)
 
     def stop(self):
         self.stopped = True
@@ -1034,30 +914,24 @@ class _KeepAlive(object):
         if task is not None and task is not _current_task():
             task.cancel()
 
-    def _arm_check(self):
-        delay = self.ticket.valid_until - monotonic()
-        self.timer = self.loop.call_at(self.loop.time() + delay, self._check)
+    def _arm_check(self, at):
+        self.timer = self.loop.call_at(self.loop.time() + (at - monotonic()), self._check)
 
     def _check(self):
-        if self.stopped:
-            return
-        if not self.ticket._declare_lost_if_expired():
-            self._arm_check()
+        again_at = self.check()
+        if again_at is not None:
+            self._arm_check(again_at)
 
     async def _run(self):
-        ticket = self.ticket
+        client = self.ticket._client
         while not self.stopped:
-            await asyncio.sleep(max(0.0, ticket._renew_due_at() - monotonic()))
-            while not self.stopped:
-                try:
-                    await ticket.renew()
-                except Error as error:
-                    retry_in = renewal_retry_in(self, error, monotonic())
-                    if retry_in is None:
-                        return
-                    await asyncio.sleep(retry_in)
-                    continue
-                break
+            await asyncio.sleep(max(0.0, self.due_at() - monotonic()))
+            if not await client._drive(self.round()):
+                return
+
+
+Ticket._keep_alive_type = _KeepAlive
+Client._ticket_type = Ticket
 
 
 async def _loop_end(client_ref, loop, quiet):
@@ -1086,20 +960,6 @@ def _current_task():
         return None
 
 
-async def _keep_alive(ticket, on_lost):
-    """As :func:`kunci._sync._keep_alive`."""
-    if ticket._needs_renewal_before_handover():
-        try:
-            await ticket.renew()
-        except Error as error:
-            ticket._handover_renewal_failed(error)
-    ticket._on_lost = on_lost
-    keepalive = _KeepAlive(ticket, asyncio.get_running_loop())
-    ticket._keepalive = keepalive
-    keepalive.start()
-    return ticket
-
-
 class _Campaign(object):
     """What ``client.campaign(...)`` returns: awaited, the leader's
     :class:`Ticket`; as an ``async with``, the same, resigned at the
@@ -1119,7 +979,7 @@ class _Campaign(object):
 
     async def __aexit__(self, exc_type, exc, tb):
         ticket, self._ticket = self._ticket, None
-        await _exit_release(ticket, exc_type)
+        await self._client._drive(E.exit_release(ticket, exc_type))
         return False
 
 
@@ -1135,8 +995,9 @@ class _LockContext(object):
         self._entries = {}  # task -> its tickets, the latest entry's last
 
     async def __aenter__(self):
-        ticket = await _keep_alive(await self._client.acquire(*self._args, **self._permits),
-                                   self._on_lost)
+        client = self._client
+        ticket = await client._drive(E.hand_over(
+            await client.acquire(*self._args, **self._permits), self._on_lost))
         self._entries.setdefault(_current_task(), []).append(ticket)
         return ticket
 
@@ -1150,5 +1011,5 @@ class _LockContext(object):
         ticket = stack.pop()
         if not stack:
             del self._entries[task]
-        await _exit_release(ticket, exc_type)
+        await self._client._drive(E.exit_release(ticket, exc_type))
         return False

@@ -1,0 +1,438 @@
+"""The course of every call that takes more than one request or a pause,
+free of I/O: one piece that both clients drive, as the Rust client's
+engine is driven by its I/O thread.
+
+A *course* is a generator. It yields the *effects* it needs (run a call
+to its result, pause, see whether a server said it shuts down, hand an
+item to the caller) and is sent each effect's outcome, or thrown the
+exception it raised; its return value is the call's. The decisions
+(which request next, what an outcome means, when to ask again, when a
+lock is lost) are all here and in ``_common``; only how an effect is
+waited for differs: :func:`drive` blocks on each (the sync client), and
+``kunci.aio.Client._drive`` awaits each.
+
+:class:`KeepAlive` is the managed renewal of one ticket (spec §8 rule
+10): each client drives its rounds and its check at ``valid_until`` on
+its own timers. :class:`ClientBase` is what a client is before any I/O.
+"""
+
+import ssl
+import time
+from typing import Optional, Sequence, Tuple, Union
+
+from . import _protocol as P
+from ._common import (
+    EXIT_CLIENTS, MOVED, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, Access, Follow, OwnerIds,
+    WaitForever, acquire_call, check_args, check_connect_timeout, client_repr, granted_token,
+    holders_call, key_text, log, needs_clean_up, outcome_of, own_grants, release_call,
+    renew_call, waits_forever,
+)
+from ._errors import Busy, Error, Indeterminate, InvalidArgument, LockLost, NotHeld, Unavailable
+
+monotonic = time.monotonic
+
+#: How long a connection attempt may take before it counts as failed.
+CONNECT_TIMEOUT = 1.0
+
+#: How soon a keep-alive retries a renewal that ended Unavailable or
+#: Indeterminate while valid_until is still ahead.
+RENEW_RETRY = 0.05
+
+
+# ------------------------------------------------------------------ effects
+
+class Run(object):
+    """Run ``call`` to its result tuple (the client's ``_run``: rules 4
+    and 5); raises as ``_run`` does."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call):
+        self.call = call
+
+    def perform(self, client):
+        return client._run(self.call)
+
+
+class Pause(object):
+    """Let ``seconds`` pass."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def perform(self, client):
+        return client._pause(self.seconds)
+
+
+class ShutdownSeen(object):
+    """Whether a server said it shuts down (``X 8``) since the client's
+    count of such notices was ``notices`` (``_shutdown_seen``)."""
+
+    __slots__ = ("notices",)
+
+    def __init__(self, notices):
+        self.notices = notices
+
+    def perform(self, client):
+        return client._shutdown_seen(self.notices)
+
+
+class Item(object):
+    """Hand ``value`` to the caller as an iterator's next item."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+class Steps(object):
+    """A course being driven: :meth:`next` resumes it and gives the next
+    effect (``None`` once it returned, its return value in ``value``);
+    :meth:`answer` or :meth:`fail` says what the last effect came to."""
+
+    __slots__ = ("course", "value", "_resume", "_with")
+
+    def __init__(self, course):
+        self.course = course
+        self.value = None
+        self._resume = course.send
+        self._with = None
+
+    def next(self):
+        resume, given = self._resume, self._with
+        self._with = None
+        try:
+            return resume(given)
+        except StopIteration as end:
+            self.value = end.value
+            return None
+
+    def answer(self, outcome):
+        self._resume, self._with = self.course.send, outcome
+
+    def fail(self, error):
+        self._resume, self._with = self.course.throw, error
+
+    def perform(self, effect, client):
+        """Performs ``effect`` blocking, for the next resumption."""
+        try:
+            self.answer(effect.perform(client))
+        except BaseException as error:
+            self.fail(error)
+
+
+def drive(course, client):
+    """Runs ``course`` to its end, blocking on each effect: the sync
+    client's driver. Its return value, or its exception."""
+    steps = Steps(course)
+    effect = steps.next()
+    while effect is not None:
+        steps.perform(effect, client)
+        effect = steps.next()
+    return steps.value
+
+
+def drive_items(course, client):
+    """As :func:`drive`, as an iterator of the course's items."""
+    steps = Steps(course)
+    effect = steps.next()
+    while effect is not None:
+        if isinstance(effect, Item):
+            yield effect.value
+            steps.answer(None)
+        else:
+            steps.perform(effect, client)
+        effect = steps.next()
+
+
+# ------------------------------------------------------------------ courses
+
+def ask(call):
+    """One call: what its op returns (``outcome_of``), or raises."""
+    return outcome_of(call, (yield Run(call)))
+
+
+def acquire(client, key, wait, lease, limit, take, shared, label):
+    """``acquire``: one call that may wait up to ``wait`` seconds, or
+    until granted when ``wait`` is ``None`` or infinite."""
+    if waits_forever(wait):
+        forever = WaitForever(key, lease, limit, take, shared, label)
+        return (yield from acquire_until_granted(client, forever))
+    call = acquire_call(key, wait, lease, client._ids.next(), monotonic(), limit, take, shared,
+                        label)
+    return granted(client, call, (yield Run(call)))
+
+
+def granted(client, call, result, clean_up=True):
+    """The ticket an acquire's ``result`` hands over, or raises. After an
+    acquire that ended ``Indeterminate`` with its request possibly sent,
+    ``clean_up`` has the client look for a grant and release it (rule 11);
+    a grant past ``D`` is released and the call ends indeterminate
+    (rule 7)."""
+    if clean_up and needs_clean_up(call, result):
+        client._clean_up_after(call)
+    token = granted_token(call, result, monotonic(), client._release_background)
+    return client._ticket_type(client, key_text(call.key), call.key, token, call.lease,
+                               call.sent_at, call.limit, call.take)
+
+
+def acquire_until_granted(client, forever):
+    """Drives ``forever`` (a :class:`kunci._common.WaitForever`) to a
+    ticket: after an attempt's ``Busy``, it looks for the ``X 8`` of a
+    server shutting down; after ``Indeterminate``, it releases the
+    attempt's own grant first (rule 11)."""
+    while True:
+        notices = client._book.shutdowns
+        call = forever.call(client._ids.next(), monotonic())
+        try:
+            return granted(client, call, (yield Run(call)), clean_up=False)
+        except Error as error:
+            shut_down = isinstance(error, Busy) and (yield ShutdownSeen(notices))
+            pause = forever.after(error, shut_down)
+            if pause is None:
+                raise error
+            log.debug("%s: %s; asking again", key_text(call.key), error)
+            if isinstance(error, Indeterminate):
+                yield from release_own_grant(client, call)
+        yield Pause(pause)
+
+
+def release_own_grant(client, call):
+    """After ``call`` (an acquire) ended ``Indeterminate``: asks who holds
+    its key until the server answers, and releases the grant of the call's
+    owner, if any (rule 11), so that the next attempt never queues behind
+    its own unseen grant."""
+    pause = RETRY_PAUSE_FIRST
+    while True:
+        try:
+            holders = yield from ask(holders_call(call.key, client._ids.next(), monotonic()))
+            released = True
+            for token in own_grants(holders, call.owner):
+                try:
+                    yield from ask(release_call(call.key, token, monotonic()))
+                except NotHeld:
+                    pass
+                except Error as error:
+                    log.debug("releasing an unseen grant: %s", error)
+                    released = False
+            if released:
+                return
+        except InvalidArgument:
+            return
+        except Error as error:
+            if client._closed:
+                raise error
+            log.debug("asking who holds %r: %s", key_text(call.key), error)
+        yield Pause(pause)
+        pause = min(pause * 2, RETRY_PAUSE_MAX)
+
+
+def campaign(client, forever):
+    """A campaign (spec §13.6): waits as ``acquire(wait=None)`` until
+    granted, then hands the ticket over kept alive."""
+    ticket = yield from acquire_until_granted(client, forever)
+    return (yield from hand_over(ticket, None))
+
+
+def observe(client, name):
+    """Follows the election ``name`` (a :class:`kunci._common.Follow`),
+    an item per leader to report, for ever; asks again quietly after a
+    failure that asking again may change."""
+    follow = Follow(name)
+    while True:
+        call = follow.call(client._ids.next(), monotonic())
+        try:
+            state = yield from ask(call)
+        except Error as error:
+            if client._closed:
+                raise  # the client was closed under it: nothing to follow with
+            pause = follow.failed(error)
+            log.debug("%s: %s; asking again in %.1f s", name, error, pause)
+            yield Pause(pause)
+            continue
+        leader = follow.answered(state)
+        if leader is not Follow.NOTHING:
+            yield Item(leader)
+
+
+def renewal(ticket, lease):
+    """Renews ``ticket`` (``lease`` seconds; ``None``: its own) and
+    returns its new ``valid_until``. ``NotHeld`` declares the loss;
+    ``Indeterminate`` keeps the earlier of the two bounds."""
+    lease = ticket._renewal_lease(lease)
+    started = monotonic()
+    call = renew_call(ticket._key_bytes, ticket.token, lease, monotonic())
+    try:
+        new_valid_until, sent_at = yield from ask(call)
+    except NotHeld:
+        ticket._declare_lost("a renewal was answered N")
+        raise
+    except Indeterminate:
+        with ticket._state_lock:
+            ticket._renewal_indeterminate(started, lease)
+        raise
+    with ticket._state_lock:
+        ticket._renewed(sent_at, lease, new_valid_until)
+    return ticket.valid_until
+
+
+def _release_token(ticket):
+    return (yield from ask(release_call(ticket._key_bytes, ticket.token, monotonic())))
+
+
+def release(ticket):
+    """Releases ``ticket`` (``R`` for exactly its token). ``NotHeld``
+    declares the loss; after a known loss nothing is sent
+    (``LockLost``)."""
+    ticket._begin_release()
+    try:
+        yield from _release_token(ticket)
+    except NotHeld:
+        ticket._declare_lost("the release was answered N")
+        raise
+
+
+def exit_release(ticket, exc_type):
+    """Leaving a ``with`` block: release, unless the lock was lost (then
+    nothing is sent and nothing raised) or the ticket is a parent's. A
+    failed release raises only if the block itself did not."""
+    if not ticket._release_at_block_end():
+        return
+    try:
+        yield from _release_token(ticket)
+    except NotHeld:
+        ticket._declare_lost("the release at the end of the block was answered N")
+    except Error:
+        if exc_type is None:
+            raise
+
+
+def hand_over(ticket, on_lost):
+    """Hands ``ticket`` over managed: renewed first if it came with less
+    than two thirds of its lease left, then kept alive (the ticket's
+    ``_keep_alive_type``, started) every lease/3."""
+    if ticket._needs_renewal_before_handover():
+        try:
+            yield from renewal(ticket, None)
+        except Error as error:
+            ticket._handover_renewal_failed(error)
+    ticket._on_lost = on_lost
+    keepalive = ticket._keep_alive_type(ticket)
+    ticket._keepalive = keepalive
+    keepalive.start()
+    return ticket
+
+
+# --------------------------------------------------------------- keep-alive
+
+class KeepAlive(object):
+    """The managed renewal of one ticket (spec §8 rule 10), free of I/O.
+    A client starts a :meth:`round` a third into each lease
+    (:meth:`due_at`) and calls :meth:`check` at ``valid_until``; setting
+    ``stopped`` ends both."""
+
+    def __init__(self, ticket):
+        self.ticket = ticket
+        self.stopped = False
+
+    def due_at(self):
+        """When the next round starts: a third into the current lease."""
+        return self.ticket._renew_due_at()
+
+    def round(self):
+        """One renewal (a course), retried while its outcome is unknown or
+        it reached no server and ``valid_until`` is ahead; whether it
+        succeeded (then the next round is due at :meth:`due_at`)."""
+        while not self.stopped:
+            try:
+                yield from renewal(self.ticket, None)
+            except Error as error:
+                retry_in = self.retry_in(error, monotonic())
+                if retry_in is None:
+                    return False
+                yield Pause(retry_in)
+                continue
+            return True
+        return False
+
+    def retry_in(self, error, now):
+        """After a renewal raised ``error``: the seconds to wait before
+        trying again, or ``None`` to stop renewing (the loss is declared
+        where it is one)."""
+        ticket = self.ticket
+        if isinstance(error, (Unavailable, Indeterminate)):
+            if self.stopped:
+                return None
+            left = ticket.valid_until - now
+            if left <= 0:
+                ticket._declare_lost("no successful renewal before valid_until (%s)" % error)
+                return None
+            return min(RENEW_RETRY, left)
+        if isinstance(error, (NotHeld, LockLost)):
+            # renew() declared the loss, or it was known already.
+            return None
+        # Any other outcome is definitive and a loss: PermissionDenied (the
+        # secret's scopes do not cover the key, or the server refuses the
+        # client's credentials since it restarted) is not retried.
+        ticket._declare_lost("renewal failed: %s" % error)
+        return None
+
+    def check(self):
+        """At ``valid_until``: declares the loss if it has passed. The
+        instant to check again, or ``None`` (stopped, or lost)."""
+        if self.stopped or self.ticket._declare_lost_if_expired():
+            return None
+        return self.ticket.valid_until
+
+
+# ------------------------------------------------------------------ client
+
+class ClientBase(object):
+    """What a client of either flavour holds before any I/O: its
+    addresses, credentials, connect timeout, owner ids and tickets. A
+    flavour supplies ``_init_client`` (its own state), ``_run``,
+    ``_pause``, ``_shutdown_seen``, ``_clean_up_after``,
+    ``_release_background`` and ``_ticket_type``."""
+
+    def __init__(self, servers: Union[str, Sequence[str], None] = None,
+                 connect_timeout: float = CONNECT_TIMEOUT, *, secret: Union[str, bytes, None] = None,
+                 tls: Union[None, bool, ssl.SSLContext] = None,
+                 etcd_credentials: Optional[Tuple[str, str]] = None,
+                 secret_file: Optional[str] = None, allow_plaintext_secret: bool = False) -> None:
+        self._addresses = check_args(P.resolve_servers, servers)
+        self._access = Access(self._addresses, secret, tls, etcd_credentials, secret_file,
+                              allow_plaintext_secret)
+        self._connect_timeout = check_connect_timeout(connect_timeout)
+        self._ids = OwnerIds()
+        self._closed = False
+        # This client's tickets (weakly), to release them at exit.
+        self._tickets = {}
+        self._init_client()
+        EXIT_CLIENTS.add(self)
+
+    def __repr__(self) -> str:
+        return client_repr(self)
+
+
+def run_result(call):
+    """The end of ``call`` when no session could be had for it by its
+    deadline: the result it has (a refusal of the client's credentials),
+    else ``Unavailable`` (nothing sent)."""
+    if call.result is not None:
+        return call.result
+    raise Unavailable(call.reason or "no server could be reached by the deadline")
+
+
+def attempt_result(call, index):
+    """After an attempt of ``call`` on address ``index`` got its result:
+    that result, or ``None`` when it was refused there before anything
+    executed (``MOVED``): the call moves on to another address (rule 4)."""
+    result = call.result
+    if result[0] != MOVED:
+        return result
+    call.move_on(index)
+    return None
+
