@@ -1,0 +1,196 @@
+"""The client's engine (``kunci._engine``), free of I/O: the courses both
+clients drive, here on a scripted client (each request's result comes from
+a script, the pauses are recorded, not slept), through the sync driver and
+the asyncio one alike."""
+
+import asyncio
+import math
+import time
+
+import pytest
+
+import kunci
+import kunci.aio
+from kunci import _common as C
+from kunci import _engine as E
+from kunci import _protocol as P
+
+
+class Scripted(object):
+    """What a course needs of a client; ``_run`` answers each request with
+    the next entry of ``script`` (a result tuple) and notes it in ``log``
+    as ``op`` (``R`` and ``E`` with their token), pauses are noted, not
+    slept."""
+
+    _ticket_type = staticmethod(lambda client, key, key_bytes, token, *rest: ("ticket", token))
+
+    def __init__(self, script, shutdowns=()):
+        self.script = list(script)
+        self.shutdowns_seen = list(shutdowns)
+        self.log = []
+        self.cleaned = []
+        self.background = []
+        self._closed = False
+        self._tickets = {}
+        self._ids = C.OwnerIds()
+        self._book = C.AddressBook([("tcp", ("127.0.0.1", 1))])
+
+    def run(self, call):
+        self.log.append(call.op + (" %d" % call.token if call.op in "RE" else ""))
+        call.sent_at = time.monotonic()
+        result = self.script.pop(0)
+        if result[0] == "H" and result[1] == "own":
+            # A grant of the attempt the clean-up is for (the last acquire).
+            grant = C.Grant(9, self.last_owner, 0, 30.0, 0.0, "")
+            result = ("H", C.Holders([grant], [], 0))
+        if call.op == "A":
+            self.last_owner = call.owner
+        return result
+
+    def pause(self, seconds):
+        self.log.append("pause %g" % seconds)
+
+    def shutdown_seen(self, notices):
+        self.log.append("shut down?")
+        return self.shutdowns_seen.pop(0)
+
+    def _clean_up_after(self, call):
+        self.cleaned.append(call.owner)
+
+    def _release_background(self, key, token):
+        self.background.append(token)
+
+
+class SyncScripted(Scripted):
+    def _run(self, call):
+        return self.run(call)
+
+    def _pause(self, seconds):
+        self.pause(seconds)
+
+    def _shutdown_seen(self, notices):
+        return self.shutdown_seen(notices)
+
+    def drive(self, course):
+        return E.drive(course, self)
+
+
+class AioScripted(Scripted):
+    async def _run(self, call):
+        await asyncio.sleep(0)
+        return self.run(call)
+
+    async def _pause(self, seconds):
+        self.pause(seconds)
+
+    async def _shutdown_seen(self, notices):
+        return self.shutdown_seen(notices)
+
+    def drive(self, course):
+        return asyncio.run(kunci.aio.Client._drive(self, course))
+
+
+FLAVOURS = [SyncScripted, AioScripted]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_wait_forever_course(flavour):
+    # Indeterminate: the attempt's own grant is found and released before
+    # the pause; Busy with a shutdown notice pauses longer; Timeout asks
+    # again at once; the grant ends the course.
+    client = flavour([("?",), ("H", "own"), ("R",), ("B",), ("T",), ("A", 42)], [True])
+    ticket = client.drive(E.acquire(client, "k", None, 30, None, None, False, None))
+    assert ticket == ("ticket", 42)
+    assert client.log == ["A", "H", "R 9", "pause 0.1", "A", "shut down?", "pause 0.2", "A",
+                          "pause 0", "A"]
+    assert client.cleaned == [] and client.background == []
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_wait_forever_ends_on_a_capacity_busy(flavour):
+    client = flavour([("B",)], [False])
+    with pytest.raises(kunci.Busy):
+        client.drive(E.acquire(client, "k", math.inf, 30, None, None, False, None))
+    assert client.log == ["A", "shut down?"]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_an_indeterminate_acquire_is_cleaned_up_and_raises(flavour):
+    client = flavour([("?",)])
+    with pytest.raises(kunci.Indeterminate):
+        client.drive(E.acquire(client, "k", 1.0, 30, None, None, False, None))
+    assert client.log == ["A"] and len(client.cleaned) == 1
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_observe_course_reports_changes_only(flavour):
+    state = lambda token, label: C.KeyState(token, 30000, 1500, int(token > 0), 0, label)
+    client = flavour([("O", state(0, "")), ("?",), ("O", state(0, "")), ("O", state(5, "a")),
+                      ("O", state(5, "a")), ("O", state(7, "b"))])
+    course = E.observe(client, "db")
+    items = []
+    if flavour is SyncScripted:
+        for item in E.drive_items(course, client):
+            items.append(item)
+            if len(items) == 3:
+                break
+    else:
+        async def follow():
+            async for item in kunci.aio.Client._follow(client, course):
+                items.append(item)
+                if len(items) == 3:
+                    break
+        asyncio.run(follow())
+    assert items == [None, kunci.Leader("a", 5, 1.5), kunci.Leader("b", 7, 1.5)]
+    # The failure (Indeterminate) asked again after the first pause.
+    assert client.log == ["O", "O", "pause 0.1", "O", "O", "O", "O"]
+
+
+class FakeTicket(C.TicketBase):
+    def _declare_lost(self, why):
+        self._lost = True
+        self.why = why
+
+    def _stop_keepalive(self):
+        pass
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_keepalive_round_retries_an_unknown_outcome_then_succeeds(flavour):
+    client = flavour([("?",), ("?",), ("E",)])
+    ticket = FakeTicket(client, "k", b"k", 3, 30, time.monotonic())
+    keepalive = E.KeepAlive(ticket)
+    assert keepalive.due_at() == ticket._lease_sent_at + 10.0
+    assert client.drive(keepalive.round()) is True
+    assert client.log == ["E 3", "pause 0.05", "E 3", "pause 0.05", "E 3"]
+    assert not ticket.lost
+    # The renewal moved the lease to its own send instant.
+    assert ticket.valid_until == P.valid_until(ticket._lease_sent_at, 30)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_keepalive_round_declares_the_loss_past_valid_until(flavour):
+    client = flavour([("?",)])
+    ticket = FakeTicket(client, "k", b"k", 3, 1, time.monotonic() - 5)
+    keepalive = E.KeepAlive(ticket)
+    assert client.drive(keepalive.round()) is False
+    assert client.log == ["E 3"]
+    assert ticket.lost and "no successful renewal before valid_until" in ticket.why
+    assert keepalive.check() is None
+
+
+def test_keepalive_retry_and_check_decisions():
+    client = SyncScripted([])
+    now = time.monotonic()
+    ticket = FakeTicket(client, "k", b"k", 3, 30, now)
+    keepalive = E.KeepAlive(ticket)
+    assert keepalive.retry_in(kunci.Unavailable("down"), now) == E.RENEW_RETRY
+    # Less than the retry pause left: the retry comes at valid_until.
+    left = keepalive.retry_in(kunci.Indeterminate("?"), ticket.valid_until - 0.01)
+    assert left == pytest.approx(0.01)
+    assert keepalive.check() == ticket.valid_until
+    assert keepalive.retry_in(kunci.NotHeld("N"), now) is None and not ticket.lost
+    assert keepalive.retry_in(kunci.PermissionDenied("X 13"), now) is None
+    assert ticket.lost and ticket.why.startswith("renewal failed")
+    keepalive.stopped = True
+    assert keepalive.check() is None
