@@ -155,15 +155,16 @@ def ask(call):
     return outcome_of(call, (yield Run(call)))
 
 
-def acquire(client, key, wait, lease, limit, take, shared, label):
-    """``acquire``: one call that may wait up to ``wait`` seconds, or
-    until granted when ``wait`` is ``None`` or infinite."""
+def acquisition(client, key, wait, lease, limit, take, shared, label):
+    """What ``acquire`` runs: its one call, whose result :func:`granted`
+    turns into the ticket (a call, not a course: the common case steps
+    through nothing); or, when ``wait`` is ``None`` or infinite, the
+    course that waits until granted."""
     if waits_forever(wait):
         forever = WaitForever(key, lease, limit, take, shared, label)
-        return (yield from acquire_until_granted(client, forever))
-    call = acquire_call(key, wait, lease, client._ids.next(), monotonic(), limit, take, shared,
+        return acquire_until_granted(client, forever)
+    return acquire_call(key, wait, lease, client._ids.next(), monotonic(), limit, take, shared,
                         label)
-    return granted(client, call, (yield Run(call)))
 
 
 def granted(client, call, result, clean_up=True):
@@ -283,13 +284,20 @@ def _release_token(ticket):
     return (yield from ask(release_call(ticket._key_bytes, ticket.token, monotonic())))
 
 
-def release(ticket):
-    """Releases ``ticket`` (``R`` for exactly its token). ``NotHeld``
-    declares the loss; after a known loss nothing is sent
-    (``LockLost``)."""
+def release_of(ticket):
+    """The call that releases ``ticket`` (``R`` for exactly its token),
+    its keep-alive stopped and the ticket marked released; raises, sending
+    nothing, after a known loss (``LockLost``). A call, not a course, as
+    an acquire: :func:`released` takes its result."""
     ticket._begin_release()
+    return release_call(ticket._key_bytes, ticket.token, monotonic())
+
+
+def released(ticket, call, result):
+    """After the release ``call`` of ``ticket`` got ``result``: raises
+    as ``release`` does; ``NotHeld`` declares the loss."""
     try:
-        yield from _release_token(ticket)
+        outcome_of(call, result)
     except NotHeld:
         ticket._declare_lost("the release was answered N")
         raise

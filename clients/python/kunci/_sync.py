@@ -334,7 +334,10 @@ class Client(E.ClientBase):
         again (:class:`kunci._common.WaitForever`). It ends only with a
         ``Ticket`` or an outcome that waiting cannot change (``Busy`` at a
         capacity limit, ``PermissionDenied``, ``LimitMismatch``...)."""
-        return self._drive(E.acquire(self, key, wait, lease, limit, take, shared, label))
+        work = E.acquisition(self, key, wait, lease, limit, take, shared, label)
+        if isinstance(work, Call):
+            return E.granted(self, work, self._run(work))
+        return self._drive(work)
 
     def _shutdown_seen(self, notices):
         """Whether a server said it is shutting down (``X 8``) since the
@@ -1284,7 +1287,8 @@ class Ticket(TicketBase):
         """Releases the lock (``R`` for exactly this token). ``NotHeld``:
         the lease had already run out. After a known loss it sends nothing
         and raises :class:`LockLost`."""
-        self._client._drive(E.release(self))
+        call = E.release_of(self)
+        E.released(self, call, self._client._run(call))
 
     def __enter__(self):
         return self

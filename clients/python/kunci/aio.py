@@ -146,7 +146,10 @@ class Client(E.ClientBase):
         (``wait`` seconds, 0 by default: one attempt that never queues;
         ``wait=None`` waits until granted); returns a :class:`Ticket`.
         Cancelling it while it waits ends its wait on the server at once."""
-        return await self._drive(E.acquire(self, key, wait, lease, limit, take, shared, label))
+        work = E.acquisition(self, key, wait, lease, limit, take, shared, label)
+        if isinstance(work, Call):
+            return E.granted(self, work, await self._run(work))
+        return await self._drive(work)
 
     def campaign(self, name: str, value: Union[str, bytes], lease: int = 30) -> "_Campaign":
         """As :meth:`kunci.Client.campaign`: ``t = await
@@ -857,7 +860,8 @@ class Ticket(TicketBase):
 
     async def release(self) -> None:
         """As :meth:`kunci.Ticket.release`: ``R`` for exactly this token."""
-        await self._client._drive(E.release(self))
+        call = E.release_of(self)
+        E.released(self, call, await self._client._run(call))
 
     async def __aenter__(self):
         return self

@@ -99,7 +99,7 @@ def test_wait_forever_course(flavour):
     # the pause; Busy with a shutdown notice pauses longer; Timeout asks
     # again at once; the grant ends the course.
     client = flavour([("?",), ("H", "own"), ("R",), ("B",), ("T",), ("A", 42)], [True])
-    ticket = client.drive(E.acquire(client, "k", None, 30, None, None, False, None))
+    ticket = client.drive(E.acquisition(client, "k", None, 30, None, None, False, None))
     assert ticket == ("ticket", 42)
     assert client.log == ["A", "H", "R 9", "pause 0.1", "A", "shut down?", "pause 0.2", "A",
                           "pause 0", "A"]
@@ -110,16 +110,17 @@ def test_wait_forever_course(flavour):
 def test_wait_forever_ends_on_a_capacity_busy(flavour):
     client = flavour([("B",)], [False])
     with pytest.raises(kunci.Busy):
-        client.drive(E.acquire(client, "k", math.inf, 30, None, None, False, None))
+        client.drive(E.acquisition(client, "k", math.inf, 30, None, None, False, None))
     assert client.log == ["A", "shut down?"]
 
 
-@pytest.mark.parametrize("flavour", FLAVOURS)
-def test_an_indeterminate_acquire_is_cleaned_up_and_raises(flavour):
-    client = flavour([("?",)])
+def test_an_acquire_that_may_end_is_one_call_and_is_cleaned_up_after_indeterminate():
+    client = SyncScripted([("?",)])
+    call = E.acquisition(client, "k", 1.0, 30, None, None, False, None)
+    assert isinstance(call, C.Call) and call.op == "A" and call.wait_until is not None
     with pytest.raises(kunci.Indeterminate):
-        client.drive(E.acquire(client, "k", 1.0, 30, None, None, False, None))
-    assert client.log == ["A"] and len(client.cleaned) == 1
+        E.granted(client, call, client._run(call))
+    assert client.log == ["A"] and client.cleaned == [call.owner]
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
