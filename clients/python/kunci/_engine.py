@@ -1,6 +1,8 @@
-"""The course of every call that takes more than one request or a pause,
-free of I/O: one piece that both clients drive, as the Rust client's
-engine is driven by its I/O thread.
+"""What a call of either client does, free of I/O: one piece that both
+clients drive, as the Rust client's engine is driven by its I/O thread.
+The outcome of each answer (``outcome_of``, ``result_of``) and the
+decisions of the policies (``WaitForever``, ``Follow``) are in
+``_common``; this module puts them in order.
 
 A *course* is a generator. It yields the *effects* it needs (run a call
 to its result, pause, see whether a server said it shuts down, hand an
@@ -9,7 +11,11 @@ exception it raised; its return value is the call's. The decisions
 (which request next, what an outcome means, when to ask again, when a
 lock is lost) are all here and in ``_common``; only how an effect is
 waited for differs: :func:`drive` blocks on each (the sync client), and
-``kunci.aio.Client._drive`` awaits each.
+``kunci.aio.Client._drive`` awaits each. A call of one request (an
+acquire that may end, a ticket's release) takes no course: the client runs
+the call this module makes (:func:`acquisition`, :func:`release_of`) and
+hands the result back (:func:`granted`, :func:`released`); each attempt of
+a request ends as :func:`run_result` and :func:`attempt_result` say.
 
 :class:`KeepAlive` is the managed renewal of one ticket (spec §8 rule
 10): each client drives its rounds and its check at ``valid_until`` on
@@ -41,51 +47,41 @@ RENEW_RETRY = 0.05
 
 # ------------------------------------------------------------------ effects
 
-class Run(object):
-    """Run ``call`` to its result tuple (the client's ``_run``: rules 4
-    and 5); raises as ``_run`` does."""
+class Effect(object):
+    """What a course asks of its client; ``arg`` is what it is about."""
 
-    __slots__ = ("call",)
+    __slots__ = ("arg",)
 
-    def __init__(self, call):
-        self.call = call
-
-    def perform(self, client):
-        return client._run(self.call)
+    def __init__(self, arg):
+        self.arg = arg
 
 
-class Pause(object):
-    """Let ``seconds`` pass."""
-
-    __slots__ = ("seconds",)
-
-    def __init__(self, seconds):
-        self.seconds = seconds
+class Run(Effect):
+    """Run the call ``arg`` to its result tuple (the client's ``_run``:
+    rules 4 and 5); raises as ``_run`` does."""
 
     def perform(self, client):
-        return client._pause(self.seconds)
+        return client._run(self.arg)
 
 
-class ShutdownSeen(object):
+class Pause(Effect):
+    """Let ``arg`` seconds pass."""
+
+    def perform(self, client):
+        return client._pause(self.arg)
+
+
+class ShutdownSeen(Effect):
     """Whether a server said it shuts down (``X 8``) since the client's
-    count of such notices was ``notices`` (``_shutdown_seen``)."""
-
-    __slots__ = ("notices",)
-
-    def __init__(self, notices):
-        self.notices = notices
+    count of such notices was ``arg`` (``_shutdown_seen``)."""
 
     def perform(self, client):
-        return client._shutdown_seen(self.notices)
+        return client._shutdown_seen(self.arg)
 
 
-class Item(object):
-    """Hand ``value`` to the caller as an iterator's next item."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
+class Item(Effect):
+    """Hand ``arg`` to the caller as an iterator's next item; the client
+    answers nothing."""
 
 
 class Steps(object):
@@ -141,7 +137,7 @@ def drive_items(course, client):
     effect = steps.next()
     while effect is not None:
         if isinstance(effect, Item):
-            yield effect.value
+            yield effect.arg
             steps.answer(None)
         else:
             steps.perform(effect, client)

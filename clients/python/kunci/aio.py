@@ -322,7 +322,7 @@ class Client(E.ClientBase):
         effect = steps.next()
         while effect is not None:
             if isinstance(effect, E.Item):
-                yield effect.value
+                yield effect.arg
                 steps.answer(None)
             else:
                 try:
