@@ -1178,8 +1178,9 @@ def current_pid():
 class TicketBase(object):
     """The bookkeeping of a granted lock that does not depend on how its
     client waits: validity, loss, ownership across a fork. A subclass
-    supplies ``renew``, ``release``, ``_declare_lost`` and
-    ``_stop_keepalive``."""
+    supplies ``renew``, ``release`` and ``_report_lost`` (how ``on_lost``
+    runs), and its keep-alive (``_keep_alive_type``: a
+    :class:`kunci._engine.KeepAlive`)."""
 
     key: str
     token: int
@@ -1298,6 +1299,31 @@ class TicketBase(object):
             raise LockLost("lock on %r (token %d) was released" % (self.key, self.token))
         if self._lost:
             raise LockLost("lock on %r (token %d) was lost" % (self.key, self.token))
+
+    def _declare_lost(self, why):
+        """Declares the loss, once and never after a release: ``valid_until``
+        no later than now, the keep-alive stopped, a warning logged, and
+        ``on_lost`` handed the ticket (``_report_lost``)."""
+        with self._state_lock:
+            if self._lost or self._released:
+                return
+            self._lost = True
+            self.valid_until = min(self.valid_until, time.monotonic())
+            on_lost = self._on_lost
+        self._stop_keepalive()
+        log.warning("lock on %r (token %d) lost: %s", self.key, self.token, why)
+        if on_lost is not None:
+            self._report_lost(on_lost)
+
+    def _stop_keepalive(self):
+        if self._foreign():
+            # In a forked child: the parent's keep-alive is not ours (and
+            # the lock may have been held by a thread that is gone).
+            return
+        with self._state_lock:
+            keepalive, self._keepalive = self._keepalive, None
+        if keepalive is not None:
+            keepalive.stop()
 
     def _declare_lost_if_expired(self):
         """Declares the loss once ``valid_until`` has passed (rule 10);

@@ -342,6 +342,10 @@ class KeepAlive(object):
         self.ticket = ticket
         self.stopped = False
 
+    def stop(self):
+        """No round starts, and no check declares a loss, from now on."""
+        self.stopped = True
+
     def due_at(self):
         """When the next round starts: a third into the current lease."""
         return self.ticket._renew_due_at()
@@ -390,6 +394,37 @@ class KeepAlive(object):
         if self.stopped or self.ticket._declare_lost_if_expired():
             return None
         return self.ticket.valid_until
+
+
+class LockContextBase(object):
+    """What ``client.lock(...)`` returns, but how it waits. Each entry
+    takes a ticket of its own, kept by its entrant (a thread, a task), so
+    one object may be entered by several at once (as a semaphore), and
+    again by the same: each exit releases its entrant's latest entry."""
+
+    def __init__(self, client, args, permits, on_lost):
+        self._client = client
+        self._args = args
+        self._permits = permits
+        self._on_lost = on_lost
+        self._entries = {}  # entrant -> its tickets, the latest entry's last
+
+    def _entered(self, entrant, ticket):
+        self._entries.setdefault(entrant, []).append(ticket)
+        return ticket
+
+    def _leaving(self, entrant):
+        """The ticket the exit of ``entrant`` releases: its latest entry's;
+        if it made none and one entrant did (entered on one thread or
+        task and left on another, as a driver that runs each step as a
+        task does), that one's."""
+        stack = self._entries.get(entrant)
+        if stack is None and len(self._entries) == 1:
+            entrant, stack = next(iter(list(self._entries.items())))
+        ticket = stack.pop()
+        if not stack:
+            del self._entries[entrant]
+        return ticket
 
 
 # ------------------------------------------------------------------ client

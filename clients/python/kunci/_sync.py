@@ -1297,31 +1297,10 @@ class Ticket(TicketBase):
         self._client._drive(E.exit_release(self, exc_type))
         return False
 
-    def _declare_lost(self, why):
-        with self._state_lock:
-            if self._lost or self._released:
-                return
-            self._lost = True
-            self.valid_until = min(self.valid_until, monotonic())
-            keepalive, self._keepalive = self._keepalive, None
-            on_lost = self._on_lost
-        if keepalive is not None:
-            keepalive.stopped = True
-        log.warning("lock on %r (token %d) lost: %s", self.key, self.token, why)
-        if on_lost is not None:
-            # On a thread of its own: never on the thread that runs every
-            # keep-alive's timers, whatever the callback does.
-            _start_thread(_call_on_lost, "kunci-on-lost", on_lost, self)
-
-    def _stop_keepalive(self):
-        if self._foreign():
-            # In a forked child: the parent's keep-alive is not ours (and
-            # the lock may have been held by a thread that is gone).
-            return
-        with self._state_lock:
-            keepalive, self._keepalive = self._keepalive, None
-        if keepalive is not None:
-            keepalive.stopped = True
+    def _report_lost(self, on_lost):
+        # On a thread of its own: never on the thread that runs every
+        # keep-alive's timers, whatever the callback does.
+        _start_thread(_call_on_lost, "kunci-on-lost", on_lost, self)
 
 
 class _KeepAlive(E.KeepAlive):
@@ -1370,35 +1349,18 @@ Ticket._keep_alive_type = _KeepAlive
 Client._ticket_type = Ticket
 
 
-class _LockContext(object):
-    """What ``client.lock(...)`` returns. Each entry takes a ticket of its
-    own, so one object may be entered by several threads at once (as a
-    ``threading.Semaphore``), and again by the same thread: each exit
-    releases the ticket of its thread's latest entry."""
-
-    def __init__(self, client, args, permits, on_lost):
-        self._client = client
-        self._args = args
-        self._permits = permits
-        self._on_lost = on_lost
-        self._entries = {}  # thread id -> its tickets, the latest entry's last
+class _LockContext(E.LockContextBase):
+    """What ``client.lock(...)`` returns: each entry, by a thread, takes
+    a ticket of its own (:class:`kunci._engine.LockContextBase`)."""
 
     def __enter__(self):
         client = self._client
         ticket = client._drive(E.hand_over(client.acquire(*self._args, **self._permits),
                                            self._on_lost))
-        self._entries.setdefault(threading.get_ident(), []).append(ticket)
-        return ticket
+        return self._entered(threading.get_ident(), ticket)
 
     def __exit__(self, exc_type, exc, tb):
-        thread = threading.get_ident()
-        stack = self._entries.get(thread)
-        if stack is None and len(self._entries) == 1:
-            # Entered on one thread and left on another: the one entry there is.
-            thread, stack = next(iter(list(self._entries.items())))
-        ticket = stack.pop()
-        if not stack:
-            del self._entries[thread]
+        ticket = self._leaving(threading.get_ident())
         self._client._drive(E.exit_release(ticket, exc_type))
         return False
 

@@ -870,29 +870,16 @@ class Ticket(TicketBase):
         await self._client._drive(E.exit_release(self, exc_type))
         return False
 
-    def _declare_lost(self, why):
-        if self._lost or self._released:
-            return
-        self._lost = True
-        self.valid_until = min(self.valid_until, monotonic())
-        self._stop_keepalive()
-        log.warning("lock on %r (token %d) lost: %s", self.key, self.token, why)
-        if self._on_lost is not None:
-            try:
-                outcome = self._on_lost(self)
-                if asyncio.iscoroutine(outcome) or isinstance(outcome, asyncio.Future):
-                    task = asyncio.ensure_future(outcome)
-                    self._client._tasks.add(task)
-                    task.add_done_callback(self._client._tasks.discard)
-            except Exception:
-                log.exception("on_lost callback failed")
-
-    def _stop_keepalive(self):
-        if self._foreign():
-            return
-        keepalive, self._keepalive = self._keepalive, None
-        if keepalive is not None:
-            keepalive.stop()
+    def _report_lost(self, on_lost):
+        # On the event loop; an awaitable it returns runs as a task.
+        try:
+            outcome = on_lost(self)
+            if asyncio.iscoroutine(outcome) or isinstance(outcome, asyncio.Future):
+                task = asyncio.ensure_future(outcome)
+                self._client._tasks.add(task)
+                task.add_done_callback(self._client._tasks.discard)
+        except Exception:
+            log.exception("on_lost callback failed")
 
 
 class _KeepAlive(E.KeepAlive):
@@ -911,7 +898,7 @@ class _KeepAlive(E.KeepAlive):
         self._arm_check(self.ticket.valid_until)
 
     def stop(self):
-        self.stopped = True
+        super().stop()
         if self.timer is not None:
             self.timer.cancel()
         task = self.task
@@ -987,33 +974,17 @@ class _Campaign(object):
         return False
 
 
-class _LockContext(object):
-    """As :class:`kunci._sync._LockContext`: each entry (by a task, or the
-    same task again) takes a ticket of its own."""
-
-    def __init__(self, client, args, permits, on_lost):
-        self._client = client
-        self._args = args
-        self._permits = permits
-        self._on_lost = on_lost
-        self._entries = {}  # task -> its tickets, the latest entry's last
+class _LockContext(E.LockContextBase):
+    """As :class:`kunci._sync._LockContext`: each entry, by a task (or the
+    same task again), takes a ticket of its own."""
 
     async def __aenter__(self):
         client = self._client
         ticket = await client._drive(E.hand_over(
             await client.acquire(*self._args, **self._permits), self._on_lost))
-        self._entries.setdefault(_current_task(), []).append(ticket)
-        return ticket
+        return self._entered(_current_task(), ticket)
 
     async def __aexit__(self, exc_type, exc, tb):
-        task = _current_task()
-        stack = self._entries.get(task)
-        if stack is None and len(self._entries) == 1:
-            # Entered and left from different tasks (a driver that runs
-            # each step as a task): the one entry there is.
-            task, stack = next(iter(self._entries.items()))
-        ticket = stack.pop()
-        if not stack:
-            del self._entries[task]
+        ticket = self._leaving(_current_task())
         await self._client._drive(E.exit_release(ticket, exc_type))
         return False

@@ -195,3 +195,17 @@ def test_keepalive_retry_and_check_decisions():
     assert ticket.lost and ticket.why.startswith("renewal failed")
     keepalive.stopped = True
     assert keepalive.check() is None
+
+
+def test_lock_context_entries():
+    # Each exit releases its entrant's latest entry; an exit by an entrant
+    # that made no entry takes the one entry there is (entered on one task
+    # and left on another).
+    context = E.LockContextBase(None, (), {}, None)
+    context._entered("a", 1)
+    context._entered("b", 2)
+    context._entered("a", 3)
+    assert context._leaving("a") == 3
+    assert context._leaving("b") == 2
+    assert context._leaving("c") == 1
+    assert context._entries == {}
