@@ -28,7 +28,8 @@ import time
 
 from . import _protocol as P
 from ._common import (
-    DENIED, INDETERMINATE, MOVED, Grant, Holders, KeyInfo, KeyStatus, Waiter, exiting, log,
+    DENIED, INDETERMINATE, MOVED, Grant, Holders, KeyInfo, KeyState, KeyStatus, Waiter, exiting,
+    log,
 )
 from ._errors import InvalidArgument
 from ._etcd_http import (
@@ -128,7 +129,7 @@ def decode(value):
     exclusive with no limit: it blocks while it is there and never lets
     anyone overcommit."""
     try:
-        text = value.decode("utf-8")
+        text = _base(value).decode("utf-8")
     except UnicodeDecodeError:
         return 0, EXCLUSIVE
     owner = _unsigned(text.strip(_WHITESPACE), U64_MAX)
@@ -149,7 +150,7 @@ def decode_label(value):
     """The label of an entry's value: the rest after ``OWNER LIMIT TAKE ``
     when those three are numbers; else empty."""
     try:
-        text = value.decode("utf-8")
+        text = _base(value).decode("utf-8")
     except UnicodeDecodeError:
         return ""
     fields = text.split(" ", 3)
@@ -160,15 +161,42 @@ def decode_label(value):
     return ""
 
 
-def claim_value(owner, limit, take, label):
+def _base(value):
+    """The first line of a value: ``OWNER[ LIMIT TAKE[ LABEL]]``. A label
+    has no newline, so what follows one is the trailer (:func:`granted_ms`)."""
+    end = value.find(b"\n")
+    return value if end < 0 else value[:end]
+
+
+def granted_ms(value):
+    """The wall-clock grant time (ms since the Unix epoch) the holder
+    wrote into its entry, or ``None``. It is a trailer line after the
+    value, ``\ngranted_ms=MS`` (decimal digits); the value's lines after
+    the first are ``NAME=VALUE`` fields, unknown names ignored. Only a
+    campaign writes it (spec §13.6; a lock does not), after its label,
+    which has no newline, so an older reader still reads the owner, limit
+    and take exactly (the trailer lands in what it shows as the label)."""
+    for line in value.split(b"\n")[1:]:
+        name, _, field = line.partition(b"=")
+        if name == b"granted_ms" and re.match(rb"[0-9]{1,19}\Z", field):
+            return int(field)
+    return None
+
+
+def claim_value(owner, limit, take, label, granted_at=None):
     """The entry's value: the owner alone for a plain exclusive claim
     without a label (as every version wrote it); else ``OWNER LIMIT
-    TAKE``, then `` LABEL`` when there is one."""
+    TAKE``, then `` LABEL`` when there is one, then, for a labelled claim
+    put as a grant, the grant time ``granted_at`` (seconds since the
+    epoch, wall clock) as the trailer ``\ngranted_ms=MS``."""
     if not label:
         if limit == 0 and take == 0:
             return b"%d" % owner
         return b"%d %d %d" % (owner, limit, take)
-    return b"%d %d %d %s" % (owner, limit, take, label)
+    value = b"%d %d %d %s" % (owner, limit, take, label)
+    if granted_at is not None:
+        value += b"\ngranted_ms=%d" % max(0, int(granted_at * 1000))
+    return value
 
 
 def judge(own, earlier, check_limit):
@@ -332,6 +360,8 @@ class Cluster(object):
             return result
         if op == "Q":
             return self.query(call.key, call.deadline)
+        if op == "O":
+            return self.observe(call)
         if op == "H":
             return self.holders(call.key, call.deadline)
         if op == "L":
@@ -502,6 +532,11 @@ class Cluster(object):
             "key": _b64(name),
             "value": _b64(claim_value(call.owner, call.limit, call.take, call.label)),
             "lease": str(lease)}}
+        # A campaign's put that is a grant (the key is free) carries the
+        # grant time; a queued entry gets it when it is granted (_stamp).
+        put_granted = put if not call.stamp else {"request_put": dict(
+            put["request_put"], value=_b64(claim_value(
+                call.owner, call.limit, call.take, call.label, time.time())))}
         # The entries before ours, the latest first: a plain acquire needs
         # only the latest; the rest need them all (the limit, the takes).
         earlier = {"request_range": _range_body(prefix, int(plain), "DESCEND", 0)}
@@ -514,7 +549,7 @@ class Cluster(object):
             failure = []
         whole = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "target": "CREATE"}
         txn = {"compare": [dict(whole, result="EQUAL", create_revision="0")],
-               "success": [put], "failure": failure}
+               "success": [put_granted], "failure": failure}
         try:
             _, answer = self._write("/v3/kv/txn", txn, deadline)
         except Fault as fault:
@@ -548,7 +583,7 @@ class Cluster(object):
                     self.revoke_in_background(lease)
                     return ("T",)
                 txn = {"compare": [dict(whole, result="LESS", create_revision=str(revision + 1))],
-                       "success": [put], "failure": [earlier]}
+                       "success": [put_granted], "failure": [earlier]}
                 try:
                     _, answer = self._write("/v3/kv/txn", txn, deadline)
                 except Fault as fault:
@@ -558,6 +593,7 @@ class Cluster(object):
             # Our entry is in the queue, created at ``revision``.
             if verdict[0] == "holds":
                 call.sent_at = set_at
+                self._stamp(call, name, revision, lease, deadline)
                 return ("A", revision)
             if verdict[0] == "mismatch":
                 try:
@@ -615,12 +651,33 @@ class Cluster(object):
                     self.revoke_in_background(lease)
                     return INDETERMINATE
                 call.sent_at = kept[0]
+                self._stamp(call, place[1], place[2], lease, deadline)
                 return ("A", place[2])
             if turn[0] == "gone":
                 self.revoke_in_background(lease)
                 return INDETERMINATE
             self._watch_deletion(call, place, turn[1], turn[2] + 1,
                                  min(wait_until, next_keep_alive))
+
+    def _stamp(self, call, name, revision, lease, deadline):
+        """Writes the grant time into the entry of a campaign granted after
+        it was queued (what ``leader``'s ``held_for`` reads): one put
+        of the same value with the time, on the same lease, guarded by the
+        entry's create revision and lease so that it never re-creates a
+        released entry nor moves it back to a lease it left. Best effort
+        (at most 1 s): without it the time is unknown, nothing else."""
+        if not (call.stamp and call.label):
+            return
+        value = claim_value(call.owner, call.limit, call.take, call.label, time.time())
+        key = _b64(name)
+        txn = {"compare": [
+            {"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": str(revision)},
+            {"key": key, "target": "LEASE", "result": "EQUAL", "lease": str(lease)}],
+            "success": [{"request_put": {"key": key, "value": _b64(value), "lease": str(lease)}}]}
+        try:
+            self._write("/v3/kv/txn", txn, min(deadline, monotonic() + 1.0))
+        except Fault:
+            log.debug("could not write the grant time of %d", revision)
 
     def _turn(self, place, deadline):
         """Where the entry at ``place`` stands: one read-only transaction
@@ -809,6 +866,65 @@ class Cluster(object):
         return ("Q", KeyStatus(first.create_revision, decode(first.value)[0],
                                min(max(ttl, 0) * 1000, 0xFFFFFFFF), len(found) - holding(found)))
 
+    def observe(self, call):
+        """``O`` (spec §13.1 on etcd): the key's state, whose current token
+        is the create revision of its first entry (the earliest grant; 0
+        when it has none), answered at once when that differs from the
+        call's since or its wait is 0; else followed with an etcd watch
+        (not polling) until it differs or the wait ends. The first entry
+        can change only by its own deletion (later entries come after it),
+        so a held key's watch is on that entry's deletion alone, and a free
+        key's on a put under its prefix. A watch that breaks or cannot be
+        opened (an outage) only sends it back to the read, which is retried
+        until the call's deadline."""
+        since, wait_until = call.token, call.deadline - P.TRANSPORT_DEADLINE
+        prefix = prefix_of(call.key)
+        while True:
+            try:
+                _, value = self._read(
+                    "/v3/kv/range", _range_body(prefix, 0, "ASCEND", 0), call.deadline)
+            except Fault as fault:
+                return fault.result()
+            found, revision = _entries(value), _header_revision(value)
+            if found is None or revision is None:
+                return INDETERMINATE
+            state = _key_state(found)
+            if state.token != since or monotonic() >= wait_until or call.abandoned:
+                return ("O", state)
+            if found:
+                request = {"key": _b64(found[0].name), "filters": ["NOPUT"]}
+            else:
+                request = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
+                           "filters": ["NODELETE"]}
+            request["start_revision"] = str(revision + 1)
+            self._watch_until_event(call, request, wait_until)
+
+    def _watch_until_event(self, call, request, until):
+        """Blocks until the watch ``request`` reports an event, or until
+        ``until``, or until the watch breaks or the caller gave up."""
+        stream = self.members.open_stream("/v3/watch", _encode({"create_request": request}), until)
+        if stream is None:
+            time.sleep(max(0.0, min(until - monotonic(), RETRY_PAUSE)))
+            return
+        try:
+            while True:
+                try:
+                    message = stream.next_message(min(until, monotonic() + _ABANDON_CHECK))
+                except (OSError, EOFError, ValueError) as error:
+                    log.debug("etcd watch broke: %s", error)
+                    time.sleep(max(0.0, min(until - monotonic(), RETRY_PAUSE)))
+                    return
+                if message is None:
+                    if monotonic() >= until or call.abandoned:
+                        return
+                    continue
+                result = _field(_parse(message), "result")
+                if not isinstance(result, dict) or result.get("canceled") is True \
+                        or _array(result, "events"):
+                    return
+        finally:
+            stream.close()
+
     def holders(self, key, deadline):
         """``H``: the prefix that fits holds, the rest wait. A grant whose
         lease has under a second left or is gone is not listed; etcd keeps
@@ -929,6 +1045,20 @@ def cluster_for(addresses, connect_timeout, tls=None, credentials=None):
     ``credentials``: ``(user, password)`` for etcd's authentication."""
     endpoints = [where for kind, where in addresses if kind in P.ETCD_KINDS]
     return Cluster(endpoints, connect_timeout, tls, credentials) if endpoints else None
+
+
+def _key_state(found):
+    """The ``KeyState`` of a key's entries (create-revision order): the
+    first one's create revision, label and time held (from the grant time
+    it stored, wall clock; ``None`` when it stored none); the lease left
+    is not read (0)."""
+    if not found:
+        return KeyState(0, 0, 0, 0, 0, "")
+    first, grants = found[0], holding(found)
+    granted = granted_ms(first.value)
+    held_ms = None if granted is None else max(0, int(time.time() * 1000) - granted)
+    return KeyState(first.create_revision, 0, held_ms, min(grants, 0xFFFF), len(found) - grants,
+                    decode_label(first.value))
 
 
 class _Ends(Exception):
