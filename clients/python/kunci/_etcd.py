@@ -85,11 +85,23 @@ def prefix_of(key):
 
 
 def prefix_end(prefix):
-    """The first key after every key that starts with ``prefix``."""
-    return prefix.rstrip(b"/") + b"0"
+    """The first key after every key that starts with ``prefix`` (which
+    ends with ``/``): its last byte plus one. (For ``KEY/`` of etcd's
+    layout with a key that ends with ``/`` itself, stripping every ``/``
+    would take in other keys' entries.)"""
+    return prefix[:-1] + b"0"
 
 
-Entry = collections.namedtuple("Entry", "name create_revision lease value")
+class Entry(collections.namedtuple("Entry", "name create_revision lease value raw",
+                                   defaults=(None,))):
+    """A key-value pair as a range returns it: ``value`` as kunci's
+    encoding reads it; ``raw``, when set, the value stored (etcd's
+    layout)."""
+
+    __slots__ = ()
+
+    def raw_value(self):
+        return self.value if self.raw is None else self.raw
 
 
 def _entry(kv):
@@ -317,8 +329,10 @@ def _spawn(target, name, *args):
 class Cluster(object):
     """The client's view of one etcd cluster."""
 
-    def __init__(self, endpoints, connect_timeout, tls=None, credentials=None):
+    def __init__(self, endpoints, connect_timeout, tls=None, credentials=None, layout="kunci"):
         self.members = Members(endpoints, connect_timeout, tls, credentials)
+        # ``"etcd"``: etcd's own layout (client/v3/concurrency), else kunci's.
+        self.layout = layout
         self._cursors = collections.OrderedDict()
         self._cursor_seq = 0
         self._lock = threading.Lock()
@@ -332,7 +346,7 @@ class Cluster(object):
         handler), which may hold any lock of this cluster."""
         members = self.members
         aside = Cluster(members.endpoints, members.connect_timeout, members.tls,
-                        members.credentials)
+                        members.credentials, self.layout)
         aside.members.preferred = members.preferred
         try:
             return aside.run(call)
@@ -349,6 +363,8 @@ class Cluster(object):
 
     def _run(self, call):
         op = call.op
+        if self.layout == "etcd":
+            _check_etcd_layout(call)
         if op == "A":
             return self.acquire(call)
         if op == "R":
@@ -383,6 +399,35 @@ class Cluster(object):
             if result != ("R",):
                 log.debug("background release of %d: %r", token, result)
         _spawn(release, "kunci-etcd-release")
+
+    # ---------------------------------------------------------- layout
+
+    def _prefix(self, key):
+        """Where a key's entries live: ``kunci/LEN:KEY/``, or in etcd's
+        layout ``KEY/`` (as ``concurrency.Mutex`` and ``Election``)."""
+        return key + b"/" if self.layout == "etcd" else prefix_of(key)
+
+    def _entry_name(self, prefix, lease):
+        """An entry's name: the prefix and its lease id in hex (etcd's
+        layout: lowercase, unpadded, as ``fmt.Sprintf("%s%x")``)."""
+        return b"%s%x" % (prefix, lease) if self.layout == "etcd" else b"%s%016x" % (prefix, lease)
+
+    def _claim(self, call, granted_at=None):
+        """An acquire's value: kunci's encoding, or in etcd's layout the
+        label alone (a Mutex writes ``""``, an Election its value)."""
+        if self.layout == "etcd":
+            return call.label or b""
+        return claim_value(call.owner, call.limit, call.take, call.label, granted_at)
+
+    def _entries(self, range_answer):
+        """The entries of a range answer (:func:`_entries`); in etcd's
+        layout each value is read as kunci's exclusive claim with that
+        label (owner 0), the raw value kept for a move."""
+        found = _entries(range_answer)
+        if found is None or self.layout != "etcd":
+            return found
+        return [entry._replace(value=b"0 0 0 " + entry.value if entry.value else b"0",
+                               raw=entry.value) for entry in found]
 
     # -------------------------------------------------------- requests
 
@@ -487,10 +532,10 @@ class Cluster(object):
             raise _Ends(("N",))
         try:
             _, value = self._read(
-                "/v3/kv/range", _range_body(prefix_of(key), 0, "DESCEND", token), deadline)
+                "/v3/kv/range", _range_body(self._prefix(key), 0, "DESCEND", token), deadline)
         except Fault as fault:
             raise _Ends(fault.result())
-        found = _entries(value)
+        found = self._entries(value)
         if found is None:
             raise _Ends(INDETERMINATE)
         if found and found[0].create_revision == token \
@@ -526,17 +571,14 @@ class Cluster(object):
         except Fault as fault:
             return fault.result()
         granted.append(lease)
-        prefix = prefix_of(call.key)
-        name = b"%s%016x" % (prefix, lease)
+        prefix = self._prefix(call.key)
+        name = self._entry_name(prefix, lease)
         put = {"request_put": {
-            "key": _b64(name),
-            "value": _b64(claim_value(call.owner, call.limit, call.take, call.label)),
-            "lease": str(lease)}}
+            "key": _b64(name), "value": _b64(self._claim(call)), "lease": str(lease)}}
         # A campaign's put that is a grant (the key is free) carries the
         # grant time; a queued entry gets it when it is granted (_stamp).
         put_granted = put if not call.stamp else {"request_put": dict(
-            put["request_put"], value=_b64(claim_value(
-                call.owner, call.limit, call.take, call.label, time.time())))}
+            put["request_put"], value=_b64(self._claim(call, time.time())))}
         # The entries before ours, the latest first: a plain acquire needs
         # only the latest; the rest need them all (the limit, the takes).
         earlier = {"request_range": _range_body(prefix, int(plain), "DESCEND", 0)}
@@ -567,7 +609,7 @@ class Cluster(object):
                 self.revoke_in_background(lease)
                 return ("T",)
             ranges = _txn_ranges(answer)
-            snapshot = _entries(ranges[0]) if ranges else None
+            snapshot = self._entries(ranges[0]) if ranges else None
             if snapshot is None:
                 self.revoke_in_background(lease)
                 return INDETERMINATE
@@ -666,9 +708,9 @@ class Cluster(object):
         entry's create revision and lease so that it never re-creates a
         released entry nor moves it back to a lease it left. Best effort
         (at most 1 s): without it the time is unknown, nothing else."""
-        if not (call.stamp and call.label):
-            return
-        value = claim_value(call.owner, call.limit, call.take, call.label, time.time())
+        if not (call.stamp and call.label) or self.layout == "etcd":
+            return  # etcd's layout stores the value alone
+        value = self._claim(call, time.time())
         key = _b64(name)
         txn = {"compare": [
             {"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": str(revision)},
@@ -686,7 +728,7 @@ class Cluster(object):
         key, name, revision, slot = place
         exclusive = slot[1] == 0
         txn = {"success": [
-            {"request_range": _range_body(prefix_of(key), int(exclusive), "DESCEND",
+            {"request_range": _range_body(self._prefix(key), int(exclusive), "DESCEND",
                                           revision - 1)},
             {"request_range": {"key": _b64(name)}}]}
         _, value = self._read("/v3/kv/txn", txn, deadline)
@@ -694,7 +736,7 @@ class Cluster(object):
         ranges = _txn_ranges(value)
         if seen is None or len(ranges) != 2:
             raise Fault(True)
-        own, before = _entries(ranges[1]), _entries(ranges[0])
+        own, before = self._entries(ranges[1]), self._entries(ranges[0])
         if own is None or before is None:
             raise Fault(True)
         if not own or own[0].create_revision != revision:
@@ -715,7 +757,7 @@ class Cluster(object):
         if len(wake) == 1:
             request = {"key": _b64(wake[0])}
         else:
-            prefix = prefix_of(place[0])
+            prefix = self._prefix(place[0])
             request = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
         request.update(start_revision=str(from_revision), filters=["NOPUT"])
         stream = self.members.open_stream("/v3/watch", _encode({"create_request": request}), until)
@@ -797,7 +839,7 @@ class Cluster(object):
                 _, value = self._read("/v3/kv/range", {"key": _b64(entry.name)}, deadline)
             except Fault:
                 return INDETERMINATE, None
-            now = _entries(value)
+            now = self._entries(value)
             if now is None:
                 return INDETERMINATE, None
             if now and now[0].create_revision == token:
@@ -814,7 +856,7 @@ class Cluster(object):
         name = _b64(entry.name)
         txn = {"compare": [{"key": name, "target": "CREATE", "result": "EQUAL",
                             "create_revision": str(token)}],
-               "success": [{"request_put": {"key": name, "value": _b64(entry.value),
+               "success": [{"request_put": {"key": name, "value": _b64(entry.raw_value()),
                                             "lease": str(new_lease)}}]}
         try:
             _, value = self._write("/v3/kv/txn", txn, deadline)
@@ -835,10 +877,10 @@ class Cluster(object):
         """Every entry of ``key`` in create-revision order, in one read."""
         try:
             _, value = self._read(
-                "/v3/kv/range", _range_body(prefix_of(key), 0, "ASCEND", 0), deadline)
+                "/v3/kv/range", _range_body(self._prefix(key), 0, "ASCEND", 0), deadline)
         except Fault as fault:
             raise _Ends(fault.result())
-        found = _entries(value)
+        found = self._entries(value)
         if found is None:
             raise _Ends(INDETERMINATE)
         return found
@@ -878,14 +920,14 @@ class Cluster(object):
         opened (an outage) only sends it back to the read, which is retried
         until the call's deadline."""
         since, wait_until = call.token, call.deadline - P.TRANSPORT_DEADLINE
-        prefix = prefix_of(call.key)
+        prefix = self._prefix(call.key)
         while True:
             try:
                 _, value = self._read(
                     "/v3/kv/range", _range_body(prefix, 0, "ASCEND", 0), call.deadline)
             except Fault as fault:
                 return fault.result()
-            found, revision = _entries(value), _header_revision(value)
+            found, revision = self._entries(value), _header_revision(value)
             if found is None or revision is None:
                 return INDETERMINATE
             state = _key_state(found)
@@ -969,7 +1011,7 @@ class Cluster(object):
             _, value = self._read("/v3/kv/range", body, deadline)
         except Fault as fault:
             return fault.result()
-        page = _entries(value)
+        page = self._entries(value)
         if page is None:
             return INDETERMINATE
         more = value.get("more") is True
@@ -978,7 +1020,7 @@ class Cluster(object):
         resume_at = (page[-1].name if page else b"") + b"\0"
         last_key = key_of(page[-1].name) if page else None
         if last_key is not None:
-            resume_at = max(resume_at, prefix_end(prefix_of(last_key)))
+            resume_at = max(resume_at, prefix_end(self._prefix(last_key)))
         groups = []
         for entry in page:
             name = key_of(entry.name)
@@ -1044,7 +1086,25 @@ def cluster_for(addresses, connect_timeout, tls=None, credentials=None):
     ``None``. ``tls``: the ``ssl.SSLContext`` for ``etcds://`` members;
     ``credentials``: ``(user, password)`` for etcd's authentication."""
     endpoints = [where for kind, where in addresses if kind in P.ETCD_KINDS]
-    return Cluster(endpoints, connect_timeout, tls, credentials) if endpoints else None
+    if not endpoints:
+        return None
+    layouts = set(getattr(where, "layout", "kunci") for where in endpoints)
+    if len(layouts) > 1:
+        raise InvalidArgument("the members of one etcd cluster have one layout: "
+                              "give ?layout=etcd on every etcd:// address or on none")
+    return Cluster(endpoints, connect_timeout, tls, credentials, layouts.pop())
+
+
+def _check_etcd_layout(call):
+    """In etcd's layout, what its recipe cannot express is refused before
+    anything is sent: permits (a limit, a take, shared) and listing keys
+    (its keys are anywhere in etcd's key space)."""
+    if call.op == "A" and (call.limit or call.take):
+        raise InvalidArgument(
+            "etcd's layout (?layout=etcd) has exclusive locks only: no limit, take or shared")
+    if call.op == "L":
+        raise InvalidArgument(
+            "etcd's layout (?layout=etcd) cannot list keys: its locks are anywhere in etcd's keys")
 
 
 def _key_state(found):
