@@ -534,7 +534,10 @@ def format_address(address):
     text = ("[%s]:%d" if ":" in host else "%s:%d") % (host, port)
     if kind == "tls":
         return "tls://" + text
-    return kind + "://" + text if kind in ETCD_KINDS else text
+    if kind in ETCD_KINDS:
+        etcd_layout = getattr(where, "layout", "kunci") == "etcd"
+        return kind + "://" + text + ("?layout=etcd" if etcd_layout else "")
+    return text
 
 
 def resolve_servers(servers):

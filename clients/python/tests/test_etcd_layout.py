@@ -53,7 +53,9 @@ def test_the_layout_option_is_parsed_and_checked():
     members = P.parse_address("etcd://127.0.0.1:2379,[::1]:2380?layout=etcd")
     assert members == [("etcd", ("127.0.0.1", 2379)), ("etcd", ("::1", 2380))]
     assert [where.layout for _, where in members] == ["etcd", "etcd"]
+    assert P.format_address(members[1]) == "etcd://[::1]:2380?layout=etcd"
     assert P.parse_address("etcds://h:1?layout=kunci")[0][1].layout == "kunci"
+    assert P.format_address(P.parse_address("etcds://h:1?layout=kunci")[0]) == "etcds://h:1"
     assert P.parse_address("etcd://h:1")[0][1].layout == "kunci"
     for bad in ["etcd://h:1?layout=zk", "etcd://h:1?layout", "etcd://h:1?mode=etcd",
                 "etcd://h:1?layout=etcd&x=1", "etcd://h:1?layout=etcd,h:2"]:
