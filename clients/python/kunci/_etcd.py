@@ -333,6 +333,8 @@ class Cluster(object):
         self.members = Members(endpoints, connect_timeout, tls, credentials)
         # ``"etcd"``: etcd's own layout (client/v3/concurrency), else kunci's.
         self.layout = layout
+        # The client was closed: a watch that follows a key (``O``) ends.
+        self.closed = False
         self._cursors = collections.OrderedDict()
         self._cursor_seq = 0
         self._lock = threading.Lock()
@@ -399,6 +401,11 @@ class Cluster(object):
             if result != ("R",):
                 log.debug("background release of %d: %r", token, result)
         _spawn(release, "kunci-etcd-release")
+
+    def close(self):
+        """The client is closed: an ``O`` that follows a key ends within
+        0.2 s (``Unavailable``; its caller sees the client closed)."""
+        self.closed = True
 
     # ---------------------------------------------------------- layout
 
@@ -933,6 +940,8 @@ class Cluster(object):
             state = _key_state(found)
             if state.token != since or monotonic() >= wait_until or call.abandoned:
                 return ("O", state)
+            if self.closed:
+                return (MOVED, "the client is closed", 0)
             if found:
                 request = {"key": _b64(found[0].name), "filters": ["NOPUT"]}
             else:
@@ -957,7 +966,7 @@ class Cluster(object):
                     time.sleep(max(0.0, min(until - monotonic(), RETRY_PAUSE)))
                     return
                 if message is None:
-                    if monotonic() >= until or call.abandoned:
+                    if monotonic() >= until or call.abandoned or self.closed:
                         return
                     continue
                 result = _field(_parse(message), "result")

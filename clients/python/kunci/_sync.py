@@ -603,6 +603,8 @@ class Client(object):
             if self._closed:
                 return
             self._closed = True
+            if self._etcd is not None:
+                self._etcd.close()
             if self._pid != os.getpid():
                 return
             for session in self._book.sessions:

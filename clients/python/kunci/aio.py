@@ -372,6 +372,8 @@ class Client(object):
                 and not old.is_running()):
             self._leave_loop(old, clean_up=False)
         self._closed = True
+        if self._etcd is not None:
+            self._etcd.close()
         if self._pid != os.getpid():
             return
         self._forget_loop_end()

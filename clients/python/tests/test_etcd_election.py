@@ -5,6 +5,7 @@ time since the grant time the holder wrote; ``observe`` follows an etcd
 watch through resignations, lease ends and an etcd restart."""
 
 import re
+import threading
 import time
 import urllib.request
 
@@ -96,6 +97,28 @@ def test_observe_on_etcd_sees_the_lease_end_of_a_dead_leader(etcd_cluster, make_
     assert [(x.value, x.term) for x in follower.leaders()] == [
         ("dead", dead_token), ("next", taking.token)]
     taking.release()
+
+
+def test_observe_on_etcd_ends_when_its_client_is_closed(etcd_cluster, make_client):
+    client = make_client(etcd_cluster.address)
+    name = "closed-%s" % client.flavour
+    leading = campaign(client, name, "a", lease=30)
+    watching = make_client(etcd_cluster.address)
+    follower = Follower(watching, name)
+    follower.wait_count(1)
+    time.sleep(0.5)  # in its watch now
+
+    def calls_on_etcd():
+        return [t for t in threading.enumerate() if t.name == "kunci-etcd-call" and t.is_alive()]
+    if client.flavour == "sync":
+        watching.close()
+        assert wait_for(lambda: follower.error is not None, 1.0)
+        assert isinstance(follower.error, kunci.Error)
+    else:
+        assert len(calls_on_etcd()) == 1
+        watching.close()  # cancels the follow, then closes
+        assert wait_for(lambda: calls_on_etcd() == [], 1.0)
+    leading.release()
 
 
 def test_observe_on_etcd_refuses_an_invalid_name_at_once(make_client):
