@@ -51,7 +51,7 @@ from ._common import (
     RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
     waits_forever,
 )
-from ._common import NOT_ON_ETCD, Follow, Leader, check_campaign_value, leader_of, observe_call
+from ._common import Follow, Leader, check_campaign_value, leader_of, observe_call
 from ._errors import Busy, Error, Indeterminate, InvalidArgument, NotHeld, Unavailable
 
 monotonic = time.monotonic
@@ -485,14 +485,13 @@ class Client(object):
         ``release()`` — or leaving its ``with`` block — resigns; a
         candidate whose process dies loses the lead at its lease's end."""
         check_campaign_value(value)
-        ticket = self._acquire_until_granted(WaitForever(name, lease, label=value))
+        ticket = self._acquire_until_granted(WaitForever(name, lease, label=value, stamp=True))
         return _keep_alive(ticket, None)
 
     def leader(self, name: str) -> Optional[Leader]:
         """Who leads the election ``name`` now (one ``O`` with wait 0): a
         :class:`kunci.Leader` (``.value``, ``.term``, ``.held_for``) or
         ``None`` while nobody does. Ends by start + 5 s."""
-        self._not_on_etcd()
         call = observe_call(name, 0, 0, self._ids.next(), monotonic())
         return leader_of(outcome_of(call, self._run(call)))
 
@@ -504,7 +503,6 @@ class Client(object):
         only if it differs from the last one reported; a change shorter
         than one round trip may be missed; terms only increase. It raises
         only ``InvalidArgument`` or ``PermissionDenied``."""
-        self._not_on_etcd()
         check_args(P.check_key, name)
         return self._observe(name)
 
@@ -524,10 +522,6 @@ class Client(object):
             leader = follow.answered(state)
             if leader is not Follow.NOTHING:
                 yield leader
-
-    def _not_on_etcd(self):
-        if self._etcd is not None:
-            raise InvalidArgument(NOT_ON_ETCD)
 
     def release(self, key: str, token: int) -> None:
         """Releases grant ``token`` of ``key``. Raises ``NotHeld`` if that
@@ -609,6 +603,8 @@ class Client(object):
             if self._closed:
                 return
             self._closed = True
+            if self._etcd is not None:
+                self._etcd.close()
             if self._pid != os.getpid():
                 return
             for session in self._book.sessions:

@@ -46,7 +46,7 @@ from ._common import (
     RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, SHUTDOWN_NOTICE_WAIT, WaitForever, own_grants,
     waits_forever,
 )
-from ._common import NOT_ON_ETCD, Follow, Leader, check_campaign_value, leader_of, observe_call
+from ._common import Follow, Leader, check_campaign_value, leader_of, observe_call
 from ._errors import Busy, Error, Indeterminate, InvalidArgument, NotHeld, Unavailable
 from ._sync import CONNECT_TIMEOUT
 
@@ -210,7 +210,7 @@ class Client(object):
         resigns), and ``async with client.campaign(...) as t:`` resigns
         when the block ends."""
         check_campaign_value(value)
-        forever = WaitForever(name, lease, label=value)
+        forever = WaitForever(name, lease, label=value, stamp=True)
         return _Campaign(self, forever)
 
     async def _campaign(self, forever):
@@ -219,7 +219,6 @@ class Client(object):
 
     async def leader(self, name: str) -> Optional[Leader]:
         """As :meth:`kunci.Client.leader`: a :class:`kunci.Leader` or ``None``."""
-        self._not_on_etcd()
         call = observe_call(name, 0, 0, self._ids.next(), monotonic())
         return leader_of(outcome_of(call, await self._run(call)))
 
@@ -228,7 +227,6 @@ class Client(object):
         client.observe(name):`` the current leader (or ``None``) first,
         then one item per change. It raises only ``InvalidArgument`` or
         ``PermissionDenied``."""
-        self._not_on_etcd()
         check_args(P.check_key, name)
         return self._observe(name)
 
@@ -248,10 +246,6 @@ class Client(object):
             leader = follow.answered(state)
             if leader is not Follow.NOTHING:
                 yield leader
-
-    def _not_on_etcd(self):
-        if self._etcd is not None:
-            raise InvalidArgument(NOT_ON_ETCD)
 
     async def _shutdown_seen(self, notices):
         give_up = monotonic() + SHUTDOWN_NOTICE_WAIT
@@ -378,6 +372,8 @@ class Client(object):
                 and not old.is_running()):
             self._leave_loop(old, clean_up=False)
         self._closed = True
+        if self._etcd is not None:
+            self._etcd.close()
         if self._pid != os.getpid():
             return
         self._forget_loop_end()
