@@ -136,7 +136,9 @@ class Leader(collections.namedtuple("Leader", "value term held_for")):
     """Who leads an election (spec §13.6): the ``value`` it campaigned
     with (str), its ``term`` (the grant's token: a fencing token for what
     it writes) and how long it has led (``held_for``, seconds as a float,
-    as the server answered)."""
+    as the server answered; on etcd from the grant time the leader wrote
+    into its entry, by the wall clocks of both machines, and ``None``
+    where it wrote none)."""
 
     __slots__ = ()
 
@@ -145,7 +147,8 @@ def leader_of(state):
     """The :class:`Leader` a :class:`KeyState` shows, or ``None``."""
     if state.token == 0:
         return None
-    return Leader(state.label, state.token, state.held_ms / 1000.0)
+    held_ms = state.held_ms
+    return Leader(state.label, state.token, None if held_ms is None else held_ms / 1000.0)
 
 
 # Result kinds a call ends with. A tuple whose first item is one of these.
@@ -170,12 +173,16 @@ class Call(object):
         "reason", "refusals", "tried", "waiter", "signalled", "future", "timer",
         "session", "answered_at", "limit", "take", "label",
         "ident", "cursor", "count", "gathered", "clean_up_for", "denials", "wait_s",
+        "stamp",
     )
 
     def __init__(self, op, key, deadline, owner=0, token=0, nonce=0, lease=0,
                  wait_until=None, background=False, limit=0, take=0, label=b"",
-                 ident=0, cursor=0, count=0, clean_up_for=None, wait_s=0):
+                 ident=0, cursor=0, count=0, clean_up_for=None, wait_s=0, stamp=False):
         self.op = op
+        # A campaign's acquire (spec §13.6): on etcd its entry stores the
+        # wall-clock grant time, for ``leader``'s ``held_for``.
+        self.stamp = stamp
         # ``O`` (spec §13): its wait in whole seconds; ``token`` is its since.
         self.wait_s = wait_s
         # ``H`` and ``L`` (spec §11): the request's id, ``L``'s cursor and
@@ -915,7 +922,8 @@ def key_text(key):
 # The calls of the API, their input checked; ``now`` is when the call
 # starts (its deadline counts from there, rule 2).
 
-def acquire_call(key, wait, lease, owner, now, limit=None, take=None, shared=False, label=None):
+def acquire_call(key, wait, lease, owner, now, limit=None, take=None, shared=False, label=None,
+                 stamp=False):
     key_bytes = check_args(P.check_key, key)
     wait = check_args(P.check_wait, wait)
     lease = check_args(P.check_lease, lease)
@@ -924,7 +932,7 @@ def acquire_call(key, wait, lease, owner, now, limit=None, take=None, shared=Fal
     wait_until = now + wait
     return Call("A", key_bytes, wait_until + P.TRANSPORT_DEADLINE, owner=owner, lease=lease,
                 wait_until=wait_until if wait > 0 else None, limit=limit, take=take,
-                label=label)
+                label=label, stamp=stamp)
 
 
 def release_call(key, token, now):
@@ -972,10 +980,6 @@ def check_campaign_value(value):
     if not label:
         raise InvalidArgument("value is empty (a candidate's value is 1..=128 bytes)")
     return label
-
-
-#: On ``etcd://`` the election calls are not there yet.
-NOT_ON_ETCD = "not on etcd yet"
 
 
 class Follow(object):
@@ -1075,8 +1079,10 @@ class WaitForever(object):
     - every other outcome (a ``Busy`` at a capacity limit included) ends
       the call."""
 
-    def __init__(self, key, lease, limit=None, take=None, shared=False, label=None):
+    def __init__(self, key, lease, limit=None, take=None, shared=False, label=None,
+                 stamp=False):
         self.args = (key, lease, limit, take, shared, label)
+        self.stamp = stamp
         self.pause = RETRY_PAUSE_FIRST
         # Checked once, before anything is sent.
         self.call(0, time.monotonic())
@@ -1084,7 +1090,8 @@ class WaitForever(object):
     def call(self, owner, now):
         """The next attempt's call."""
         key, lease, limit, take, shared, label = self.args
-        return acquire_call(key, WAIT_FOREVER_SLICE, lease, owner, now, limit, take, shared, label)
+        return acquire_call(key, WAIT_FOREVER_SLICE, lease, owner, now, limit, take, shared, label,
+                            self.stamp)
 
     def after(self, error, shut_down):
         """After an attempt raised ``error`` (``shut_down``: a server said

@@ -20,26 +20,23 @@ short-lived threads. A call's outcome is a result tuple of ``_common``,
 so tickets, keep-alives and exceptions are those of a kunci server.
 """
 
-import base64
 import collections
 import json
 import re
-import socket
-import ssl
 import threading
 import time
 
 from . import _protocol as P
 from ._common import (
-    DENIED, INDETERMINATE, MOVED, Grant, Holders, KeyInfo, KeyStatus, Waiter, exiting, log,
+    DENIED, INDETERMINATE, MOVED, Grant, Holders, KeyInfo, KeyState, KeyStatus, Waiter, exiting,
+    log,
 )
 from ._errors import InvalidArgument
+from ._etcd_http import (
+    RETRY_PAUSE, Denied, Members, _array, _b64, _bytes, _field, _int, _parse, _Unanswered, _Unsent,
+)
 
 monotonic = time.monotonic
-
-#: The pause before a repeatable request is tried again, and between
-#: rounds over all members when none took a request.
-RETRY_PAUSE = 0.05
 
 #: How long one attempt of a repeatable request (a read, a revocation, a
 #: grant, a keep-alive) waits for its answer before it is tried again on
@@ -47,15 +44,6 @@ RETRY_PAUSE = 0.05
 #: milliseconds; an election takes about one election timeout (1 s by
 #: default).
 ATTEMPT_LIMIT = 2.0
-
-#: Idle connections kept per member.
-IDLE_PER_MEMBER = 8
-
-#: The largest answer body accepted.
-BODY_MAX = 1 << 20
-
-#: The largest answer head, chunk-size line or streamed message line.
-HEAD_MAX = 16 * 1024
 
 #: How long a waiting acquire reads its watch before it looks whether its
 #: caller gave up (a cancelled asyncio task).
@@ -87,503 +75,6 @@ class Fault(Exception):
         return INDETERMINATE if self.sent else (MOVED, UNREACHABLE, 0)
 
 
-# ------------------------------------------------------------------ HTTP
-
-
-class _Unsent(Exception):
-    """No byte of the request reached any member."""
-
-
-class _Unanswered(Exception):
-    """The request may have reached a member, and no complete answer came."""
-
-
-class Denied(Exception):
-    """etcd has authentication on and refused this client: no or wrong user
-    and password, or a role without permission for the key. etcd executed
-    nothing; the call ends ``PermissionDenied``."""
-
-    def __init__(self, reason):
-        super().__init__(reason)
-        self.reason = reason
-
-
-#: Why etcd refused, in the words of the Rust client.
-NOT_AUTHENTICATED = (
-    "etcd has authentication on and did not take this client's user (etcd_credentials, "
-    "or KUNCI_ETCD_USER and KUNCI_ETCD_PASSWORD; docs/ETCD.md)")
-NOT_PERMITTED = "the etcd user's roles do not allow this request on that key"
-
-
-def _request_bytes(path, body, token=None):
-    authorization = b""
-    # etcd's tokens are printable ASCII; anything else is not sent.
-    if token and all(0x21 <= ord(c) <= 0x7e for c in token):
-        authorization = b"Authorization: %s\r\n" % token.encode("ascii")
-    return b"POST %s HTTP/1.1\r\nHost: etcd\r\nContent-Type: application/json\r\n" \
-        b"%sContent-Length: %d\r\n\r\n%s" % (path.encode(), authorization, len(body), body)
-
-
-def _still_open(sock):
-    """Whether an idle connection is usable: nothing to read, not closed."""
-    try:
-        if isinstance(sock, ssl.SSLSocket) and sock.pending():
-            return False
-        sock.setblocking(False)
-        try:
-            # The TCP stream under TLS too: any record, or its end, means
-            # the connection is not idle any more.
-            socket.socket.recv(sock, 1, socket.MSG_PEEK)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            sock.setblocking(True)
-    except OSError:
-        return False
-
-
-def _write(sock, data, deadline):
-    """Writes ``data`` by ``deadline``; on failure, the count of bytes the
-    socket took (0: certainly not sent)."""
-    written = 0
-    while written < len(data):
-        left = deadline - monotonic()
-        if left <= 0:
-            return written
-        try:
-            sock.settimeout(left)
-            written += sock.send(data[written:])
-        except InterruptedError:
-            continue
-        except OSError:
-            return written
-    return None
-
-
-class _Reader(object):
-    """A connection and the bytes read from it but not used yet."""
-
-    def __init__(self, sock):
-        self.sock = sock
-        self.buf = bytearray()
-
-    def fill(self, deadline):
-        """Reads more bytes by ``deadline``: ``socket.timeout`` when it
-        passes, ``EOFError`` at the end of the stream."""
-        left = deadline - monotonic()
-        if left <= 0:
-            raise socket.timeout("deadline passed")
-        self.sock.settimeout(left)
-        data = self.sock.recv(65536)
-        if not data:
-            raise EOFError("closed by the member")
-        self.buf += data
-
-    def line(self, deadline):
-        while True:
-            end = self.buf.find(b"\r\n")
-            if end >= 0:
-                line = bytes(self.buf[:end])
-                del self.buf[:end + 2]
-                return line
-            if len(self.buf) > HEAD_MAX:
-                raise ValueError("line too long")
-            self.fill(deadline)
-
-    def head(self, deadline):
-        """``(status, chunked, content_length, keep_alive)``."""
-        status_line = self.line(deadline)
-        parts = status_line.split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise ValueError("malformed status line")
-        status = int(parts[1])
-        keep_alive = parts[0] == b"HTTP/1.1"
-        chunked, length = False, None
-        for _ in range(100):
-            line = self.line(deadline)
-            if not line:
-                return status, chunked, length, keep_alive
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise ValueError("malformed header")
-            name, value = name.strip().lower(), value.strip().lower()
-            if name == b"transfer-encoding":
-                chunked = value == b"chunked"
-            elif name == b"content-length":
-                if not value.isdigit():
-                    raise ValueError("content-length")
-                length = int(value)
-            elif name == b"connection" and value == b"close":
-                keep_alive = False
-        raise ValueError("too many headers")
-
-    def take(self, count, deadline):
-        while len(self.buf) < count:
-            self.fill(deadline)
-        data = bytes(self.buf[:count])
-        del self.buf[:count]
-        return data
-
-    def chunk_size(self, deadline):
-        digits = self.line(deadline).split(b";")[0].strip()
-        try:
-            return int(digits, 16)
-        except ValueError:
-            raise ValueError("chunk size")
-
-    def answer(self, deadline):
-        """``(status, body, reusable)``."""
-        status, chunked, length, keep_alive = self.head(deadline)
-        if chunked:
-            body = bytearray()
-            while True:
-                size = self.chunk_size(deadline)
-                if size == 0:
-                    self.line(deadline)  # the empty trailer
-                    break
-                if size > BODY_MAX - len(body):
-                    raise ValueError("answer too long")
-                body += self.take(size, deadline)
-                if self.line(deadline):
-                    raise ValueError("chunk not followed by CRLF")
-            body = bytes(body)
-        elif length is not None:
-            if length > BODY_MAX:
-                raise ValueError("answer too long")
-            body = self.take(length, deadline)
-        else:
-            raise ValueError("answer without a length")
-        return status, body, keep_alive and not self.buf
-
-
-class _Stream(object):
-    """The chunked body of a watch, one newline-delimited message at a
-    time. Its buffers outlive a read that timed out."""
-
-    def __init__(self, reader):
-        self.reader = reader
-        self.chunk_left = 0
-        self.need_crlf = False
-        self.lines = bytearray()
-
-    def next_message(self, until):
-        """The next message, or ``None`` when ``until`` passes first.
-        Raises when the stream ended or broke."""
-        while True:
-            end = self.lines.find(b"\n")
-            if end >= 0:
-                message = bytes(self.lines[:end + 1])
-                del self.lines[:end + 1]
-                return message
-            if len(self.lines) > BODY_MAX:
-                raise ValueError("stream message too long")
-            try:
-                self._read_body(until)
-            except socket.timeout:
-                if monotonic() >= until:
-                    return None
-                raise
-
-    def _read_body(self, until):
-        reader = self.reader
-        if self.need_crlf:
-            # Only whole lines leave the buffer, so a timeout loses nothing.
-            if reader.line(until):
-                raise ValueError("chunk not followed by CRLF")
-            self.need_crlf = False
-        if self.chunk_left == 0:
-            size = reader.chunk_size(until)
-            if size == 0:
-                raise EOFError("the watch ended")
-            self.chunk_left = size
-        if not reader.buf:
-            reader.fill(until)
-        count = min(self.chunk_left, len(reader.buf))
-        self.lines += reader.buf[:count]
-        del reader.buf[:count]
-        self.chunk_left -= count
-        self.need_crlf = self.chunk_left == 0
-
-    def close(self):
-        try:
-            self.reader.sock.close()
-        except OSError:
-            pass
-
-
-class Members(object):
-    """The members of one cluster and idle connections to them. Says for
-    every failure whether the request was certainly not sent (it may move
-    to another member, rule 4) or possibly sent (never sent again, rule
-    5)."""
-
-    def __init__(self, endpoints, connect_timeout, tls=None, credentials=None):
-        self.endpoints = endpoints
-        self.connect_timeout = connect_timeout
-        # ``etcds://``: the ``ssl.SSLContext`` of every member; else ``None``.
-        self.tls = tls
-        self.credentials = credentials
-        self._idle = [[] for _ in endpoints]
-        self._lock = threading.Lock()
-        # The member that answered last: tried first.
-        self.preferred = 0
-        # The token the credentials got, while etcd takes it; its lock is
-        # held while a token is asked for, so only one request asks.
-        self._token = None
-        self._token_lock = threading.Lock()
-
-    def _token_for(self, deadline):
-        """The token to send (``None`` without credentials), getting one
-        first if there is none. etcd answers a request without a valid
-        token before executing anything, so a failure here leaves the
-        request certainly unsent: ``_Unsent``, or ``Denied``."""
-        if self.credentials is None:
-            return None
-        with self._token_lock:
-            if self._token is not None:
-                return self._token
-            user, password = self.credentials
-            body = json.dumps({"name": user, "password": password}).encode()
-            try:
-                _, status, answer = self._post_once(
-                    "/v3/auth/authenticate", body, None, deadline)
-            except _Unanswered:
-                raise _Unsent()
-            value = _parse(answer)
-            fresh = value.get("token") if isinstance(value, dict) else None
-            if status != 200 or not isinstance(fresh, str) or not fresh:
-                log.debug("etcd authenticate: status %d: %r", status, answer[:200])
-                raise Denied(NOT_AUTHENTICATED)
-            self._token = fresh
-            return fresh
-
-    def _forget_token(self):
-        with self._token_lock:
-            self._token = None
-
-    def post(self, path, body, deadline):
-        """``(sent_at, status, body)`` of ``body`` posted to ``path``;
-        raises ``_Unsent``, ``_Unanswered`` or ``Denied``.
-
-        With credentials, the request carries a token; a token etcd no
-        longer takes (it expires when unused) is replaced and the request
-        sent again once, since etcd executed nothing."""
-        token = self._token_for(deadline)
-        answer = self._post_once(path, body, token, deadline)
-        if answer[1] == 401 and self.credentials is not None:
-            self._forget_token()
-            answer = self._post_once(path, body, self._token_for(deadline), deadline)
-        status = answer[1]
-        if status == 401:
-            raise Denied(NOT_AUTHENTICATED)
-        if status == 403:
-            raise Denied(NOT_PERMITTED)
-        if status == 400 and b"user name is empty" in answer[2]:
-            raise Denied(NOT_AUTHENTICATED)
-        return answer
-
-    def _post_once(self, path, body, token, deadline):
-        request = _request_bytes(path, body, token)
-        count = len(self.endpoints)
-        while True:
-            first = self.preferred
-            for step in range(count):
-                member = (first + step) % count
-                sock = self._connection(member, deadline)
-                if sock is None:
-                    continue
-                sent_at = monotonic()
-                written = _write(sock, request, deadline)
-                if written == 0:
-                    sock.close()
-                    continue
-                if written is not None:
-                    sock.close()
-                    self._avoid(member)
-                    raise _Unanswered()
-                reader = _Reader(sock)
-                try:
-                    status, answer, reusable = reader.answer(deadline)
-                except (OSError, EOFError, ValueError) as error:
-                    log.debug("etcd %s:%d: no answer: %s", *(self.endpoints[member] + (error,)))
-                    sock.close()
-                    self._avoid(member)
-                    raise _Unanswered()
-                self.preferred = member
-                if reusable:
-                    self._put_idle(member, sock)
-                else:
-                    sock.close()
-                return sent_at, status, answer
-            left = deadline - monotonic()
-            if left <= 0:
-                raise _Unsent()
-            time.sleep(min(left, RETRY_PAUSE))
-
-    def _avoid(self, member):
-        """After ``member`` left a request unanswered, the next request
-        starts with the member after it: a member that accepts and stays
-        silent must not keep every call."""
-        if self.preferred == member:
-            self.preferred = (member + 1) % len(self.endpoints)
-
-    def open_stream(self, path, body, deadline):
-        """A streaming answer (a watch) on a fresh connection, after its
-        ``200`` head; ``None`` on any failure (a watch changes nothing)."""
-        try:
-            token = self._token_for(deadline)
-        except (_Unsent, Denied):
-            return None
-        request = _request_bytes(path, body, token)
-        count = len(self.endpoints)
-        first = self.preferred
-        for step in range(count):
-            member = (first + step) % count
-            sock = self._connect(member, deadline)
-            if sock is None:
-                continue
-            if _write(sock, request, deadline) is not None:
-                sock.close()
-                continue
-            reader = _Reader(sock)
-            try:
-                status, chunked, _, _ = reader.head(deadline)
-            except (OSError, EOFError, ValueError) as error:
-                log.debug("etcd watch: %s", error)
-                sock.close()
-                self._avoid(member)
-                continue
-            if status == 200 and chunked:
-                return _Stream(reader)
-            sock.close()
-        return None
-
-    def _connection(self, member, deadline):
-        while True:
-            with self._lock:
-                idle = self._idle[member]
-                sock = idle.pop() if idle else None
-            if sock is None:
-                return self._connect(member, deadline)
-            if _still_open(sock):
-                return sock
-            sock.close()
-
-    def _connect(self, member, deadline):
-        left = deadline - monotonic()
-        if left <= 0:
-            return None
-        try:
-            sock = socket.create_connection(
-                self.endpoints[member], min(left, self.connect_timeout))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as error:
-            log.debug("etcd %s:%d: %s", *(self.endpoints[member] + (error,)))
-            return None
-        if self.tls is None:
-            return sock
-        return self._start_tls(member, sock, deadline)
-
-    def _start_tls(self, member, sock, deadline):
-        """The TLS session over ``sock``, its handshake done by
-        ``deadline``; ``None`` if it fails. No byte of a request has been
-        sent then, so the request moves on to the next member. A failure
-        that says what is wrong with a certificate is worth a warning, since
-        trying again will not change it."""
-        host = self.endpoints[member][0]
-        try:
-            tls = self.tls.wrap_socket(sock, server_hostname=host,
-                                       do_handshake_on_connect=False)
-        except (OSError, ValueError) as error:
-            log.warning("etcd %s:%d: TLS: %s", *(self.endpoints[member] + (error,)))
-            sock.close()
-            return None
-        try:
-            left = deadline - monotonic()
-            if left <= 0:
-                raise socket.timeout("deadline passed")
-            tls.settimeout(left)
-            tls.do_handshake()
-            return tls
-        except ssl.SSLError as error:
-            log.warning("etcd %s:%d: TLS: %s", *(self.endpoints[member] + (error,)))
-        except OSError as error:
-            log.debug("etcd %s:%d: TLS handshake: %s", *(self.endpoints[member] + (error,)))
-        tls.close()
-        return None
-
-    def close_idle(self):
-        """Closes the idle connections."""
-        with self._lock:
-            idle, self._idle = self._idle, [[] for _ in self.endpoints]
-        for socks in idle:
-            for sock in socks:
-                sock.close()
-
-    def _put_idle(self, member, sock):
-        with self._lock:
-            idle = self._idle[member]
-            if len(idle) < IDLE_PER_MEMBER:
-                idle.append(sock)
-                return
-        sock.close()
-
-
-# ------------------------------------------------------------------ JSON
-
-
-def _b64(data):
-    return base64.b64encode(data).decode("ascii")
-
-
-def _parse(body):
-    """An answer body as a dict, or ``None``."""
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def _int(value, name):
-    """An integer field: etcd writes 64-bit integers as strings and leaves
-    out fields that are zero (missing is 0); ``None`` when malformed."""
-    if not isinstance(value, dict):
-        return None
-    field = value.get(name)
-    if field is None:
-        return 0
-    if isinstance(field, bool):
-        return None
-    if isinstance(field, int):
-        return field
-    if isinstance(field, str) and re.match(r"-?[0-9]{1,20}\Z", field):
-        return int(field)
-    return None
-
-
-def _bytes(value, name):
-    field = value.get(name) if isinstance(value, dict) else None
-    if field is None:
-        return b""
-    if not isinstance(field, str):
-        return None
-    try:
-        return base64.b64decode(field, validate=True)
-    except ValueError:
-        return None
-
-
-def _array(value, name):
-    field = value.get(name) if isinstance(value, dict) else None
-    return field if isinstance(field, list) else []
-
-
-def _field(value, name):
-    return value.get(name) if isinstance(value, dict) else None
-
-
 # ---------------------------------------------------------- the mapping
 
 
@@ -594,11 +85,23 @@ def prefix_of(key):
 
 
 def prefix_end(prefix):
-    """The first key after every key that starts with ``prefix``."""
-    return prefix.rstrip(b"/") + b"0"
+    """The first key after every key that starts with ``prefix`` (which
+    ends with ``/``): its last byte plus one. (For ``KEY/`` of etcd's
+    layout with a key that ends with ``/`` itself, stripping every ``/``
+    would take in other keys' entries.)"""
+    return prefix[:-1] + b"0"
 
 
-Entry = collections.namedtuple("Entry", "name create_revision lease value")
+class Entry(collections.namedtuple("Entry", "name create_revision lease value raw",
+                                   defaults=(None,))):
+    """A key-value pair as a range returns it: ``value`` as kunci's
+    encoding reads it; ``raw``, when set, the value stored (etcd's
+    layout)."""
+
+    __slots__ = ()
+
+    def raw_value(self):
+        return self.value if self.raw is None else self.raw
 
 
 def _entry(kv):
@@ -638,7 +141,7 @@ def decode(value):
     exclusive with no limit: it blocks while it is there and never lets
     anyone overcommit."""
     try:
-        text = value.decode("utf-8")
+        text = _base(value).decode("utf-8")
     except UnicodeDecodeError:
         return 0, EXCLUSIVE
     owner = _unsigned(text.strip(_WHITESPACE), U64_MAX)
@@ -659,7 +162,7 @@ def decode_label(value):
     """The label of an entry's value: the rest after ``OWNER LIMIT TAKE ``
     when those three are numbers; else empty."""
     try:
-        text = value.decode("utf-8")
+        text = _base(value).decode("utf-8")
     except UnicodeDecodeError:
         return ""
     fields = text.split(" ", 3)
@@ -670,15 +173,42 @@ def decode_label(value):
     return ""
 
 
-def claim_value(owner, limit, take, label):
+def _base(value):
+    """The first line of a value: ``OWNER[ LIMIT TAKE[ LABEL]]``. A label
+    has no newline, so what follows one is the trailer (:func:`granted_ms`)."""
+    end = value.find(b"\n")
+    return value if end < 0 else value[:end]
+
+
+def granted_ms(value):
+    """The wall-clock grant time (ms since the Unix epoch) the holder
+    wrote into its entry, or ``None``. It is a trailer line after the
+    value, ``\ngranted_ms=MS`` (decimal digits); the value's lines after
+    the first are ``NAME=VALUE`` fields, unknown names ignored. Only a
+    campaign writes it (spec §13.6; a lock does not), after its label,
+    which has no newline, so an older reader still reads the owner, limit
+    and take exactly (the trailer lands in what it shows as the label)."""
+    for line in value.split(b"\n")[1:]:
+        name, _, field = line.partition(b"=")
+        if name == b"granted_ms" and re.match(rb"[0-9]{1,19}\Z", field):
+            return int(field)
+    return None
+
+
+def claim_value(owner, limit, take, label, granted_at=None):
     """The entry's value: the owner alone for a plain exclusive claim
     without a label (as every version wrote it); else ``OWNER LIMIT
-    TAKE``, then `` LABEL`` when there is one."""
+    TAKE``, then `` LABEL`` when there is one, then, for a labelled claim
+    put as a grant, the grant time ``granted_at`` (seconds since the
+    epoch, wall clock) as the trailer ``\ngranted_ms=MS``."""
     if not label:
         if limit == 0 and take == 0:
             return b"%d" % owner
         return b"%d %d %d" % (owner, limit, take)
-    return b"%d %d %d %s" % (owner, limit, take, label)
+    value = b"%d %d %d %s" % (owner, limit, take, label)
+    if granted_at is not None:
+        value += b"\ngranted_ms=%d" % max(0, int(granted_at * 1000))
+    return value
 
 
 def judge(own, earlier, check_limit):
@@ -799,8 +329,12 @@ def _spawn(target, name, *args):
 class Cluster(object):
     """The client's view of one etcd cluster."""
 
-    def __init__(self, endpoints, connect_timeout, tls=None, credentials=None):
+    def __init__(self, endpoints, connect_timeout, tls=None, credentials=None, layout="kunci"):
         self.members = Members(endpoints, connect_timeout, tls, credentials)
+        # ``"etcd"``: etcd's own layout (client/v3/concurrency), else kunci's.
+        self.layout = layout
+        # The client was closed: a watch that follows a key (``O``) ends.
+        self.closed = False
         self._cursors = collections.OrderedDict()
         self._cursor_seq = 0
         self._lock = threading.Lock()
@@ -814,7 +348,7 @@ class Cluster(object):
         handler), which may hold any lock of this cluster."""
         members = self.members
         aside = Cluster(members.endpoints, members.connect_timeout, members.tls,
-                        members.credentials)
+                        members.credentials, self.layout)
         aside.members.preferred = members.preferred
         try:
             return aside.run(call)
@@ -831,6 +365,8 @@ class Cluster(object):
 
     def _run(self, call):
         op = call.op
+        if self.layout == "etcd":
+            _check_etcd_layout(call)
         if op == "A":
             return self.acquire(call)
         if op == "R":
@@ -842,6 +378,8 @@ class Cluster(object):
             return result
         if op == "Q":
             return self.query(call.key, call.deadline)
+        if op == "O":
+            return self.observe(call)
         if op == "H":
             return self.holders(call.key, call.deadline)
         if op == "L":
@@ -863,6 +401,40 @@ class Cluster(object):
             if result != ("R",):
                 log.debug("background release of %d: %r", token, result)
         _spawn(release, "kunci-etcd-release")
+
+    def close(self):
+        """The client is closed: an ``O`` that follows a key ends within
+        0.2 s (``Unavailable``; its caller sees the client closed)."""
+        self.closed = True
+
+    # ---------------------------------------------------------- layout
+
+    def _prefix(self, key):
+        """Where a key's entries live: ``kunci/LEN:KEY/``, or in etcd's
+        layout ``KEY/`` (as ``concurrency.Mutex`` and ``Election``)."""
+        return key + b"/" if self.layout == "etcd" else prefix_of(key)
+
+    def _entry_name(self, prefix, lease):
+        """An entry's name: the prefix and its lease id in hex (etcd's
+        layout: lowercase, unpadded, as ``fmt.Sprintf("%s%x")``)."""
+        return b"%s%x" % (prefix, lease) if self.layout == "etcd" else b"%s%016x" % (prefix, lease)
+
+    def _claim(self, call, granted_at=None):
+        """An acquire's value: kunci's encoding, or in etcd's layout the
+        label alone (a Mutex writes ``""``, an Election its value)."""
+        if self.layout == "etcd":
+            return call.label or b""
+        return claim_value(call.owner, call.limit, call.take, call.label, granted_at)
+
+    def _entries(self, range_answer):
+        """The entries of a range answer (:func:`_entries`); in etcd's
+        layout each value is read as kunci's exclusive claim with that
+        label (owner 0), the raw value kept for a move."""
+        found = _entries(range_answer)
+        if found is None or self.layout != "etcd":
+            return found
+        return [entry._replace(value=b"0 0 0 " + entry.value if entry.value else b"0",
+                               raw=entry.value) for entry in found]
 
     # -------------------------------------------------------- requests
 
@@ -967,10 +539,10 @@ class Cluster(object):
             raise _Ends(("N",))
         try:
             _, value = self._read(
-                "/v3/kv/range", _range_body(prefix_of(key), 0, "DESCEND", token), deadline)
+                "/v3/kv/range", _range_body(self._prefix(key), 0, "DESCEND", token), deadline)
         except Fault as fault:
             raise _Ends(fault.result())
-        found = _entries(value)
+        found = self._entries(value)
         if found is None:
             raise _Ends(INDETERMINATE)
         if found and found[0].create_revision == token \
@@ -1006,12 +578,14 @@ class Cluster(object):
         except Fault as fault:
             return fault.result()
         granted.append(lease)
-        prefix = prefix_of(call.key)
-        name = b"%s%016x" % (prefix, lease)
+        prefix = self._prefix(call.key)
+        name = self._entry_name(prefix, lease)
         put = {"request_put": {
-            "key": _b64(name),
-            "value": _b64(claim_value(call.owner, call.limit, call.take, call.label)),
-            "lease": str(lease)}}
+            "key": _b64(name), "value": _b64(self._claim(call)), "lease": str(lease)}}
+        # A campaign's put that is a grant (the key is free) carries the
+        # grant time; a queued entry gets it when it is granted (_stamp).
+        put_granted = put if not call.stamp else {"request_put": dict(
+            put["request_put"], value=_b64(self._claim(call, time.time())))}
         # The entries before ours, the latest first: a plain acquire needs
         # only the latest; the rest need them all (the limit, the takes).
         earlier = {"request_range": _range_body(prefix, int(plain), "DESCEND", 0)}
@@ -1024,7 +598,7 @@ class Cluster(object):
             failure = []
         whole = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "target": "CREATE"}
         txn = {"compare": [dict(whole, result="EQUAL", create_revision="0")],
-               "success": [put], "failure": failure}
+               "success": [put_granted], "failure": failure}
         try:
             _, answer = self._write("/v3/kv/txn", txn, deadline)
         except Fault as fault:
@@ -1042,7 +616,7 @@ class Cluster(object):
                 self.revoke_in_background(lease)
                 return ("T",)
             ranges = _txn_ranges(answer)
-            snapshot = _entries(ranges[0]) if ranges else None
+            snapshot = self._entries(ranges[0]) if ranges else None
             if snapshot is None:
                 self.revoke_in_background(lease)
                 return INDETERMINATE
@@ -1058,7 +632,7 @@ class Cluster(object):
                     self.revoke_in_background(lease)
                     return ("T",)
                 txn = {"compare": [dict(whole, result="LESS", create_revision=str(revision + 1))],
-                       "success": [put], "failure": [earlier]}
+                       "success": [put_granted], "failure": [earlier]}
                 try:
                     _, answer = self._write("/v3/kv/txn", txn, deadline)
                 except Fault as fault:
@@ -1068,6 +642,7 @@ class Cluster(object):
             # Our entry is in the queue, created at ``revision``.
             if verdict[0] == "holds":
                 call.sent_at = set_at
+                self._stamp(call, name, revision, lease, deadline)
                 return ("A", revision)
             if verdict[0] == "mismatch":
                 try:
@@ -1125,12 +700,33 @@ class Cluster(object):
                     self.revoke_in_background(lease)
                     return INDETERMINATE
                 call.sent_at = kept[0]
+                self._stamp(call, place[1], place[2], lease, deadline)
                 return ("A", place[2])
             if turn[0] == "gone":
                 self.revoke_in_background(lease)
                 return INDETERMINATE
             self._watch_deletion(call, place, turn[1], turn[2] + 1,
                                  min(wait_until, next_keep_alive))
+
+    def _stamp(self, call, name, revision, lease, deadline):
+        """Writes the grant time into the entry of a campaign granted after
+        it was queued (what ``leader``'s ``held_for`` reads): one put
+        of the same value with the time, on the same lease, guarded by the
+        entry's create revision and lease so that it never re-creates a
+        released entry nor moves it back to a lease it left. Best effort
+        (at most 1 s): without it the time is unknown, nothing else."""
+        if not (call.stamp and call.label) or self.layout == "etcd":
+            return  # etcd's layout stores the value alone
+        value = self._claim(call, time.time())
+        key = _b64(name)
+        txn = {"compare": [
+            {"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": str(revision)},
+            {"key": key, "target": "LEASE", "result": "EQUAL", "lease": str(lease)}],
+            "success": [{"request_put": {"key": key, "value": _b64(value), "lease": str(lease)}}]}
+        try:
+            self._write("/v3/kv/txn", txn, min(deadline, monotonic() + 1.0))
+        except Fault:
+            log.debug("could not write the grant time of %d", revision)
 
     def _turn(self, place, deadline):
         """Where the entry at ``place`` stands: one read-only transaction
@@ -1139,7 +735,7 @@ class Cluster(object):
         key, name, revision, slot = place
         exclusive = slot[1] == 0
         txn = {"success": [
-            {"request_range": _range_body(prefix_of(key), int(exclusive), "DESCEND",
+            {"request_range": _range_body(self._prefix(key), int(exclusive), "DESCEND",
                                           revision - 1)},
             {"request_range": {"key": _b64(name)}}]}
         _, value = self._read("/v3/kv/txn", txn, deadline)
@@ -1147,7 +743,7 @@ class Cluster(object):
         ranges = _txn_ranges(value)
         if seen is None or len(ranges) != 2:
             raise Fault(True)
-        own, before = _entries(ranges[1]), _entries(ranges[0])
+        own, before = self._entries(ranges[1]), self._entries(ranges[0])
         if own is None or before is None:
             raise Fault(True)
         if not own or own[0].create_revision != revision:
@@ -1168,7 +764,7 @@ class Cluster(object):
         if len(wake) == 1:
             request = {"key": _b64(wake[0])}
         else:
-            prefix = prefix_of(place[0])
+            prefix = self._prefix(place[0])
             request = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
         request.update(start_revision=str(from_revision), filters=["NOPUT"])
         stream = self.members.open_stream("/v3/watch", _encode({"create_request": request}), until)
@@ -1250,7 +846,7 @@ class Cluster(object):
                 _, value = self._read("/v3/kv/range", {"key": _b64(entry.name)}, deadline)
             except Fault:
                 return INDETERMINATE, None
-            now = _entries(value)
+            now = self._entries(value)
             if now is None:
                 return INDETERMINATE, None
             if now and now[0].create_revision == token:
@@ -1267,7 +863,7 @@ class Cluster(object):
         name = _b64(entry.name)
         txn = {"compare": [{"key": name, "target": "CREATE", "result": "EQUAL",
                             "create_revision": str(token)}],
-               "success": [{"request_put": {"key": name, "value": _b64(entry.value),
+               "success": [{"request_put": {"key": name, "value": _b64(entry.raw_value()),
                                             "lease": str(new_lease)}}]}
         try:
             _, value = self._write("/v3/kv/txn", txn, deadline)
@@ -1288,10 +884,10 @@ class Cluster(object):
         """Every entry of ``key`` in create-revision order, in one read."""
         try:
             _, value = self._read(
-                "/v3/kv/range", _range_body(prefix_of(key), 0, "ASCEND", 0), deadline)
+                "/v3/kv/range", _range_body(self._prefix(key), 0, "ASCEND", 0), deadline)
         except Fault as fault:
             raise _Ends(fault.result())
-        found = _entries(value)
+        found = self._entries(value)
         if found is None:
             raise _Ends(INDETERMINATE)
         return found
@@ -1318,6 +914,67 @@ class Cluster(object):
             return fault.result()
         return ("Q", KeyStatus(first.create_revision, decode(first.value)[0],
                                min(max(ttl, 0) * 1000, 0xFFFFFFFF), len(found) - holding(found)))
+
+    def observe(self, call):
+        """``O`` (spec §13.1 on etcd): the key's state, whose current token
+        is the create revision of its first entry (the earliest grant; 0
+        when it has none), answered at once when that differs from the
+        call's since or its wait is 0; else followed with an etcd watch
+        (not polling) until it differs or the wait ends. The first entry
+        can change only by its own deletion (later entries come after it),
+        so a held key's watch is on that entry's deletion alone, and a free
+        key's on a put under its prefix. A watch that breaks or cannot be
+        opened (an outage) only sends it back to the read, which is retried
+        until the call's deadline."""
+        since, wait_until = call.token, call.deadline - P.TRANSPORT_DEADLINE
+        prefix = self._prefix(call.key)
+        while True:
+            try:
+                _, value = self._read(
+                    "/v3/kv/range", _range_body(prefix, 0, "ASCEND", 0), call.deadline)
+            except Fault as fault:
+                return fault.result()
+            found, revision = self._entries(value), _header_revision(value)
+            if found is None or revision is None:
+                return INDETERMINATE
+            state = _key_state(found)
+            if state.token != since or monotonic() >= wait_until or call.abandoned:
+                return ("O", state)
+            if self.closed:
+                return (MOVED, "the client is closed", 0)
+            if found:
+                request = {"key": _b64(found[0].name), "filters": ["NOPUT"]}
+            else:
+                request = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
+                           "filters": ["NODELETE"]}
+            request["start_revision"] = str(revision + 1)
+            self._watch_until_event(call, request, wait_until)
+
+    def _watch_until_event(self, call, request, until):
+        """Blocks until the watch ``request`` reports an event, or until
+        ``until``, or until the watch breaks or the caller gave up."""
+        stream = self.members.open_stream("/v3/watch", _encode({"create_request": request}), until)
+        if stream is None:
+            time.sleep(max(0.0, min(until - monotonic(), RETRY_PAUSE)))
+            return
+        try:
+            while True:
+                try:
+                    message = stream.next_message(min(until, monotonic() + _ABANDON_CHECK))
+                except (OSError, EOFError, ValueError) as error:
+                    log.debug("etcd watch broke: %s", error)
+                    time.sleep(max(0.0, min(until - monotonic(), RETRY_PAUSE)))
+                    return
+                if message is None:
+                    if monotonic() >= until or call.abandoned or self.closed:
+                        return
+                    continue
+                result = _field(_parse(message), "result")
+                if not isinstance(result, dict) or result.get("canceled") is True \
+                        or _array(result, "events"):
+                    return
+        finally:
+            stream.close()
 
     def holders(self, key, deadline):
         """``H``: the prefix that fits holds, the rest wait. A grant whose
@@ -1363,7 +1020,7 @@ class Cluster(object):
             _, value = self._read("/v3/kv/range", body, deadline)
         except Fault as fault:
             return fault.result()
-        page = _entries(value)
+        page = self._entries(value)
         if page is None:
             return INDETERMINATE
         more = value.get("more") is True
@@ -1372,7 +1029,7 @@ class Cluster(object):
         resume_at = (page[-1].name if page else b"") + b"\0"
         last_key = key_of(page[-1].name) if page else None
         if last_key is not None:
-            resume_at = max(resume_at, prefix_end(prefix_of(last_key)))
+            resume_at = max(resume_at, prefix_end(self._prefix(last_key)))
         groups = []
         for entry in page:
             name = key_of(entry.name)
@@ -1438,7 +1095,39 @@ def cluster_for(addresses, connect_timeout, tls=None, credentials=None):
     ``None``. ``tls``: the ``ssl.SSLContext`` for ``etcds://`` members;
     ``credentials``: ``(user, password)`` for etcd's authentication."""
     endpoints = [where for kind, where in addresses if kind in P.ETCD_KINDS]
-    return Cluster(endpoints, connect_timeout, tls, credentials) if endpoints else None
+    if not endpoints:
+        return None
+    layouts = set(getattr(where, "layout", "kunci") for where in endpoints)
+    if len(layouts) > 1:
+        raise InvalidArgument("the members of one etcd cluster have one layout: "
+                              "give ?layout=etcd on every etcd:// address or on none")
+    return Cluster(endpoints, connect_timeout, tls, credentials, layouts.pop())
+
+
+def _check_etcd_layout(call):
+    """In etcd's layout, what its recipe cannot express is refused before
+    anything is sent: permits (a limit, a take, shared) and listing keys
+    (its keys are anywhere in etcd's key space)."""
+    if call.op == "A" and (call.limit or call.take):
+        raise InvalidArgument(
+            "etcd's layout (?layout=etcd) has exclusive locks only: no limit, take or shared")
+    if call.op == "L":
+        raise InvalidArgument(
+            "etcd's layout (?layout=etcd) cannot list keys: its locks are anywhere in etcd's keys")
+
+
+def _key_state(found):
+    """The ``KeyState`` of a key's entries (create-revision order): the
+    first one's create revision, label and time held (from the grant time
+    it stored, wall clock; ``None`` when it stored none); the lease left
+    is not read (0)."""
+    if not found:
+        return KeyState(0, 0, 0, 0, 0, "")
+    first, grants = found[0], holding(found)
+    granted = granted_ms(first.value)
+    held_ms = None if granted is None else max(0, int(time.time() * 1000) - granted)
+    return KeyState(first.create_revision, 0, held_ms, min(grants, 0xFFFF), len(found) - grants,
+                    decode_label(first.value))
 
 
 class _Ends(Exception):

@@ -438,13 +438,44 @@ def parse_info(text):
 #: The kinds of address that name an etcd member: ``etcds`` speaks TLS.
 ETCD_KINDS = ("etcd", "etcds")
 
+#: The key layouts on etcd (``?layout=``): kunci's own (the default) and
+#: etcd's ``client/v3/concurrency`` recipe (docs/ETCD.md).
+ETCD_LAYOUTS = ("kunci", "etcd")
+
+
+class EtcdMember(tuple):
+    """``(host, port)`` of an etcd member, with the ``layout`` its address
+    named (``?layout=etcd``; else ``"kunci"``)."""
+
+    def __new__(cls, host, port, layout="kunci"):
+        member = super().__new__(cls, (host, port))
+        member.layout = layout
+        return member
+
+
+def _etcd_layout(query, text):
+    """The layout an ``etcd://…?QUERY`` names: ``layout=kunci`` or
+    ``layout=etcd``; any other parameter is refused."""
+    layout = "kunci"
+    for item in query.split("&"):
+        name, sep, value = item.partition("=")
+        if name != "layout" or not sep:
+            raise ValueError("address %r: unknown option %r (etcd addresses take "
+                             "?layout=kunci or ?layout=etcd)" % (text, item))
+        if value not in ETCD_LAYOUTS:
+            raise ValueError("address %r: layout must be kunci or etcd, not %r" % (text, value))
+        layout = value
+    return layout
+
 
 def parse_address(text):
     """``("unix", path)``, ``("tcp", (host, port))`` or ``("tls", (host,
     port))`` for ``unix:PATH``, ``HOST:PORT`` or ``[V6]:PORT``, and
     ``tls://HOST:PORT`` (spec §12.4); ``("etcd", (host, port))`` for each
     member of ``etcd://HOST:PORT[,HOST:PORT…]`` (a list of them), and
-    ``("etcds", (host, port))`` for each of ``etcds://…`` (TLS)."""
+    ``("etcds", (host, port))`` for each of ``etcds://…`` (TLS); an etcd
+    member's ``(host, port)`` is an :class:`EtcdMember`, whose ``layout``
+    ``?layout=etcd`` sets."""
     text = text.strip()
     if text.startswith("unix:"):
         path = text[len("unix:"):]
@@ -456,9 +487,12 @@ def parse_address(text):
         return ("tls", _host_port(rest, text))
     if sep:
         if scheme in ETCD_KINDS:
+            rest, has_query, query = rest.partition("?")
+            layout = _etcd_layout(query, text) if has_query else "kunci"
             members = rest.split(",")
             try:
-                return [(scheme, _etcd_endpoint(member)) for member in members]
+                return [(scheme, EtcdMember(*_etcd_endpoint(member), layout=layout))
+                        for member in members]
             except ValueError as error:
                 raise ValueError("address %r: %s" % (text, error))
         raise ValueError("address %r: the Python client takes HOST:PORT, tls://HOST:PORT, "
@@ -500,7 +534,10 @@ def format_address(address):
     text = ("[%s]:%d" if ":" in host else "%s:%d") % (host, port)
     if kind == "tls":
         return "tls://" + text
-    return kind + "://" + text if kind in ETCD_KINDS else text
+    if kind in ETCD_KINDS:
+        etcd_layout = getattr(where, "layout", "kunci") == "etcd"
+        return kind + "://" + text + ("?layout=etcd" if etcd_layout else "")
+    return text
 
 
 def resolve_servers(servers):

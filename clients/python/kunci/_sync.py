@@ -42,10 +42,10 @@ from ._common import (
     exiting, holders_call, info_call, list_call, log, observe_call, ping_call, query_call,
     release_call, renew_call, result_of, tls_refusal,
 )
-from ._common import NOT_ON_ETCD, SHUTDOWN_NOTICE_WAIT, WaitForever, check_campaign_value
+from ._common import SHUTDOWN_NOTICE_WAIT, WaitForever, check_campaign_value
 from ._common import Holders, KeyInfo, KeyStatus, Leader, leader_of, outcome_of
 from ._engine import attempt_result, run_result
-from ._errors import Error, InvalidArgument, Unavailable
+from ._errors import Error, Unavailable
 
 monotonic = time.monotonic
 
@@ -407,13 +407,12 @@ class Client(E.ClientBase):
         ``release()`` — or leaving its ``with`` block — resigns; a
         candidate whose process dies loses the lead at its lease's end."""
         check_campaign_value(value)
-        return self._drive(E.campaign(self, WaitForever(name, lease, label=value)))
+        return self._drive(E.campaign(self, WaitForever(name, lease, label=value, stamp=True)))
 
     def leader(self, name: str) -> Optional[Leader]:
         """Who leads the election ``name`` now (one ``O`` with wait 0): a
         :class:`kunci.Leader` (``.value``, ``.term``, ``.held_for``) or
         ``None`` while nobody does. Ends by start + 5 s."""
-        self._not_on_etcd()
         call = observe_call(name, 0, 0, self._ids.next(), monotonic())
         return leader_of(outcome_of(call, self._run(call)))
 
@@ -425,13 +424,8 @@ class Client(E.ClientBase):
         only if it differs from the last one reported; a change shorter
         than one round trip may be missed; terms only increase. It raises
         only ``InvalidArgument`` or ``PermissionDenied``."""
-        self._not_on_etcd()
         check_args(P.check_key, name)
         return E.drive_items(E.observe(self, name), self)
-
-    def _not_on_etcd(self):
-        if self._etcd is not None:
-            raise InvalidArgument(NOT_ON_ETCD)
 
     def release(self, key: str, token: int) -> None:
         """Releases grant ``token`` of ``key``. Raises ``NotHeld`` if that
@@ -510,6 +504,8 @@ class Client(E.ClientBase):
             if self._closed:
                 return
             self._closed = True
+            if self._etcd is not None:
+                self._etcd.close()
             if self._pid != os.getpid():
                 return
             for session in self._book.sessions:

@@ -38,9 +38,9 @@ from ._common import (
     result_of, tls_refusal,
 )
 from ._common import AddressBook, Holders, KeyInfo, KeyStatus, Leader, leader_of, outcome_of
-from ._common import NOT_ON_ETCD, SHUTDOWN_NOTICE_WAIT
+from ._common import SHUTDOWN_NOTICE_WAIT
 from ._engine import attempt_result, run_result
-from ._errors import Error, InvalidArgument, Unavailable
+from ._errors import Error, Unavailable
 
 __all__ = ["Client", "Ticket"]
 
@@ -158,7 +158,7 @@ class Client(E.ClientBase):
         resigns), and ``async with client.campaign(...) as t:`` resigns
         when the block ends."""
         check_campaign_value(value)
-        forever = WaitForever(name, lease, label=value)
+        forever = WaitForever(name, lease, label=value, stamp=True)
         return _Campaign(self, forever)
 
     async def _campaign(self, forever):
@@ -166,7 +166,6 @@ class Client(E.ClientBase):
 
     async def leader(self, name: str) -> Optional[Leader]:
         """As :meth:`kunci.Client.leader`: a :class:`kunci.Leader` or ``None``."""
-        self._not_on_etcd()
         call = observe_call(name, 0, 0, self._ids.next(), monotonic())
         return leader_of(outcome_of(call, await self._run(call)))
 
@@ -175,13 +174,8 @@ class Client(E.ClientBase):
         client.observe(name):`` the current leader (or ``None``) first,
         then one item per change. It raises only ``InvalidArgument`` or
         ``PermissionDenied``."""
-        self._not_on_etcd()
         check_args(P.check_key, name)
         return self._follow(E.observe(self, name))
-
-    def _not_on_etcd(self):
-        if self._etcd is not None:
-            raise InvalidArgument(NOT_ON_ETCD)
 
     async def _shutdown_seen(self, notices):
         give_up = monotonic() + SHUTDOWN_NOTICE_WAIT
@@ -279,6 +273,8 @@ class Client(E.ClientBase):
                 and not old.is_running()):
             self._leave_loop(old, clean_up=False)
         self._closed = True
+        if self._etcd is not None:
+            self._etcd.close()
         if self._pid != os.getpid():
             return
         self._forget_loop_end()

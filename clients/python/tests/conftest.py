@@ -527,21 +527,28 @@ class EtcdCluster(object):
         initial = ",".join("%s=http://127.0.0.1:%d" % (name, peer) for name, _, peer in peers)
         self.members = []
         for name, client, peer in peers:
-            log = open(os.path.join(self.directory, name + ".log"), "wb")
-            process = subprocess.Popen(
-                [etcd, "--name", name, "--data-dir", os.path.join(self.directory, name),
+            command = [etcd, "--name", name, "--data-dir", os.path.join(self.directory, name),
                  "--listen-client-urls", "http://127.0.0.1:%d" % client,
                  "--advertise-client-urls", "http://127.0.0.1:%d" % client,
                  "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
                  "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
                  "--initial-cluster", initial, "--initial-cluster-state", "new",
                  "--initial-cluster-token", "kunci-py-%d" % peers[0][2],
-                 "--heartbeat-interval", "50", "--election-timeout", "500"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
-            log.close()
+                 "--heartbeat-interval", "50", "--election-timeout", "500"]
             self.members.append({"name": name, "client": "127.0.0.1:%d" % client,
-                                 "port": client, "process": process})
+                                 "port": client, "command": command})
+            self._start(self.members[-1])
         self.wait_ready()
+
+    def _start(self, member):
+        log = open(os.path.join(self.directory, member["name"] + ".log"), "ab")
+        member["process"] = subprocess.Popen(
+            member["command"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
+
+    def restart(self, index):
+        """Starts a member that was killed again, on its data directory."""
+        self._start(self.members[index])
 
     @property
     def endpoints(self):

@@ -432,14 +432,6 @@ def test_invalid_name_is_refused_at_once(make_client):
         observe("a\nb")
 
 
-def test_leader_and_observe_not_on_etcd_yet(make_client):
-    client = make_client("etcd://127.0.0.1:%d" % free_port())
-    observe = client.observe if client.flavour == "sync" else client.client.observe
-    for call in (lambda: client.leader("svc"), lambda: observe("svc")):
-        with pytest.raises(kunci.InvalidArgument, match="not on etcd yet"):
-            call()
-
-
 def test_campaign_on_etcd_blocks_until_the_leader_resigns(etcd_cluster, make_client):
     # campaign is an acquire with wait=None and a label: etcd has it already.
     first = make_client(etcd_cluster.address)

@@ -101,3 +101,42 @@ def test_holders_are_the_prefix_that_fits(values, held):
     for index, one in enumerate(entries):
         holds = E.judge(E.decode(one.value)[1], entries[:index][::-1], False) == ("holds",)
         assert holds == (index < held)
+
+
+def old_decode(value):
+    """The reader of the previous release (docs/ETCD.md, "The value"),
+    line for line: no trailer."""
+    text = value.decode("utf-8")
+    owner = E._unsigned(text.strip(E._WHITESPACE), E.U64_MAX)
+    if owner is not None:
+        return owner, E.EXCLUSIVE, ""
+    fields = text.split(" ", 3)
+    owner = E._unsigned(fields[0], E.U64_MAX)
+    if len(fields) < 3:
+        return owner or 0, E.EXCLUSIVE, ""
+    limit, take = E._unsigned(fields[1], 65535), E._unsigned(fields[2], 65535)
+    if owner is not None and limit is not None and take is not None and take <= limit:
+        return owner, (limit, take), fields[3] if len(fields) == 4 else ""
+    return owner or 0, E.EXCLUSIVE, ""
+
+
+def test_a_labelled_grant_stores_its_time_as_a_trailer_older_readers_tolerate():
+    value = E.claim_value(7, 0, 0, b"host-a:5432", 1733300000.1234)
+    assert value == b"7 0 0 host-a:5432\ngranted_ms=1733300000123"
+    assert E.granted_ms(value) == 1733300000123
+    assert (E.decode(value), E.decode_label(value)) == ((7, E.EXCLUSIVE), "host-a:5432")
+    # An older reader: owner, limit and take exactly; the trailer shows in
+    # the label only.
+    assert old_decode(value) == (7, E.EXCLUSIVE, "host-a:5432\ngranted_ms=1733300000123")
+    counted = E.claim_value(9, 3, 1, b"r 1", 2.0)
+    assert counted == b"9 3 1 r 1\ngranted_ms=2000"
+    assert E.decode(counted) == (9, (3, 1)) and old_decode(counted)[:2] == (9, (3, 1))
+    # No label, or no time: the value of the previous release, no trailer.
+    assert E.claim_value(7, 0, 0, b"", 5.0) == b"7"
+    assert E.claim_value(7, 3, 1, b"", 5.0) == b"7 3 1"
+    assert E.claim_value(7, 0, 0, b"a") == b"7 0 0 a"
+    for stored in [b"7", b"7 0 0 a", b"7 0 0 a\ngranted_ms=", b"7 0 0 a\ngranted_ms=x1",
+                   b"7 0 0 a\ngranted=5", b"7 0 0 a\ngranted_ms=-5"]:
+        assert E.granted_ms(stored) is None, stored
+    # Unknown fields are ignored, in any order.
+    assert E.granted_ms(b"7 0 0 a\nnext=1\ngranted_ms=15") == 15
