@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use kunci::core::restart::{CleanStop, Durability};
+use kunci::core::restart::{CleanStop, Durability, HORIZON_STEP, LOWER_EVERY, LOWER_GAIN_MIN};
 use kunci::core::{ConnId, Core, Limits, Micros, Output};
 use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 use kunci::server::state::{Clocks, Recorded};
@@ -21,6 +21,11 @@ use kunci::server::state::{Clocks, Recorded};
 use super::{Rng, Simulation, Tally, env_u64, run_seeds};
 use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
 use crate::util::model::{Model, same_as_multiset, same_in_order};
+
+/// The state file's steps (`kunci::core::restart`), in the core's µs.
+const HORIZON_STEP_US: Micros = HORIZON_STEP.as_micros() as Micros;
+const LOWER_EVERY_US: Micros = LOWER_EVERY.as_micros() as Micros;
+const LOWER_GAIN_MIN_US: Micros = LOWER_GAIN_MIN.as_micros() as Micros;
 
 /// What the clients know about one acquire they sent.
 struct Attempt {
@@ -834,14 +839,7 @@ impl Sim {
         };
         self.log(|| format!("restart (clean: {clean}) down for {downtime_ms} ms"));
         let core = &self.fake.core;
-        let written = Clocks {
-            boot_id: b"sim".to_vec(),
-            boot_ms: 1_000_000 + now.div_ceil(MS),
-            wall_ms: 50_000_000 + now.div_ceil(MS),
-        };
-        let ms_after = |at: Micros| at.saturating_sub(now).div_ceil(MS);
-        let mut recorded = Recorded::new(clean, written.clone(), core.next_token(), 0);
-        if clean {
+        let recorded = if clean {
             core.check_invariants();
             self.fake.core.shut_down(self.fake.now);
             let out = self.fake.drain();
@@ -854,10 +852,8 @@ impl Sim {
             self.observe(&out, None)?;
             // What the server's clean stop persists.
             let stop = CleanStop::of(&self.fake.core, now);
-            recorded.set_grants(stop.grants());
-            recorded.horizon_ms = ms_after(stop.horizon);
-            recorded.counted_grants = stop.counted_grants;
             self.counts.clean_restarts += 1;
+            Recorded::clean_stop(&anchor(), &stop)
         } else {
             // The horizon on disk: what the last promise made durable.
             let Some(promise) = self.durability.on_disk() else {
@@ -867,7 +863,9 @@ impl Sim {
             // most 5 s past the latest of them — or 1 s more, the least a
             // lowering gains, once the leases that ended were forgotten.
             let latest = core.lease_deadline_max().max(core.grace_until());
-            if promise.horizon < latest || promise.horizon > (latest + 5 * S).max(now) + S {
+            if promise.horizon < latest
+                || promise.horizon > (latest + HORIZON_STEP_US).max(now) + LOWER_GAIN_MIN_US
+            {
                 return Err(format!(
                     "the horizon on disk {} is not within 5 s (+ 1 s) after the latest lease \
                      {latest} at {now}",
@@ -888,17 +886,17 @@ impl Sim {
             // turn, at most 5 s (and a 100 ms bucket, and the 1 s a
             // lowering must gain) past the latest lease running now.
             let lowered_at = self.durability.lowered_at();
-            if !core.leases_ended() && lowered_at.is_none_or(|at| now >= at + 5 * S) {
+            if !core.leases_ended() && lowered_at.is_none_or(|at| now >= at + LOWER_EVERY_US) {
                 let running = self
                     .live
                     .values()
                     .map(|live| live.lease_tick * MS)
                     .max()
                     .unwrap_or(0);
-                let bound = (running + 5 * S + 100 * MS)
+                let bound = (running + HORIZON_STEP_US + 100 * MS)
                     .max(core.grace_until())
                     .max(now)
-                    + S;
+                    + LOWER_GAIN_MIN_US;
                 if promise.horizon > bound {
                     return Err(format!(
                         "the horizon on disk {} is more than 6.1 s past the latest lease running \
@@ -914,16 +912,15 @@ impl Sim {
                     promise.token_high_water
                 ));
             }
-            recorded.horizon_ms = ms_after(promise.horizon);
-            recorded.counted_grants = promise.counted_grants;
             self.counts.unclean_restarts += 1;
-        }
+            Recorded::running(&anchor(), promise, now)
+        };
         // The wall clock stepped back an hour meanwhile: the boot-time
         // clock measures the downtime.
         let restarted = Clocks {
             boot_id: b"sim".to_vec(),
-            boot_ms: written.boot_ms + downtime_ms,
-            wall_ms: written.wall_ms - 3_600_000,
+            boot_ms: recorded.written.boot_ms + downtime_ms,
+            wall_ms: recorded.written.wall_ms - 3_600_000,
         };
         let restart = recorded.restart_at(&restarted);
         let first_token = self.fake.core.next_token() + self.rng.below(1_000);
@@ -1092,6 +1089,15 @@ impl Sim {
     }
 }
 
+/// The clocks at the instant the simulated event loop's clock read 0.
+fn anchor() -> Clocks {
+    Clocks {
+        boot_id: b"sim".to_vec(),
+        boot_ms: 1_000_000,
+        wall_ms: 50_000_000,
+    }
+}
+
 impl Simulation for Sim {
     type Counts = Counts;
     const NAME: &'static str = "simulation";
@@ -1235,19 +1241,11 @@ fn run_grace_limits_seed(seed: u64) -> Result<u64, String> {
         return Err("the counted grant was not recorded".to_owned());
     }
     // kill -9, and a restart after a downtime.
-    let now = fake.now;
-    let written = Clocks {
-        boot_id: b"sim".to_vec(),
-        boot_ms: 1_000_000 + now.div_ceil(MS),
-        wall_ms: 50_000_000 + now.div_ceil(MS),
-    };
-    let mut recorded = Recorded::new(false, written.clone(), promise.token_high_water, 0);
-    recorded.horizon_ms = promise.horizon.saturating_sub(now).div_ceil(MS);
-    recorded.counted_grants = promise.counted_grants;
+    let recorded = Recorded::running(&anchor(), promise, fake.now);
     let restarted = Clocks {
         boot_id: b"sim".to_vec(),
-        boot_ms: written.boot_ms + rng.below(3_000),
-        wall_ms: written.wall_ms,
+        boot_ms: recorded.written.boot_ms + rng.below(3_000),
+        wall_ms: recorded.written.wall_ms,
     };
     let restart = recorded.restart_at(&restarted);
     let mut core = Core::new(limits, promise.token_high_water);
