@@ -1,6 +1,7 @@
 //! Peers that speak bytes to the sans-IO [`Endpoint`] the way the shell
-//! drives it: reads split at random points, half-closes, resets with
-//! unread output, readers that stall, refusals at accept, floods that hit
+//! drives it: requests of every kind (watches, `O` of spec §13, among
+//! them), reads split at random points, half-closes, resets with unread
+//! output, readers that stall, refusals at accept, floods that hit
 //! backpressure, frames left incomplete, a graceful shutdown. Checked
 //! after every step: the endpoint's and the core's invariants (bounded
 //! buffers among them), every answer correlates to exactly one request,
@@ -71,6 +72,8 @@ pub struct Counts {
     pub partial_frame_timeouts: u64,
     pub fatal: u64,
     pub shutdowns: u64,
+    /// `V` frames: watches (`O`, spec §13) answered at once or later.
+    pub watch_answers: u64,
 }
 
 impl Tally for Counts {
@@ -87,6 +90,7 @@ impl Tally for Counts {
         self.partial_frame_timeouts += other.partial_frame_timeouts;
         self.fatal += other.fatal;
         self.shutdowns += other.shutdowns;
+        self.watch_answers += other.watch_answers;
     }
 }
 
@@ -323,7 +327,7 @@ impl WireSim {
                 n => self.tokens[self.rng.below(n as u64) as usize].1,
             };
             let mut bytes = Vec::new();
-            let correlation = match self.rng.below(10) {
+            let correlation = match self.rng.below(11) {
                 0..=3 => {
                     let request = Request::Acquire {
                         wait_s: self.rng.range(0, 3) as u8,
@@ -364,6 +368,23 @@ impl WireSim {
                 8 => {
                     protocol::encode_request(&Request::Info, &mut bytes);
                     Correlation::Info
+                }
+                9 => {
+                    // A watch (spec §13): answered at once when the key's
+                    // token is not `since`, else held until it changes,
+                    // the wait ends or the server stops.
+                    let since = match self.rng.below(3) {
+                        0 => 0,
+                        _ => token,
+                    };
+                    let request = Request::Observe {
+                        wait_s: self.rng.range(0, 3) as u8,
+                        id: owner,
+                        since,
+                        key: &key,
+                    };
+                    protocol::encode_request(&request, &mut bytes);
+                    request.correlation()
                 }
                 _ => {
                     // Lease 0: `X 5` carrying the owner, not fatal.
@@ -442,6 +463,9 @@ impl WireSim {
                     at += len;
                     peer.frames += 1;
                     self.counts.answers += 1;
+                    if matches!(response, Response::KeyState { .. }) {
+                        self.counts.watch_answers += 1;
+                    }
                     Self::correlate(id, peer, &response, &mut self.tokens)?;
                 }
                 Err(e) => return Err(format!("connection {id}: undecodable answer: {e}")),
@@ -759,6 +783,7 @@ fn simulation_of_the_wire_bytes_split_half_closed_stalled_and_reset() {
             counts.partial_frame_timeouts,
             counts.fatal,
             counts.shutdowns,
+            counts.watch_answers,
         ];
         assert!(reached.iter().all(|&n| n > 0), "{counts:?}");
     }
