@@ -34,6 +34,9 @@ use super::listing::{Grant, HOLDERS_MAX, Holders, KeyPage, KeySummary, Waiter};
 use super::permits::{Label, Permits};
 use super::{Denied, KeyStatus, Secret, TRANSPORT_DEADLINE, Unavailable};
 
+#[cfg(test)]
+mod invariants;
+
 /// A session: one connection slot, numbered from 0.
 pub(crate) type SessionId = usize;
 

@@ -12,11 +12,87 @@ const S: Duration = Duration::from_secs(1);
 
 /// An engine on a fake clock; replies are numbered calls.
 struct Harness {
-    engine: Engine<u32>,
+    engine: Checked,
     start: Instant,
     now: Instant,
     /// Completions a test collected on the way.
     completions_seen: Vec<(u32, Outcome)>,
+}
+
+/// The engine, checking its invariants after every call that can change
+/// it (the same calls, so the tests read as if they drove it directly).
+struct Checked(Engine<u32>);
+
+impl Checked {
+    fn checked<T>(&mut self, call: impl FnOnce(&mut Engine<u32>) -> T) -> T {
+        let result = call(&mut self.0);
+        self.0.check_invariants();
+        result
+    }
+
+    fn submit(&mut self, submission: Submission<u32>, now: Instant) {
+        self.checked(|engine| engine.submit(submission, now))
+    }
+
+    fn release_in_background(&mut self, key: Key, token: u64, now: Instant) {
+        self.checked(|engine| engine.release_in_background(key, token, now))
+    }
+
+    fn authenticate_with(&mut self, secret: Secret) {
+        self.checked(|engine| engine.authenticate_with(secret))
+    }
+
+    fn poll_action(&mut self) -> Option<Action> {
+        self.checked(Engine::poll_action)
+    }
+
+    fn poll_completion(&mut self) -> Option<(u32, Outcome)> {
+        self.checked(Engine::poll_completion)
+    }
+
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.0.poll_timeout()
+    }
+
+    fn is_idle(&self) -> bool {
+        self.0.is_idle()
+    }
+
+    fn handle_timeout(&mut self, now: Instant) {
+        self.checked(|engine| engine.handle_timeout(now))
+    }
+
+    fn expire(&mut self, now: Instant) {
+        self.checked(|engine| engine.expire(now))
+    }
+
+    fn connected(&mut self, s: usize, now: Instant) {
+        self.checked(|engine| engine.connected(s, now))
+    }
+
+    fn connect_failed(&mut self, s: usize, now: Instant) {
+        self.checked(|engine| engine.connect_failed(s, now))
+    }
+
+    fn session_closed(&mut self, s: usize, now: Instant) {
+        self.checked(|engine| engine.session_closed(s, now))
+    }
+
+    /// Checked once the batch is encoded, before its bytes are handed out
+    /// (asking again returns the same bytes and changes nothing).
+    fn poll_transmit(&mut self, s: usize, now: Instant) -> Option<&[u8]> {
+        self.checked(|engine| engine.poll_transmit(s, now).is_some())
+            .then(|| self.0.poll_transmit(s, now))
+            .flatten()
+    }
+
+    fn transmitted(&mut self, s: usize, written: usize) {
+        self.checked(|engine| engine.transmitted(s, written))
+    }
+
+    fn handle_input(&mut self, s: usize, data: &[u8], now: Instant) {
+        self.checked(|engine| engine.handle_input(s, data, now))
+    }
 }
 
 /// A request frame as the server would decode it.
@@ -176,7 +252,7 @@ impl Harness {
     fn with_sessions(servers: usize, per_server: usize) -> Harness {
         let start = Instant::now();
         Harness {
-            engine: Engine::new(servers, per_server, S, start),
+            engine: Checked(Engine::new(servers, per_server, S, start)),
             start,
             now: start,
             completions_seen: Vec::new(),
