@@ -918,6 +918,40 @@ fn a_background_release_needs_no_caller() {
 /// Spec §6, §8 rule 4: `X 7` as a session's first frame means the server
 /// executed nothing on it — the requests move to another session, and at
 /// `D` they are `Unavailable` naming the reason, never `Indeterminate`.
+/// A refusal at accept that is read only when the deadline's drain reads
+/// the session: the request, set aside at its deadline as possibly sent,
+/// is certainly not sent after all. It still ends at its deadline,
+/// `Unavailable` with the refusal's reason; it used to be left with no
+/// timer, ending never (found by the engine simulation).
+#[test]
+fn a_refusal_read_in_the_deadlines_drain_still_ends_the_call_at_its_deadline() {
+    let mut h = Harness::new(1);
+    h.other(1, Op::Ping { nonce: 12 });
+    assert_eq!(h.actions(), [Action::Connect(0)]);
+    h.engine.connected(0, h.now);
+    assert_eq!(h.write(0), [Frame::P { nonce: 12 }]);
+    h.at(TRANSPORT_DEADLINE);
+    h.engine.handle_timeout(h.now);
+    assert_eq!(h.actions(), [Action::Drain(0)]);
+    h.input(
+        0,
+        Response::Error {
+            code: 7,
+            id: 0,
+            text: "refused".into(),
+        },
+    );
+    h.engine.expire(h.now);
+    h.actions();
+    // The I/O thread asks `poll_timeout` next, at once.
+    assert_eq!(h.engine.poll_timeout(), Some(h.now));
+    h.timeout();
+    assert_eq!(
+        h.completions(),
+        [(1, Outcome::Unavailable(Unavailable::ConnectionLimit))]
+    );
+}
+
 #[test]
 fn a_refusal_at_accept_is_unavailable_with_its_reason_never_indeterminate() {
     let (code, why) = (7, Unavailable::ConnectionLimit);
