@@ -1238,10 +1238,8 @@ fn after_a_crash_two_readers_one_releases_and_the_writer_waits_for_the_other_lea
     assert!(on_disk.horizon >= 31 * S && on_disk.horizon <= 36 * S);
     // kill -9 at 2 s; the next run starts at once.
     let crash = 2 * S;
-    let mut recorded = Recorded::new(false, boot(1_000, 50_000_000), on_disk.token_high_water, 0);
-    recorded.horizon_ms = (on_disk.horizon - crash) / MS;
-    recorded.counted_grants = on_disk.counted_grants;
-    let restart = recorded.restart_at(&boot(1_000, 50_000_000));
+    let recorded = Recorded::running(&boot(1_000, 50_000_000), on_disk, crash);
+    let restart = recorded.restart_at(&boot(1_000 + 2_000, 50_000_000 + 2_000));
     assert!(restart.counted_grants);
     let mut next = Fake::new(Limits::default(), 3);
     next.core = Core::new(Limits::default(), on_disk.token_high_water);

@@ -34,6 +34,11 @@ use super::listing::{Grant, HOLDERS_MAX, Holders, KeyPage, KeySummary, Waiter};
 use super::permits::{Label, Permits};
 use super::{Denied, KeyStatus, Secret, TRANSPORT_DEADLINE, Unavailable};
 
+#[cfg(test)]
+mod invariants;
+#[cfg(test)]
+mod simulation;
+
 /// A session: one connection slot, numbered from 0.
 pub(crate) type SessionId = usize;
 
@@ -660,6 +665,16 @@ impl<R> Engine<R> {
             {
                 log::debug!("session {s}: no answer by the deadline; closing it");
                 self.close(s, now);
+            }
+        }
+        // One that a refusal read in the drain made certainly not sent
+        // ends as at `D`, at the next `handle_timeout`: re-arm its timer.
+        for &id in &expired {
+            if let Some(req) = self.requests.slab.get(id)
+                && !req.timer.is_armed()
+            {
+                let tick = self.tick_at_or_after(req.deadline);
+                self.wheel.arm(&mut self.requests, id as TimerId, tick);
             }
         }
         for session in &mut self.sessions {

@@ -12,11 +12,87 @@ const S: Duration = Duration::from_secs(1);
 
 /// An engine on a fake clock; replies are numbered calls.
 struct Harness {
-    engine: Engine<u32>,
+    engine: Checked,
     start: Instant,
     now: Instant,
     /// Completions a test collected on the way.
     completions_seen: Vec<(u32, Outcome)>,
+}
+
+/// The engine, checking its invariants after every call that can change
+/// it (the same calls, so the tests read as if they drove it directly).
+struct Checked(Engine<u32>);
+
+impl Checked {
+    fn checked<T>(&mut self, call: impl FnOnce(&mut Engine<u32>) -> T) -> T {
+        let result = call(&mut self.0);
+        self.0.check_invariants();
+        result
+    }
+
+    fn submit(&mut self, submission: Submission<u32>, now: Instant) {
+        self.checked(|engine| engine.submit(submission, now))
+    }
+
+    fn release_in_background(&mut self, key: Key, token: u64, now: Instant) {
+        self.checked(|engine| engine.release_in_background(key, token, now))
+    }
+
+    fn authenticate_with(&mut self, secret: Secret) {
+        self.checked(|engine| engine.authenticate_with(secret))
+    }
+
+    fn poll_action(&mut self) -> Option<Action> {
+        self.checked(Engine::poll_action)
+    }
+
+    fn poll_completion(&mut self) -> Option<(u32, Outcome)> {
+        self.checked(Engine::poll_completion)
+    }
+
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.0.poll_timeout()
+    }
+
+    fn is_idle(&self) -> bool {
+        self.0.is_idle()
+    }
+
+    fn handle_timeout(&mut self, now: Instant) {
+        self.checked(|engine| engine.handle_timeout(now))
+    }
+
+    fn expire(&mut self, now: Instant) {
+        self.checked(|engine| engine.expire(now))
+    }
+
+    fn connected(&mut self, s: usize, now: Instant) {
+        self.checked(|engine| engine.connected(s, now))
+    }
+
+    fn connect_failed(&mut self, s: usize, now: Instant) {
+        self.checked(|engine| engine.connect_failed(s, now))
+    }
+
+    fn session_closed(&mut self, s: usize, now: Instant) {
+        self.checked(|engine| engine.session_closed(s, now))
+    }
+
+    /// Checked once the batch is encoded, before its bytes are handed out
+    /// (asking again returns the same bytes and changes nothing).
+    fn poll_transmit(&mut self, s: usize, now: Instant) -> Option<&[u8]> {
+        self.checked(|engine| engine.poll_transmit(s, now).is_some())
+            .then(|| self.0.poll_transmit(s, now))
+            .flatten()
+    }
+
+    fn transmitted(&mut self, s: usize, written: usize) {
+        self.checked(|engine| engine.transmitted(s, written))
+    }
+
+    fn handle_input(&mut self, s: usize, data: &[u8], now: Instant) {
+        self.checked(|engine| engine.handle_input(s, data, now))
+    }
 }
 
 /// A request frame as the server would decode it.
@@ -176,7 +252,7 @@ impl Harness {
     fn with_sessions(servers: usize, per_server: usize) -> Harness {
         let start = Instant::now();
         Harness {
-            engine: Engine::new(servers, per_server, S, start),
+            engine: Checked(Engine::new(servers, per_server, S, start)),
             start,
             now: start,
             completions_seen: Vec::new(),
@@ -842,6 +918,40 @@ fn a_background_release_needs_no_caller() {
 /// Spec §6, §8 rule 4: `X 7` as a session's first frame means the server
 /// executed nothing on it — the requests move to another session, and at
 /// `D` they are `Unavailable` naming the reason, never `Indeterminate`.
+/// A refusal at accept that is read only when the deadline's drain reads
+/// the session: the request, set aside at its deadline as possibly sent,
+/// is certainly not sent after all. It still ends at its deadline,
+/// `Unavailable` with the refusal's reason; it used to be left with no
+/// timer, ending never (found by the engine simulation).
+#[test]
+fn a_refusal_read_in_the_deadlines_drain_still_ends_the_call_at_its_deadline() {
+    let mut h = Harness::new(1);
+    h.other(1, Op::Ping { nonce: 12 });
+    assert_eq!(h.actions(), [Action::Connect(0)]);
+    h.engine.connected(0, h.now);
+    assert_eq!(h.write(0), [Frame::P { nonce: 12 }]);
+    h.at(TRANSPORT_DEADLINE);
+    h.engine.handle_timeout(h.now);
+    assert_eq!(h.actions(), [Action::Drain(0)]);
+    h.input(
+        0,
+        Response::Error {
+            code: 7,
+            id: 0,
+            text: "refused".into(),
+        },
+    );
+    h.engine.expire(h.now);
+    h.actions();
+    // The I/O thread asks `poll_timeout` next, at once.
+    assert_eq!(h.engine.poll_timeout(), Some(h.now));
+    h.timeout();
+    assert_eq!(
+        h.completions(),
+        [(1, Outcome::Unavailable(Unavailable::ConnectionLimit))]
+    );
+}
+
 #[test]
 fn a_refusal_at_accept_is_unavailable_with_its_reason_never_indeterminate() {
     let (code, why) = (7, Unavailable::ConnectionLimit);

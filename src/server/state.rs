@@ -199,6 +199,57 @@ impl Recorded {
         }
     }
 
+    /// The record [`StateDir::write_running`] writes for `promise` at
+    /// `now` (µs of the event loop, whose instant 0 read `anchor`).
+    pub fn running(anchor: &Clocks, promise: Promise, now: Micros) -> Self {
+        Recorded::written_at(
+            false,
+            anchor,
+            now,
+            promise.token_high_water,
+            promise.horizon,
+            promise.counted_grants,
+        )
+    }
+
+    /// The record [`StateDir::save_clean_stop`] writes for `stop` (µs of
+    /// the event loop, whose instant 0 read `anchor`), its grants listed.
+    pub fn clean_stop(anchor: &Clocks, stop: &CleanStop<'_>) -> Self {
+        let mut recorded = Recorded::written_at(
+            true,
+            anchor,
+            stop.now(),
+            stop.next_token,
+            stop.horizon,
+            stop.counted_grants,
+        );
+        recorded.set_grants(stop.grants());
+        recorded
+    }
+
+    /// The arithmetic every write shares, from the core's µs to the file's
+    /// ms: the write is dated `now` rounded up (never before the true
+    /// moment), and the horizon is the ms from then until `horizon`
+    /// (0 = none), rounded up (never short of a lease).
+    fn written_at(
+        clean_stop: bool,
+        anchor: &Clocks,
+        now: Micros,
+        token_high_water: u64,
+        horizon: Micros,
+        counted_grants: bool,
+    ) -> Self {
+        Recorded {
+            counted_grants,
+            ..Recorded::new(
+                clean_stop,
+                anchor.plus(now.div_ceil(1_000)),
+                token_high_water,
+                horizon.saturating_sub(now).div_ceil(1_000),
+            )
+        }
+    }
+
     /// What this record means for a run whose clocks read `now`: the time
     /// since the write is measured here (on the right clock), the policy
     /// is [`Restart::new`]'s.
@@ -536,17 +587,8 @@ impl StateDir {
     /// Makes `promise` durable: the file written while running, at `now`
     /// (µs of the event loop), promises it.
     pub fn write_running(&mut self, promise: Promise, now: Micros) -> io::Result<()> {
-        let at = self.anchor.plus(now.div_ceil(1_000));
-        let horizon_ms = promise.horizon.saturating_sub(now).div_ceil(1_000);
-        self.write(
-            KIND_RUNNING,
-            &at,
-            promise.token_high_water,
-            horizon_ms,
-            promise.counted_grants,
-            0,
-            &mut std::iter::empty(),
-        )
+        let header = Recorded::running(&self.anchor, promise, now);
+        self.write(&header, 0, &mut std::iter::empty())
     }
 
     /// Writes this run's first promise, before any connection is
@@ -582,29 +624,18 @@ impl StateDir {
         count: usize,
         grants: &mut dyn Iterator<Item = SavedGrant<'a>>,
     ) -> io::Result<()> {
-        let at = self.anchor.plus(now.div_ceil(1_000));
-        let horizon_ms = horizon.saturating_sub(now).div_ceil(1_000);
-        self.write(
-            KIND_CLEAN_STOP,
-            &at,
-            next_token,
-            horizon_ms,
-            counted_grants,
-            count,
-            grants,
-        )
+        let header =
+            Recorded::written_at(true, &self.anchor, now, next_token, horizon, counted_grants);
+        self.write(&header, count, grants)
     }
 
     /// Replaces the file atomically and durably: write a temporary file,
     /// fsync it, rename it over the old one, fsync the directory.
-    #[allow(clippy::too_many_arguments)]
+    /// `header` gives everything but the grants: `count` of them come
+    /// from `grants`, encoded as they stream.
     fn write<'a>(
         &mut self,
-        kind: u8,
-        at: &Clocks,
-        token_high_water: u64,
-        horizon_ms: u64,
-        counted_grants: bool,
+        header: &Recorded,
         count: usize,
         grants: &mut dyn Iterator<Item = SavedGrant<'a>>,
     ) -> io::Result<()> {
@@ -614,8 +645,19 @@ impl StateDir {
             OpenOptions::new().create(true).write(true).truncate(true),
         )?;
         let mut out = ChecksumWriter::new(BufWriter::with_capacity(1 << 20, file));
-        write_header(&mut out, kind, at, token_high_water, horizon_ms)?;
-        out.write_all(&[if counted_grants {
+        let kind = if header.clean_stop {
+            KIND_CLEAN_STOP
+        } else {
+            KIND_RUNNING
+        };
+        write_header(
+            &mut out,
+            kind,
+            &header.written,
+            header.token_high_water,
+            header.horizon_ms,
+        )?;
+        out.write_all(&[if header.counted_grants {
             FLAG_COUNTED_GRANTS
         } else {
             0
@@ -940,6 +982,61 @@ mod tests {
         // Written at 2 ms (rounded up from 2,000 µs), horizon at 20 s.
         assert_eq!(recorded.written, clocks("boot-a", 1_000_002, 50_000_002));
         assert_eq!(recorded.horizon_ms, 19_998);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// [`Recorded::running`] and [`Recorded::clean_stop`] say what the
+    /// writes put in the file: read back, the file is that record.
+    #[test]
+    fn the_records_the_constructors_make_are_what_the_writes_put_on_disk() {
+        use crate::core::{Core, Limits};
+        use crate::protocol::Request;
+
+        let dir = temp_dir("constructors");
+        let anchor = clocks("boot-c", 1_000_000, 50_000_000);
+        let promise = Promise {
+            token_high_water: 5 + TOKEN_BLOCK,
+            horizon: 7_300_001,
+            counted_grants: true,
+        };
+        {
+            let mut state = StateDir::open(&dir).unwrap();
+            state.anchor(anchor.clone());
+            state.write_running(promise, 2_500_001).unwrap();
+        }
+        let running = StateDir::open(&dir).unwrap().take_recorded();
+        // Dated 2,501 ms, the horizon 4,800 ms after (both rounded up).
+        assert_eq!(running.written, clocks("boot-c", 1_002_501, 50_002_501));
+        assert_eq!(running.horizon_ms, 4_800);
+        assert_eq!(running, Recorded::running(&anchor, promise, 2_500_001));
+
+        let mut core = Core::new(Limits::default(), 5);
+        core.connect(0);
+        for (key, lease_s, label) in [("a", 10, ""), ("b", 30, "x")] {
+            let request = Request::Acquire {
+                wait_s: 0,
+                lease_s,
+                owner: 1,
+                key,
+                limit: 3,
+                take: 1,
+                label,
+            };
+            core.handle_request(0, &request, 1_000);
+        }
+        core.set_grace_until(9_000_500);
+        let stop = CleanStop::of(&core, 4_000_250);
+        {
+            let mut state = StateDir::open(&dir).unwrap();
+            state.anchor(anchor.clone());
+            state.save_clean_stop(&stop).unwrap();
+        }
+        let clean = StateDir::open(&dir).unwrap().take_recorded();
+        assert!(clean.clean_stop);
+        assert_eq!(clean.grant_count(), 2);
+        assert_eq!(clean.written, clocks("boot-c", 1_004_001, 50_004_001));
+        assert_eq!(clean.horizon_ms, 5_001);
+        assert_eq!(clean, Recorded::clean_stop(&anchor, &stop));
         let _ = fs::remove_dir_all(&dir);
     }
 
