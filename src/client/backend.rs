@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use super::engine::{Key, Outcome, Submission};
 use super::keep_alive::{Grant, KeepAlives, KeepId, Loss, Step};
+use super::vocabulary::{Key, Outcome, Submission};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)

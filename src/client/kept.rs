@@ -4,10 +4,12 @@ use std::fmt;
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::Client;
 use super::backend::{Message, Mirror, OnLost};
-use super::engine::Key;
 use super::keep_alive::{Grant, KeepId, Loss};
-use super::{Client, Error, Permits, Ticket, drift_margin};
+use super::permits::Permits;
+use super::ticket::Ticket;
+use super::vocabulary::{Error, Key, drift_margin};
 
 /// A lock whose lease the client keeps alive (spec §8 rule 10), made with
 /// [`Ticket::keep_alive`] or [`Ticket::keep_alive_with`].

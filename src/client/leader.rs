@@ -6,9 +6,11 @@
 
 use std::time::{Duration, Instant};
 
-use super::engine::{Key, KeyState, Op, Outcome};
-use super::{
-    AcquireOptions, Client, Error, KeptLease, TRANSPORT_DEADLINE, WAIT_MAX, outcome_error,
+use super::Client;
+use super::kept::KeptLease;
+use super::permits::AcquireOptions;
+use super::vocabulary::{
+    Error, Key, KeyState, Op, Outcome, TRANSPORT_DEADLINE, WAIT_MAX, outcome_error,
 };
 
 /// Who leads an election (spec §13.6).

@@ -5,7 +5,10 @@
 
 use std::time::Duration;
 
-use super::{AcquireOptions, Client, Error, Ticket, Unavailable, WAIT_MAX};
+use super::Client;
+use super::permits::AcquireOptions;
+use super::ticket::Ticket;
+use super::vocabulary::{Error, Unavailable, WAIT_MAX};
 
 impl Client {
     /// Takes the lock on `key` with a lease of `lease`, waiting as long as

@@ -19,9 +19,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::backend::{KeepTask, KeptLeases, Message, Reply};
-use super::engine::{Op, Outcome, Submission};
 use super::keep_alive::KeepId;
-use super::{TRANSPORT_DEADLINE, Unavailable};
+use super::vocabulary::{Key, Op, Outcome, Submission, TRANSPORT_DEADLINE, Unavailable};
 use recipe::{Claim, Cluster, LimitMismatch};
 
 /// What the keeper thread is told.
@@ -102,7 +101,7 @@ impl Shared {
     }
 }
 
-fn execute(cluster: &Arc<Cluster>, op: Op, key: super::engine::Key, deadline: Instant) -> Outcome {
+fn execute(cluster: &Arc<Cluster>, op: Op, key: Key, deadline: Instant) -> Outcome {
     match op {
         Op::Acquire {
             owner,
