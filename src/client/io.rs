@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 use mio::net::{TcpStream, UnixStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
-use super::backend::{KeepTask, KeptLeases, Message, Reply, Slot};
 use super::config::Config;
 use super::engine::{Action, Engine, SessionId};
+use super::handoff::{KeepTask, KeptLeases, Message, Reply, Slot};
 use super::vocabulary::{Op, Outcome, Submission, TRANSPORT_DEADLINE, Unavailable};
 use crate::addr::Address;
 use crate::stream::Stream;
@@ -299,8 +299,9 @@ impl Shell {
             std::mem::swap(&mut messages, &mut *lock(&self.shared.queue));
             let now = Instant::now();
             for message in messages.drain(..) {
-                if let Some(submission) = self.kept.receive(message, now) {
-                    self.engine.submit(submission, now);
+                match message {
+                    Message::Request(submission) => self.engine.submit(submission, now),
+                    Message::Lease(message) => self.kept.receive(message, now),
                 }
             }
             self.engine.handle_timeout(now);

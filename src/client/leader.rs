@@ -6,12 +6,10 @@
 
 use std::time::{Duration, Instant};
 
-use super::Client;
-use super::kept::KeptLease;
-use super::permits::AcquireOptions;
 use super::vocabulary::{
     Error, Key, KeyState, Op, Outcome, TRANSPORT_DEADLINE, WAIT_MAX, outcome_error,
 };
+use super::{AcquireOptions, Client, KeptLease};
 
 /// Who leads an election (spec §13.6).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -35,6 +35,7 @@ mod config;
 mod engine;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod handoff;
 mod io;
 mod keep_alive;
 mod kept;
@@ -51,6 +52,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::addr::Address;
+use backend::Backend;
 use vocabulary::{Key, Op, Outcome, Submission, outcome_error, valid_until};
 
 pub use config::{Config, PLAINTEXT_SECRET_REFUSED, Secret};
@@ -117,129 +119,6 @@ impl Drop for Inner {
         // The I/O thread finishes the background releases it has (each
         // bounded by its own deadline), then exits.
         self.shared.close();
-    }
-}
-
-/// Where requests go: kunci servers through the I/O thread, or an etcd
-/// cluster (`etcd://`, docs/ETCD.md). Both give the same outcomes.
-enum Backend {
-    Kunci(Arc<io::Shared>),
-    #[cfg(feature = "etcd")]
-    Etcd(Arc<etcd::Shared>),
-}
-
-/// The TLS configuration of `etcds://` members.
-#[cfg(all(feature = "etcd", feature = "tls"))]
-fn etcd_tls(tls: bool, config: &Config) -> std::io::Result<etcd::http::Tls> {
-    if !tls {
-        return Ok(None);
-    }
-    crate::tls::client_config(&config.tls)
-        .map(Some)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("TLS: {e}")))
-}
-
-#[cfg(all(feature = "etcd", not(feature = "tls")))]
-fn etcd_tls(tls: bool, _: &Config) -> std::io::Result<etcd::http::Tls> {
-    if tls {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::Unsupported,
-            "etcds:// needs kunci built with the `tls` feature",
-        ));
-    }
-    Ok(None)
-}
-
-impl Backend {
-    fn start(servers: Vec<Address>, config: &Config) -> std::io::Result<Backend> {
-        let etcd: Vec<&Address> = servers
-            .iter()
-            .filter(|address| matches!(address, Address::Etcd { .. }))
-            .collect();
-        if etcd.is_empty() {
-            let tls = io::tls_config(&servers, config)?;
-            return io::start(servers, config, tls).map(Backend::Kunci);
-        }
-        if etcd.len() != servers.len() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "etcd:// addresses cannot be mixed with kunci servers",
-            ));
-        }
-        #[cfg(feature = "etcd")]
-        {
-            let tls = servers
-                .iter()
-                .any(|address| matches!(address, Address::Etcd { tls: true, .. }));
-            let endpoints = servers
-                .into_iter()
-                .flat_map(|address| match address {
-                    Address::Etcd { endpoints, .. } => endpoints,
-                    _ => Vec::new(),
-                })
-                .collect();
-            let tls = etcd_tls(tls, config)?;
-            etcd::Shared::start(
-                endpoints,
-                config.connect_timeout,
-                config.etcd_credentials.clone(),
-                tls,
-            )
-            .map(Backend::Etcd)
-        }
-        #[cfg(not(feature = "etcd"))]
-        Err(std::io::Error::new(
-            std::io::ErrorKind::Unsupported,
-            "this kunci was built without etcd support (cargo feature `etcd`)",
-        ))
-    }
-
-    fn call(&self, submission: Submission<backend::Reply>) -> Outcome {
-        match self {
-            Backend::Kunci(shared) => shared.call(submission),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(shared) => shared.call(submission),
-        }
-    }
-
-    fn submit(&self, submission: Submission<backend::Reply>) -> bool {
-        match self {
-            Backend::Kunci(shared) => shared.submit(submission),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(shared) => shared.submit(submission),
-        }
-    }
-
-    fn send(&self, message: backend::Message) -> bool {
-        match self {
-            Backend::Kunci(shared) => shared.send(message),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(shared) => shared.send(message),
-        }
-    }
-
-    fn shutdown_notices(&self) -> u64 {
-        match self {
-            Backend::Kunci(shared) => shared.shutdown_notices(),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(_) => 0,
-        }
-    }
-
-    fn last_connect_failure(&self) -> Option<String> {
-        match self {
-            Backend::Kunci(shared) => shared.last_connect_failure(),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(_) => None,
-        }
-    }
-
-    fn close(&self) {
-        match self {
-            Backend::Kunci(shared) => shared.close(),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(shared) => shared.close(),
-        }
     }
 }
 
@@ -531,7 +410,7 @@ impl Client {
     }
 
     /// Hands a message to the I/O thread; `false` if it has stopped.
-    fn send(&self, message: backend::Message) -> bool {
+    fn send(&self, message: handoff::Message) -> bool {
         self.inner.shared.send(message)
     }
 

@@ -5,10 +5,8 @@
 
 use std::time::Duration;
 
-use super::Client;
-use super::permits::AcquireOptions;
-use super::ticket::Ticket;
 use super::vocabulary::{Error, Unavailable, WAIT_MAX};
+use super::{AcquireOptions, Client, Ticket};
 
 impl Client {
     /// Takes the lock on `key` with a lease of `lease`, waiting as long as
