@@ -93,7 +93,7 @@ pub struct Secret(Vec<u8>);
 
 impl Secret {
     /// The shortest secret a server takes.
-    pub const MIN_LEN: usize = crate::core::access::SECRET_MIN;
+    pub const MIN_LEN: usize = crate::protocol::SECRET_MIN;
 
     pub fn new(secret: impl Into<Vec<u8>>) -> Secret {
         Secret(secret.into())
