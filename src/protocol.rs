@@ -60,6 +60,10 @@ pub const ERROR_TEXT_MAX: usize = 80;
 /// Longest wait a request can ask for, in seconds (`wait` is a `u8`).
 pub const WAIT_S_MAX: u8 = u8::MAX;
 
+/// The shortest secret a `U` may carry (spec §12): a server refuses a
+/// shorter one without looking it up, and a client sends none.
+pub const SECRET_MIN: usize = 32;
+
 /// A request from a client to the server. Keys borrow from the read buffer.
 /// Its `Debug` shows a secret's length, never the secret.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -4,8 +4,11 @@
 pub mod args;
 mod bench;
 mod client;
+pub mod exit;
 mod leader;
 mod logging;
+mod messages;
+mod options;
 mod permits;
 mod run;
 mod secret;
@@ -15,18 +18,6 @@ mod who;
 
 use std::ffi::OsString;
 use std::process::ExitCode;
-
-/// Exit codes of client commands (spec §9).
-pub mod exit {
-    pub const DONE: u8 = 0;
-    pub const TIMEOUT: u8 = 1;
-    pub const USAGE: u8 = 2;
-    pub const BUSY: u8 = 3;
-    pub const UNAVAILABLE: u8 = 4;
-    pub const INDETERMINATE: u8 = 5;
-    pub const NOT_HELD: u8 = 6;
-    pub const PERMISSION_DENIED: u8 = 7;
-}
 
 const USAGE: &str = "\
 kunci — a small, exact, fast lock server

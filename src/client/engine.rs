@@ -27,12 +27,14 @@ use std::time::{Duration, Instant};
 
 use slab::Slab;
 
-use crate::protocol::{self, Correlation, ErrorCode, KEY_LEN_MAX, Request, Response};
+use crate::protocol::{self, Correlation, ErrorCode, Request, Response};
 use crate::timer_wheel::{self, TimerId, TimerLinks, TimerStore, TimerWheel};
 
-use super::listing::{Grant, HOLDERS_MAX, Holders, KeyPage, KeySummary, Waiter};
-use super::permits::{Label, Permits};
-use super::{Denied, KeyStatus, Secret, TRANSPORT_DEADLINE, Unavailable};
+use super::config::Secret;
+use super::vocabulary::{
+    Denied, Grant, HOLDERS_MAX, Holders, Key, KeyPage, KeyState, KeyStatus, KeySummary, Op,
+    Outcome, Submission, TRANSPORT_DEADLINE, Unavailable, Waiter,
+};
 
 #[cfg(test)]
 mod invariants;
@@ -54,111 +56,6 @@ const BATCH_BYTES_MAX: usize = 64 * 1024;
 const RETRY_DELAY_BASE: Duration = Duration::from_millis(10);
 const RETRY_DELAY_MAX: Duration = Duration::from_millis(500);
 
-/// A key, validated and stored inline so that a request allocates nothing.
-#[derive(Clone, Copy)]
-pub(crate) struct Key {
-    len: u8,
-    bytes: [u8; KEY_LEN_MAX],
-}
-
-impl Key {
-    /// No key, for the requests that carry none (`P`, `I`).
-    pub(crate) const EMPTY: Key = Key {
-        len: 0,
-        bytes: [0; KEY_LEN_MAX],
-    };
-
-    /// A key of 1..=255 bytes without `\n`, or the reason it is invalid.
-    pub(crate) fn new(key: &str) -> Result<Key, &'static str> {
-        let bytes = key.as_bytes();
-        if bytes.is_empty() {
-            return Err("key is empty");
-        }
-        if bytes.len() > KEY_LEN_MAX {
-            return Err("key is longer than 255 bytes");
-        }
-        if bytes.contains(&b'\n') {
-            return Err("key contains a newline");
-        }
-        let mut inline = [0u8; KEY_LEN_MAX];
-        inline[..bytes.len()].copy_from_slice(bytes);
-        Ok(Key {
-            len: bytes.len() as u8,
-            bytes: inline,
-        })
-    }
-
-    /// A prefix of keys for `L`: like a key, but it may be empty.
-    pub(crate) fn prefix(prefix: &str) -> Result<Key, &'static str> {
-        if prefix.is_empty() {
-            return Ok(Key::EMPTY);
-        }
-        Key::new(prefix).map_err(|why| match why {
-            "key is longer than 255 bytes" => "prefix is longer than 255 bytes",
-            _ => "prefix contains a newline",
-        })
-    }
-
-    pub(crate) fn as_str(&self) -> &str {
-        std::str::from_utf8(&self.bytes[..self.len as usize])
-            .expect("a Key is copied from a whole `&str`")
-    }
-}
-
-impl std::fmt::Debug for Key {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Debug::fmt(self.as_str(), f)
-    }
-}
-
-/// What a request asks the server.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Op {
-    /// `A`, or `S` when it asks for permits or carries a label (the
-    /// protocol encoder decides). `wait_until` is `Dw`, or `None` for an
-    /// original `wait = 0`, which stays 0 on the wire.
-    Acquire {
-        owner: u64,
-        lease_s: u8,
-        wait_until: Option<Instant>,
-        permits: Permits,
-        label: Label,
-    },
-    Release {
-        token: u64,
-    },
-    Extend {
-        token: u64,
-        lease_s: u8,
-    },
-    Query,
-    Ping {
-        nonce: u64,
-    },
-    Info,
-    /// `H`: the grants and waiters of the key. With `clean_up_for`, it is
-    /// the clean-up after an acquire by that owner ended `Indeterminate`
-    /// (spec §8 rule 11): every grant of that owner is released.
-    Holders {
-        id: u64,
-        clean_up_for: Option<u64>,
-    },
-    /// `L`: one page of the keys that start with the request's key (here
-    /// a prefix, possibly empty).
-    List {
-        id: u64,
-        cursor: u64,
-        count: u16,
-    },
-    /// `O`: the key's state, at once when its token is not `since`, else
-    /// when it changes or `wait_s` ends (spec §13).
-    Observe {
-        id: u64,
-        since: u64,
-        wait_s: u8,
-    },
-}
-
 impl Op {
     /// What ties this request to its answer (the rule lives in
     /// [`protocol::Correlation`]).
@@ -175,73 +72,6 @@ impl Op {
             Op::Observe { id, .. } => Correlation::Observe { id },
         }
     }
-}
-
-/// One request as the caller hands it over: what to ask, about which key,
-/// by when (`D`), and where the outcome goes (`None`: nobody waits, as for
-/// a compensating or best-effort release).
-pub(crate) struct Submission<R> {
-    pub op: Op,
-    pub key: Key,
-    pub deadline: Instant,
-    pub reply: Option<R>,
-}
-
-/// A key's state as one `O` answers it (spec §13.2).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct KeyState {
-    /// The key's current token: the smallest among its grants, 0 when it
-    /// has none (or during a crash grace).
-    pub token: u64,
-    /// That grant's lease left, rounded up (during a grace: to its end).
-    pub lease_ms: u32,
-    /// How long that grant has been held, rounded down.
-    pub held_ms: u32,
-    /// How many grants the key has (saturating).
-    pub grants: u16,
-    /// How many wait for it.
-    pub waiters: u32,
-    /// That grant's label.
-    pub label: String,
-}
-
-/// How a request ended, as the engine saw it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    /// A correlated `A`, noticed before `D`. `sent_at` is the instant just
-    /// before the first byte of the request was handed to the socket.
-    Acquired {
-        token: u64,
-        sent_at: Instant,
-    },
-    Timeout,
-    Busy,
-    Unavailable(Unavailable),
-    Indeterminate,
-    Released,
-    Extended {
-        sent_at: Instant,
-    },
-    NotHeld,
-    Query(KeyStatus),
-    Pong {
-        round_trip: Duration,
-    },
-    Info(String),
-    Holders(Holders),
-    Keys(KeyPage),
-    /// A `V` (spec §13).
-    Observed(KeyState),
-    /// A non-fatal `X`: the server found the request invalid.
-    Invalid(&'static str),
-    /// `X 10`: the acquire named a limit other than the key's, which the
-    /// error's text names (`None` if it did not say it as the spec wants).
-    LimitMismatch {
-        key_limit: Option<u16>,
-    },
-    /// `X 12` as a session's first answer (none of its requests ran), or
-    /// `X 13` for this request (spec §12).
-    PermissionDenied(Denied),
 }
 
 /// Why a session ended before the server executed any of its requests.

@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 use mio::net::{TcpStream, UnixStream};
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
-use super::TRANSPORT_DEADLINE;
-use super::backend::{KeepTask, KeptLeases, Message, Reply, Slot};
-use super::engine::{Action, Engine, Op, Outcome, SessionId, Submission};
+use super::config::Config;
+use super::engine::{Action, Engine, SessionId};
+use super::handoff::{KeepTask, KeptLeases, Message, Reply, Slot};
+use super::vocabulary::{Op, Outcome, Submission, TRANSPORT_DEADLINE, Unavailable};
 use crate::addr::Address;
 use crate::stream::Stream;
 
@@ -89,7 +90,7 @@ impl Shared {
             seq,
         });
         if !self.submit(submission) {
-            return Outcome::Unavailable(super::Unavailable::Unreachable);
+            return Outcome::Unavailable(Unavailable::Unreachable);
         }
         slot.wait(give_up).unwrap_or_else(|| {
             log::error!("the client's I/O thread did not answer by the deadline");
@@ -129,7 +130,7 @@ impl Shared {
 /// one). A CA or certificate file that cannot be used is an error here,
 /// before any session starts.
 #[cfg(feature = "tls")]
-pub(crate) fn tls_config(addresses: &[Address], config: &super::Config) -> io::Result<TlsConfig> {
+pub(crate) fn tls_config(addresses: &[Address], config: &Config) -> io::Result<TlsConfig> {
     if !addresses.iter().any(|a| matches!(a, Address::Tls(_))) {
         return Ok(None);
     }
@@ -139,7 +140,7 @@ pub(crate) fn tls_config(addresses: &[Address], config: &super::Config) -> io::R
 }
 
 #[cfg(not(feature = "tls"))]
-pub(crate) fn tls_config(addresses: &[Address], _config: &super::Config) -> io::Result<TlsConfig> {
+pub(crate) fn tls_config(addresses: &[Address], _config: &Config) -> io::Result<TlsConfig> {
     if addresses.iter().any(|a| matches!(a, Address::Tls(_))) {
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
@@ -157,7 +158,7 @@ pub(crate) type TlsConfig = Option<std::convert::Infallible>;
 /// Starts the I/O thread for these addresses, `per_server` sessions each.
 pub(crate) fn start(
     addresses: Vec<Address>,
-    config: &super::Config,
+    config: &Config,
     tls: TlsConfig,
 ) -> io::Result<Arc<Shared>> {
     let per_server = config.sessions_per_server;
@@ -298,8 +299,9 @@ impl Shell {
             std::mem::swap(&mut messages, &mut *lock(&self.shared.queue));
             let now = Instant::now();
             for message in messages.drain(..) {
-                if let Some(submission) = self.kept.receive(message, now) {
-                    self.engine.submit(submission, now);
+                match message {
+                    Message::Request(submission) => self.engine.submit(submission, now),
+                    Message::Lease(message) => self.kept.receive(message, now),
                 }
             }
             self.engine.handle_timeout(now);
@@ -434,11 +436,11 @@ impl Shell {
         let why = match failure {
             Failure::Untrusted(why) | Failure::Other(why) => {
                 log::debug!("session {s}: TLS with {address:?}: {why}");
-                Refusal::Unavailable(super::Unavailable::Untrusted(why))
+                Refusal::Unavailable(Unavailable::Untrusted(why))
             }
             Failure::NotTls(why) => {
                 log::debug!("session {s}: TLS with {address:?}: {why}");
-                Refusal::Unavailable(super::Unavailable::WrongProtocol(why))
+                Refusal::Unavailable(Unavailable::WrongProtocol(why))
             }
             Failure::Refused(why) => {
                 log::debug!("session {s}: TLS with {address:?}: {why}");

@@ -23,8 +23,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use super::engine::{Key, Outcome};
-use super::valid_until;
+use super::vocabulary::{Key, Outcome, valid_until};
 
 /// Identifies one kept lease within a client.
 pub(crate) type KeepId = u64;
@@ -275,7 +274,7 @@ mod tests {
     //! The keep-alive rules on a fake clock.
 
     use super::*;
-    use crate::client::drift_margin;
+    use crate::client::vocabulary::{Unavailable, drift_margin};
 
     const MS: Duration = Duration::from_millis(1);
     const S: Duration = Duration::from_secs(1);
@@ -378,7 +377,7 @@ mod tests {
         assert_eq!(steps(&mut keep), ["renew 7 kept 42 3"]);
         for (round, outcome) in [
             Outcome::Indeterminate,
-            Outcome::Unavailable(crate::client::Unavailable::Unreachable),
+            Outcome::Unavailable(Unavailable::Unreachable),
         ]
         .into_iter()
         .enumerate()

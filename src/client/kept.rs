@@ -4,10 +4,10 @@ use std::fmt;
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::backend::{Message, Mirror, OnLost};
-use super::engine::Key;
+use super::handoff::{LeaseMessage, Message, Mirror, OnLost};
 use super::keep_alive::{Grant, KeepId, Loss};
-use super::{Client, Error, Permits, Ticket, drift_margin};
+use super::vocabulary::{Error, Key, drift_margin};
+use super::{Client, Permits, Ticket};
 
 /// A lock whose lease the client keeps alive (spec §8 rule 10), made with
 /// [`Ticket::keep_alive`] or [`Ticket::keep_alive_with`].
@@ -169,11 +169,11 @@ impl Ticket {
             set_at,
             valid_until,
         };
-        let sent = client.send(Message::Keep {
+        let sent = client.send(Message::Lease(LeaseMessage::Keep {
             id,
             grant,
             mirror: mirror.clone(),
-        });
+        }));
         if !sent {
             // The I/O thread has stopped (only after a poll failure):
             // nothing can renew the lease.
@@ -291,7 +291,8 @@ impl KeptLease {
             state.released = true;
             state.lost
         };
-        self.client.send(Message::Forget(self.id));
+        self.client
+            .send(Message::Lease(LeaseMessage::Forget(self.id)));
         lost
     }
 }

@@ -6,10 +6,10 @@
 
 use std::time::{Duration, Instant};
 
-use super::engine::{Key, KeyState, Op, Outcome};
-use super::{
-    AcquireOptions, Client, Error, KeptLease, TRANSPORT_DEADLINE, WAIT_MAX, outcome_error,
+use super::vocabulary::{
+    Error, Key, KeyState, Op, Outcome, TRANSPORT_DEADLINE, WAIT_MAX, outcome_error,
 };
+use super::{AcquireOptions, Client, KeptLease};
 
 /// Who leads an election (spec §13.6).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -31,325 +31,42 @@
 //! [`Client`] has an example.
 
 mod backend;
+mod config;
 mod engine;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod handoff;
 mod io;
 mod keep_alive;
 mod kept;
 mod leader;
-mod listing;
 mod permits;
 mod ticket;
+mod vocabulary;
 mod wait_forever;
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::addr::Address;
-use engine::{Key, Op, Outcome, Submission};
+use backend::Backend;
+use vocabulary::{Key, Op, Outcome, Submission, outcome_error, valid_until};
 
-pub use engine::KeyState;
+pub use config::{Config, PLAINTEXT_SECRET_REFUSED, Secret};
 #[cfg(feature = "etcd")]
 pub use etcd::EtcdCredentials;
 pub use keep_alive::Loss;
 pub use kept::KeptLease;
 pub use leader::{Leader, Observe};
-pub use listing::{Grant, Holders, KeyPage, KeySummary, Keys, Waiter};
 pub use permits::{AcquireOptions, Permits};
 pub use ticket::Ticket;
-
-/// The transport deadline: how long past its wait a call may take (spec
-/// §8.2). It is part of the contract, not a setting.
-pub const TRANSPORT_DEADLINE: Duration = Duration::from_secs(5);
-
-/// The longest wait an acquire may ask for.
-pub const WAIT_MAX: Duration = Duration::from_secs(255);
-
-/// The longest lease (a whole number of seconds, at least one).
-pub const LEASE_MAX: Duration = Duration::from_secs(255);
-
-/// How a [`Client`] runs. `Config::default()` is right for most uses.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Config {
-    /// Connections kept open to each address (default 2). Requests are
-    /// spread over them, and a request that could not be sent on one
-    /// moves to another.
-    pub sessions_per_server: usize,
-    /// How long a connection attempt may take before it counts as failed
-    /// (default 1 s). A failed attempt is retried, after a short backoff,
-    /// while requests wait for a session.
-    pub connect_timeout: Duration,
-    /// The secret for a server with `--auth` (spec §12): sent as `U`, the
-    /// first frame of every session (default: none). One shorter than 32
-    /// bytes makes every call fail [`Error::InvalidArgument`] before
-    /// anything is sent.
-    pub secret: Option<Secret>,
-    /// Whether [`secret`](Self::secret) may go in clear to a TCP address
-    /// beyond this host (default: no). A secret goes only over `tls://`,
-    /// a unix socket, or to a loopback address (127.0.0.0/8, `::1`, or the
-    /// name `localhost` itself: any other name counts as remote); to any
-    /// other address every call fails [`Error::InvalidArgument`] before
-    /// anything is connected or sent (spec §12.5). Set it (or use
-    /// [`Config::allow_plaintext_secret`]) only on a network you trust.
-    pub allow_plaintext_secret: bool,
-    /// With `etcd://` addresses: the etcd user and password, when etcd has
-    /// authentication on (docs/ETCD.md). Ignored for kunci servers.
-    #[cfg(feature = "etcd")]
-    pub etcd_credentials: Option<EtcdCredentials>,
-    /// For `tls://` addresses: the CA to trust (default: the system's
-    /// store) and an optional client certificate.
-    #[cfg(feature = "tls")]
-    pub tls: crate::tls::ClientFiles,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            sessions_per_server: 2,
-            connect_timeout: Duration::from_secs(1),
-            secret: None,
-            allow_plaintext_secret: false,
-            #[cfg(feature = "etcd")]
-            etcd_credentials: None,
-            #[cfg(feature = "tls")]
-            tls: Default::default(),
-        }
-    }
-}
-
-impl Config {
-    /// The same configuration, with
-    /// [`allow_plaintext_secret`](Config::allow_plaintext_secret) set: the
-    /// explicit opt-in to send the secret in clear beyond this host.
-    pub fn allow_plaintext_secret(self, allow: bool) -> Config {
-        Config {
-            allow_plaintext_secret: allow,
-            ..self
-        }
-    }
-
-    /// Why no call can run with this configuration for `servers`: a secret
-    /// that would go in clear beyond this host without the opt-in.
-    pub(crate) fn plaintext_secret_problem(&self, servers: &[Address]) -> Option<&'static str> {
-        let in_clear = servers
-            .iter()
-            .any(|address| !address.keeps_secrets_private());
-        (self.secret.is_some() && in_clear && !self.allow_plaintext_secret)
-            .then_some(PLAINTEXT_SECRET_REFUSED)
-    }
-}
-
-/// Why a call with a secret to a plaintext address beyond this host fails.
-pub const PLAINTEXT_SECRET_REFUSED: &str = "the secret would go in clear to an address beyond \
-     this host: use tls://, a unix socket or a loopback address, or opt in with \
-     Config::allow_plaintext_secret (kunci: --insecure-plaintext-secret or \
-     KUNCI_ALLOW_PLAINTEXT_SECRET=1)";
-
-/// A secret that lets a client in to a server with `--auth` (see
-/// `kunci secret`). Its `Debug` never shows it.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(Vec<u8>);
-
-impl Secret {
-    /// The shortest secret a server takes.
-    pub const MIN_LEN: usize = crate::core::access::SECRET_MIN;
-
-    pub fn new(secret: impl Into<Vec<u8>>) -> Secret {
-        Secret(secret.into())
-    }
-
-    /// The secret in `path`, without one trailing newline (`\n` or
-    /// `\r\n`), so that a file written by `echo` or an editor works.
-    pub fn from_file(path: impl AsRef<std::path::Path>) -> std::io::Result<Secret> {
-        let mut bytes = std::fs::read(path)?;
-        if bytes.last() == Some(&b'\n') {
-            bytes.pop();
-            if bytes.last() == Some(&b'\r') {
-                bytes.pop();
-            }
-        }
-        Ok(Secret(bytes))
-    }
-
-    pub(crate) fn as_bytes(&self) -> &[u8] {
-        &self.0
-    }
-
-    /// Whether a server could take it: at least [`MIN_LEN`](Self::MIN_LEN)
-    /// bytes without a newline (it is one frame's payload).
-    pub(crate) fn problem(&self) -> Option<&'static str> {
-        if self.0.len() < Self::MIN_LEN {
-            Some("secret is shorter than 32 bytes")
-        } else if self.0.contains(&b'\n') {
-            Some("secret contains a newline")
-        } else if self.0.len() > usize::from(u8::MAX) {
-            Some("secret is longer than 255 bytes")
-        } else {
-            None
-        }
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Secret({} bytes)", self.0.len())
-    }
-}
-
-/// Why a call did not succeed. Each variant says what the caller may
-/// conclude from it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Error {
-    /// The server answered `T`: the key stayed held for the whole wait (or,
-    /// with a zero wait, was held at the one attempt). Definitive: nothing
-    /// was acquired and nothing is queued. Trying again is safe.
-    Timeout,
-    /// The server answered `B`: it had no capacity for the request, or is
-    /// shutting down. Definitive: nothing was acquired or queued. Trying
-    /// again later is safe.
-    Busy,
-    /// No server executed the request by the deadline: no byte of it
-    /// reached any connection, or the only sessions that had it were
-    /// refused at accept (`X 7`, `X 9`). Definitive: nothing changed. The
-    /// reason tells which.
-    Unavailable(Unavailable),
-    /// The request may have reached the server, but its answer was not
-    /// seen in time (no answer by the deadline, the connection died, or a
-    /// grant arrived too late to hand over). The key may be held by this
-    /// call's grant until its lease runs out. For an acquire: do **not**
-    /// enter the critical section; a grant nobody saw is reclaimed by the
-    /// server at the end of its lease (and a grant that arrived late is
-    /// released by the client). For a release or renew: the lease may or
-    /// may not have changed.
-    Indeterminate,
-    /// The input was rejected before anything was sent (or, if the server
-    /// disagreed with the client's checks, by the server). Nothing changed.
-    /// The text names the problem.
-    InvalidArgument(&'static str),
-    /// The server answered `N`: the token is not the key's active grant
-    /// (its lease ran out, it was released, or it never existed). Nothing
-    /// changed. A holder that gets this has lost the lock.
-    NotHeld,
-    /// The server answered `X 10`: the acquire named a limit other than
-    /// the one the key has now (set by the first request that named one,
-    /// and kept while the key has grants or waiters). Definitive: nothing
-    /// was acquired or queued. `key_limit` is the key's limit, as the
-    /// server's message names it.
-    LimitMismatch { key_limit: Option<u16> },
-    /// The server refused the request (spec §12). Definitive: nothing was
-    /// executed; trying again with the same secret gives the same answer.
-    PermissionDenied(Denied),
-}
-
-/// Why a request was [`Error::PermissionDenied`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Denied {
-    /// The server has `--auth` and did not take this client's secret (none
-    /// configured, or one it does not know): `X 12` as the first answer of
-    /// a session, which executed none of its requests.
-    NotAuthenticated,
-    /// The secret's scopes do not cover this key or operation (`X 13`).
-    NotPermitted,
-    /// Over TLS, the server refused this client's certificate, or its
-    /// absence; the text names the problem.
-    Certificate(&'static str),
-}
-
-/// Why a request was [`Error::Unavailable`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Unavailable {
-    /// No server could be reached (connects failed or timed out, or
-    /// sessions died before a byte of the request was written).
-    Unreachable,
-    /// The server refused the session at its connection limit (`X 7`).
-    ConnectionLimit,
-    /// The server refused the session: this client's address is not in
-    /// its `--allow` list (`X 9`).
-    NotAllowed,
-    /// This client does not trust the server: its TLS certificate failed
-    /// verification, for the reason given (or the handshake failed).
-    Untrusted(&'static str),
-    /// The peer at the address is no kunci server, or speaks TLS where
-    /// plain TCP was addressed (or the reverse): its first bytes were no
-    /// answer this client can read. The text says which. Nothing was
-    /// executed, and waiting does not change it.
-    WrongProtocol(&'static str),
-}
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Error::Timeout => f.write_str("timeout: the key stayed held for the whole wait"),
-            Error::Busy => f.write_str("busy: the server has no capacity for the request"),
-            Error::Unavailable(Unavailable::Unreachable) => {
-                f.write_str("unavailable: no server could be reached; nothing was sent")
-            }
-            Error::Unavailable(Unavailable::ConnectionLimit) => f.write_str(
-                "unavailable: the server is at its connection limit; nothing was executed",
-            ),
-            Error::Unavailable(Unavailable::NotAllowed) => f.write_str(
-                "unavailable: the server does not allow this client's address; nothing was executed",
-            ),
-            Error::Unavailable(Unavailable::Untrusted(why)) => {
-                write!(f, "unavailable: TLS: {why}; nothing was sent")
-            }
-            Error::Unavailable(Unavailable::WrongProtocol(why)) => {
-                write!(f, "unavailable: {why}; nothing was executed")
-            }
-            Error::Indeterminate => f.write_str(
-                "indeterminate: the request may have reached the server but no answer \
-                 came in time; do not assume the lock is held",
-            ),
-            Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
-            Error::NotHeld => f.write_str("not held: that token is not the key's active grant"),
-            Error::LimitMismatch {
-                key_limit: Some(limit),
-            } => write!(
-                f,
-                "limit mismatch: the key has a limit of {limit} permits; nothing was acquired"
-            ),
-            Error::LimitMismatch { key_limit: None } => f.write_str(
-                "limit mismatch: the key has another limit of permits; nothing was acquired",
-            ),
-            Error::PermissionDenied(Denied::NotAuthenticated) => f.write_str(
-                "permission denied: the server wants a secret it knows (--secret-file or \
-                 KUNCI_SECRET); nothing was executed",
-            ),
-            Error::PermissionDenied(Denied::NotPermitted) => f.write_str(
-                "permission denied: this secret's scopes do not cover that key or request; \
-                 nothing changed",
-            ),
-            Error::PermissionDenied(Denied::Certificate(why)) => {
-                write!(f, "permission denied: {why}")
-            }
-        }
-    }
-}
-
-impl std::error::Error for Error {}
-
-/// What `Q` tells about a key.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KeyStatus {
-    /// The active grant's token; 0 when no grant is known.
-    pub token: u64,
-    /// The owner id of the request that was granted.
-    pub owner: u64,
-    /// Time left on the lease, rounded up, in milliseconds.
-    pub lease_ms: u32,
-    /// Requests queued on the key.
-    pub waiters: u32,
-}
-
-impl KeyStatus {
-    /// Whether the key is free: no grant, no lease horizon, no waiters.
-    pub fn is_free(&self) -> bool {
-        *self == KeyStatus::default()
-    }
-}
+pub use vocabulary::{
+    Denied, Error, Grant, Holders, KeyPage, KeyState, KeyStatus, KeySummary, LEASE_MAX,
+    TRANSPORT_DEADLINE, Unavailable, WAIT_MAX, Waiter, drift_margin,
+};
 
 /// A handle to the lock service (see the [module docs](self)).
 ///
@@ -402,129 +119,6 @@ impl Drop for Inner {
         // The I/O thread finishes the background releases it has (each
         // bounded by its own deadline), then exits.
         self.shared.close();
-    }
-}
-
-/// Where requests go: kunci servers through the I/O thread, or an etcd
-/// cluster (`etcd://`, docs/ETCD.md). Both give the same outcomes.
-enum Backend {
-    Kunci(Arc<io::Shared>),
-    #[cfg(feature = "etcd")]
-    Etcd(Arc<etcd::Shared>),
-}
-
-/// The TLS configuration of `etcds://` members.
-#[cfg(all(feature = "etcd", feature = "tls"))]
-fn etcd_tls(tls: bool, config: &Config) -> std::io::Result<etcd::http::Tls> {
-    if !tls {
-        return Ok(None);
-    }
-    crate::tls::client_config(&config.tls)
-        .map(Some)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("TLS: {e}")))
-}
-
-#[cfg(all(feature = "etcd", not(feature = "tls")))]
-fn etcd_tls(tls: bool, _: &Config) -> std::io::Result<etcd::http::Tls> {
-    if tls {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::Unsupported,
-            "etcds:// needs kunci built with the `tls` feature",
-        ));
-    }
-    Ok(None)
-}
-
-impl Backend {
-    fn start(servers: Vec<Address>, config: &Config) -> std::io::Result<Backend> {
-        let etcd: Vec<&Address> = servers
-            .iter()
-            .filter(|address| matches!(address, Address::Etcd { .. }))
-            .collect();
-        if etcd.is_empty() {
-            let tls = io::tls_config(&servers, config)?;
-            return io::start(servers, config, tls).map(Backend::Kunci);
-        }
-        if etcd.len() != servers.len() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "etcd:// addresses cannot be mixed with kunci servers",
-            ));
-        }
-        #[cfg(feature = "etcd")]
-        {
-            let tls = servers
-                .iter()
-                .any(|address| matches!(address, Address::Etcd { tls: true, .. }));
-            let endpoints = servers
-                .into_iter()
-                .flat_map(|address| match address {
-                    Address::Etcd { endpoints, .. } => endpoints,
-                    _ => Vec::new(),
-                })
-                .collect();
-            let tls = etcd_tls(tls, config)?;
-            etcd::Shared::start(
-                endpoints,
-                config.connect_timeout,
-                config.etcd_credentials.clone(),
-                tls,
-            )
-            .map(Backend::Etcd)
-        }
-        #[cfg(not(feature = "etcd"))]
-        Err(std::io::Error::new(
-            std::io::ErrorKind::Unsupported,
-            "this kunci was built without etcd support (cargo feature `etcd`)",
-        ))
-    }
-
-    fn call(&self, submission: Submission<backend::Reply>) -> Outcome {
-        match self {
-            Backend::Kunci(shared) => shared.call(submission),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(shared) => shared.call(submission),
-        }
-    }
-
-    fn submit(&self, submission: Submission<backend::Reply>) -> bool {
-        match self {
-            Backend::Kunci(shared) => shared.submit(submission),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(shared) => shared.submit(submission),
-        }
-    }
-
-    fn send(&self, message: backend::Message) -> bool {
-        match self {
-            Backend::Kunci(shared) => shared.send(message),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(shared) => shared.send(message),
-        }
-    }
-
-    fn shutdown_notices(&self) -> u64 {
-        match self {
-            Backend::Kunci(shared) => shared.shutdown_notices(),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(_) => 0,
-        }
-    }
-
-    fn last_connect_failure(&self) -> Option<String> {
-        match self {
-            Backend::Kunci(shared) => shared.last_connect_failure(),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(_) => None,
-        }
-    }
-
-    fn close(&self) {
-        match self {
-            Backend::Kunci(shared) => shared.close(),
-            #[cfg(feature = "etcd")]
-            Backend::Etcd(shared) => shared.close(),
-        }
     }
 }
 
@@ -816,7 +410,7 @@ impl Client {
     }
 
     /// Hands a message to the I/O thread; `false` if it has stopped.
-    fn send(&self, message: backend::Message) -> bool {
+    fn send(&self, message: handoff::Message) -> bool {
         self.inner.shared.send(message)
     }
 
@@ -865,31 +459,62 @@ fn lease_seconds(lease: Duration) -> Result<u8, Error> {
     }
 }
 
-/// The margin taken off a lease to allow for the server's clock running
-/// faster than ours: 10 ms plus 0.2 % of the lease (2000 ppm, twice the
-/// worst slew NTP applies to two clocks that drift apart).
-pub fn drift_margin(lease: Duration) -> Duration {
-    Duration::from_millis(10) + lease / 500
+/// The keys that start with a prefix, page by page: what
+/// [`Client::keys`] returns.
+///
+/// Each page is one `L` request (up to 1,000 keys) with its own deadline
+/// of 5 s; the next page is asked for only when the current one is used
+/// up. Every key that is in the table for the whole listing comes at least
+/// once; a key may come twice when the table grew in between (spec §11.3).
+/// After an error the iterator yields that error once and then ends.
+#[derive(Debug)]
+pub struct Keys {
+    client: Client,
+    prefix: String,
+    cursor: u64,
+    page: VecDeque<KeySummary>,
+    /// No page is left to ask for (the last `next` was 0, or an error).
+    done: bool,
 }
 
-/// The conservative expiry of a lease whose request was handed to the
-/// socket just after `sent_at` (spec §8.9).
-fn valid_until(sent_at: Instant, lease: Duration) -> Instant {
-    sent_at + lease.saturating_sub(drift_margin(lease))
+impl Keys {
+    pub(crate) fn new(client: Client, prefix: String) -> Keys {
+        Keys {
+            client,
+            prefix,
+            cursor: 0,
+            page: VecDeque::new(),
+            done: false,
+        }
+    }
 }
 
-fn outcome_error(outcome: Outcome) -> Error {
-    match outcome {
-        Outcome::Timeout => Error::Timeout,
-        Outcome::Busy => Error::Busy,
-        Outcome::Unavailable(why) => Error::Unavailable(why),
-        Outcome::NotHeld => Error::NotHeld,
-        Outcome::Invalid(why) => Error::InvalidArgument(why),
-        Outcome::LimitMismatch { key_limit } => Error::LimitMismatch { key_limit },
-        Outcome::PermissionDenied(why) => Error::PermissionDenied(why),
-        // Every other outcome answers a different request: the engine
-        // correlates by op, so it cannot come here; treat it as unknown.
-        _ => Error::Indeterminate,
+impl Iterator for Keys {
+    type Item = Result<KeySummary, Error>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(key) = self.page.pop_front() {
+                return Some(Ok(key));
+            }
+            if self.done {
+                return None;
+            }
+            match self
+                .client
+                .list_keys(&self.prefix, self.cursor, crate::protocol::LIST_COUNT_MAX)
+            {
+                Ok(page) => {
+                    self.cursor = page.next;
+                    self.done = page.next == 0;
+                    self.page.extend(page.keys);
+                }
+                Err(error) => {
+                    self.done = true;
+                    return Some(Err(error));
+                }
+            }
+        }
     }
 }
 

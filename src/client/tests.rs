@@ -2,8 +2,9 @@
 
 use std::time::{Duration, Instant};
 
-use super::engine::{Action, Engine, Key, Op, Outcome, Submission, wire_wait_s};
+use super::engine::{Action, Engine, wire_wait_s};
 use super::permits::Label;
+use super::vocabulary::{Key, Op, Outcome, Submission};
 use super::*;
 use crate::protocol::{self, Decoded, Request, Response};
 

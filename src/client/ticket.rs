@@ -3,8 +3,8 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use super::engine::Key;
-use super::{Client, Error, Permits, valid_until};
+use super::vocabulary::{Error, Key, valid_until};
+use super::{Client, Permits};
 
 /// A lock this client holds: the key, the grant's fencing token, its lease,
 /// and a conservative bound on when the server may take it back.

@@ -5,7 +5,8 @@
 
 use std::time::Duration;
 
-use super::{AcquireOptions, Client, Error, Ticket, Unavailable, WAIT_MAX};
+use super::vocabulary::{Error, Unavailable, WAIT_MAX};
+use super::{AcquireOptions, Client, Ticket};
 
 impl Client {
     /// Takes the lock on `key` with a lease of `lease`, waiting as long as

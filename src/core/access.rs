@@ -14,8 +14,10 @@ use subtle::{ConditionallySelectable, ConstantTimeEq};
 
 use crate::protocol::Request;
 
-/// A secret shorter than this is refused without being looked up.
-pub const SECRET_MIN: usize = 32;
+/// A secret shorter than this is refused without being looked up (a
+/// constant of the protocol).
+pub use crate::protocol::SECRET_MIN;
+
 /// The longest name a line may have (it is sent back in `U`).
 pub const NAME_MAX: usize = 128;
 

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use super::super::http::Members;
 use super::{Claim, Cluster, LimitMismatch, entries, prefix, range_body};
-use crate::client::engine::{Key, Outcome};
-use crate::client::{Grant, Holders, KeyPage, KeyStatus, KeySummary, Waiter};
+use crate::client::vocabulary::{
+    Grant, Holders, Key, KeyPage, KeyStatus, KeySummary, Outcome, Waiter,
+};
 
 #[path = "../../../tests/util/temp.rs"]
 mod temp;

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::client::Denied;
+use crate::client::vocabulary::Denied;
 
 /// The largest response body accepted. etcd's answers to the requests the
 /// client makes are a few hundred bytes (a range is limited to one key).

@@ -18,15 +18,14 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::backend::{KeepTask, KeptLeases, Message, Reply};
-use super::engine::{Op, Outcome, Submission};
+use super::handoff::{KeepTask, KeptLeases, LeaseMessage, Message, Reply};
 use super::keep_alive::KeepId;
-use super::{TRANSPORT_DEADLINE, Unavailable};
+use super::vocabulary::{Key, Op, Outcome, Submission, TRANSPORT_DEADLINE, Unavailable};
 use recipe::{Claim, Cluster, LimitMismatch};
 
 /// What the keeper thread is told.
 enum Note {
-    Message(Box<Message>),
+    Lease(Box<LeaseMessage>),
     Renewed(KeepId, Outcome),
     Close,
 }
@@ -85,7 +84,7 @@ impl Shared {
     pub(crate) fn send(&self, message: Message) -> bool {
         match message {
             Message::Request(submission) => self.submit(submission),
-            message => self.note(Note::Message(Box::new(message))),
+            Message::Lease(message) => self.note(Note::Lease(Box::new(message))),
         }
     }
 
@@ -102,7 +101,7 @@ impl Shared {
     }
 }
 
-fn execute(cluster: &Arc<Cluster>, op: Op, key: super::engine::Key, deadline: Instant) -> Outcome {
+fn execute(cluster: &Arc<Cluster>, op: Op, key: Key, deadline: Instant) -> Outcome {
     match op {
         Op::Acquire {
             owner,
@@ -185,11 +184,7 @@ impl Keeper {
             match note {
                 Some(Note::Close) => break,
                 Some(Note::Renewed(id, outcome)) => self.kept.handle_outcome(id, outcome, now),
-                Some(Note::Message(message)) => {
-                    if let Some(submission) = self.kept.receive(*message, now) {
-                        run_in_background(&self.cluster, submission);
-                    }
-                }
+                Some(Note::Lease(message)) => self.kept.receive(*message, now),
                 None => {}
             }
             self.kept.handle_timeout(Instant::now());

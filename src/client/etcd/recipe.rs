@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 
 use super::http::{Answer, Failure, Members};
 use super::json::{self, JsonValue};
-use crate::client::engine::{Key, Outcome};
-use crate::client::listing::HOLDERS_MAX;
-use crate::client::{Grant, Holders, KeyPage, KeyStatus, KeySummary, Unavailable, Waiter};
+use crate::client::vocabulary::{
+    Denied, Grant, HOLDERS_MAX, Holders, Key, KeyPage, KeyStatus, KeySummary, Outcome,
+    TRANSPORT_DEADLINE, Unavailable, Waiter, valid_until,
+};
 
 /// The pause before a read that changes nothing is tried again.
 const READ_RETRY_PAUSE: Duration = Duration::from_millis(50);
@@ -42,7 +43,7 @@ enum Fault {
     /// Possibly sent and no usable answer: it may or may not have applied.
     Unknown,
     /// etcd refused the client's user or its permissions: nothing applied.
-    Denied(crate::client::Denied),
+    Denied(Denied),
 }
 
 impl Fault {
@@ -527,7 +528,7 @@ impl Cluster {
         let spawned = std::thread::Builder::new()
             .name("kunci-etcd-revoke".into())
             .spawn(move || {
-                let deadline = Instant::now() + crate::client::TRANSPORT_DEADLINE;
+                let deadline = Instant::now() + TRANSPORT_DEADLINE;
                 if cluster.revoke(lease, deadline).is_err() {
                     log::warn!("could not revoke etcd lease {lease:x}; it runs out by itself");
                 }
@@ -778,16 +779,13 @@ impl Cluster {
             if now >= wait_until {
                 return self.give_up(lease, deadline);
             }
-            if now >= crate::client::valid_until(set_at, lease_length) {
+            if now >= valid_until(set_at, lease_length) {
                 // The lease could not be kept alive: the entry may be gone.
                 self.revoke_in_background(lease);
                 return Outcome::Indeterminate;
             }
             if now >= next_keep_alive {
-                match self.keep_alive(
-                    lease,
-                    wait_until.min(now + crate::client::TRANSPORT_DEADLINE),
-                ) {
+                match self.keep_alive(lease, wait_until.min(now + TRANSPORT_DEADLINE)) {
                     Ok(Some((sent_at, _))) => {
                         set_at = sent_at;
                         next_keep_alive = sent_at + keep_every;

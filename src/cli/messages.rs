@@ -1,0 +1,269 @@
+//! What the client commands print when a call does not succeed: the exit
+//! code of each outcome (spec §9), the message that says what happened and
+//! what to do, and the format of the log's warnings.
+
+use std::time::Duration;
+
+use super::exit;
+use super::options::{SECRET_ENV, is_etcd};
+use crate::addr::Address;
+use crate::client::{Client, Denied, Error};
+
+/// The exit code for an outcome (spec §9).
+pub(super) fn exit_code(error: &Error) -> u8 {
+    match error {
+        Error::Timeout => exit::TIMEOUT,
+        Error::InvalidArgument(_) => exit::USAGE,
+        Error::Busy => exit::BUSY,
+        Error::Unavailable(_) => exit::UNAVAILABLE,
+        Error::Indeterminate => exit::INDETERMINATE,
+        Error::NotHeld => exit::NOT_HELD,
+        Error::LimitMismatch { .. } => exit::USAGE,
+        Error::PermissionDenied(_) => exit::PERMISSION_DENIED,
+    }
+}
+
+/// What a failed command was doing, so its message can say it exactly.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Attempt<'a> {
+    pub key: Option<&'a str>,
+    /// The acquire's wait (`None` for other requests).
+    pub wait: Option<Duration>,
+    pub token: Option<u64>,
+    /// The acquire named a limit of permits (a semaphore or a shared
+    /// lock): a timeout need not mean that anyone holds the whole key.
+    pub permits: bool,
+    /// Why the latest connection attempt failed, to explain an
+    /// `Unavailable` (`Client::last_connect_failure`).
+    pub connect_failure: Option<&'a str>,
+}
+
+/// Reports a failed outcome of `attempt` on stderr — its name (which the
+/// exit code also tells), what happened and what to do — and returns its
+/// exit code.
+pub(super) fn report(command: &str, error: Error, servers: &[Address], attempt: &Attempt) -> u8 {
+    let outcome = match error {
+        Error::Timeout => "timeout",
+        Error::Busy => "busy",
+        Error::Unavailable(_) => "unavailable",
+        Error::Indeterminate => "indeterminate",
+        Error::InvalidArgument(_) => "invalid argument",
+        Error::NotHeld => "not held",
+        Error::LimitMismatch { .. } => "limit mismatch",
+        Error::PermissionDenied(_) => "permission denied",
+    };
+    eprintln!(
+        "kunci {command}: {outcome}: {}",
+        message(command, &error, servers, attempt)
+    );
+    exit_code(&error)
+}
+
+/// The message for a failed outcome (without the `kunci COMMAND: ` prefix).
+pub(super) fn message(
+    command: &str,
+    error: &Error,
+    servers: &[Address],
+    attempt: &Attempt,
+) -> String {
+    let key = attempt
+        .key
+        .map_or_else(|| "the key".to_owned(), |key| format!("key {key:?}"));
+    let token = attempt
+        .token
+        .map_or_else(|| "the token".to_owned(), |token| format!("token {token}"));
+    let is_lock_request = matches!(command, "acquire" | "run");
+    // Under a limit the key may have free permits and still time out: the
+    // queue is FIFO, and a request waits behind every earlier one.
+    let held = if attempt.permits {
+        "had no room for this request (its permits were taken, or earlier requests \
+         that queue before it were not yet served)"
+    } else {
+        "is held by someone else"
+    };
+    let stayed_held = if attempt.permits {
+        "had no room for this request (its permits were taken, or earlier requests \
+         queued before it) for the whole wait"
+    } else {
+        "stayed held by someone else for the whole wait"
+    };
+    match error {
+        Error::Timeout => match attempt.wait {
+            Some(wait) if wait.is_zero() => format!(
+                "{key} {held}; nothing was acquired \
+                 (--wait 0 tries once; --wait S waits up to S seconds)"
+            ),
+            Some(wait) if wait.subsec_nanos() != 0 => format!(
+                "{key} {stayed_held} ({}, sent as {} s: \
+                 the server counts whole seconds); nothing was acquired",
+                seconds_text(wait),
+                wait.as_secs() + 1
+            ),
+            Some(wait) => format!(
+                "{key} {stayed_held} ({}); \
+                 nothing was acquired",
+                seconds_text(wait)
+            ),
+            None => format!("{key} {held}; nothing was acquired"),
+        },
+        Error::Busy => "the server turned the request away: it is at a capacity limit \
+             (--max-keys, --max-waiters, --max-waiters-per-key, --max-waits-per-conn) \
+             or shutting down; nothing was acquired or queued. Try again later"
+            .to_owned(),
+        Error::Unavailable(crate::client::Unavailable::ConnectionLimit) => {
+            "the server is at its connection limit (--max-connections) and refused \
+             the session; nothing was executed. Try again later, or raise its limit"
+                .to_owned()
+        }
+        Error::Unavailable(crate::client::Unavailable::NotAllowed) => {
+            "the server does not allow this host (--allow) and refused the session; \
+             nothing was executed. Add this host's network to its --allow list"
+                .to_owned()
+        }
+        Error::Unavailable(crate::client::Unavailable::Untrusted(why)) => format!(
+            "TLS: {why}; nothing was sent. Give the CA that signed the server's \
+             certificate with --tls-ca (or KUNCI_TLS_CA), and use the host name the \
+             certificate names"
+        ),
+        Error::PermissionDenied(Denied::Certificate(why)) => {
+            format!("{why}; nothing was executed")
+        }
+        Error::Unavailable(crate::client::Unavailable::WrongProtocol(why)) => {
+            let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
+            format!(
+                "{} answered: {why}; nothing was executed",
+                servers.join(", ")
+            )
+        }
+        Error::Unavailable(crate::client::Unavailable::Unreachable)
+            if servers
+                .iter()
+                .any(|address| matches!(address, Address::Etcd { .. })) =>
+        {
+            let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
+            format!(
+                "no etcd member took the request (tried {}); nothing changed. Check that \
+                 etcd runs there and serves clients on that port (its --listen-client-urls, \
+                 usually :2379); RUST_LOG=debug shows each attempt",
+                servers.join(", ")
+            )
+        }
+        Error::Unavailable(crate::client::Unavailable::Unreachable) => {
+            let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
+            let last = attempt
+                .connect_failure
+                .map_or_else(String::new, |why| format!(" (the last attempt: {why})"));
+            format!(
+                "no server took the request (tried {}){last}; nothing was sent, so nothing \
+                 changed. Check that kunci serve runs there and lets this host in \
+                 (--allow, --max-connections); RUST_LOG=debug shows each attempt",
+                servers.join(", ")
+            )
+        }
+        Error::Indeterminate if is_lock_request => format!(
+            "no answer came in time, so whether {key} was granted is unknown: do not \
+             assume the lock is held. A grant nobody saw ends with its lease"
+        ),
+        Error::Indeterminate if matches!(command, "release" | "renew") => format!(
+            "no answer came in time, so whether {token} was {} is unknown; \
+             `kunci query` shows the key's holder",
+            if command == "release" {
+                "released"
+            } else {
+                "renewed"
+            }
+        ),
+        Error::Indeterminate => {
+            "the server did not answer in time (the request may have reached it)".to_owned()
+        }
+        Error::InvalidArgument(why) => format!("{why} (see kunci {command} --help)"),
+        Error::NotHeld => format!(
+            "{token} does not hold {key} (its lease ran out, it was released, or it \
+             never held it); nothing changed"
+        ),
+        Error::LimitMismatch {
+            key_limit: Some(limit),
+        } => format!(
+            "{key} has a limit of {limit} permits, not the one this request named; \
+             nothing was acquired or queued. Ask with --limit {limit} (a key keeps its \
+             limit while it has grants or waiters)"
+        ),
+        Error::LimitMismatch { key_limit: None } => format!(
+            "{key} has another limit of permits than the one this request named; \
+             nothing was acquired or queued"
+        ),
+        Error::PermissionDenied(Denied::NotAuthenticated) if is_etcd(servers) => {
+            "etcd has authentication on and did not take this client's user: set \
+             KUNCI_ETCD_USER and KUNCI_ETCD_PASSWORD (docs/ETCD.md); nothing was executed"
+                .to_owned()
+        }
+        Error::PermissionDenied(Denied::NotPermitted) if is_etcd(servers) => format!(
+            "the etcd user's roles do not allow {} on {key}; nothing changed",
+            if command.is_empty() { "that" } else { command }
+        ),
+        Error::PermissionDenied(Denied::NotAuthenticated) => format!(
+            "the server wants a secret its --auth file knows, and this client gave none \
+             or another; nothing was executed. Give it with --secret-file FILE or \
+             ${SECRET_ENV}"
+        ),
+        Error::PermissionDenied(Denied::NotPermitted) => format!(
+            "this secret's scopes do not allow {} on {key}; nothing changed. The \
+             server's --auth file names them (lock:PREFIX, read:PREFIX, info)",
+            if command.is_empty() { "that" } else { command }
+        ),
+    }
+}
+
+/// After a `Timeout`: if the key is held only by the crash grace of a
+/// restarted server (spec §7.2: `Q` shows token 0 and a lease), a sentence
+/// that says so; else nothing.
+///
+/// The `Q` is only there to explain the timeout, so it is bounded by the
+/// acquire's own deadline `D` (spec §8 rule 12): when it cannot finish by
+/// then, the note is left out.
+pub(super) fn grace_note(client: &Client, key: &str, deadline: std::time::Instant) -> String {
+    if std::time::Instant::now() >= deadline {
+        return String::new();
+    }
+    match client.query_by(key, deadline) {
+        Ok(status) if status.token == 0 && status.lease_ms > 0 => format!(
+            ". The server restarted after a crash: it counts {key:?} as held by an unknown \
+             grant of its previous run for {} more, unless that holder renews or releases it",
+            seconds_text(Duration::from_millis(u64::from(status.lease_ms)))
+        ),
+        _ => String::new(),
+    }
+}
+
+/// A duration as the user typed it: `2.5 s`, `1 s`.
+fn seconds_text(duration: Duration) -> String {
+    let text = format!("{:.3}", duration.as_secs_f64());
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    format!("{text} s")
+}
+
+pub(super) fn usage_error(command: &str, message: &str) -> u8 {
+    eprintln!("kunci {command}: {message}\n(see kunci {command} --help)");
+    exit::USAGE
+}
+
+/// Starts logging for the client commands: warnings by default, each a
+/// line `kunci: warning: …` like the commands' own messages.
+pub(super) fn init_logging() {
+    let (filter, problem) = super::logging::log_filter("warn");
+    let _ = env_logger::Builder::new()
+        .parse_filters(&filter)
+        .format(|out, record| {
+            use std::io::Write as _;
+            let level = match record.level() {
+                log::Level::Error => "error",
+                log::Level::Warn => "warning",
+                log::Level::Info => "info",
+                log::Level::Debug => "debug",
+                log::Level::Trace => "trace",
+            };
+            writeln!(out, "kunci: {level}: {}", record.args())
+        })
+        .try_init();
+    super::logging::report_filter_problem(problem, "warn");
+}
