@@ -28,6 +28,10 @@ fn main() {
     let mut requests = 0u64;
     for round in 0..rounds {
         now += 10;
+        // A wake-up of the shell: every connection gets its share of work
+        // for this turn (spec §4, fairness); without it only the first
+        // bursts would be handled.
+        ep.begin_turn(now);
         for id in 0..CONNS {
             buf.clear();
             for i in 0..PAIRS_PER_BURST {
@@ -56,5 +60,6 @@ fn main() {
         }
     }
     let s = ep.core().stats();
+    assert_eq!(s.grants + s.released, requests, "every request handled");
     eprintln!("requests {requests} stats {:?}", s);
 }
