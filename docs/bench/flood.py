@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 27's attacks on one `kunci serve`, and what another client sees.
 
-    python3 docs/bench/flood.py BINARY [list|holders|idle|unread ...]
+    python3 docs/bench/flood.py BINARY [list|holders|idle|unread|tls ...]
 
 Starts BINARY serve on a free loopback port for each attack, prepares it,
 starts the flood, and prints one line per attack:
@@ -16,23 +16,36 @@ starts the flood, and prints one line per attack:
            127.0.0.2 gets a pong.
 - unread:  1,000 keys of 255 bytes; 200 connections each send 100 `L`
            of 1,000 and never read; the server's RSS growth.
+- tls:     a second listener, tls:// with an RSA-2048 certificate (made
+           with openssl); PARALLEL (default 512) threads each replay one
+           recorded ClientHello on a new connection, wait for the
+           server's first flight (it signed) and close, over and over.
+           Pings (plaintext) as above, and the handshakes per second.
 
 Stdlib only; every server and flood is stopped before it returns.
 """
 import os
+import shutil
 import socket
+import ssl
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 
-def start(binary, *args):
+def free_port():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
+    return port
+
+
+def start(binary, *args):
+    port = free_port()
     server = subprocess.Popen(
         [binary, "serve", "--listen", f"127.0.0.1:{port}", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -108,6 +121,48 @@ def flood(port, count, frame):
                 pass
             c.close()
     return end
+
+
+def client_hello():
+    """One ClientHello as a TLS client sends it (recorded in memory)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = context.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    try:
+        client.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return outgoing.read()
+
+
+def hello_flood(port, count, hello):
+    """count threads replay hello on new connections; returns (end,
+    handshakes), handshakes() being the server flights received so far."""
+    stop = threading.Event()
+    done = [0] * count
+
+    def replay(index):
+        while not stop.is_set():
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), 10)
+                conn.settimeout(10)
+                conn.sendall(hello)
+                if conn.recv(1 << 16):
+                    done[index] += 1
+                conn.close()
+            except OSError:
+                time.sleep(0.01)
+    threads = [threading.Thread(target=replay, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+
+    def end():
+        stop.set()
+        for thread in threads:
+            thread.join(15)
+    return end, lambda: sum(done)
 
 
 def pings(port, n=int(os.environ.get("PINGS", "50"))):
@@ -196,6 +251,30 @@ def attack(binary, name):
             c.close()
         return (f"200 connections that never read: RSS +{(after - before) / 1024:.1f} MiB "
                 f"({(after - before) * 1024 // 200:,} B each)")
+    elif name == "tls":
+        directory = tempfile.mkdtemp(prefix="flood-tls-")
+        cert, key = f"{directory}/cert.pem", f"{directory}/key.pem"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+             "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+             "-addext", "subjectAltName=DNS:localhost"],
+            check=True, capture_output=True)
+        tls_port = free_port()
+        server, port = start(binary, "--listen", f"tls://127.0.0.1:{tls_port}",
+                             "--tls-cert", cert, "--tls-key", key)
+        shutil.rmtree(directory)
+        parallel = int(os.environ.get("PARALLEL", "512"))
+        end, handshakes = hello_flood(tls_port, parallel, client_hello())
+        time.sleep(1)
+        first, start_at = handshakes(), time.monotonic()
+        try:
+            seen = pings(port)
+            rate = (handshakes() - first) / (time.monotonic() - start_at)
+            return f"{seen}; {rate:,.0f} handshakes/s ({parallel} in parallel)"
+        finally:
+            end()
+            server.kill()
+            server.wait()
     else:
         raise SystemExit(f"unknown attack {name}")
     try:
@@ -208,7 +287,7 @@ def attack(binary, name):
 
 def main():
     binary = sys.argv[1]
-    for name in sys.argv[2:] or ["list", "holders", "idle", "unread"]:
+    for name in sys.argv[2:] or ["list", "holders", "idle", "unread", "tls"]:
         print(f"{name}: {attack(binary, name)}", flush=True)
 
 
