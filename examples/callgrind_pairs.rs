@@ -3,7 +3,8 @@
 //! acquire/release pairs (32 frames, as `kunci bench pairs` C=50 P=32
 //! sends them) on its own keys, with no sockets and no clock. The same
 //! source builds against older commits (docs/BENCHMARKS.md, "The `A` path
-//! in instructions").
+//! in instructions") back to the per-turn share of work (issue 27); before
+//! it, drop the `begin_turn` line.
 //!
 //!     cargo run --release --no-default-features --example callgrind_pairs -- ROUNDS
 use kunci::core::endpoint::Endpoint;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 27's attacks on one `kunci serve`, and what another client sees.
 
-    python3 docs/bench/flood.py BINARY [list|holders|idle|unread|tls ...]
+    python3 docs/bench/flood.py BINARY [list|holders|idle|unread|tls|none ...]
 
 Starts BINARY serve on a free loopback port for each attack, prepares it,
 starts the flood, and prints one line per attack:
@@ -16,6 +16,7 @@ starts the flood, and prints one line per attack:
            127.0.0.2 gets a pong.
 - unread:  1,000 keys of 255 bytes; 200 connections each send 100 `L`
            of 1,000 and never read; the server's RSS growth.
+- none:    no attack: the pings alone, the machine's baseline.
 - tls:     a second listener, tls:// with an RSA-2048 certificate (made
            with openssl); PARALLEL (default 512) threads each replay one
            recorded ClientHello on a new connection, wait for the
@@ -251,6 +252,10 @@ def attack(binary, name):
             c.close()
         return (f"200 connections that never read: RSS +{(after - before) / 1024:.1f} MiB "
                 f"({(after - before) * 1024 // 200:,} B each)")
+    elif name == "none":
+        # The baseline: the same pings with no flood.
+        server, port = start(binary)
+        end = lambda: None  # noqa: E731
     elif name == "tls":
         directory = tempfile.mkdtemp(prefix="flood-tls-")
         cert, key = f"{directory}/cert.pem", f"{directory}/key.pem"
