@@ -38,7 +38,7 @@ pub(in crate::core) const NO_QUOTA: u32 = u32::MAX;
 /// The charges of every identity that has a quota.
 #[derive(Default)]
 pub(in crate::core) struct Quotas {
-    /// While a request of an identity with a key quota runs.
+    /// While a request of an identity with a quota runs.
     pub current: Option<Current>,
     /// Keys charged, by identity index.
     keys: Vec<u32>,
