@@ -6,7 +6,7 @@
 //! run after every step.
 
 use kunci::core::access::{AccessList, Identity, hash_hex};
-use kunci::core::{ConnId, Core, Limits, Micros, Output};
+use kunci::core::{ConnId, Core, EarlierGrant, Limits, Micros, Output};
 use kunci::protocol::{Request, Response};
 
 use crate::util::fake::{FIRST_TOKEN, MS, S};
@@ -371,5 +371,45 @@ fn the_quota_and_max_grants_bound_together() {
     assert_eq!(q.charged(), 1);
     assert_eq!(q.release(0, ROOT, "a", T), released(0, T));
     assert_eq!(q.acquire(1, TENANT, "t/2", 0, 5), acquired(1, 5, T + 3));
+    assert_eq!(q.charged(), 2);
+}
+
+#[test]
+fn grants_restored_from_an_earlier_run_are_charged_to_nobody() {
+    let mut q = Quota::new(Limits::default().max_grants);
+    for (key, token, take, limit) in [("t/old", 7, 0, 0), ("t/sem", 8, 1, 3)] {
+        let earlier = EarlierGrant {
+            key,
+            token,
+            owner: 1,
+            deadline: 10 * S,
+            take,
+            limit,
+            label: "",
+        };
+        q.core.restore_grant(&earlier).unwrap();
+    }
+    q.core.check_invariants();
+    assert_eq!(q.charged(), 0);
+    // The tenant's own two: a waiter behind a restored grant, a grant.
+    assert_eq!(q.acquire(1, TENANT, "t/old", 9, 1), vec![]);
+    assert_eq!(q.acquire(1, TENANT, "t/1", 0, 2), acquired(1, 2, T));
+    assert_eq!(q.ask(1, TENANT, "t/sem", 0, 30, 3, 3, 1), busy(1, 3));
+    // The restored grants end: nobody gets anything back, and the waiter
+    // handed the key stays charged once.
+    assert_eq!(
+        q.release(0, TENANT, "t/old", 7),
+        vec![
+            (0, Response::Released { token: 7 }),
+            (
+                1,
+                Response::Acquired {
+                    owner: 1,
+                    token: T + 1
+                }
+            )
+        ]
+    );
+    assert_eq!(q.release(0, TENANT, "t/sem", 8), released(0, 8));
     assert_eq!(q.charged(), 2);
 }
