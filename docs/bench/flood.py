@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 27's attacks on one `kunci serve`, and what another client sees.
 
-    python3 docs/bench/flood.py BINARY [list|holders|idle|unread|tls|none ...]
+    python3 docs/bench/flood.py BINARY [list|holders|idle|unread|tls|grants|none ...]
 
 Starts BINARY serve on a free loopback port for each attack, prepares it,
 starts the flood, and prints one line per attack:
@@ -16,6 +16,11 @@ starts the flood, and prints one line per attack:
            127.0.0.2 gets a pong.
 - unread:  1,000 keys of 255 bytes; 200 connections each send 100 `L`
            of 1,000 and never read; the server's RSS growth.
+- grants:  --auth, --max-grants 100,000: identity `tenant` (lock:t/,
+           with the quota words in $QUOTA, default max-grants=50000; set
+           QUOTA= for none) pipelines 100,000 `S` (limit 65,535, take 1)
+           on two keys; then whether identity `other` (lock:o/) is
+           granted a new key. Counts the tenant's grants and `B`s.
 - none:    no attack: the pings alone, the machine's baseline.
 - tls:     a second listener, tls:// with an RSA-2048 certificate (made
            with openssl); PARALLEL (default 512) threads each replay one
@@ -25,6 +30,7 @@ starts the flood, and prints one line per attack:
 
 Stdlib only; every server and flood is stopped before it returns.
 """
+import hashlib
 import os
 import shutil
 import socket
@@ -252,6 +258,42 @@ def attack(binary, name):
             c.close()
         return (f"200 connections that never read: RSS +{(after - before) / 1024:.1f} MiB "
                 f"({(after - before) * 1024 // 200:,} B each)")
+    elif name == "grants":
+        directory = tempfile.mkdtemp(prefix="flood-grants-")
+        secrets = {who: f"{who}-secret-0123456789abcdef-0123456789".encode()
+                   for who in ("tenant", "other")}
+        quota = os.environ.get("QUOTA", "max-grants=50000")
+        with open(f"{directory}/auth", "w") as auth:
+            for who, scope in (("tenant", f"lock:t/ {quota}"), ("other", "lock:o/")):
+                digest = hashlib.sha256(secrets[who]).hexdigest()
+                auth.write(f"{who} {digest} {scope}\n")
+        server, port = start(binary, "--auth", f"{directory}/auth", "--max-grants", "100000")
+        shutil.rmtree(directory)
+        tenant = socket.create_connection(("127.0.0.1", port))
+        tenant.sendall(b"U" + secrets["tenant"] + b"\n")
+        reader = tenant.makefile("rb")
+        reader.readline()
+        count = 100000
+        frames = b"".join(s_frame(n, b"t/%d" % (n % 2)) for n in range(count))
+        threading.Thread(target=tenant.sendall, args=(frames,), daemon=True).start()
+        kinds = {}
+        for _ in range(count):
+            kind = reader.read(1)
+            reader.read(17 if kind == b"A" else 9)
+            kinds[kind] = kinds.get(kind, 0) + 1
+        other = socket.create_connection(("127.0.0.1", port))
+        other.sendall(b"U" + secrets["other"] + b"\n" + acquire(1, b"o/x"))
+        answers = other.makefile("rb")
+        answers.readline()
+        answer = answers.read(1)
+        server.kill()
+        server.wait()
+        tenant.close()
+        other.close()
+        seen = {b"A": "granted", b"B": "busy", b"T": "timeout"}
+        return (f"tenant ({quota or 'no quota'}): {kinds.get(b'A', 0):,} granted, "
+                f"{kinds.get(b'B', 0):,} busy; another identity's A on a new key: "
+                f"{seen.get(answer, repr(answer))}")
     elif name == "none":
         # The baseline: the same pings with no flood.
         server, port = start(binary)
