@@ -3,7 +3,8 @@
 //! acquire/release pairs (32 frames, as `kunci bench pairs` C=50 P=32
 //! sends them) on its own keys, with no sockets and no clock. The same
 //! source builds against older commits (docs/BENCHMARKS.md, "The `A` path
-//! in instructions").
+//! in instructions") back to the per-turn share of work (issue 27); before
+//! it, drop the `begin_turn` line.
 //!
 //!     cargo run --release --no-default-features --example callgrind_pairs -- ROUNDS
 use kunci::core::endpoint::Endpoint;
@@ -28,6 +29,10 @@ fn main() {
     let mut requests = 0u64;
     for round in 0..rounds {
         now += 10;
+        // A wake-up of the shell: every connection gets its share of work
+        // for this turn (spec §4, fairness); without it only the first
+        // bursts would be handled.
+        ep.begin_turn(now);
         for id in 0..CONNS {
             buf.clear();
             for i in 0..PAIRS_PER_BURST {
@@ -56,5 +61,6 @@ fn main() {
         }
     }
     let s = ep.core().stats();
+    assert_eq!(s.grants + s.released, requests, "every request handled");
     eprintln!("requests {requests} stats {:?}", s);
 }

@@ -600,3 +600,64 @@ fn a_key_stays_charged_to_its_maker_across_a_hand_over() {
         granted(4, t + 2)
     );
 }
+
+#[test]
+fn a_grant_quota_answers_b_to_its_identitys_third_and_not_to_another() {
+    const TENANT: &[u8] = b"tenant-secret-0123456789abcdef-0123";
+    let text = format!(
+        "tenant {} lock:t/ max-grants=2\nroot {} lock:* info\n",
+        hash_hex(TENANT),
+        hash_hex(EVERYTHING)
+    );
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
+    endpoint.require_authentication(AccessList::parse(&text).unwrap());
+    let e = &mut endpoint;
+    let sessions = [
+        (0, TENANT, "tenant"),
+        (1, EVERYTHING, "root"),
+        (2, TENANT, "tenant"),
+    ];
+    for (id, secret, name) in sessions {
+        e.accept(id, None, 0);
+        assert_eq!(
+            exchange_at(e, id, &authenticate(secret), 0),
+            frame(&authenticated(name))
+        );
+    }
+    let t = FIRST_TOKEN;
+    let granted = |owner, token| frame(&Response::Acquired { owner, token });
+    let busy = |owner| frame(&Response::Busy { owner });
+    assert_eq!(
+        exchange_at(e, 1, &acquire(0, 30, 1, "t/held"), 0),
+        granted(1, t)
+    );
+    // One grant and one queued waiter: the tenant's two.
+    assert_eq!(
+        exchange_at(e, 0, &acquire(0, 30, 2, "t/1"), 0),
+        granted(2, t + 1)
+    );
+    assert_eq!(exchange_at(e, 0, &acquire(9, 30, 3, "t/held"), 0), b"");
+    // The third gets `B` at once, on any session of the identity.
+    assert_eq!(exchange_at(e, 0, &acquire(9, 30, 4, "t/2"), 0), busy(4));
+    assert_eq!(exchange_at(e, 2, &acquire(0, 30, 5, "t/2"), 0), busy(5));
+    assert_eq!(e.core().grants_charged(0), 2);
+    // Another identity is not affected, within the same prefix too.
+    assert_eq!(
+        exchange_at(e, 1, &acquire(0, 30, 6, "t/2"), 0),
+        granted(6, t + 2)
+    );
+    assert_eq!(
+        exchange_at(e, 1, &acquire(0, 30, 7, "t/3"), 0),
+        granted(7, t + 3)
+    );
+    // The tenant's release makes room again.
+    assert_eq!(
+        exchange_at(e, 0, &release(t + 1, "t/1"), 0),
+        frame(&Response::Released { token: t + 1 })
+    );
+    assert_eq!(
+        exchange_at(e, 2, &acquire(0, 30, 8, "t/4"), 0),
+        granted(8, t + 4)
+    );
+    assert_eq!(exchange_at(e, 2, &acquire(0, 30, 9, "t/5"), 0), busy(9));
+}

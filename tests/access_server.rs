@@ -239,23 +239,45 @@ fn a_key_quota_busies_its_identity_while_another_still_acquires() {
     assert_eq!(locker.recv(), Response::Busy { owner: 2 });
     root.send(&acquire(0, 30, 3, "app/b"));
     granted(root.recv(), 3);
+}
 
-    // max-grants= is parsed but not enforced yet: the start is refused.
-    std::fs::write(
-        &path,
-        format!(
-            "root {} lock:* max-grants=5\n",
-            kunci::core::access::hash_hex(EVERYTHING)
-        ),
-    )
-    .unwrap();
-    let output = Command::new(kunci_bin())
-        .args(["serve", "--listen", "127.0.0.1:0", "--auth"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert_eq!(output.status.code(), Some(1));
-    assert!(
-        String::from_utf8_lossy(&output.stderr).contains("max-grants= quotas are not enforced")
+#[test]
+fn a_grant_quota_file_starts_and_busies_the_third_grant_or_wait() {
+    let dir = TempDir::new("auth-grant-quota");
+    let path = dir.join("auth");
+    let text = format!(
+        "locker {} lock:app/ max-keys=10 max-grants=2
+root {} lock:* info
+",
+        kunci::core::access::hash_hex(LOCKER),
+        kunci::core::access::hash_hex(EVERYTHING)
     );
+    std::fs::write(&path, text).unwrap();
+    let server = TestServer::start(&["--auth", path.to_str().unwrap()]);
+    let mut locker = server.peer();
+    locker.send(&authenticate(LOCKER));
+    assert_eq!(
+        locker.recv(),
+        Response::Authenticated {
+            name: "locker".into()
+        }
+    );
+    let mut root = server.peer();
+    root.send(&authenticate(EVERYTHING));
+    assert_eq!(
+        root.recv(),
+        Response::Authenticated {
+            name: "root".into()
+        }
+    );
+    root.send(&acquire(0, 30, 1, "app/held"));
+    granted(root.recv(), 1);
+    locker.send(&acquire(0, 30, 2, "app/a"));
+    granted(locker.recv(), 2);
+    // A queued waiter is the second; the third is `B` at once.
+    locker.send(&acquire(30, 30, 3, "app/held"));
+    locker.send(&acquire(30, 30, 4, "app/b"));
+    assert_eq!(locker.recv(), Response::Busy { owner: 4 });
+    root.send(&acquire(0, 30, 5, "app/b"));
+    granted(root.recv(), 5);
 }

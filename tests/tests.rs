@@ -12,6 +12,7 @@ mod endpoint;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod fencing;
+mod grant_quota;
 mod hostile;
 mod leader;
 mod metrics;

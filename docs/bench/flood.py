@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 27's attacks on one `kunci serve`, and what another client sees.
 
-    python3 docs/bench/flood.py BINARY [list|holders|idle|unread ...]
+    python3 docs/bench/flood.py BINARY [list|holders|idle|unread|tls|grants|none ...]
 
 Starts BINARY serve on a free loopback port for each attack, prepares it,
 starts the flood, and prints one line per attack:
@@ -16,23 +16,43 @@ starts the flood, and prints one line per attack:
            127.0.0.2 gets a pong.
 - unread:  1,000 keys of 255 bytes; 200 connections each send 100 `L`
            of 1,000 and never read; the server's RSS growth.
+- grants:  --auth, --max-grants 100,000: identity `tenant` (lock:t/,
+           with the quota words in $QUOTA, default max-grants=50000; set
+           QUOTA= for none) pipelines 100,000 `S` (limit 65,535, take 1)
+           on two keys; then whether identity `other` (lock:o/) is
+           granted a new key. Counts the tenant's grants and `B`s.
+- none:    no attack: the pings alone, the machine's baseline.
+- tls:     a second listener, tls:// with an RSA-2048 certificate (made
+           with openssl); PARALLEL (default 512) threads each replay one
+           recorded ClientHello on a new connection, wait for the
+           server's first flight (it signed) and close, over and over.
+           Pings (plaintext) as above, and the handshakes per second.
 
 Stdlib only; every server and flood is stopped before it returns.
 """
+import hashlib
 import os
+import shutil
 import socket
+import ssl
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 
-def start(binary, *args):
+def free_port():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
+    return port
+
+
+def start(binary, *args):
+    port = free_port()
     server = subprocess.Popen(
         [binary, "serve", "--listen", f"127.0.0.1:{port}", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -108,6 +128,48 @@ def flood(port, count, frame):
                 pass
             c.close()
     return end
+
+
+def client_hello():
+    """One ClientHello as a TLS client sends it (recorded in memory)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = context.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    try:
+        client.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return outgoing.read()
+
+
+def hello_flood(port, count, hello):
+    """count threads replay hello on new connections; returns (end,
+    handshakes), handshakes() being the server flights received so far."""
+    stop = threading.Event()
+    done = [0] * count
+
+    def replay(index):
+        while not stop.is_set():
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), 10)
+                conn.settimeout(10)
+                conn.sendall(hello)
+                if conn.recv(1 << 16):
+                    done[index] += 1
+                conn.close()
+            except OSError:
+                time.sleep(0.01)
+    threads = [threading.Thread(target=replay, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+
+    def end():
+        stop.set()
+        for thread in threads:
+            thread.join(15)
+    return end, lambda: sum(done)
 
 
 def pings(port, n=int(os.environ.get("PINGS", "50"))):
@@ -196,6 +258,70 @@ def attack(binary, name):
             c.close()
         return (f"200 connections that never read: RSS +{(after - before) / 1024:.1f} MiB "
                 f"({(after - before) * 1024 // 200:,} B each)")
+    elif name == "grants":
+        directory = tempfile.mkdtemp(prefix="flood-grants-")
+        secrets = {who: f"{who}-secret-0123456789abcdef-0123456789".encode()
+                   for who in ("tenant", "other")}
+        quota = os.environ.get("QUOTA", "max-grants=50000")
+        with open(f"{directory}/auth", "w") as auth:
+            for who, scope in (("tenant", f"lock:t/ {quota}"), ("other", "lock:o/")):
+                digest = hashlib.sha256(secrets[who]).hexdigest()
+                auth.write(f"{who} {digest} {scope}\n")
+        server, port = start(binary, "--auth", f"{directory}/auth", "--max-grants", "100000")
+        shutil.rmtree(directory)
+        tenant = socket.create_connection(("127.0.0.1", port))
+        tenant.sendall(b"U" + secrets["tenant"] + b"\n")
+        reader = tenant.makefile("rb")
+        reader.readline()
+        count = 100000
+        frames = b"".join(s_frame(n, b"t/%d" % (n % 2)) for n in range(count))
+        threading.Thread(target=tenant.sendall, args=(frames,), daemon=True).start()
+        kinds = {}
+        for _ in range(count):
+            kind = reader.read(1)
+            reader.read(17 if kind == b"A" else 9)
+            kinds[kind] = kinds.get(kind, 0) + 1
+        other = socket.create_connection(("127.0.0.1", port))
+        other.sendall(b"U" + secrets["other"] + b"\n" + acquire(1, b"o/x"))
+        answers = other.makefile("rb")
+        answers.readline()
+        answer = answers.read(1)
+        server.kill()
+        server.wait()
+        tenant.close()
+        other.close()
+        seen = {b"A": "granted", b"B": "busy", b"T": "timeout"}
+        return (f"tenant ({quota or 'no quota'}): {kinds.get(b'A', 0):,} granted, "
+                f"{kinds.get(b'B', 0):,} busy; another identity's A on a new key: "
+                f"{seen.get(answer, repr(answer))}")
+    elif name == "none":
+        # The baseline: the same pings with no flood.
+        server, port = start(binary)
+        end = lambda: None  # noqa: E731
+    elif name == "tls":
+        directory = tempfile.mkdtemp(prefix="flood-tls-")
+        cert, key = f"{directory}/cert.pem", f"{directory}/key.pem"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+             "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+             "-addext", "subjectAltName=DNS:localhost"],
+            check=True, capture_output=True)
+        tls_port = free_port()
+        server, port = start(binary, "--listen", f"tls://127.0.0.1:{tls_port}",
+                             "--tls-cert", cert, "--tls-key", key)
+        shutil.rmtree(directory)
+        parallel = int(os.environ.get("PARALLEL", "512"))
+        end, handshakes = hello_flood(tls_port, parallel, client_hello())
+        time.sleep(1)
+        first, start_at = handshakes(), time.monotonic()
+        try:
+            seen = pings(port)
+            rate = (handshakes() - first) / (time.monotonic() - start_at)
+            return f"{seen}; {rate:,.0f} handshakes/s ({parallel} in parallel)"
+        finally:
+            end()
+            server.kill()
+            server.wait()
     else:
         raise SystemExit(f"unknown attack {name}")
     try:
@@ -208,7 +334,7 @@ def attack(binary, name):
 
 def main():
     binary = sys.argv[1]
-    for name in sys.argv[2:] or ["list", "holders", "idle", "unread"]:
+    for name in sys.argv[2:] or ["list", "holders", "idle", "unread", "tls"]:
         print(f"{name}: {attack(binary, name)}", flush=True)
 
 

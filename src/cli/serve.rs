@@ -226,13 +226,7 @@ fn state_dir_hint(error: &str) -> &'static str {
 /// Reads and parses the `--auth` file; the error names the line.
 fn read_access_list(path: &std::path::Path) -> Result<AccessList, String> {
     let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
-    let list = AccessList::parse(&text).map_err(|e| e.to_string())?;
-    if list.has_grant_quotas() {
-        // Parsed so that the syntax is fixed, but not enforced yet: a
-        // quota that would be silently ignored must not start a server.
-        return Err("max-grants= quotas are not enforced by this version (max-keys= is)".into());
-    }
-    Ok(list)
+    AccessList::parse(&text).map_err(|e| e.to_string())
 }
 
 fn positive(option: &str, value: Result<OsString, lexopt::Error>) -> Result<usize, String> {

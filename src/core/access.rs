@@ -186,13 +186,6 @@ impl AccessList {
             .any(|identity| !identity.quota.is_none())
     }
 
-    /// Whether any line sets `max-grants=`.
-    pub fn has_grant_quotas(&self) -> bool {
-        self.identities
-            .iter()
-            .any(|identity| identity.quota.max_grants.is_some())
-    }
-
     /// The index of the line whose hash is the secret's, if any. A secret
     /// under [`SECRET_MIN`] bytes matches nothing. Every line is compared,
     /// each in constant time, whatever matches.

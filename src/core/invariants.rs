@@ -1,6 +1,9 @@
 //! The core's self-check, run by tests and simulations after every step.
 
+use std::collections::{HashMap, HashSet};
+
 use super::Core;
+use super::labels::LabelOf;
 use super::memory::NIL;
 use super::permits::PERMITS;
 
@@ -187,6 +190,11 @@ impl Core {
             "per-identity key charges vs charged entries"
         );
         assert!(self.quotas.current.is_none(), "a request's charge left set");
+        assert_eq!(
+            self.grant_cap, self.limits.max_grants,
+            "a request's grant quota left set"
+        );
+        self.check_grant_charges();
         let mut open = 0;
         let mut listed = 0;
         for (conn, state) in self.conns.iter().enumerate() {
@@ -228,6 +236,49 @@ impl Core {
             leased_entries + listed_grants,
             "lease timers counted by deadline vs leases and grants"
         );
+    }
+
+    /// `max-grants=` (issue 27): every charge is of a live grant or
+    /// waiter, each identity's count is the number of its charges and
+    /// within its quota.
+    fn check_grant_charges(&self) {
+        if self.quotas.no_grant_charged() {
+            for (identity, count, _) in self.quotas.grant_counts() {
+                assert_eq!(count, 0, "identity {identity} charged for nothing");
+            }
+            return;
+        }
+        let mut live = HashSet::new();
+        for entry in self.table.live_indices() {
+            let held = self.table.get(entry);
+            if held.token == PERMITS {
+                let grants = self.permit_key(entry).grants.iter();
+                live.extend(grants.map(|&grant| LabelOf::Grant(grant).id()));
+            } else if held.token != 0 {
+                live.insert(LabelOf::Entry(entry).id());
+            }
+            let waiters = self.waiters.queue(held.waiters);
+            live.extend(waiters.map(|waiter| LabelOf::Waiter(waiter).id()));
+        }
+        let mut counts: HashMap<u32, u32> = HashMap::new();
+        for (of, identity) in self.quotas.charged_grants() {
+            assert!(
+                live.contains(&of),
+                "grant quota of identity {identity} charged for {of:#x}, which is gone"
+            );
+            *counts.entry(identity).or_default() += 1;
+        }
+        for (identity, count, max) in self.quotas.grant_counts() {
+            assert_eq!(
+                count,
+                counts.get(&identity).copied().unwrap_or(0),
+                "grant charges of identity {identity}"
+            );
+            assert!(
+                count <= max,
+                "identity {identity} holds {count} grants and waiters, over max-grants={max}"
+            );
+        }
     }
 
     /// Watches: indexed consistently, each on an open connection, each

@@ -17,7 +17,8 @@ pub enum LabelOf {
 }
 
 impl LabelOf {
-    fn id(self) -> u64 {
+    /// The side maps' key for `self`.
+    pub(super) fn id(self) -> u64 {
         match self {
             LabelOf::Entry(index) => u64::from(index),
             LabelOf::Grant(index) => 1 << 32 | u64::from(index),

@@ -245,6 +245,11 @@ pub struct Core {
     watches: Watches,
     /// Per-identity quotas' charges (empty without quotas).
     quotas: quota::Quotas,
+    /// What [`can_grant`](Self::can_grant) compares grants plus waiters
+    /// with: `--max-grants`, lowered while an `A`/`S` of an identity with
+    /// `max-grants=` runs to what its quota leaves room for, so the check
+    /// costs the plain path nothing.
+    grant_cap: usize,
     next_token: u64,
     stats: Stats,
     outbox: Vec<Output>,
@@ -322,6 +327,7 @@ impl Core {
             labels: Labels::default(),
             watches: Watches::default(),
             quotas: quota::Quotas::default(),
+            grant_cap: limits.max_grants,
             next_token: first_token.max(1),
             stats: Stats::default(),
             outbox: Vec::new(),
@@ -605,17 +611,80 @@ impl Core {
         identity: &access::Identity,
         now: Micros,
     ) {
-        let Some(max_keys) = identity.quota.max_keys else {
+        if identity.quota.is_none() {
             return self.handle_request_within(conn, request, &identity.scopes, now);
+        }
+        self.handle_request_charged(conn, request, index, identity, now);
+    }
+
+    /// [`handle_request_as`](Self::handle_request_as) for an identity with
+    /// a quota. `max-keys` is checked and charged where a key is inserted.
+    /// `max-grants` is checked by lowering the cap that `--max-grants` is
+    /// checked against for this request only (nothing else can change the
+    /// grants and waiters before an `A`/`S` checks it), and what the `A`/`S`
+    /// made, a grant or a waiter, is charged once it has run.
+    #[inline(never)]
+    fn handle_request_charged(
+        &mut self,
+        conn: ConnId,
+        request: &Request<'_>,
+        index: u32,
+        identity: &access::Identity,
+        now: Micros,
+    ) {
+        let quota = identity.quota;
+        self.quotas.current = Some(quota::Current {
+            identity: index,
+            max_keys: quota.max_keys.unwrap_or(quota::NO_QUOTA),
+        });
+        let max_grants = match *request {
+            Request::Acquire { key, .. } => quota.max_grants.map(|max| (key, max)),
+            _ => None,
         };
-        self.quotas.current = Some((index, max_keys));
+        let before = (self.next_token, self.waiters.len());
+        if let Some((_, max)) = max_grants {
+            let room = max.saturating_sub(self.quotas.grants_of(index)) as usize;
+            let total = self.grants_held + self.waiters.len();
+            self.grant_cap = self.limits.max_grants.min(total + room);
+        }
         self.handle_request_within(conn, request, &identity.scopes, now);
         self.quotas.current = None;
+        let Some((key, max)) = max_grants else {
+            return;
+        };
+        self.grant_cap = self.limits.max_grants;
+        // An `A`/`S` makes at most one grant (the token `before.0`) or one
+        // waiter (at the head of its connection's list); a hand-over it
+        // causes on another key makes none.
+        let made = if self.next_token != before.0 {
+            match self.find_grant(key, before.0) {
+                Some(Held::Inline(entry)) => Some(LabelOf::Entry(entry)),
+                Some(Held::Listed { grant, .. }) => Some(LabelOf::Grant(grant)),
+                None => None,
+            }
+        } else if self.waiters.len() > before.1 {
+            Some(LabelOf::Waiter(self.conns[conn as usize].waiters.head))
+        } else {
+            None
+        };
+        debug_assert!(
+            made.is_some() || (self.next_token == before.0 && self.waiters.len() <= before.1),
+            "an A/S made something that is not charged"
+        );
+        if let Some(of) = made {
+            self.quotas.charge_grant(of, index, max);
+        }
     }
 
     /// Keys in the table charged to identity `index`'s `max-keys`.
     pub fn keys_charged(&self, index: u32) -> u32 {
         self.quotas.keys_of(index)
+    }
+
+    /// Grants plus queued waiters charged to identity `index`'s
+    /// `max-grants`.
+    pub fn grants_charged(&self, index: u32) -> u32 {
+        self.quotas.grants_of(index)
     }
 
     /// Takes `entry` out of the table, uncharging its identity's quota.
@@ -761,8 +830,9 @@ impl Core {
     fn hand_over(&mut self, entry: u32, now: Micros) {
         if self.table.get(entry).token != 0 {
             self.grants_held -= 1;
-            if !self.labels.is_empty() {
-                self.labels.take(LabelOf::Entry(entry));
+            // One test for both side maps (`&`, not `&&`).
+            if !(self.labels.is_empty() & self.quotas.no_grant_charged()) {
+                self.inline_grant_ended(entry);
             }
         }
         loop {
@@ -776,13 +846,25 @@ impl Core {
                 (waiter.conn, waiter.owner, waiter.lease_s)
             };
             self.observe_wait(head, now);
+            let charged = self.quotas.uncharge_grant(LabelOf::Waiter(head));
             let (_, label) = self.unlink_waiter(head);
             if self.next_token == u64::MAX {
                 self.busy(conn, owner);
                 continue;
             }
-            return self.grant(entry, conn, owner, lease_s, label, now);
+            self.grant(entry, conn, owner, lease_s, label, now);
+            // The waiter's charge follows it into its grant.
+            return self.quotas.recharge(LabelOf::Entry(entry), charged);
         }
+    }
+
+    /// The inline grant of `entry` ended: its label and its quota charge
+    /// go.
+    #[cold]
+    #[inline(never)]
+    fn inline_grant_ended(&mut self, entry: u32) {
+        self.labels.take(LabelOf::Entry(entry));
+        self.quotas.uncharge_grant(LabelOf::Entry(entry));
     }
 
     /// Grants `entry` (a key without a limit) to `owner` on `conn`.
@@ -895,6 +977,7 @@ impl Core {
         let queue = &mut self.table.get_mut(entry).waiters;
         let conn_list = &mut self.conns[conn as usize].waiters;
         self.waiters.remove(waiter, queue, conn_list);
+        self.quotas.uncharge_grant(LabelOf::Waiter(waiter));
         (entry, self.labels.take(LabelOf::Waiter(waiter)))
     }
 

@@ -231,6 +231,8 @@ impl Core {
             });
             let label = self.labels.take(LabelOf::Entry(entry));
             self.labels.put(LabelOf::Grant(grant), label);
+            let charged = self.quotas.uncharge_grant(LabelOf::Entry(entry));
+            self.quotas.recharge(LabelOf::Grant(grant), charged);
             self.permit_keys[index as usize].add(grant, 0);
             self.arm_grant_tick(grant, deadline);
         }
@@ -249,7 +251,7 @@ impl Core {
     }
 
     /// Grants `take` permits of `entry` (a permit key they fit) to `owner`
-    /// on `conn`: a new grant with the next token.
+    /// on `conn`: a new grant with the next token, whose index it returns.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn grant_permits(
         &mut self,
@@ -260,7 +262,7 @@ impl Core {
         lease_s: u8,
         label: Option<Box<str>>,
         now: Micros,
-    ) {
+    ) -> u32 {
         let token = self.next_token;
         self.next_token += 1;
         let grant = self.grants.insert(Grant {
@@ -280,6 +282,7 @@ impl Core {
         self.stats.grants += 1;
         self.outbox
             .push((conn, Response::Acquired { owner, token }));
+        grant
     }
 
     /// Adds `token`, an earlier run's, to permit key `entry` (held by the
@@ -348,6 +351,7 @@ impl Core {
         let index = self.table.get(entry).owner as usize;
         self.permit_keys[index].remove(&self.grants, grant, token, take);
         self.labels.take(LabelOf::Grant(grant));
+        self.quotas.uncharge_grant(LabelOf::Grant(grant));
         self.grants.remove(grant);
         self.grants_held -= 1;
     }
@@ -370,12 +374,15 @@ impl Core {
                 return;
             }
             self.observe_wait(head, now);
+            let charged = self.quotas.uncharge_grant(LabelOf::Waiter(head));
             let (_, label) = self.unlink_waiter(head);
             if self.next_token == u64::MAX {
                 self.busy(conn, owner);
                 continue;
             }
-            self.grant_permits(entry, conn, owner, take, lease_s, label, now);
+            let grant = self.grant_permits(entry, conn, owner, take, lease_s, label, now);
+            // The waiter's charge follows it into its grant.
+            self.quotas.recharge(LabelOf::Grant(grant), charged);
         }
     }
 

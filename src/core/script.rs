@@ -56,7 +56,7 @@ const SECRETS: [&[u8]; 4] = [
 
 fn access_list() -> AccessList {
     let text = format!(
-        "locker {} lock:a max-keys=2\nreader {} read:* info\n",
+        "locker {} lock:a max-keys=2 max-grants=3\nreader {} read:* info\n",
         hash_hex(SECRETS[0]),
         hash_hex(SECRETS[1])
     );

@@ -54,15 +54,8 @@ impl Core {
                 if ask.limit != 0 {
                     self.new_permit_key(entry, ask.limit);
                     let label = labels::owned(ask.label);
-                    return self.grant_permits(
-                        entry,
-                        conn,
-                        owner,
-                        ask.take,
-                        ask.lease_s,
-                        label,
-                        now,
-                    );
+                    self.grant_permits(entry, conn, owner, ask.take, ask.lease_s, label, now);
+                    return;
                 }
                 let label = labels::owned(ask.label);
                 return self.grant(entry, conn, owner, ask.lease_s, label, now);
@@ -111,15 +104,8 @@ impl Core {
         let busy = if queue.is_empty() && permits.fits(ask.take) {
             if self.next_token != u64::MAX && self.can_grant() {
                 let label = labels::owned(ask.label);
-                return self.grant_permits(
-                    entry,
-                    conn,
-                    ask.owner,
-                    ask.take,
-                    ask.lease_s,
-                    label,
-                    now,
-                );
+                self.grant_permits(entry, conn, ask.owner, ask.take, ask.lease_s, label, now);
+                return;
             }
             true
         } else if ask.wait_s == 0 {
@@ -186,10 +172,12 @@ impl Core {
     }
 
     /// Whether one more grant or waiter stays within `--max-grants` (spec
-    /// §10.8). A hand-over turns a waiter into a grant, so it never passes.
+    /// §10.8) and, for an `A`/`S` of an identity with `max-grants=`, within
+    /// its quota (see `Core::grant_cap`). A hand-over turns a waiter into a
+    /// grant, so it never passes.
     #[inline]
     pub(in crate::core) fn can_grant(&self) -> bool {
-        self.grants_held + self.waiters.len() < self.limits.max_grants
+        self.grants_held + self.waiters.len() < self.grant_cap
     }
 
     pub(in crate::core) fn insert_key(
