@@ -545,10 +545,10 @@ impl Disposition {
 /// Makes `signal` do `to` on arrival and returns what it did before.
 /// Async-signal-safe (it is called between fork and exec).
 fn set_disposition(signal: Signal, to: Disposition) -> Disposition {
-    // SAFETY: `to` is SIG_IGN, SIG_DFL, or what signal(2) returned for a
-    // signal before (kunci installs no handler of its own for the
-    // signals it ignores, so that is SIG_IGN or SIG_DFL, which exec
-    // keeps): no function is made a handler that was not one already.
+    // SAFETY: no function becomes a handler: `to` is SIG_IGN, SIG_DFL or
+    // what signal(2) returned for the same signal, and the signals set
+    // here (SIGTTOU, and the watchdog's before any handler exists) have
+    // no handler in kunci: only SIG_IGN or SIG_DFL.
     Disposition(unsafe { libc::signal(signal.as_raw(), to.0) })
 }
 
