@@ -599,7 +599,7 @@ impl Terminal {
 }
 
 fn stdin_is_terminal() -> bool {
-    std::io::stdin().is_terminal()
+    rustix::stdio::stdin().is_terminal()
 }
 
 /// CMD was stopped by its terminal (^Z, or a read from the background):
