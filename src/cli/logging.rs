@@ -117,13 +117,11 @@ fn stderr_is_journal() -> bool {
     let (Ok(device), Ok(inode)) = (device.parse::<u64>(), inode.parse::<u64>()) else {
         return false;
     };
-    // SAFETY: fstat writes only the struct we pass; fd 2 may be closed,
-    // which it reports as an error.
-    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstat(libc::STDERR_FILENO, &mut stat) } != 0 {
+    // fd 2 may be closed, which fstat reports as an error.
+    let Ok(stat) = rustix::fs::fstat(std::io::stderr()) else {
         return false;
-    }
-    stat.st_dev as u64 == device && stat.st_ino as u64 == inode
+    };
+    stat.st_dev == device && stat.st_ino == inode
 }
 
 /// The syslog priority the journal reads from a `<N>` prefix.

@@ -160,10 +160,7 @@ pub(super) fn run_label(command: &[OsString], with_arguments: bool) -> String {
         .ok()
         .filter(|user| !user.is_empty())
         .or_else(user_of_uid)
-        .unwrap_or_else(|| {
-            // SAFETY: getuid has no preconditions and cannot fail.
-            unsafe { libc::getuid() }.to_string()
-        });
+        .unwrap_or_else(|| rustix::process::getuid().as_raw().to_string());
     let host = host_name().unwrap_or_else(|| "localhost".into());
     let shown = if with_arguments {
         command
@@ -198,41 +195,34 @@ fn truncate_to_char_boundary(text: &str, max: usize) -> &str {
 /// The name of this process's user in the password database.
 fn user_of_uid() -> Option<String> {
     let mut buffer = vec![0u8; 4096];
-    // SAFETY: `passwd` is plain old data that getpwuid_r fills in.
-    let mut entry: libc::passwd = unsafe { std::mem::zeroed() };
+    let uid = rustix::process::getuid().as_raw();
     let mut found: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the sizes given; getpwuid_r
-    // writes the strings of `entry` into `buffer`, which outlives their
-    // use below.
-    let status = unsafe {
-        libc::getpwuid_r(
-            libc::getuid(),
+    // SAFETY: `passwd` is plain old data (integers and pointers, all-zero
+    // valid) that getpwuid_r fills in; every pointer passed is valid for
+    // the size given, and getpwuid_r writes the strings of `entry` into
+    // `buffer`, which outlives their use here. On success `pw_name`, when
+    // not null, points to a NUL-terminated string in `buffer`.
+    let name = unsafe {
+        let mut entry: libc::passwd = std::mem::zeroed();
+        let status = libc::getpwuid_r(
+            uid,
             &mut entry,
             buffer.as_mut_ptr().cast(),
             buffer.len(),
             &mut found,
-        )
+        );
+        if status != 0 || found.is_null() || entry.pw_name.is_null() {
+            return None;
+        }
+        CStr::from_ptr(entry.pw_name)
     };
-    if status != 0 || found.is_null() || entry.pw_name.is_null() {
-        return None;
-    }
-    // SAFETY: on success `pw_name` points to a NUL-terminated string in
-    // `buffer`.
-    let name = unsafe { CStr::from_ptr(entry.pw_name) };
     Some(name.to_string_lossy().into_owned()).filter(|name| !name.is_empty())
 }
 
-/// This host's name.
+/// This host's name (uname's node name, which gethostname reads).
 fn host_name() -> Option<String> {
-    let mut buffer = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname writes at
-    // most that many bytes.
-    let status = unsafe { libc::gethostname(buffer.as_mut_ptr().cast(), buffer.len()) };
-    if status != 0 {
-        return None;
-    }
-    let end = buffer.iter().position(|&b| b == 0).unwrap_or(buffer.len());
-    let name = String::from_utf8_lossy(&buffer[..end]).into_owned();
+    let uname = rustix::system::uname();
+    let name = uname.nodename().to_string_lossy().into_owned();
     (!name.is_empty()).then_some(name)
 }
 

@@ -38,12 +38,16 @@
 //!   stopped the group itself.
 
 use std::ffi::OsString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::io::IsTerminal;
+use std::os::fd::{AsFd, AsRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use rustix::io::Errno;
+use rustix::process::{Pid, Signal};
 
 use super::client::{self as common, Accepts, Parsed};
 use super::exit;
@@ -136,7 +140,7 @@ static CHILD_GROUP: AtomicI32 = AtomicI32::new(0);
 /// A forwarded signal that arrived before the command was started.
 static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
 
-const FORWARDED: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+const FORWARDED: [Signal; 3] = [Signal::INT, Signal::TERM, Signal::HUP];
 
 /// Why the command is stopped before it ends on its own.
 enum Stop {
@@ -199,11 +203,9 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     // Orphans of CMD's group become our children, so that they can be
-    // reaped and a stopped group is seen empty.
-    // SAFETY: prctl with integer arguments only.
-    unsafe {
-        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1);
-    }
+    // reaped and a stopped group is seen empty. (Any pid sets it; the
+    // kernel reads the argument as a flag.)
+    let _ = rustix::process::set_child_subreaper(Some(Pid::INIT));
     let client = match common::client(
         options.servers.clone(),
         options.secret.clone(),
@@ -285,15 +287,17 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     let take_terminal = terminal.is_some();
     let mut confirmed = kept.valid_until();
     let lead = term_lead(options.kill_after, kept.lease());
-    let first_deadline = monotonic_ns(kill_deadline(confirmed));
+    let first_deadline = watchdog.ns(kill_deadline(confirmed));
     // SAFETY: between fork and exec the closure only makes
-    // async-signal-safe calls (getpid, write, tcsetpgrp, signal).
+    // async-signal-safe calls, all system calls (getpid, write, tcsetpgrp,
+    // signal), and allocates nothing; `watchdog_fd` is the pipe's write
+    // end, open until `watchdog` is dropped after the command has ended.
     unsafe {
         command.pre_exec(move || {
-            let group = libc::getpid();
+            let group = rustix::process::getpid();
             // Tell the watchdog which group to stop, and by when. The pipe
             // is close-on-exec: CMD itself does not keep it open.
-            let record = watchdog_record(GROUP, group, first_deadline);
+            let record = watchdog_record(GROUP, group.as_raw_pid(), first_deadline);
             let written = libc::write(watchdog_fd, record.as_ptr().cast(), record.len());
             if written != record.len() as isize {
                 return Err(std::io::Error::last_os_error());
@@ -301,8 +305,8 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             if take_terminal {
                 // SIGTTOU is ignored (inherited from kunci), so a background
                 // group may take the terminal; CMD gets the default back.
-                libc::tcsetpgrp(libc::STDIN_FILENO, group);
-                libc::signal(libc::SIGTTOU, libc::SIG_DFL);
+                let _ = rustix::termios::tcsetpgrp(rustix::stdio::stdin(), group);
+                set_disposition(Signal::TTOU, Disposition::DEFAULT);
             }
             Ok(())
         });
@@ -311,7 +315,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         Ok(child) => child,
         Err(error) => {
             if let Some(terminal) = terminal {
-                terminal.restore(0);
+                terminal.restore(None);
             }
             eprintln!("kunci run: cannot start {:?}: {error}", options.command[0]);
             watchdog.disarm();
@@ -325,14 +329,14 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             };
         }
     };
-    let group = child.id() as libc::pid_t;
+    let group = Pid::from_child(&child);
     if let Some(terminal) = &terminal {
         terminal.give_to(group);
     }
-    CHILD_GROUP.store(group, Ordering::SeqCst);
+    CHILD_GROUP.store(group.as_raw_pid(), Ordering::SeqCst);
     let pending = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
-    if pending != 0 {
-        signal_group(group, pending);
+    if let Some(signal) = Signal::from_named_raw(pending) {
+        signal_group(group, signal);
     }
     spawn_reaper(group, events);
 
@@ -380,7 +384,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     match outcome {
         Ok(status) => {
             if let Some(terminal) = terminal {
-                terminal.restore(group);
+                terminal.restore(Some(group));
             }
             // Nothing CMD started outlives the lock.
             if group_alive(group) {
@@ -402,7 +406,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             let kill_at = (Instant::now() + options.kill_after).min(kill_deadline(confirmed));
             stop_group(group, kill_at, (!reaped).then_some(&inbox));
             if let Some(terminal) = terminal {
-                terminal.restore(group);
+                terminal.restore(Some(group));
             }
             watchdog.disarm();
             // Lost: releasing sends nothing. Stopped before the lease ran
@@ -417,7 +421,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
 /// Waits until `group` is empty, sending SIGKILL at `grace_end` if it is
 /// not. With `inbox`, the command itself has not been reaped yet: wait for
 /// its exit there.
-fn stop_group(group: libc::pid_t, grace_end: Instant, inbox: Option<&mpsc::Receiver<Event>>) {
+fn stop_group(group: Pid, grace_end: Instant, inbox: Option<&mpsc::Receiver<Event>>) {
     let mut killed = false;
     // Without a grace (the lease has run out) SIGKILL is no news.
     let has_grace = grace_end > Instant::now();
@@ -431,7 +435,7 @@ fn stop_group(group: libc::pid_t, grace_end: Instant, inbox: Option<&mpsc::Recei
                     if has_grace {
                         eprintln!("kunci run: the command did not stop; killing it");
                     }
-                    signal_group(group, libc::SIGKILL);
+                    signal_group(group, Signal::KILL);
                     killed = true;
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => std::thread::sleep(POLL),
@@ -441,7 +445,7 @@ fn stop_group(group: libc::pid_t, grace_end: Instant, inbox: Option<&mpsc::Recei
     // The reaper thread reaps what is left of the group as it exits.
     while group_alive(group) {
         if !killed && Instant::now() >= grace_end {
-            signal_group(group, libc::SIGKILL);
+            signal_group(group, Signal::KILL);
             killed = true;
         }
         std::thread::sleep(POLL);
@@ -450,25 +454,21 @@ fn stop_group(group: libc::pid_t, grace_end: Instant, inbox: Option<&mpsc::Recei
 
 /// Reaps every child of this process (the command, its orphans, the
 /// watchdog) and reports the command's exit, and its stops.
-fn spawn_reaper(command: libc::pid_t, events: mpsc::Sender<Event>) {
+fn spawn_reaper(command: Pid, events: mpsc::Sender<Event>) {
     std::thread::spawn(move || {
         loop {
-            let mut status = 0;
-            // SAFETY: waitpid with a valid pointer to a local.
-            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WUNTRACED) };
-            if pid == command {
-                let event = if libc::WIFSTOPPED(status) {
-                    Event::Stopped
-                } else {
-                    Event::Exited(ExitStatus::from_raw(status))
-                };
-                let _ = events.send(event);
-            } else if pid < 0 {
-                match std::io::Error::last_os_error().raw_os_error() {
-                    Some(libc::EINTR) => {}
-                    // No children now; orphans may still be reparented.
-                    _ => std::thread::sleep(POLL),
+            match rustix::process::wait(rustix::process::WaitOptions::UNTRACED) {
+                Ok(Some((pid, status))) if pid == command => {
+                    let event = if status.stopped() {
+                        Event::Stopped
+                    } else {
+                        Event::Exited(ExitStatus::from_raw(status.as_raw()))
+                    };
+                    let _ = events.send(event);
                 }
+                Ok(_) | Err(Errno::INTR) => {}
+                // No children now; orphans may still be reparented.
+                Err(_) => std::thread::sleep(POLL),
             }
         }
     });
@@ -476,10 +476,8 @@ fn spawn_reaper(command: libc::pid_t, events: mpsc::Sender<Event>) {
 
 /// Whether any process of `group` is still alive (zombies are reaped by
 /// [`spawn_reaper`], so they do not count for long).
-fn group_alive(group: libc::pid_t) -> bool {
-    // SAFETY: kill(2) with signal 0 only checks.
-    let result = unsafe { libc::kill(-group, 0) };
-    result == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+fn group_alive(group: Pid) -> bool {
+    rustix::process::test_kill_process_group(group) != Err(Errno::SRCH)
 }
 
 fn release(kept: KeptLease) {
@@ -506,14 +504,15 @@ fn exit_status(status: ExitStatus) -> u8 {
 fn forward_signals() -> std::io::Result<()> {
     for signal in FORWARDED {
         // SAFETY: the handler only does async-signal-safe work: atomic
-        // loads and stores, and kill(2).
+        // loads and stores, and kill(2) (a system call; nothing allocates
+        // or takes a lock).
         unsafe {
-            signal_hook::low_level::register(signal, move || {
-                let group = CHILD_GROUP.load(Ordering::SeqCst);
-                if group > 0 {
-                    libc::kill(-group, signal);
-                } else {
-                    PENDING_SIGNAL.store(signal, Ordering::SeqCst);
+            signal_hook::low_level::register(signal.as_raw(), move || {
+                match Pid::from_raw(CHILD_GROUP.load(Ordering::SeqCst)) {
+                    Some(group) => {
+                        let _ = rustix::process::kill_process_group(group, signal);
+                    }
+                    None => PENDING_SIGNAL.store(signal.as_raw(), Ordering::SeqCst),
                 }
             })?;
         }
@@ -522,22 +521,53 @@ fn forward_signals() -> std::io::Result<()> {
 }
 
 /// SIGTERM to the group, then SIGCONT so that a stopped member acts on it.
-fn terminate(group: libc::pid_t) {
-    signal_group(group, libc::SIGTERM);
-    signal_group(group, libc::SIGCONT);
+fn terminate(group: Pid) {
+    signal_group(group, Signal::TERM);
+    signal_group(group, Signal::CONT);
 }
 
-fn signal_group(group: libc::pid_t, signal: i32) {
-    // SAFETY: kill(2) on the process group of our own child.
-    unsafe {
-        libc::kill(-group, signal);
-    }
+/// `signal` to the process group of our own child (gone already: nothing
+/// to do).
+fn signal_group(group: Pid, signal: Signal) {
+    let _ = rustix::process::kill_process_group(group, signal);
+}
+
+/// What a signal does on arrival: [`Disposition::IGNORE`],
+/// [`Disposition::DEFAULT`], or one [`set_disposition`] returned.
+#[derive(Clone, Copy)]
+struct Disposition(libc::sighandler_t);
+
+impl Disposition {
+    const IGNORE: Disposition = Disposition(libc::SIG_IGN);
+    const DEFAULT: Disposition = Disposition(libc::SIG_DFL);
+}
+
+/// Makes `signal` do `to` on arrival and returns what it did before.
+/// Async-signal-safe (it is called between fork and exec).
+fn set_disposition(signal: Signal, to: Disposition) -> Disposition {
+    // SAFETY: no function becomes a handler: `to` is SIG_IGN, SIG_DFL or
+    // what signal(2) returned for the same signal, and the signals set
+    // here (SIGTTOU, and the watchdog's before any handler exists) have
+    // no handler in kunci: only SIG_IGN or SIG_DFL.
+    Disposition(unsafe { libc::signal(signal.as_raw(), to.0) })
+}
+
+/// Whether this process's group is the foreground group of the terminal
+/// on stdin.
+fn in_foreground() -> bool {
+    rustix::termios::tcgetpgrp(rustix::stdio::stdin()).ok() == Some(rustix::process::getpgrp())
+}
+
+/// Makes this process's group the foreground group of the terminal on
+/// stdin.
+fn take_foreground() {
+    let _ = rustix::termios::tcsetpgrp(rustix::stdio::stdin(), rustix::process::getpgrp());
 }
 
 /// The controlling terminal, while CMD's group is its foreground group.
 struct Terminal {
     /// SIGTTOU's disposition before kunci ignored it.
-    old_ttou: libc::sighandler_t,
+    old_ttou: Disposition,
 }
 
 impl Terminal {
@@ -545,45 +575,31 @@ impl Terminal {
     /// its foreground group; ignores SIGTTOU meanwhile, so that this
     /// process can hand the terminal back from the background.
     fn claim() -> Option<Terminal> {
-        // SAFETY: isatty, tcgetpgrp, getpgrp and signal with plain values.
-        unsafe {
-            if libc::isatty(libc::STDIN_FILENO) != 1
-                || libc::tcgetpgrp(libc::STDIN_FILENO) != libc::getpgrp()
-            {
-                return None;
-            }
-            let old_ttou = libc::signal(libc::SIGTTOU, libc::SIG_IGN);
-            Some(Terminal { old_ttou })
+        if !stdin_is_terminal() || !in_foreground() {
+            return None;
         }
+        let old_ttou = set_disposition(Signal::TTOU, Disposition::IGNORE);
+        Some(Terminal { old_ttou })
     }
 
     /// Makes `group` the foreground group (the child did so already; doing
     /// it here too, as shells do, leaves no window either way).
-    fn give_to(&self, group: libc::pid_t) {
-        // SAFETY: tcsetpgrp on stdin with our child's group.
-        unsafe {
-            libc::tcsetpgrp(libc::STDIN_FILENO, group);
-        }
+    fn give_to(&self, group: Pid) {
+        let _ = rustix::termios::tcsetpgrp(rustix::stdio::stdin(), group);
     }
 
     /// Gives the terminal back to kunci's group if CMD's group (`group`;
-    /// 0: none started) still has it, and restores SIGTTOU.
-    fn restore(self, group: libc::pid_t) {
-        // SAFETY: tcgetpgrp/tcsetpgrp on stdin with our own group; signal
-        // restores the disposition saved by `claim`.
-        unsafe {
-            let current = libc::tcgetpgrp(libc::STDIN_FILENO);
-            if group == 0 || current == group {
-                libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpgrp());
-            }
-            libc::signal(libc::SIGTTOU, self.old_ttou);
+    /// `None`: none started) still has it, and restores SIGTTOU.
+    fn restore(self, group: Option<Pid>) {
+        if group.is_none() || rustix::termios::tcgetpgrp(rustix::stdio::stdin()).ok() == group {
+            take_foreground();
         }
+        set_disposition(Signal::TTOU, self.old_ttou);
     }
 }
 
 fn stdin_is_terminal() -> bool {
-    // SAFETY: isatty on a descriptor number.
-    unsafe { libc::isatty(libc::STDIN_FILENO) == 1 }
+    rustix::stdio::stdin().is_terminal()
 }
 
 /// CMD was stopped by its terminal (^Z, or a read from the background):
@@ -594,23 +610,16 @@ fn stdin_is_terminal() -> bool {
 /// longer than the lease loses the lock, which kunci reports once it runs
 /// again. (An orphaned group, with no job-control shell, cannot be stopped
 /// by SIGTSTP: then CMD is simply continued.)
-fn suspend_with(held: Option<Terminal>, group: libc::pid_t) -> Option<Terminal> {
-    // SAFETY: tcsetpgrp/getpgrp on stdin and our own group; kill(2) on our
-    // own group.
-    unsafe {
-        if held.is_some() {
-            libc::tcsetpgrp(libc::STDIN_FILENO, libc::getpgrp());
-        }
-        libc::kill(0, libc::SIGTSTP);
+fn suspend_with(held: Option<Terminal>, group: Pid) -> Option<Terminal> {
+    if held.is_some() {
+        take_foreground();
     }
+    let _ = rustix::process::kill_current_process_group(Signal::TSTP);
     // Continued: in the foreground (`fg`) or not (`bg`).
     let terminal = match held {
-        // SAFETY: tcgetpgrp and getpgrp have no arguments to get wrong.
-        Some(terminal) if unsafe { libc::tcgetpgrp(libc::STDIN_FILENO) == libc::getpgrp() } => {
-            Some(terminal)
-        }
+        Some(terminal) if in_foreground() => Some(terminal),
         Some(terminal) => {
-            terminal.restore(group);
+            terminal.restore(Some(group));
             None
         }
         None => Terminal::claim(),
@@ -618,7 +627,7 @@ fn suspend_with(held: Option<Terminal>, group: libc::pid_t) -> Option<Terminal> 
     if let Some(terminal) = &terminal {
         terminal.give_to(group);
     }
-    signal_group(group, libc::SIGCONT);
+    signal_group(group, Signal::CONT);
     terminal
 }
 
@@ -627,12 +636,16 @@ struct Watchdog {
     /// The write end of the pipe the watchdog reads; only this process
     /// holds it (close-on-exec).
     pipe: OwnedFd,
+    /// The instant the deadlines are counted from (read before the fork,
+    /// so both processes hold it).
+    start: Instant,
 }
 
 /// The watchdog's messages are records of [`RECORD`] bytes: a tag, a
 /// process group (native-endian i32) and a deadline (native-endian u64,
-/// CLOCK_MONOTONIC nanoseconds). Each is one `write` of fewer than
-/// `PIPE_BUF` bytes, so it arrives whole.
+/// nanoseconds after the watchdog's `start` on the monotonic clock
+/// `Instant` reads). Each is one `write` of fewer than `PIPE_BUF` bytes,
+/// so it arrives whole.
 const RECORD: usize = 13;
 /// CMD's group and the lock's `valid_until` (written by CMD's child).
 const GROUP: u8 = b'G';
@@ -649,50 +662,27 @@ fn watchdog_record(tag: u8, group: libc::pid_t, deadline_ns: u64) -> [u8; RECORD
     record
 }
 
-/// CLOCK_MONOTONIC now, in nanoseconds: the clock both processes read.
-fn monotonic_now_ns() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime fills a local timespec.
-    unsafe {
-        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now);
-    }
-    (now.tv_sec as u64)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(now.tv_nsec as u64)
-}
-
-/// `at` on CLOCK_MONOTONIC, never later than it: the clock is read before
-/// `Instant::now()`, so the offset is measured from a later instant.
-fn monotonic_ns(at: Instant) -> u64 {
-    let clock = monotonic_now_ns();
-    let now = Instant::now();
-    match at.checked_duration_since(now) {
-        Some(ahead) => clock.saturating_add(ahead.as_nanos() as u64),
-        None => clock.saturating_sub(now.duration_since(at).as_nanos() as u64),
-    }
+/// `at` in nanoseconds after `start` (0 if before it).
+fn nanos_since(start: Instant, at: Instant) -> u64 {
+    at.saturating_duration_since(start)
+        .as_nanos()
+        .min(u128::from(u64::MAX)) as u64
 }
 
 impl Watchdog {
     fn start(kill_after: Duration) -> std::io::Result<Watchdog> {
-        let mut fds = [0; 2];
-        // SAFETY: pipe2 fills `fds` with two new descriptors we then own.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: both descriptors were just created and are owned here.
-        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let (read, write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+        let start = Instant::now();
         // SAFETY: this process has one thread here (no client, no signal
-        // handlers yet), so the child may run ordinary code.
+        // handlers yet), so the child may run ordinary code: no lock is
+        // held by a thread that the fork leaves behind.
         match unsafe { libc::fork() } {
             -1 => Err(std::io::Error::last_os_error()),
             0 => {
                 drop(write);
-                watch(read.as_raw_fd(), kill_after)
+                watch(read, kill_after, start)
             }
-            _ => Ok(Watchdog { pipe: write }),
+            _ => Ok(Watchdog { pipe: write, start }),
         }
     }
 
@@ -700,9 +690,14 @@ impl Watchdog {
         self.pipe.as_raw_fd()
     }
 
+    /// `at` on the watchdog's clock.
+    fn ns(&self, at: Instant) -> u64 {
+        nanos_since(self.start, at)
+    }
+
     /// A renewal confirmed the lock until `valid_until`.
     fn extend(&self, valid_until: Instant) {
-        let deadline = monotonic_ns(kill_deadline(valid_until));
+        let deadline = self.ns(kill_deadline(valid_until));
         self.send(watchdog_record(DEADLINE, 0, deadline));
     }
 
@@ -712,75 +707,72 @@ impl Watchdog {
     }
 
     fn send(&self, record: [u8; RECORD]) {
-        // SAFETY: write from a local to our own pipe. A watchdog that is
-        // gone (it acted at a deadline) makes it fail with EPIPE: nothing
-        // left to tell.
-        unsafe {
-            libc::write(self.pipe.as_raw_fd(), record.as_ptr().cast(), RECORD);
-        }
+        // A watchdog that is gone (it acted at a deadline) makes it fail
+        // with EPIPE: nothing left to tell.
+        let _ = rustix::io::write(&self.pipe, &record);
     }
 }
 
 /// The watchdog's life: learn the group and its deadline, follow the
 /// deadlines kunci writes, and stop the group when kunci goes or the
 /// deadline passes. Never returns.
-fn watch(pipe: RawFd, kill_after: Duration) -> ! {
-    // SAFETY: plain system calls on this process's own state and fds.
-    unsafe {
-        // Its own group, so that signals meant for kunci's group (a
-        // terminal's ^C) do not reach it; and deaf to the usual stop
-        // signals, so that it outlives kunci: the pipe tells it when to act.
-        libc::setpgid(0, 0);
-        for signal in [
-            libc::SIGINT,
-            libc::SIGTERM,
-            libc::SIGHUP,
-            libc::SIGQUIT,
-            libc::SIGTSTP,
-            libc::SIGTTIN,
-            libc::SIGTTOU,
-            libc::SIGPIPE,
-        ] {
-            libc::signal(signal, libc::SIG_IGN);
-        }
-        // Hold no terminal and no pipe of kunci's caller open.
-        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
-        if null >= 0 {
-            for fd in 0..3 {
-                libc::dup2(null, fd);
-            }
-            if null > 2 {
-                libc::close(null);
-            }
+fn watch(pipe: OwnedFd, kill_after: Duration, start: Instant) -> ! {
+    // Its own group, so that signals meant for kunci's group (a
+    // terminal's ^C) do not reach it; and deaf to the usual stop
+    // signals, so that it outlives kunci: the pipe tells it when to act.
+    let _ = rustix::process::setpgid(None, None);
+    for signal in [
+        Signal::INT,
+        Signal::TERM,
+        Signal::HUP,
+        Signal::QUIT,
+        Signal::TSTP,
+        Signal::TTIN,
+        Signal::TTOU,
+        Signal::PIPE,
+    ] {
+        set_disposition(signal, Disposition::IGNORE);
+    }
+    // Hold no terminal and no pipe of kunci's caller open.
+    if let Ok(null) = rustix::fs::open(
+        "/dev/null",
+        rustix::fs::OFlags::RDWR,
+        rustix::fs::Mode::empty(),
+    ) {
+        let _ = rustix::stdio::dup2_stdin(&null);
+        let _ = rustix::stdio::dup2_stdout(&null);
+        let _ = rustix::stdio::dup2_stderr(&null);
+        if null.as_raw_fd() <= 2 {
+            // It is one of 0, 1 and 2 now: keep it open.
+            let _ = null.into_raw_fd();
         }
     }
+    let now_ns = || nanos_since(start, Instant::now());
     let kill_after_ns = kill_after.as_nanos().min(u128::from(u64::MAX)) as u64;
-    let mut group: libc::pid_t = 0;
+    let mut group: Option<Pid> = None;
     let mut deadline: Option<u64> = None;
     loop {
         if let Some(deadline) = deadline {
-            let now = monotonic_now_ns();
+            let now = now_ns();
             if now >= deadline {
                 // The lease ran out with no later `valid_until` written:
                 // someone else may hold the lock now.
-                stop_group_at(group, now);
+                stop_group_at(group, now, start);
             }
-            if !wait_readable(pipe, deadline - now) {
+            if !wait_readable(&pipe, deadline - now) {
                 continue;
             }
         }
         let mut record = [0u8; RECORD];
-        if !read_exact(pipe, &mut record) {
+        if !read_exact(&pipe, &mut record) {
             // End of file: kunci is gone.
-            if group == 0 {
-                // SAFETY: leaving the watchdog process.
-                unsafe { libc::_exit(0) }
-            }
-            let now = monotonic_now_ns();
-            let kill_at = now
+            let Some(group) = group else {
+                exit_now();
+            };
+            let kill_at = now_ns()
                 .saturating_add(kill_after_ns)
                 .min(deadline.unwrap_or(u64::MAX));
-            stop_group_at(group, kill_at);
+            stop_group_at(Some(group), kill_at, start);
         }
         let mut group_bytes = [0u8; 4];
         group_bytes.copy_from_slice(&record[1..5]);
@@ -789,69 +781,67 @@ fn watch(pipe: RawFd, kill_after: Duration) -> ! {
         let at = u64::from_ne_bytes(deadline_bytes);
         match record[0] {
             GROUP => {
-                group = libc::pid_t::from_ne_bytes(group_bytes);
+                group = Pid::from_raw(i32::from_ne_bytes(group_bytes));
                 deadline = Some(at);
             }
             DEADLINE => deadline = Some(deadline.map_or(at, |known| known.max(at))),
-            // SAFETY: leaving the watchdog process.
-            _ => unsafe { libc::_exit(0) },
+            _ => exit_now(),
         }
     }
 }
 
-/// SIGTERM to `group`, then SIGKILL at `kill_at` (CLOCK_MONOTONIC ns) if
-/// any of it is left; then the watchdog exits.
-fn stop_group_at(group: libc::pid_t, kill_at: u64) -> ! {
-    // SAFETY: kill(2) on CMD's group and _exit; nothing else.
-    unsafe {
-        if group > 0 {
-            libc::kill(-group, libc::SIGTERM);
-            libc::kill(-group, libc::SIGCONT);
-            loop {
-                if libc::kill(-group, 0) != 0 {
-                    break;
-                }
-                let now = monotonic_now_ns();
-                if now >= kill_at {
-                    libc::kill(-group, libc::SIGKILL);
-                    break;
-                }
-                std::thread::sleep(POLL.min(Duration::from_nanos(kill_at - now)));
+/// Leaves the watchdog process at once, with status 0: no destructors,
+/// no atexit handlers, no flushing of buffers the fork copied from kunci.
+fn exit_now() -> ! {
+    // SAFETY: _exit ends the process; it touches no memory of ours, and
+    // this (forked, single-threaded) process holds nothing that must be
+    // cleaned up.
+    unsafe { libc::_exit(0) }
+}
+
+/// SIGTERM to `group`, then SIGKILL at `kill_at` (ns on the watchdog's
+/// clock) if any of it is left; then the watchdog exits.
+fn stop_group_at(group: Option<Pid>, kill_at: u64, start: Instant) -> ! {
+    if let Some(group) = group {
+        signal_group(group, Signal::TERM);
+        signal_group(group, Signal::CONT);
+        loop {
+            if rustix::process::test_kill_process_group(group).is_err() {
+                break;
             }
+            let now = nanos_since(start, Instant::now());
+            if now >= kill_at {
+                signal_group(group, Signal::KILL);
+                break;
+            }
+            std::thread::sleep(POLL.min(Duration::from_nanos(kill_at - now)));
         }
-        libc::_exit(0)
     }
+    exit_now()
 }
 
 /// Waits up to `limit_ns` for `pipe` to be readable (or at end of file):
 /// `true` if it is, `false` when the time is up.
-fn wait_readable(pipe: RawFd, limit_ns: u64) -> bool {
-    let mut poll = libc::pollfd {
-        fd: pipe,
-        events: libc::POLLIN,
-        revents: 0,
+fn wait_readable(pipe: &OwnedFd, limit_ns: u64) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut poll = [PollFd::new(pipe, PollFlags::IN)];
+    let limit = Timespec {
+        tv_sec: (limit_ns / 1_000_000_000) as i64,
+        tv_nsec: (limit_ns % 1_000_000_000) as i64,
     };
-    let limit = libc::timespec {
-        tv_sec: (limit_ns / 1_000_000_000) as libc::time_t,
-        tv_nsec: (limit_ns % 1_000_000_000) as libc::c_long,
-    };
-    // SAFETY: ppoll on one local pollfd with a local timeout.
-    let ready = unsafe { libc::ppoll(&mut poll, 1, &limit, std::ptr::null()) };
     // An interrupted wait is looked at again by the caller.
-    ready > 0
+    matches!(rustix::event::poll(&mut poll, Some(&limit)), Ok(ready) if ready > 0)
 }
 
 /// Reads exactly `buf.len()` bytes; `false` at end of file or on an error.
-fn read_exact(fd: RawFd, buf: &mut [u8]) -> bool {
+fn read_exact(fd: impl AsFd, buf: &mut [u8]) -> bool {
     let mut done = 0;
     while done < buf.len() {
-        // SAFETY: reads into the unfilled part of `buf`.
-        let n = unsafe { libc::read(fd, buf[done..].as_mut_ptr().cast(), buf.len() - done) };
-        match n {
-            n if n > 0 => done += n as usize,
-            0 => return false,
-            _ if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {}
-            _ => return false,
+        match rustix::io::read(fd.as_fd(), &mut buf[done..]) {
+            Ok(0) => return false,
+            Ok(n) => done += n,
+            Err(Errno::INTR) => {}
+            Err(_) => return false,
         }
     }
     true

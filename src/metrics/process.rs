@@ -24,15 +24,8 @@ impl ProcessStats {
     pub fn read() -> Option<ProcessStats> {
         let stat = fs::read_to_string("/proc/self/stat").ok()?;
         let boot_time_s = boot_time_s(&fs::read_to_string("/proc/stat").ok()?)?;
-        // SAFETY: sysconf only reads a configuration value.
-        let (ticks_per_s, page_size) = unsafe {
-            (
-                libc::sysconf(libc::_SC_CLK_TCK),
-                libc::sysconf(libc::_SC_PAGESIZE),
-            )
-        };
-        let ticks_per_s = u64::try_from(ticks_per_s).ok().filter(|&t| t > 0)?;
-        let page_size = u64::try_from(page_size).ok()?;
+        let ticks_per_s = Some(rustix::param::clock_ticks_per_second()).filter(|&t| t > 0)?;
+        let page_size = rustix::param::page_size() as u64;
         let fields = parse_stat(&stat)?;
         let open_fds = fs::read_dir("/proc/self/fd").map_or(0, |dir| dir.count() as u64);
         Some(ProcessStats {
@@ -84,15 +77,10 @@ fn boot_time_s(text: &str) -> Option<u64> {
 }
 
 fn max_fds() -> u64 {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit only writes the struct we pass.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
-        return 0;
-    }
-    limit.rlim_cur
+    // `None` is RLIM_INFINITY.
+    rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

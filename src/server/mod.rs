@@ -899,23 +899,18 @@ pub(crate) fn counted(n: u64, noun: &str) -> String {
 /// Raises the soft descriptor limit towards `wanted` (never above the
 /// hard limit) and returns the soft limit now in force.
 pub(crate) fn raise_fd_limit(wanted: usize) -> Option<u64> {
-    let wanted = wanted as libc::rlim_t;
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit only read and write the struct we pass.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
-            return None;
-        }
-        if limit.rlim_cur < wanted {
-            limit.rlim_cur = wanted.min(limit.rlim_max);
-            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-        }
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
-            return None;
-        }
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    // `None` is RLIM_INFINITY.
+    let wanted = wanted as u64;
+    let limit = getrlimit(Resource::Nofile);
+    let soft = limit.current.unwrap_or(u64::MAX);
+    if soft < wanted {
+        let hard = limit.maximum.unwrap_or(u64::MAX);
+        let raised = rustix::process::Rlimit {
+            current: Some(wanted.min(hard)).filter(|&n| n != u64::MAX),
+            maximum: limit.maximum,
+        };
+        let _ = setrlimit(Resource::Nofile, raised);
     }
-    Some(limit.rlim_cur)
+    Some(getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX))
 }

@@ -30,7 +30,7 @@
 //! and no restored lease ever lasts more than [`MAX_GRACE`] (the longest
 //! lease + 5 s) from the restart.
 //!
-//! `CLOCK_BOOTTIME` is read with the raw system call: a time-faking
+//! `CLOCK_BOOTTIME` is read past the C library (rustix's vDSO call): a time-faking
 //! `LD_PRELOAD` (libfaketime) moves the C library's boot-time clock with the
 //! wall clock, which is exactly the step this must not see.
 //!
@@ -136,23 +136,15 @@ impl Clocks {
     }
 }
 
-/// `CLOCK_BOOTTIME` in ms, by the raw system call (see the module docs).
+/// `CLOCK_BOOTTIME` in ms, read past the C library (see the module docs):
+/// rustix calls the kernel's vDSO (or makes the system call) itself, so a
+/// `clock_gettime` interposed by `LD_PRELOAD` never sees this read.
 fn boot_time_ms() -> u64 {
-    let mut time = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec we own.
-    let result = unsafe {
-        libc::syscall(
-            libc::SYS_clock_gettime,
-            libc::CLOCK_BOOTTIME,
-            &mut time as *mut libc::timespec,
-        )
-    };
-    if result != 0 {
+    // The fallible form: a kernel without the clock gives 0, not a panic.
+    let Ok(time) = rustix::time::clock_gettime_dynamic(rustix::time::DynamicClockId::Boottime)
+    else {
         return 0;
-    }
+    };
     time.tv_sec as u64 * 1_000 + time.tv_nsec as u64 / 1_000_000
 }
 
