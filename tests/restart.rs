@@ -220,9 +220,10 @@ fn a_clean_stop_restores_every_grant_with_its_token_owner_and_deadline() {
     let dir = TempDir::new("restore");
     let server = start_on(&dir, 0);
     let mut peer = server.peer();
-    let granted_at = Instant::now();
     peer.send(&acquire(0, 6, 41, "held"));
     let held = granted(peer.recv(), 41);
+    // The lease started before this instant (its answer is in).
+    let granted_by = Instant::now();
     peer.send(&acquire(0, 200, 42, "long"));
     let long = granted(peer.recv(), 42);
     peer.send(&acquire(0, 30, 43, "released"));
@@ -239,8 +240,10 @@ fn a_clean_stop_restores_every_grant_with_its_token_owner_and_deadline() {
 
     let server = start_on(&dir, port);
     let mut peer = server.peer();
+    // `Q` is evaluated after this instant: at least `since` of the lease
+    // has gone by then.
+    let since = granted_by.elapsed().as_millis() as u32;
     let (token, owner, lease_ms, waiters) = query_key(&mut peer, "held");
-    let since = granted_at.elapsed().as_millis() as u32;
     assert_eq!((token, owner, waiters), (held, 41, 0));
     // The downtime counted against the lease, never for it.
     // (`Q` rounds the time left up to the next ms.)
