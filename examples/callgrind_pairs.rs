@@ -1,9 +1,11 @@
 //! The `A` path's cost in instructions, for callgrind: 50 connections
 //! on one in-process [`Endpoint`], each fed pipelined bursts of 16
 //! acquire/release pairs (32 frames, as `kunci bench pairs` C=50 P=32
-//! sends them) on its own keys, with no sockets and no clock. The same
-//! source builds against older commits (docs/BENCHMARKS.md, "The `A` path
-//! in instructions").
+//! sends them) on its own keys, with no sockets and no clock. Each round
+//! is one turn of the event loop (`begin_turn`, as the server calls it per
+//! wake-up), so no connection spends its share of work (spec §4). The same
+//! source builds against commits before the share (`0df4208`) without the
+//! `begin_turn` line (docs/BENCHMARKS.md, "The `A` path in instructions").
 //!
 //!     cargo run --release --no-default-features --example callgrind_pairs -- ROUNDS
 use kunci::core::endpoint::Endpoint;
@@ -28,6 +30,7 @@ fn main() {
     let mut requests = 0u64;
     for round in 0..rounds {
         now += 10;
+        ep.begin_turn(now);
         for id in 0..CONNS {
             buf.clear();
             for i in 0..PAIRS_PER_BURST {
@@ -56,5 +59,6 @@ fn main() {
         }
     }
     let s = ep.core().stats();
+    assert_eq!(s.grants + s.released, requests, "every request answered");
     eprintln!("requests {requests} stats {:?}", s);
 }
