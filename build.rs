@@ -18,8 +18,8 @@ fn main() {
     // warns and ignores it.
     println!("cargo:rustc-link-arg-bins=-Wl,-z,pack-relative-relocs");
     if unwinds_never() {
-        // No unwind tables (`.eh_frame`, ~185 KB): with `panic = "abort"`
-        // nothing unwinds, and in the stripped binary a panic's backtrace
+        // No unwind tables (`.eh_frame`, ~185 KB, and the landing pads'
+        // tables they point to, 7 KB): with `panic = "abort"` nothing unwinds, and in the stripped binary a panic's backtrace
         // has no names anyway; the panic message and its source location
         // are still printed. (`-C force-unwind-tables=no` leaves them under
         // fat LTO: std's code brings its own.) What it costs: debuggers and
@@ -28,7 +28,8 @@ fn main() {
             .join("discard-unwind-tables.ld");
         std::fs::write(
             &script,
-            "SECTIONS { /DISCARD/ : { *(.eh_frame) } } INSERT AFTER .text;\n",
+            "SECTIONS { /DISCARD/ : { *(.eh_frame) *(.gcc_except_table .gcc_except_table.*) } }\n\
+             INSERT AFTER .text;\n",
         )
         .expect("write the linker script");
         println!("cargo:rustc-link-arg-bins=-Wl,-T,{}", script.display());
