@@ -1,10 +1,11 @@
 //! The `A` path's cost in instructions, for callgrind: 50 connections
 //! on one in-process [`Endpoint`], each fed pipelined bursts of 16
 //! acquire/release pairs (32 frames, as `kunci bench pairs` C=50 P=32
-//! sends them) on its own keys, with no sockets and no clock. The same
-//! source builds against older commits (docs/BENCHMARKS.md, "The `A` path
-//! in instructions") back to the per-turn share of work (issue 27); before
-//! it, drop the `begin_turn` line.
+//! sends them) on its own keys, with no sockets and no clock. Each round
+//! is one turn of the event loop (`begin_turn`, as the server calls it per
+//! wake-up), so no connection spends its share of work (spec §4). The same
+//! source builds against commits before the share (`0df4208`) without the
+//! `begin_turn` line (docs/BENCHMARKS.md, "The `A` path in instructions").
 //!
 //!     cargo run --release --no-default-features --example callgrind_pairs -- ROUNDS
 use kunci::core::endpoint::Endpoint;
@@ -29,9 +30,6 @@ fn main() {
     let mut requests = 0u64;
     for round in 0..rounds {
         now += 10;
-        // A wake-up of the shell: every connection gets its share of work
-        // for this turn (spec §4, fairness); without it only the first
-        // bursts would be handled.
         ep.begin_turn(now);
         for id in 0..CONNS {
             buf.clear();
@@ -61,6 +59,6 @@ fn main() {
         }
     }
     let s = ep.core().stats();
-    assert_eq!(s.grants + s.released, requests, "every request handled");
+    assert_eq!(s.grants + s.released, requests, "every request answered");
     eprintln!("requests {requests} stats {:?}", s);
 }

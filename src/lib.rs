@@ -34,6 +34,8 @@ pub mod addr;
 pub mod cli;
 pub mod client;
 pub mod core;
+#[cfg(any(feature = "cli", feature = "etcd"))]
+pub(crate) mod mailbox;
 pub mod metrics;
 pub mod protocol;
 pub mod server;

@@ -30,8 +30,23 @@ pub struct ClientFiles {
     pub key: Option<PathBuf>,
 }
 
+/// ring's provider with the AES-GCM suites only (TLS 1.3 and 1.2, ECDSA
+/// and RSA): every TLS 1.3 peer has `TLS_AES_128_GCM_SHA256`, and leaving
+/// ChaCha20-Poly1305 out keeps its code out of the binary
+/// (docs/BENCHMARKS.md, "Binary size").
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    use rustls::crypto::ring::cipher_suite as suite;
+    Arc::new(rustls::crypto::CryptoProvider {
+        cipher_suites: vec![
+            suite::TLS13_AES_256_GCM_SHA384,
+            suite::TLS13_AES_128_GCM_SHA256,
+            suite::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+            suite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+            suite::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+            suite::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+        ],
+        ..rustls::crypto::ring::default_provider()
+    })
 }
 
 const VERSIONS: &[&rustls::SupportedProtocolVersion] =

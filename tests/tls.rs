@@ -543,6 +543,84 @@ fn tls_session(
     rustls::StreamOwned::new(session, tcp)
 }
 
+/// A handshake offering only `suites` of `version`, then a `P`: the
+/// negotiated suite, or the handshake's error.
+fn session_with(
+    pki: &Pki,
+    server: &TestServer,
+    version: &'static rustls::SupportedProtocolVersion,
+    suites: &[rustls::SupportedCipherSuite],
+) -> Result<rustls::CipherSuite, String> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(pki.dir.join("ca.pem")).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = rustls::crypto::CryptoProvider {
+        cipher_suites: suites.to_vec(),
+        ..rustls::crypto::ring::default_provider()
+    };
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
+        .with_protocol_versions(&[version])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut session = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+    let mut tcp = TcpStream::connect(("127.0.0.1", tls_port(server))).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    while session.is_handshaking() {
+        session.complete_io(&mut tcp).map_err(|e| e.to_string())?;
+    }
+    let suite = session.negotiated_cipher_suite().unwrap().suite();
+    let mut stream = rustls::Stream::new(&mut session, &mut tcp);
+    stream.write_all(&crate::util::ping(9)).unwrap();
+    let mut pong = [0u8; 64];
+    let n = stream.read(&mut pong).unwrap();
+    let mut expected = Vec::new();
+    protocol::encode_response(&protocol::Response::Pong { nonce: 9 }, &mut expected);
+    assert_eq!(&pong[..n], &expected[..]);
+    Ok(suite)
+}
+
+/// Spec §12.4: TLS 1.3 and 1.2, with the AES-GCM suites; ChaCha20-Poly1305
+/// is not offered (docs/BENCHMARKS.md, "Binary size"), so a peer that
+/// offers nothing else fails its handshake.
+#[test]
+fn tls_1_3_and_1_2_with_aes_gcm_and_no_chacha20() {
+    use rustls::crypto::ring::cipher_suite as suite;
+    use rustls::version::{TLS12, TLS13};
+    let pki = Pki::new();
+    let server = pki.server(&[]);
+    for (version, offered) in [
+        (&TLS13, suite::TLS13_AES_128_GCM_SHA256),
+        (&TLS13, suite::TLS13_AES_256_GCM_SHA384),
+        (&TLS12, suite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256),
+        (&TLS12, suite::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384),
+    ] {
+        assert_eq!(
+            session_with(&pki, &server, version, &[offered]),
+            Ok(offered.suite()),
+            "{:?}",
+            offered.suite()
+        );
+    }
+    for (version, offered) in [
+        (&TLS13, suite::TLS13_CHACHA20_POLY1305_SHA256),
+        (&TLS12, suite::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256),
+    ] {
+        let refused = session_with(&pki, &server, version, &[offered]);
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.contains("HandshakeFailure") || e.contains("handshake")),
+            "{:?}: {refused:?}",
+            offered.suite()
+        );
+    }
+}
+
 #[test]
 fn graceful_shutdown_sends_x8_and_close_notify_over_tls() {
     let pki = Pki::new();

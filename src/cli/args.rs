@@ -14,7 +14,7 @@ pub fn text(value: Result<OsString, lexopt::Error>) -> Result<String, String> {
 }
 
 /// An unsigned integer type an option takes, with its range for messages.
-pub trait Integer: std::str::FromStr {
+pub trait Integer: TryFrom<u64> {
     const MAX: u64;
 }
 
@@ -33,17 +33,26 @@ pub fn number<T: Integer>(
     option: &str,
     value: Result<OsString, lexopt::Error>,
 ) -> Result<T, String> {
+    let number = number_up_to(option, value, T::MAX)?;
+    T::try_from(number).map_err(|_| format!("{option}: {number} is out of range 0..={}", T::MAX))
+}
+
+/// [`number`]'s work, once for every type: a `u64` up to `max`.
+fn number_up_to(
+    option: &str,
+    value: Result<OsString, lexopt::Error>,
+    max: u64,
+) -> Result<u64, String> {
     let text = text(value)?;
-    text.parse().map_err(|_| {
-        if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
-            format!("{option}: {text} is out of range 0..={}", T::MAX)
-        } else {
-            format!(
-                "{option}: invalid value {text:?} (a whole number 0..={})",
-                T::MAX
-            )
+    match text.parse::<u64>() {
+        Ok(number) if number <= max => Ok(number),
+        _ if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) => {
+            Err(format!("{option}: {text} is out of range 0..={max}"))
         }
-    })
+        _ => Err(format!(
+            "{option}: invalid value {text:?} (a whole number 0..={max})"
+        )),
+    }
 }
 
 /// Parses an address option.

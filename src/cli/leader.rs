@@ -178,7 +178,7 @@ pub fn leader(mut arguments: Vec<OsString>) -> u8 {
     }
     // The follower blocks in its requests; the main thread watches for
     // the signals and prints what it sends.
-    let (sender, changes) = std::sync::mpsc::channel();
+    let (sender, changes) = crate::mailbox::channel();
     let follower = client.clone();
     let followed = name.clone();
     std::thread::spawn(move || {

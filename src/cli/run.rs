@@ -52,6 +52,7 @@ use rustix::process::{Pid, Signal};
 use super::client::{self as common, Accepts, Parsed};
 use super::exit;
 use crate::client::{Error, KeptLease, Loss};
+use crate::mailbox;
 
 const HELP: &str = "\
 kunci run — run a command while holding a lock
@@ -246,7 +247,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         }
     };
     let token = ticket.token();
-    let (events, inbox) = mpsc::channel();
+    let (events, inbox) = mailbox::channel();
     let lost = events.clone();
     // A grant that arrived after a wait is renewed first (spec §8 rule 10):
     // CMD never starts under a lease that is already spent.
@@ -421,7 +422,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
 /// Waits until `group` is empty, sending SIGKILL at `grace_end` if it is
 /// not. With `inbox`, the command itself has not been reaped yet: wait for
 /// its exit there.
-fn stop_group(group: Pid, grace_end: Instant, inbox: Option<&mpsc::Receiver<Event>>) {
+fn stop_group(group: Pid, grace_end: Instant, inbox: Option<&mailbox::Receiver<Event>>) {
     let mut killed = false;
     // Without a grace (the lease has run out) SIGKILL is no news.
     let has_grace = grace_end > Instant::now();
@@ -454,7 +455,7 @@ fn stop_group(group: Pid, grace_end: Instant, inbox: Option<&mpsc::Receiver<Even
 
 /// Reaps every child of this process (the command, its orphans, the
 /// watchdog) and reports the command's exit, and its stops.
-fn spawn_reaper(command: Pid, events: mpsc::Sender<Event>) {
+fn spawn_reaper(command: Pid, events: mailbox::Sender<Event>) {
     std::thread::spawn(move || {
         loop {
             match rustix::process::wait(rustix::process::WaitOptions::UNTRACED) {

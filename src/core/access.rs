@@ -9,7 +9,6 @@
 
 use std::fmt;
 
-use sha2::{Digest, Sha256};
 use subtle::{ConditionallySelectable, ConstantTimeEq};
 
 use crate::protocol::Request;
@@ -193,7 +192,7 @@ impl AccessList {
         if secret.len() < SECRET_MIN {
             return None;
         }
-        let digest: [u8; 32] = Sha256::digest(secret).into();
+        let digest = sha256(secret);
         let mut found = u32::MAX;
         for (index, identity) in self.identities.iter().enumerate() {
             let index = u32::try_from(index).unwrap_or(u32::MAX);
@@ -203,9 +202,26 @@ impl AccessList {
     }
 }
 
+/// The SHA-256 of `secret`: ring's when TLS brings ring into the binary,
+/// else sha2's, so the binary carries one implementation.
+fn sha256(secret: &[u8]) -> [u8; 32] {
+    #[cfg(feature = "tls")]
+    {
+        let digest = ring::digest::digest(&ring::digest::SHA256, secret);
+        let mut bytes = [0; 32];
+        bytes.copy_from_slice(digest.as_ref());
+        bytes
+    }
+    #[cfg(not(feature = "tls"))]
+    {
+        use sha2::Digest;
+        sha2::Sha256::digest(secret).into()
+    }
+}
+
 /// The SHA-256 of `secret` as lowercase hex: the `--auth` file's form.
 pub fn hash_hex(secret: &[u8]) -> String {
-    Sha256::digest(secret)
+    sha256(secret)
         .iter()
         .map(|byte| format!("{byte:02x}"))
         .collect()

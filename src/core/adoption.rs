@@ -121,7 +121,6 @@ impl Core {
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
                 leases: &mut self.leases,
-                watches: &mut self.watches,
             };
             self.wheel
                 .arm(&mut nodes, entry, tick_at_or_after(self.grace_until));

@@ -228,8 +228,13 @@ impl Core {
         assert_eq!(listed, self.waiters.len(), "waiters on connection lists");
         assert_eq!(
             self.wheel.len(),
-            leased_entries + listed_grants + queued + self.watches.len(),
-            "armed timers vs leases, grants, waiters and watches"
+            leased_entries + listed_grants + queued,
+            "armed timers vs leases, grants and waiters"
+        );
+        assert_eq!(
+            self.watch_wheel.len(),
+            self.watches.len(),
+            "armed watch timers vs watches"
         );
         assert_eq!(
             self.leases.len(),

@@ -63,8 +63,6 @@ const MICROS_PER_S: u64 = 1_000_000;
 const WAITER_TIMER: TimerId = 1 << 30;
 /// Timer ids with this bit are grants of permit keys.
 const GRANT_TIMER: TimerId = 1 << 31;
-/// Timer ids with both bits are watches (spec §13).
-const WATCH_TIMER: TimerId = WAITER_TIMER | GRANT_TIMER;
 
 /// Capacity limits (spec §4). Every one is a bound on memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,15 +111,6 @@ impl Limits {
                 "--max-waiters {} is above {}",
                 self.max_waiters,
                 ids - 1
-            ));
-        }
-        // Watches share `--max-waiters` (spec §13.3); their timer ids
-        // carry both bits and stay below the wheel's reserved ids.
-        let watch_ids = (crate::timer_wheel::TIMER_ID_MAX - WATCH_TIMER) as usize;
-        if self.max_waiters > watch_ids {
-            return Err(format!(
-                "--max-waiters {} is above {}",
-                self.max_waiters, watch_ids
             ));
         }
         if self.max_grants >= ids {
@@ -204,6 +193,10 @@ pub struct Core {
     table: LockTable,
     waiters: Waiters,
     wheel: TimerWheel,
+    /// The watches' deadlines (spec §13): a wheel of their own, so that
+    /// the leases' and waiters' wheel, on the `A` path, tells only three
+    /// kinds of node apart.
+    watch_wheel: TimerWheel,
     conns: Vec<ConnState>,
     connections: usize,
     /// Entries held by an unknown grant of an earlier run.
@@ -267,19 +260,15 @@ struct TimerNodes<'a> {
     grants: &'a mut Grants,
     /// Counts the lease timers (every timer but the waiters').
     leases: &'a mut LeaseLedger,
-    watches: &'a mut Watches,
 }
 
 impl TimerStore for TimerNodes<'_> {
-    // Inlined into the wheel's `arm` and `cancel`, as it was before it
-    // had four kinds of node to tell apart (callgrind_pairs: out of line
-    // it cost 45 instructions per request).
+    // Inlined into the wheel's `arm` and `cancel` (callgrind_pairs: out of
+    // line it cost 45 instructions per request).
     #[inline(always)]
     fn links(&mut self, id: TimerId) -> &mut TimerLinks {
-        if id & WATCH_TIMER == 0 {
+        if id & (WAITER_TIMER | GRANT_TIMER) == 0 {
             &mut self.table.get_mut(id).lease
-        } else if id & WATCH_TIMER == WATCH_TIMER {
-            &mut self.watches.get_mut(id & !WATCH_TIMER).timer
         } else if id & WAITER_TIMER != 0 {
             &mut self.waiters.get_mut(id & !WAITER_TIMER).timer
         } else {
@@ -302,6 +291,16 @@ impl TimerStore for TimerNodes<'_> {
     }
 }
 
+/// Gives the watches' wheel the links embedded in watches.
+struct WatchTimers<'a>(&'a mut Watches);
+
+impl TimerStore for WatchTimers<'_> {
+    #[inline(always)]
+    fn links(&mut self, id: TimerId) -> &mut TimerLinks {
+        &mut self.0.get_mut(id).timer
+    }
+}
+
 impl Core {
     /// A core whose first grant gets `first_token` (spec §7: at least
     /// `unix_time_ms × 2^20`, or above a persisted high-water mark).
@@ -311,6 +310,7 @@ impl Core {
             table: LockTable::new(),
             waiters: Waiters::new(),
             wheel: TimerWheel::new(),
+            watch_wheel: TimerWheel::new(),
             conns: Vec::new(),
             connections: 0,
             unknown_holders: 0,
@@ -405,7 +405,14 @@ impl Core {
     /// When [`handle_timeout`](Self::handle_timeout) next has work, or
     /// `None` when no timer is armed.
     pub fn poll_timeout(&self) -> Option<Micros> {
-        self.wheel.next_tick().map(tick_start)
+        let next = self.wheel.next_tick();
+        if self.watch_wheel.is_empty() {
+            return next.map(tick_start);
+        }
+        next.into_iter()
+            .chain(self.watch_wheel.next_tick())
+            .min()
+            .map(tick_start)
     }
 
     /// A connection opened.
@@ -709,21 +716,53 @@ impl Core {
     pub fn handle_timeout(&mut self, now: Micros) {
         self.forget_freed_after_grace(now);
         let now_tick = tick_reached(now);
+        if self.watch_wheel.is_empty() {
+            self.fire_timers(now_tick, now);
+        } else {
+            self.fire_timers_and_watches(now_tick, now);
+        }
+    }
+
+    /// Fires the timers of both wheels due by `now_tick` in the order of
+    /// their deadline ticks; on one tick, the leases' and waiters' first,
+    /// so that a watch ending then answers with the key's state after
+    /// them.
+    #[cold]
+    #[inline(never)]
+    fn fire_timers_and_watches(&mut self, now_tick: u64, now: Micros) {
+        loop {
+            let tick = self
+                .wheel
+                .next_tick()
+                .into_iter()
+                .chain(self.watch_wheel.next_tick())
+                .min()
+                .map_or(now_tick, |tick| tick.min(now_tick));
+            self.fire_timers(tick, now);
+            while let Some(watch) = self
+                .watch_wheel
+                .poll(&mut WatchTimers(&mut self.watches), tick)
+            {
+                self.watch_deadline(watch, now);
+            }
+            if tick == now_tick {
+                return;
+            }
+        }
+    }
+
+    /// Fires the leases' and waiters' timers due by `until` (a tick).
+    fn fire_timers(&mut self, until: u64, now: Micros) {
         loop {
             let mut nodes = TimerNodes {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
                 leases: &mut self.leases,
-                watches: &mut self.watches,
             };
-            let Some(id) = self.wheel.poll(&mut nodes, now_tick) else {
+            let Some(id) = self.wheel.poll(&mut nodes, until) else {
                 break;
             };
-            if id & WATCH_TIMER == WATCH_TIMER {
-                self.watch_deadline(id & !WATCH_TIMER, now);
-                continue;
-            }
             // The key this timer is about, if it is watched: its watches
             // are answered after the whole event (spec §13.1).
             let watched = if self.watches.is_empty() {
@@ -908,7 +947,6 @@ impl Core {
                 waiters: &mut self.waiters,
                 grants: &mut self.grants,
                 leases: &mut self.leases,
-                watches: &mut self.watches,
             },
         )
     }
@@ -922,7 +960,6 @@ impl Core {
             waiters: &mut self.waiters,
             grants: &mut self.grants,
             leases: &mut self.leases,
-            watches: &mut self.watches,
         };
         self.wheel
             .arm(&mut nodes, entry, tick_at_or_after(deadline));
@@ -934,7 +971,6 @@ impl Core {
             waiters: &mut self.waiters,
             grants: &mut self.grants,
             leases: &mut self.leases,
-            watches: &mut self.watches,
         };
         self.wheel.cancel(&mut nodes, entry);
     }
@@ -967,7 +1003,6 @@ impl Core {
             waiters: &mut self.waiters,
             grants: &mut self.grants,
             leases: &mut self.leases,
-            watches: &mut self.watches,
         };
         self.wheel.cancel(&mut nodes, waiter | WAITER_TIMER);
         let (conn, entry) = {

@@ -219,9 +219,11 @@ const LEDGER_BEHIND: u64 = 1_000;
 /// counts are exact. O(1) per arm and disarm; [`latest`](Self::latest)
 /// looks at up to 4,096 counters, so it is called rarely.
 pub(crate) struct LeaseLedger {
-    counts: Box<[u32]>,
+    /// Arrays, not slices: a bucket index (`% LEDGER_BUCKETS`) needs no
+    /// bounds check on the `A`/`R` path.
+    counts: Box<[u32; LEDGER_BUCKETS as usize]>,
     /// One bit per bucket: its count is not 0.
-    occupied: Box<[u64]>,
+    occupied: Box<[u64; LEDGER_BUCKETS as usize / 64]>,
     armed: usize,
     /// A timer left since the last settle.
     pub(crate) ended: bool,
@@ -232,8 +234,8 @@ pub(crate) struct LeaseLedger {
 impl LeaseLedger {
     pub(crate) fn new() -> LeaseLedger {
         LeaseLedger {
-            counts: vec![0; LEDGER_BUCKETS as usize].into_boxed_slice(),
-            occupied: vec![0; LEDGER_BUCKETS as usize / 64].into_boxed_slice(),
+            counts: Box::new([0; LEDGER_BUCKETS as usize]),
+            occupied: Box::new([0; LEDGER_BUCKETS as usize / 64]),
             armed: 0,
             ended: false,
             grace_tick: 0,

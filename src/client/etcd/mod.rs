@@ -14,9 +14,11 @@ mod recipe;
 
 pub use http::EtcdCredentials;
 
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+use crate::mailbox;
 
 use super::handoff::{KeepTask, KeptLeases, LeaseMessage, Message, Reply};
 use super::keep_alive::KeepId;
@@ -33,7 +35,7 @@ enum Note {
 /// One client's handle on one etcd cluster.
 pub(crate) struct Shared {
     cluster: Arc<Cluster>,
-    keeper: Mutex<mpsc::Sender<Note>>,
+    keeper: Mutex<mailbox::Sender<Note>>,
 }
 
 impl Shared {
@@ -47,7 +49,7 @@ impl Shared {
         let members =
             http::Members::new(endpoints, connect_timeout, tls).with_credentials(credentials);
         let cluster = Arc::new(Cluster::new(members));
-        let (sender, notes) = mpsc::channel();
+        let (sender, notes) = mailbox::channel();
         let keeper = Keeper {
             cluster: cluster.clone(),
             notes,
@@ -158,8 +160,8 @@ fn run_in_background(cluster: &Arc<Cluster>, submission: Submission<Reply>) {
 /// other lease.
 struct Keeper {
     cluster: Arc<Cluster>,
-    notes: mpsc::Receiver<Note>,
-    reply: mpsc::Sender<Note>,
+    notes: mailbox::Receiver<Note>,
+    reply: mailbox::Sender<Note>,
     kept: KeptLeases,
 }
 

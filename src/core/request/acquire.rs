@@ -148,7 +148,6 @@ impl Core {
             waiters: &mut self.waiters,
             grants: &mut self.grants,
             leases: &mut self.leases,
-            watches: &mut self.watches,
         };
         self.wheel.arm(
             &mut nodes,

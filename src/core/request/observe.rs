@@ -5,9 +5,9 @@
 use crate::core::labels::LabelOf;
 use crate::core::permits::PERMITS;
 use crate::core::waiters::held_ms;
-use crate::core::{ConnId, Core, MICROS_PER_S, Micros, TimerNodes, WATCH_TIMER, millis_left};
+use crate::core::{ConnId, Core, MICROS_PER_S, Micros, WatchTimers, millis_left};
 use crate::protocol::{ErrorCode, Response};
-use crate::timer_wheel::tick_at_or_after;
+use crate::timer_wheel::{tick_at_or_after, tick_reached};
 
 /// What a `V` says of a key, without its id.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,15 +70,16 @@ impl Core {
         }
         let watch = self.watches.insert(conn, id, key, since);
         let deadline = now + u64::from(wait_s) * MICROS_PER_S;
-        let mut nodes = TimerNodes {
-            table: &mut self.table,
-            waiters: &mut self.waiters,
-            grants: &mut self.grants,
-            leases: &mut self.leases,
-            watches: &mut self.watches,
-        };
-        self.wheel
-            .arm(&mut nodes, watch | WATCH_TIMER, tick_at_or_after(deadline));
+        if self.watch_wheel.is_empty() {
+            // Nothing polls an empty wheel: bring it up to `now` first (as
+            // `handle_request` does for the other wheel).
+            self.watch_wheel.catch_up_idle(tick_reached(now));
+        }
+        self.watch_wheel.arm(
+            &mut WatchTimers(&mut self.watches),
+            watch,
+            tick_at_or_after(deadline),
+        );
     }
 
     /// The key's state as `V` shows it (spec §13.2): the grant with the
@@ -199,14 +200,8 @@ impl Core {
 
     /// Forgets a watch without an answer (its connection closed).
     pub(in crate::core) fn drop_watch(&mut self, watch: u32) -> crate::core::watches::Watch {
-        let mut nodes = TimerNodes {
-            table: &mut self.table,
-            waiters: &mut self.waiters,
-            grants: &mut self.grants,
-            leases: &mut self.leases,
-            watches: &mut self.watches,
-        };
-        self.wheel.cancel(&mut nodes, watch | WATCH_TIMER);
+        self.watch_wheel
+            .cancel(&mut WatchTimers(&mut self.watches), watch);
         self.watches.remove(watch)
     }
 
