@@ -666,6 +666,11 @@ class Cluster(object):
             now = monotonic()
             if now >= wait_until or call.abandoned:
                 return self._give_up(lease, deadline)
+            if self.closed:
+                # As a closed client's calls on a kunci server: the entry
+                # leaves the queue (its lease revoked), nothing is held.
+                given_up = self._give_up(lease, deadline)
+                return given_up if given_up is INDETERMINATE else (MOVED, "the client is closed", 0)
             if now >= P.valid_until(set_at, lease_s):
                 # The lease could not be kept alive: the entry may be gone.
                 self.revoke_in_background(lease)
@@ -767,31 +772,14 @@ class Cluster(object):
             prefix = self._prefix(place[0])
             request = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
         request.update(start_revision=str(from_revision), filters=["NOPUT"])
-        stream = self.members.open_stream("/v3/watch", _encode({"create_request": request}), until)
-        if stream is None:
-            time.sleep(max(0.0, min(until - monotonic(), RETRY_PAUSE)))
-            return
-        try:
-            while True:
-                try:
-                    message = stream.next_message(min(until, monotonic() + _ABANDON_CHECK))
-                except (OSError, EOFError, ValueError) as error:
-                    log.debug("etcd watch broke: %s", error)
-                    time.sleep(max(0.0, min(until - monotonic(), RETRY_PAUSE)))
-                    return
-                if message is None:
-                    if monotonic() >= until or call.abandoned:
-                        return
-                    continue
-                result = _field(_parse(message), "result")
-                if not isinstance(result, dict) or result.get("canceled") is True:
-                    return
-                for event in _array(result, "events"):
-                    deleted = _bytes(_field(event, "kv"), "key")
-                    if deleted is None or deleted == place[1] or deleted in wake:
-                        return
-        finally:
-            stream.close()
+
+        def woken(result):
+            for event in _array(result, "events"):
+                deleted = _bytes(_field(event, "kv"), "key")
+                if deleted is None or deleted == place[1] or deleted in wake:
+                    return True
+            return False
+        self._watch(call, request, until, woken)
 
     def _give_up(self, lease, deadline):
         try:
@@ -948,11 +936,13 @@ class Cluster(object):
                 request = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
                            "filters": ["NODELETE"]}
             request["start_revision"] = str(revision + 1)
-            self._watch_until_event(call, request, wait_until)
+            self._watch(call, request, wait_until)
 
-    def _watch_until_event(self, call, request, until):
-        """Blocks until the watch ``request`` reports an event, or until
-        ``until``, or until the watch breaks or the caller gave up."""
+    def _watch(self, call, request, until, ends=lambda result: bool(_array(result, "events"))):
+        """Blocks until the watch ``request`` reports a result that
+        ``ends`` (by default: any event), or until ``until``, or until the
+        watch breaks, the caller gave up or the client closed (the caller
+        checks again in every case)."""
         stream = self.members.open_stream("/v3/watch", _encode({"create_request": request}), until)
         if stream is None:
             time.sleep(max(0.0, min(until - monotonic(), RETRY_PAUSE)))
@@ -970,8 +960,7 @@ class Cluster(object):
                         return
                     continue
                 result = _field(_parse(message), "result")
-                if not isinstance(result, dict) or result.get("canceled") is True \
-                        or _array(result, "events"):
+                if not isinstance(result, dict) or result.get("canceled") is True or ends(result):
                     return
         finally:
             stream.close()

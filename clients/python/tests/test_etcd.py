@@ -186,6 +186,34 @@ def test_etcd_cancelled_asyncio_waiter_leaves_the_queue(etcd_cluster):
     asyncio.run(scenario())
 
 
+def test_etcd_closing_a_sync_client_ends_its_waiting_acquire_and_its_entry(etcd_cluster):
+    # As on a kunci server, close() ends the calls in progress: a waiting
+    # acquire stops within its watch's check (0.2 s) instead of waiting on,
+    # its entry leaves the queue, and nothing is held.
+    holder_client = kunci.Client(etcd_cluster.address)
+    holder = holder_client.acquire("closed-wait", lease=30)
+    client = kunci.Client(etcd_cluster.address)
+    ended = []
+
+    def wait():
+        started = time.monotonic()
+        kind, _, error = outcome(client.acquire, "closed-wait", wait=30, lease=30)
+        ended.append((kind, str(error), time.monotonic() - started))
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    assert wait_for(lambda: len(entries(etcd_cluster, "closed-wait")) == 2, 10)
+    closed_at = time.monotonic()
+    client.close()
+    thread.join(5)
+    assert ended and ended[0][0] is kunci.Unavailable and "closed" in ended[0][1], ended
+    assert time.monotonic() - closed_at < 2.0
+    assert len(entries(etcd_cluster, "closed-wait")) == 1
+    assert holder_client.query("closed-wait").token == holder.token
+    holder.release()
+    holder_client.close()
+
+
 def test_etcd_unavailable_when_no_member_answers_and_moves_past_dead_ones(
         etcd_cluster, make_client, short_deadline):
     nobody = make_client("etcd://127.0.0.1:%d" % free_port())
