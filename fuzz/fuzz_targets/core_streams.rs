@@ -4,8 +4,9 @@
 //! invariants (`Core::check_invariants` after every command, which include
 //! spec §10's fit rule and that no head waiter that fits is left waiting),
 //! or make tokens go backwards. Besides raw bytes, a command may append a
-//! well-formed `S` (permits, spec §10) built from a few bytes, on a handful
-//! of keys, so that keys with limits are reached at once.
+//! well-formed `S` (permits, spec §10) or `O` (a watch, spec §13) built
+//! from a few bytes, on a handful of keys, so that keys with limits and
+//! held watches are reached at once.
 #![no_main]
 
 use kunci::core::{Core, Limits};
@@ -39,24 +40,38 @@ fuzz_target!(|data: &[u8]| {
                 }
                 let len = bytes.next().unwrap_or(0);
                 if command & 4 != 0 {
-                    // A well-formed `S` or `A` (limit 0, take 0) from 4 bytes.
+                    // A well-formed `O`, `S` or `A` (limit 0, take 0) from 4 bytes.
                     let mut field = || bytes.next().unwrap_or(0);
                     let (shape, wait_s, lease_s, owner) = (len, field(), field(), field());
-                    let limit = [0, 1, 2, 3, 65535][usize::from(shape % 5)];
-                    let take = match limit {
-                        0 => 0,
-                        _ => u16::from(shape / 5 % 4).min(limit),
-                    };
-                    let request = Request::Acquire {
-                        wait_s: wait_s % 4,
-                        lease_s: lease_s % 4 + 1,
-                        owner: u64::from(owner),
-                        key: ["a", "b", "c"][usize::from(shape / 20 % 3)],
-                        limit,
-                        take,
-                        label: if owner & 1 == 0 { "" } else { "label" },
-                    };
-                    encode_request(&request, &mut buffers[conn]);
+                    let key = ["a", "b", "c"][usize::from(shape / 20 % 3)];
+                    if command & 8 != 0 {
+                        // A well-formed `O` (spec §13): `since` the latest
+                        // grant's token or 0, so that watches are held.
+                        let since = if owner & 1 == 0 { 0 } else { last_token };
+                        let request = Request::Observe {
+                            wait_s: wait_s % 4,
+                            id: u64::from(owner),
+                            since,
+                            key,
+                        };
+                        encode_request(&request, &mut buffers[conn]);
+                    } else {
+                        let limit = [0, 1, 2, 3, 65535][usize::from(shape % 5)];
+                        let take = match limit {
+                            0 => 0,
+                            _ => u16::from(shape / 5 % 4).min(limit),
+                        };
+                        let request = Request::Acquire {
+                            wait_s: wait_s % 4,
+                            lease_s: lease_s % 4 + 1,
+                            owner: u64::from(owner),
+                            key,
+                            limit,
+                            take,
+                            label: if owner & 1 == 0 { "" } else { "label" },
+                        };
+                        encode_request(&request, &mut buffers[conn]);
+                    }
                 } else {
                     buffers[conn].extend(bytes.by_ref().take(usize::from(len)));
                 }
@@ -114,4 +129,5 @@ fuzz_target!(|data: &[u8]| {
     let answered: Vec<_> = core.drain_outbox().collect();
     assert!(answered.iter().all(|(to, _)| open[*to as usize]));
     assert_eq!(core.waiter_count(), 0);
+    assert_eq!(core.watch_count(), 0);
 });

@@ -20,7 +20,10 @@ fn decode_all(bytes: &[u8]) -> Vec<Outcome> {
     loop {
         match decode_request(&bytes[at..]) {
             Decoded::Incomplete => {
-                assert!(bytes.len() - at < REQUEST_FRAME_MAX, "incomplete with a full frame buffered");
+                assert!(
+                    bytes.len() - at < REQUEST_FRAME_MAX,
+                    "incomplete with a full frame buffered"
+                );
                 return outcomes;
             }
             Decoded::Request { request, len } => {

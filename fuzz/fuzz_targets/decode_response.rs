@@ -20,7 +20,8 @@ fuzz_target!(|data: &[u8]| {
         let text_start = response_has_text(op)
             .then(|| response_header_len(op).map(|header| 1 + header))
             .flatten();
-        let text_is_utf8 = text_start.is_none_or(|start| std::str::from_utf8(&data[at + start..at + len - 1]).is_ok());
+        let text_is_utf8 = text_start
+            .is_none_or(|start| std::str::from_utf8(&data[at + start..at + len - 1]).is_ok());
         if text_is_utf8 {
             assert_eq!(encoded, &data[at..at + len]);
             assert_eq!(decode_response(&encoded), Ok(Some((response.clone(), len))));
