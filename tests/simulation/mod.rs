@@ -21,6 +21,8 @@ use std::fmt::Debug;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::time::Instant;
 
+use kunci::core::ConnId;
+
 mod core;
 mod permits;
 mod timer_wheel;
@@ -60,6 +62,15 @@ impl Rng {
     pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
         &items[self.below(items.len() as u64) as usize]
     }
+}
+
+/// A connection whose flag in `open` (one per connection) is `wanted`,
+/// picked with `rng`; `None`, and nothing drawn, when there is none.
+pub fn pick_conn(rng: &mut Rng, open: &[bool], wanted: bool) -> Option<ConnId> {
+    let matching: Vec<ConnId> = (0..open.len() as ConnId)
+        .filter(|&c| open[c as usize] == wanted)
+        .collect();
+    (!matching.is_empty()).then(|| *rng.pick(&matching))
 }
 
 pub fn env_u64(name: &str) -> Option<u64> {
