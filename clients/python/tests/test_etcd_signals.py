@@ -6,30 +6,22 @@ import pytest
 
 import kunci
 from test_exit import oldest_and_newest
-from test_process import SIGTERM_RELEASE, release_from_a_signal_handler
+from test_process import RELEASE_ON_SIGTERM, SIGTERM_RELEASE, release_from_a_signal_handler
 
 ON_ETCD = dict(SIGTERM_RELEASE)
 # The signal comes while the main thread holds the lock of the client's
 # connection pool (here made to last: taking an idle connection sleeps).
-ON_ETCD["holding the pool's lock"] = """
-    client = kunci.Client(ADDRESS)
-    t = client.acquire(KEY + "/held", lease=30)
-    def on_term(signum, frame):
-        start = time.monotonic()
-        t.release()
-        print("released %.3f" % (time.monotonic() - start), flush=True)
-        sys.exit(0)
-    signal.signal(signal.SIGTERM, on_term)
-    class SlowPop(list):
-        def pop(self, *args):
-            time.sleep(0.2)
-            return list.pop(self, *args)
-    members = client._etcd.members
-    client.query(KEY + "/busy")
-    members._idle = [SlowPop(idle) for idle in members._idle]
-    print("ready", flush=True)
-    while True:
+ON_ETCD["holding the pool's lock"] = RELEASE_ON_SIGTERM + """\
+        class SlowPop(list):
+            def pop(self, *args):
+                time.sleep(0.2)
+                return list.pop(self, *args)
+        members = client._etcd.members
         client.query(KEY + "/busy")
+        members._idle = [SlowPop(idle) for idle in members._idle]
+        print("ready", flush=True)
+        while True:
+            client.query(KEY + "/busy")
 """
 
 

@@ -138,8 +138,9 @@ def test_ctrl_c_when_the_grant_is_already_sent_releases_it(server, flavour):
 
 # ------------------------------------------ release in a signal handler (26.6)
 
-SIGTERM_RELEASE = {
-    "blocked in an acquire": """
+# Holds KEY/held and releases it from its SIGTERM handler, saying how long
+# the release took; what follows it says what the main thread is doing.
+RELEASE_ON_SIGTERM = """
         client = kunci.Client(ADDRESS)
         t = client.acquire(KEY + "/held", lease=30)
         def on_term(signum, frame):
@@ -148,18 +149,14 @@ SIGTERM_RELEASE = {
             print("released %.3f" % (time.monotonic() - start), flush=True)
             sys.exit(0)
         signal.signal(signal.SIGTERM, on_term)
+"""
+
+SIGTERM_RELEASE = {
+    "blocked in an acquire": RELEASE_ON_SIGTERM + """\
         print("ready", flush=True)
         client.acquire(KEY + "/busy", wait=30)
     """,
-    "busy with calls": """
-        client = kunci.Client(ADDRESS)
-        t = client.acquire(KEY + "/held", lease=30)
-        def on_term(signum, frame):
-            start = time.monotonic()
-            t.release()
-            print("released %.3f" % (time.monotonic() - start), flush=True)
-            sys.exit(0)
-        signal.signal(signal.SIGTERM, on_term)
+    "busy with calls": RELEASE_ON_SIGTERM + """\
         print("ready", flush=True)
         while True:
             client.query(KEY + "/busy")
