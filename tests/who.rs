@@ -4,7 +4,7 @@
 //! that keeps a small lock table, so that every answer is known.
 
 use std::collections::BTreeMap;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,7 @@ use kunci::protocol::{Request, Response};
 
 use crate::util::proxy::{Faults, Proxy};
 use crate::util::scripted::Scripted;
-use crate::util::{decoded, kunci_bin};
+use crate::util::{decoded, kunci, kunci_command};
 
 const MS: Duration = Duration::from_millis(1);
 const S: Duration = Duration::from_secs(1);
@@ -326,16 +326,6 @@ fn an_acquire_whose_grant_was_lost_is_cleaned_up_through_holders() {
     other.release().unwrap();
 }
 
-fn kunci(server: &str, args: &[&str]) -> Output {
-    Command::new(kunci_bin())
-        .args(args)
-        .env("KUNCI_SERVER", server)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run kunci")
-}
-
 fn stdout(output: &Output) -> String {
     String::from_utf8(output.stdout.clone()).expect("stdout is UTF-8")
 }
@@ -452,11 +442,7 @@ fn cli_who_and_list_exit_codes() {
     ]
     .into_iter()
     .map(|(server, args)| {
-        let child = Command::new(kunci_bin())
-            .args(args)
-            .env("KUNCI_SERVER", server)
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
+        let child = kunci_command(server, args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -517,14 +503,13 @@ fn a_lost_grant_frees_the_key_long_before_its_lease_against_a_real_server() {
 #[test]
 fn who_shows_run_s_default_label_and_the_queue_in_order_against_a_real_server() {
     let server = crate::util::TestServer::start(&[]);
-    let mut run = Command::new(kunci_bin())
-        .args(["run", "job", "--lease", "30", "--", "sleep", "30"])
-        .env("KUNCI_SERVER", &server.addr)
-        .env("USER", "tester")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut run = kunci_command(
+        &server.addr,
+        &["run", "job", "--lease", "30", "--", "sleep", "30"],
+    )
+    .env("USER", "tester")
+    .spawn()
+    .unwrap();
     let direct = client(&server.addr);
     let deadline = Instant::now() + 10 * S;
     while direct.holders("job").unwrap().grants.is_empty() {
