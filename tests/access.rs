@@ -455,6 +455,11 @@ fn the_secret_never_shows_in_debug_output() {
 fn exchange_at(endpoint: &mut Endpoint, id: ConnId, bytes: &[u8], now: u64) -> Vec<u8> {
     endpoint.handle_read(id, bytes, now);
     endpoint.check_invariants();
+    written_at(endpoint, id, now)
+}
+
+/// Everything `id` has to send, written out at `now`.
+fn written_at(endpoint: &mut Endpoint, id: ConnId, now: u64) -> Vec<u8> {
     let mut all = Vec::new();
     while let Some(bytes) = endpoint.transmit(id) {
         all.extend_from_slice(bytes);
@@ -578,13 +583,7 @@ fn a_key_stays_charged_to_its_maker_across_a_hand_over() {
     // Root queues; the tenant's release hands the key over to it.
     assert_eq!(exchange_at(e, 1, &acquire(5, 30, 2, "t/1"), 0), b"");
     assert_eq!(exchange_at(e, 0, &release(t, "t/1"), 0), released(t));
-    let mut handed = Vec::new();
-    while let Some(bytes) = e.transmit(1) {
-        handed.extend_from_slice(bytes);
-        let n = bytes.len();
-        e.handle_written(1, n, 0);
-    }
-    assert_eq!(handed, granted(2, t + 1));
+    assert_eq!(written_at(e, 1, 0), granted(2, t + 1));
     // The key is still in the table: still the tenant's.
     assert_eq!(e.core().keys_charged(0), 1);
     assert_eq!(exchange_at(e, 0, &acquire(0, 30, 3, "t/2"), 0), busy(3));
