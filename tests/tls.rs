@@ -67,6 +67,23 @@ impl Pki {
         self.dir.join(name).to_string_lossy().into_owned()
     }
 
+    /// rustls configurations for an in-process endpoint (`server.pem`, no
+    /// client certificates asked for) and for a client that trusts `ca.pem`.
+    pub fn in_process_configs(&self) -> (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>) {
+        let server = kunci::tls::server_config(&kunci::tls::ServerFiles {
+            cert: self.dir.join("server.pem"),
+            key: self.dir.join("server.key"),
+            client_ca: None,
+        })
+        .unwrap();
+        let client = kunci::tls::client_config(&ClientFiles {
+            ca: Some(self.dir.join("ca.pem")),
+            ..ClientFiles::default()
+        })
+        .unwrap();
+        (server, client)
+    }
+
     /// A server with a plaintext and a TLS listener; `extra` adds flags.
     pub fn server(&self, extra: &[&str]) -> TestServer {
         let cert = self.path("server.pem");
@@ -871,17 +888,7 @@ fn endpoint_tls_backpressure_keeps_the_bounds() {
     use kunci::core::{Core, Limits};
 
     let pki = Pki::new();
-    let server_config = kunci::tls::server_config(&kunci::tls::ServerFiles {
-        cert: pki.dir.join("server.pem"),
-        key: pki.dir.join("server.key"),
-        client_ca: None,
-    })
-    .unwrap();
-    let client_config = kunci::tls::client_config(&ClientFiles {
-        ca: Some(pki.dir.join("ca.pem")),
-        ..ClientFiles::default()
-    })
-    .unwrap();
+    let (server_config, client_config) = pki.in_process_configs();
     let mut client = rustls::ClientConnection::new(
         client_config,
         kunci::tls::server_name("localhost:1").unwrap(),
@@ -1026,17 +1033,7 @@ fn one_turn_advances_a_bounded_number_of_handshakes() {
     use kunci::core::{Core, Limits};
 
     let pki = Pki::new();
-    let server_config = kunci::tls::server_config(&kunci::tls::ServerFiles {
-        cert: pki.dir.join("server.pem"),
-        key: pki.dir.join("server.key"),
-        client_ca: None,
-    })
-    .unwrap();
-    let client_config = kunci::tls::client_config(&ClientFiles {
-        ca: Some(pki.dir.join("ca.pem")),
-        ..ClientFiles::default()
-    })
-    .unwrap();
+    let (server_config, client_config) = pki.in_process_configs();
     let mut endpoint = Endpoint::new(Core::new(Limits::default(), 1), Vec::new());
     let connections = 3 * HANDSHAKES_PER_TURN;
     let mut clients = Vec::new();
