@@ -14,6 +14,7 @@ use proptest::prelude::*;
 
 use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
 use crate::util::model::{Model, same_as_multiset, same_in_order};
+use crate::util::plain_acquire;
 
 fn acquired(owner: u64, token: u64) -> Response {
     Response::Acquired { owner, token }
@@ -2032,15 +2033,7 @@ impl Pair {
                 let owner = self.next_owner;
                 self.request(
                     conn,
-                    &Request::Acquire {
-                        wait_s,
-                        lease_s,
-                        owner,
-                        key: keys[key as usize],
-                        limit: 0,
-                        take: 0,
-                        label: "",
-                    },
+                    &plain_acquire(wait_s, lease_s, owner, keys[key as usize]),
                 )
             }
             Op::Release { conn, key, which } => {

@@ -21,6 +21,7 @@ use kunci::server::state::{Clocks, Recorded};
 use super::{Rng, Simulation, Tally, env_u64, pick_conn, run_seeds};
 use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
 use crate::util::model::{Model, same_as_multiset, same_in_order};
+use crate::util::plain_acquire;
 
 /// The state file's steps (`kunci::core::restart`), in the core's µs.
 const HORIZON_STEP_US: Micros = HORIZON_STEP.as_micros() as Micros;
@@ -391,15 +392,7 @@ impl Sim {
                         orphaned: false,
                     },
                 );
-                let request = Request::Acquire {
-                    wait_s,
-                    lease_s,
-                    owner,
-                    key: &key,
-                    limit: 0,
-                    take: 0,
-                    label: "",
-                };
+                let request = plain_acquire(wait_s, lease_s, owner, &key);
                 let out = self.request(conn, &request)?;
                 if out.is_empty() {
                     self.arrivals += 1;

@@ -18,6 +18,7 @@ use kunci::protocol::{self, Correlation, ErrorCode, Request, Response};
 
 use super::{Rng, Simulation, Tally, env_u64, run_seeds};
 use crate::util::fake::{FIRST_TOKEN, MS, S};
+use crate::util::plain_acquire;
 
 /// What the kernel holds for a peer before its reads (the send
 /// buffer): a write beyond it would block.
@@ -344,15 +345,11 @@ impl WireSim {
                 n => self.tokens[self.rng.below(n as u64) as usize].1,
             };
             let request = match self.rng.below(11) {
-                0..=3 => Request::Acquire {
-                    wait_s: self.rng.range(0, 3) as u8,
-                    lease_s: self.rng.range(1, 3) as u8,
-                    owner,
-                    key: &key,
-                    limit: 0,
-                    take: 0,
-                    label: "",
-                },
+                0..=3 => {
+                    let wait_s = self.rng.range(0, 3) as u8;
+                    let lease_s = self.rng.range(1, 3) as u8;
+                    plain_acquire(wait_s, lease_s, owner, &key)
+                }
                 4 => Request::Release { token, key: &key },
                 5 => Request::Extend {
                     lease_s: 2,
@@ -378,15 +375,7 @@ impl WireSim {
                     }
                 }
                 // Lease 0: `X 5` carrying the owner, not fatal.
-                _ => Request::Acquire {
-                    wait_s: 0,
-                    lease_s: 0,
-                    owner,
-                    key: &key,
-                    limit: 0,
-                    take: 0,
-                    label: "",
-                },
+                _ => plain_acquire(0, 0, owner, &key),
             };
             let mut bytes = Vec::new();
             protocol::encode_request(&request, &mut bytes);

@@ -416,9 +416,9 @@ pub fn decoded(frame: &[u8]) -> Request<'_> {
     request
 }
 
-/// Request builders.
-pub fn acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Vec<u8> {
-    encode(&Request::Acquire {
+/// The plain exclusive `A` (spec §10.1: limit 0, take 0, no label).
+pub fn plain_acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Request<'_> {
+    Request::Acquire {
         wait_s,
         lease_s,
         owner,
@@ -426,7 +426,12 @@ pub fn acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Vec<u8> {
         limit: 0,
         take: 0,
         label: "",
-    })
+    }
+}
+
+/// Request builders.
+pub fn acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Vec<u8> {
+    encode(&plain_acquire(wait_s, lease_s, owner, key))
 }
 
 pub fn release(token: u64, key: &str) -> Vec<u8> {
