@@ -255,20 +255,27 @@ fn keys_follows_the_cursor_to_the_end() {
     assert_eq!(page.keys[0].key, "jobs/c");
 }
 
-/// Rule 11: a grant whose answer was lost is found by `H` and released,
-/// long before its lease would end.
-#[test]
-fn an_acquire_whose_grant_was_lost_is_cleaned_up_through_holders() {
-    let (server, table) = table_server();
-    let proxy = Proxy::start(&server.addr);
-    // The next answer — the grant — never reaches the client.
+/// A proxy in front of `server` that drops the next answer, a client
+/// through it and a client straight to the server.
+fn losing_the_next_answer(server: &str) -> (Proxy, Client, Client) {
+    let proxy = Proxy::start(server);
     proxy.set_faults(Faults {
         drop_answers: 1,
         ..Faults::default()
     });
     let faulty = client(&proxy.addr);
+    let direct = client(server);
+    (proxy, faulty, direct)
+}
+
+/// Rule 11: a grant whose answer was lost is found by `H` and released,
+/// long before its lease would end.
+#[test]
+fn an_acquire_whose_grant_was_lost_is_cleaned_up_through_holders() {
+    let (server, table) = table_server();
+    // The next answer — the grant — never reaches the faulty client.
+    let (proxy, faulty, direct) = losing_the_next_answer(&server.addr);
     // Another grant of the same key, which the clean-up leaves alone.
-    let direct = client(&server.addr);
     let other = direct
         .acquire_with(
             "nightly",
@@ -469,13 +476,7 @@ fn cli_who_and_list_exit_codes() {
 #[test]
 fn a_lost_grant_frees_the_key_long_before_its_lease_against_a_real_server() {
     let server = crate::util::TestServer::start(&[]);
-    let proxy = Proxy::start(&server.addr);
-    proxy.set_faults(Faults {
-        drop_answers: 1,
-        ..Faults::default()
-    });
-    let faulty = client(&proxy.addr);
-    let direct = client(&server.addr);
+    let (proxy, faulty, direct) = losing_the_next_answer(&server.addr);
     let outcome = faulty.acquire("orphan", Duration::ZERO, 60 * S);
     assert_eq!(outcome.unwrap_err(), Error::Indeterminate);
     let indeterminate_at = Instant::now();
