@@ -403,42 +403,24 @@ fn client_certificates_when_the_listener_requires_them() {
          (--tls-cert); nothing was executed\n"
     );
     assert!(started.elapsed() < Duration::from_secs(3));
-    let stranger = kunci(
-        &[
-            "acquire",
-            "m",
-            "--server",
-            &tls,
-            "--tls-ca",
-            &ca,
-            "--tls-cert",
-            &pki.path("stranger.pem"),
-            "--tls-key",
-            &pki.path("stranger.key"),
-        ],
-        &[],
-    );
+    // `acquire m` with the certificate and key `{identity}.pem`/`.key`.
+    let acquire_as = |identity: &str| {
+        let cert = pki.path(&format!("{identity}.pem"));
+        let key = pki.path(&format!("{identity}.key"));
+        let args = ["acquire", "m", "--server", &tls, "--tls-ca", &ca];
+        kunci(
+            &[&args[..], &["--tls-cert", &cert, "--tls-key", &key]].concat(),
+            &[],
+        )
+    };
+    let stranger = acquire_as("stranger");
     assert_exit(
         &stranger,
         7,
         "kunci acquire: permission denied: the server refused this client's certificate; \
          nothing was executed\n",
     );
-    let with = kunci(
-        &[
-            "acquire",
-            "m",
-            "--server",
-            &tls,
-            "--tls-ca",
-            &ca,
-            "--tls-cert",
-            &pki.path("client.pem"),
-            "--tls-key",
-            &pki.path("client.key"),
-        ],
-        &[],
-    );
+    let with = acquire_as("client");
     assert_eq!(with.status.code(), Some(0), "{}", text(&with.stderr));
     // Nothing the refused clients sent was executed: one grant, ours.
     let query = kunci(&["query", "m", "--server", &plain_address(&server)], &[]);
