@@ -9,8 +9,9 @@
 //!   half-closes, resets, stalls, floods, a graceful shutdown);
 //! - `permits`: keys with permits (spec §10) against the permit model.
 //!
-//! This file holds what they share: the generator, the environment knobs
-//! and the loop over seeds that names a failing seed and how to re-run it.
+//! This file holds what they share: the generator (and a connection picked
+//! with it), the environment knobs and the loop over seeds that names a
+//! failing seed and how to re-run it.
 //! A failure names its seed and step. `KUNCI_SIM_SEED=S` re-runs exactly
 //! that seed (add `KUNCI_SIM_TRACE=1` to print every step where the
 //! simulation traces), `KUNCI_SIM_SEEDS=N` runs seeds `0..N`,
