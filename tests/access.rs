@@ -59,15 +59,34 @@ fn authenticated(name: &str) -> Response {
     }
 }
 
+fn granted(owner: u64, token: u64) -> Vec<u8> {
+    frame(&Response::Acquired { owner, token })
+}
+
+fn busy(owner: u64) -> Vec<u8> {
+    frame(&Response::Busy { owner })
+}
+
+fn released(token: u64) -> Vec<u8> {
+    frame(&Response::Released { token })
+}
+
+/// An endpoint that requires `U` against the `--auth` file `text`.
+fn endpoint_with_auth(text: &str) -> Endpoint {
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
+    endpoint.require_authentication(AccessList::parse(text).unwrap());
+    endpoint
+}
+
 struct Wire {
     endpoint: Endpoint,
 }
 
 impl Wire {
     fn new() -> Wire {
-        let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
-        endpoint.require_authentication(AccessList::parse(&auth_file()).unwrap());
-        Wire { endpoint }
+        Wire {
+            endpoint: endpoint_with_auth(&auth_file()),
+        }
     }
 
     fn connect(&mut self, id: ConnId) {
@@ -85,15 +104,7 @@ impl Wire {
 
     /// Sends `bytes` on `id` and returns everything it answers at once.
     fn exchange(&mut self, id: ConnId, bytes: &[u8]) -> Vec<u8> {
-        self.endpoint.handle_read(id, bytes, 0);
-        self.endpoint.check_invariants();
-        let mut all = Vec::new();
-        while let Some(bytes) = self.endpoint.transmit(id) {
-            all.extend_from_slice(bytes);
-            let n = bytes.len();
-            self.endpoint.handle_written(id, n, 0);
-        }
-        all
+        exchange_at(&mut self.endpoint, id, bytes, 0)
     }
 
     fn actions(&mut self) -> Vec<(ConnId, Action)> {
@@ -444,6 +455,11 @@ fn the_secret_never_shows_in_debug_output() {
 fn exchange_at(endpoint: &mut Endpoint, id: ConnId, bytes: &[u8], now: u64) -> Vec<u8> {
     endpoint.handle_read(id, bytes, now);
     endpoint.check_invariants();
+    written_at(endpoint, id, now)
+}
+
+/// Everything `id` has to send, written out at `now`.
+fn written_at(endpoint: &mut Endpoint, id: ConnId, now: u64) -> Vec<u8> {
     let mut all = Vec::new();
     while let Some(bytes) = endpoint.transmit(id) {
         all.extend_from_slice(bytes);
@@ -453,26 +469,33 @@ fn exchange_at(endpoint: &mut Endpoint, id: ConnId, bytes: &[u8], now: u64) -> V
     all
 }
 
-#[test]
-fn a_key_quota_answers_b_to_its_identity_only() {
-    const TENANT: &[u8] = b"tenant-secret-0123456789abcdef-0123";
+const TENANT: &[u8] = b"tenant-secret-0123456789abcdef-0123";
+
+/// An endpoint whose `--auth` file gives `tenant` `lock:t/` with `quota`
+/// and `root` everything, with each of `sessions` (id, secret, the name
+/// `U` answers) connected and authenticated at 0.
+fn quota_endpoint(quota: &str, sessions: &[(ConnId, &[u8], &str)]) -> Endpoint {
     let text = format!(
-        "tenant {} lock:t/ max-keys=2\nroot {} lock:* info\n",
+        "tenant {} lock:t/ {quota}\nroot {} lock:* info\n",
         hash_hex(TENANT),
         hash_hex(EVERYTHING)
     );
-    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
-    endpoint.require_authentication(AccessList::parse(&text).unwrap());
-    let granted = |owner, token| frame(&Response::Acquired { owner, token });
-    let busy = |owner| frame(&Response::Busy { owner });
-    let ms = 1_000;
-    for (id, secret, name) in [(0, TENANT, "tenant"), (1, EVERYTHING, "root")] {
+    let mut endpoint = endpoint_with_auth(&text);
+    for &(id, secret, name) in sessions {
         endpoint.accept(id, None, 0);
         assert_eq!(
             exchange_at(&mut endpoint, id, &authenticate(secret), 0),
             frame(&authenticated(name))
         );
     }
+    endpoint
+}
+
+#[test]
+fn a_key_quota_answers_b_to_its_identity_only() {
+    let sessions: [(ConnId, &[u8], &str); 2] = [(0, TENANT, "tenant"), (1, EVERYTHING, "root")];
+    let mut endpoint = quota_endpoint("max-keys=2", &sessions);
+    let ms = 1_000;
     let t = FIRST_TOKEN;
     let e = &mut endpoint;
     assert_eq!(
@@ -509,7 +532,7 @@ fn a_key_quota_answers_b_to_its_identity_only() {
     // A release gives the key back; then a new one fits.
     assert_eq!(
         exchange_at(e, 0, &release(t + 1, "t/2"), 0),
-        frame(&Response::Released { token: t + 1 })
+        released(t + 1)
     );
     assert_eq!(e.core().keys_charged(0), 1);
     assert_eq!(
@@ -542,57 +565,31 @@ fn a_key_quota_answers_b_to_its_identity_only() {
     // Another identity's key leaving the table changes nothing.
     assert_eq!(
         exchange_at(e, 1, &release(t + 2, "t/3"), now),
-        frame(&Response::Released { token: t + 2 })
+        released(t + 2)
     );
     assert_eq!(e.core().keys_charged(0), 2);
 }
 
 #[test]
 fn a_key_stays_charged_to_its_maker_across_a_hand_over() {
-    const TENANT: &[u8] = b"tenant-secret-0123456789abcdef-0123";
-    let text = format!(
-        "tenant {} lock:t/ max-keys=1\nroot {} lock:* info\n",
-        hash_hex(TENANT),
-        hash_hex(EVERYTHING)
-    );
-    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
-    endpoint.require_authentication(AccessList::parse(&text).unwrap());
+    let sessions: [(ConnId, &[u8], &str); 2] = [(0, TENANT, "tenant"), (1, EVERYTHING, "root")];
+    let mut endpoint = quota_endpoint("max-keys=1", &sessions);
     let e = &mut endpoint;
-    for (id, secret, name) in [(0, TENANT, "tenant"), (1, EVERYTHING, "root")] {
-        e.accept(id, None, 0);
-        assert_eq!(
-            exchange_at(e, id, &authenticate(secret), 0),
-            frame(&authenticated(name))
-        );
-    }
     let t = FIRST_TOKEN;
-    let granted = |owner, token| frame(&Response::Acquired { owner, token });
     assert_eq!(
         exchange_at(e, 0, &acquire(0, 30, 1, "t/1"), 0),
         granted(1, t)
     );
     // Root queues; the tenant's release hands the key over to it.
     assert_eq!(exchange_at(e, 1, &acquire(5, 30, 2, "t/1"), 0), b"");
-    assert_eq!(
-        exchange_at(e, 0, &release(t, "t/1"), 0),
-        frame(&Response::Released { token: t })
-    );
-    let mut handed = Vec::new();
-    while let Some(bytes) = e.transmit(1) {
-        handed.extend_from_slice(bytes);
-        let n = bytes.len();
-        e.handle_written(1, n, 0);
-    }
-    assert_eq!(handed, granted(2, t + 1));
+    assert_eq!(exchange_at(e, 0, &release(t, "t/1"), 0), released(t));
+    assert_eq!(written_at(e, 1, 0), granted(2, t + 1));
     // The key is still in the table: still the tenant's.
     assert_eq!(e.core().keys_charged(0), 1);
-    assert_eq!(
-        exchange_at(e, 0, &acquire(0, 30, 3, "t/2"), 0),
-        frame(&Response::Busy { owner: 3 })
-    );
+    assert_eq!(exchange_at(e, 0, &acquire(0, 30, 3, "t/2"), 0), busy(3));
     assert_eq!(
         exchange_at(e, 1, &release(t + 1, "t/1"), 0),
-        frame(&Response::Released { token: t + 1 })
+        released(t + 1)
     );
     assert_eq!(e.core().keys_charged(0), 0);
     assert_eq!(
@@ -603,30 +600,14 @@ fn a_key_stays_charged_to_its_maker_across_a_hand_over() {
 
 #[test]
 fn a_grant_quota_answers_b_to_its_identitys_third_and_not_to_another() {
-    const TENANT: &[u8] = b"tenant-secret-0123456789abcdef-0123";
-    let text = format!(
-        "tenant {} lock:t/ max-grants=2\nroot {} lock:* info\n",
-        hash_hex(TENANT),
-        hash_hex(EVERYTHING)
-    );
-    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
-    endpoint.require_authentication(AccessList::parse(&text).unwrap());
-    let e = &mut endpoint;
-    let sessions = [
+    let sessions: [(ConnId, &[u8], &str); 3] = [
         (0, TENANT, "tenant"),
         (1, EVERYTHING, "root"),
         (2, TENANT, "tenant"),
     ];
-    for (id, secret, name) in sessions {
-        e.accept(id, None, 0);
-        assert_eq!(
-            exchange_at(e, id, &authenticate(secret), 0),
-            frame(&authenticated(name))
-        );
-    }
+    let mut endpoint = quota_endpoint("max-grants=2", &sessions);
+    let e = &mut endpoint;
     let t = FIRST_TOKEN;
-    let granted = |owner, token| frame(&Response::Acquired { owner, token });
-    let busy = |owner| frame(&Response::Busy { owner });
     assert_eq!(
         exchange_at(e, 1, &acquire(0, 30, 1, "t/held"), 0),
         granted(1, t)
@@ -653,7 +634,7 @@ fn a_grant_quota_answers_b_to_its_identitys_third_and_not_to_another() {
     // The tenant's release makes room again.
     assert_eq!(
         exchange_at(e, 0, &release(t + 1, "t/1"), 0),
-        frame(&Response::Released { token: t + 1 })
+        released(t + 1)
     );
     assert_eq!(
         exchange_at(e, 2, &acquire(0, 30, 8, "t/4"), 0),

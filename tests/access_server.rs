@@ -5,19 +5,38 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use kunci::core::access::hash_hex;
 use kunci::protocol::{ErrorCode, Response};
 
 use crate::access::{EVERYTHING, LOCKER, auth_file, authenticate};
 use crate::metrics::{assert_lines, scrape, server_with_metrics};
-use crate::util::{TempDir, TestServer, acquire, granted, kunci_bin, query};
+use crate::util::{Peer, TempDir, TestServer, acquire, granted, kunci_bin, query};
 
 /// The `--auth` file of [`auth_file`] in a fresh directory.
 pub fn auth_dir(name: &str) -> (TempDir, String) {
+    auth_dir_with(name, &auth_file())
+}
+
+/// The `--auth` file `text` in a fresh directory.
+fn auth_dir_with(name: &str, text: &str) -> (TempDir, String) {
     let dir = TempDir::new(name);
     let path = dir.join("auth");
-    std::fs::write(&path, auth_file()).unwrap();
+    std::fs::write(&path, text).unwrap();
     let path = path.to_str().unwrap().to_owned();
     (dir, path)
+}
+
+/// A peer of `server` authenticated with `secret`, which `U` names `name`.
+fn session(server: &TestServer, secret: &[u8], name: &str) -> Peer {
+    let mut peer = server.peer();
+    peer.send(&authenticate(secret));
+    assert_eq!(
+        peer.recv(),
+        Response::Authenticated {
+            name: name.to_owned()
+        }
+    );
+    peer
 }
 
 fn waits_for_log(server: &TestServer, wanted: impl Fn(&str) -> bool) -> String {
@@ -56,14 +75,7 @@ fn failures_are_counted_and_logged_with_the_peer_but_never_the_secret() {
         line.contains("WARN") && line.contains("peer 127.0.0.1"),
         "{line}"
     );
-    let mut root = server.peer();
-    root.send(&authenticate(EVERYTHING));
-    assert_eq!(
-        root.recv(),
-        Response::Authenticated {
-            name: "root".into()
-        }
-    );
+    let mut root = session(&server, EVERYTHING, "root");
     // Nothing behind the failed U ran.
     root.send(&query("app/a"));
     assert_eq!(
@@ -145,13 +157,9 @@ fn a_secret_from_kunci_secret_is_accepted() {
     assert!(secret.bytes().all(|b| b.is_ascii_hexdigit()));
     assert!(lines[1].starts_with("ci ") && lines[1].ends_with(" lock:ci/ info"));
     assert!(!lines[1].contains(secret));
-    let dir = TempDir::new("auth-kunci-secret");
-    let path = dir.join("auth");
-    std::fs::write(&path, format!("{}\n", lines[1])).unwrap();
-    let server = TestServer::start(&["--auth", path.to_str().unwrap()]);
-    let mut peer = server.peer();
-    peer.send(&authenticate(secret.as_bytes()));
-    assert_eq!(peer.recv(), Response::Authenticated { name: "ci".into() });
+    let (_dir, path) = auth_dir_with("auth-kunci-secret", &format!("{}\n", lines[1]));
+    let server = TestServer::start(&["--auth", &path]);
+    let mut peer = session(&server, secret.as_bytes(), "ci");
     peer.send(&acquire(0, 30, 1, "ci/x"));
     granted(peer.recv(), 1);
     peer.send(&acquire(0, 30, 2, "prod/x"));
@@ -208,31 +216,15 @@ fn a_listener_open_to_anyone_is_warned_about_at_start() {
 
 #[test]
 fn a_key_quota_busies_its_identity_while_another_still_acquires() {
-    let dir = TempDir::new("auth-key-quota");
-    let path = dir.join("auth");
     let text = format!(
         "locker {} lock:app/ max-keys=1\nroot {} lock:* info\n",
-        kunci::core::access::hash_hex(LOCKER),
-        kunci::core::access::hash_hex(EVERYTHING)
+        hash_hex(LOCKER),
+        hash_hex(EVERYTHING)
     );
-    std::fs::write(&path, text).unwrap();
-    let server = TestServer::start(&["--auth", path.to_str().unwrap()]);
-    let mut locker = server.peer();
-    locker.send(&authenticate(LOCKER));
-    assert_eq!(
-        locker.recv(),
-        Response::Authenticated {
-            name: "locker".into()
-        }
-    );
-    let mut root = server.peer();
-    root.send(&authenticate(EVERYTHING));
-    assert_eq!(
-        root.recv(),
-        Response::Authenticated {
-            name: "root".into()
-        }
-    );
+    let (_dir, path) = auth_dir_with("auth-key-quota", &text);
+    let server = TestServer::start(&["--auth", &path]);
+    let mut locker = session(&server, LOCKER, "locker");
+    let mut root = session(&server, EVERYTHING, "root");
     locker.send(&acquire(0, 30, 1, "app/a"));
     granted(locker.recv(), 1);
     locker.send(&acquire(5, 30, 2, "app/b"));
@@ -243,33 +235,15 @@ fn a_key_quota_busies_its_identity_while_another_still_acquires() {
 
 #[test]
 fn a_grant_quota_file_starts_and_busies_the_third_grant_or_wait() {
-    let dir = TempDir::new("auth-grant-quota");
-    let path = dir.join("auth");
     let text = format!(
-        "locker {} lock:app/ max-keys=10 max-grants=2
-root {} lock:* info
-",
-        kunci::core::access::hash_hex(LOCKER),
-        kunci::core::access::hash_hex(EVERYTHING)
+        "locker {} lock:app/ max-keys=10 max-grants=2\nroot {} lock:* info\n",
+        hash_hex(LOCKER),
+        hash_hex(EVERYTHING)
     );
-    std::fs::write(&path, text).unwrap();
-    let server = TestServer::start(&["--auth", path.to_str().unwrap()]);
-    let mut locker = server.peer();
-    locker.send(&authenticate(LOCKER));
-    assert_eq!(
-        locker.recv(),
-        Response::Authenticated {
-            name: "locker".into()
-        }
-    );
-    let mut root = server.peer();
-    root.send(&authenticate(EVERYTHING));
-    assert_eq!(
-        root.recv(),
-        Response::Authenticated {
-            name: "root".into()
-        }
-    );
+    let (_dir, path) = auth_dir_with("auth-grant-quota", &text);
+    let server = TestServer::start(&["--auth", &path]);
+    let mut locker = session(&server, LOCKER, "locker");
+    let mut root = session(&server, EVERYTHING, "root");
     root.send(&acquire(0, 30, 1, "app/held"));
     granted(root.recv(), 1);
     locker.send(&acquire(0, 30, 2, "app/a"));

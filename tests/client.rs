@@ -21,6 +21,15 @@ fn connect(addresses: &[&str]) -> Client {
     Client::new(addresses, Config::default()).unwrap()
 }
 
+/// A server, a proxy in front of it, and a client that reaches the server
+/// through the proxy.
+fn proxied() -> (TestServer, Proxy, Client) {
+    let server = TestServer::start(&[]);
+    let proxy = Proxy::start(&server.addr);
+    let client = connect(&[&proxy.addr]);
+    (server, proxy, client)
+}
+
 fn owners_of_acquires(proxy: &Proxy) -> Vec<u64> {
     proxy
         .frames()
@@ -540,9 +549,7 @@ fn unix_socket_addresses_work_alongside_tcp() {
 
 #[test]
 fn a_renewal_without_an_answer_keeps_the_earlier_bound() {
-    let server = TestServer::start(&[]);
-    let proxy = Proxy::start(&server.addr);
-    let client = connect(&[&proxy.addr]);
+    let (_server, proxy, client) = proxied();
     let mut ticket = client
         .acquire("renew-lost", Duration::ZERO, 30 * S)
         .unwrap();
@@ -609,9 +616,7 @@ fn renewals_of(proxy: &Proxy, token: u64) -> Vec<Instant> {
 
 #[test]
 fn a_kept_lease_is_renewed_every_third_of_the_lease_and_outlives_it() {
-    let server = TestServer::start(&[]);
-    let proxy = Proxy::start(&server.addr);
-    let client = connect(&[&proxy.addr]);
+    let (_server, proxy, client) = proxied();
     let started = Instant::now();
     let kept = client
         .acquire("kept", Duration::ZERO, S)
@@ -655,9 +660,7 @@ fn a_kept_lease_is_renewed_every_third_of_the_lease_and_outlives_it() {
 
 #[test]
 fn a_kept_lease_is_lost_at_once_when_a_renewal_finds_it_not_held() {
-    let server = TestServer::start(&[]);
-    let proxy = Proxy::start(&server.addr);
-    let client = connect(&[&proxy.addr]);
+    let (server, proxy, client) = proxied();
     let (told, news) = std::sync::mpsc::channel();
     let acquired = Instant::now();
     let kept = client
@@ -687,9 +690,7 @@ fn a_kept_lease_is_lost_at_once_when_a_renewal_finds_it_not_held() {
 
 #[test]
 fn a_kept_lease_is_lost_when_valid_until_passes_without_a_renewal() {
-    let server = TestServer::start(&[]);
-    let proxy = Proxy::start(&server.addr);
-    let client = connect(&[&proxy.addr]);
+    let (_server, proxy, client) = proxied();
     let kept = client
         .acquire("unanswered", Duration::ZERO, 2 * S)
         .unwrap()
@@ -711,9 +712,7 @@ fn a_kept_lease_is_lost_when_valid_until_passes_without_a_renewal() {
 
 #[test]
 fn a_renewal_whose_session_dies_is_retried_while_time_is_left() {
-    let server = TestServer::start(&[]);
-    let proxy = Proxy::start(&server.addr);
-    let client = connect(&[&proxy.addr]);
+    let (_server, proxy, client) = proxied();
     let kept = client
         .acquire("retried", Duration::ZERO, 3 * S)
         .unwrap()
@@ -751,9 +750,7 @@ fn a_renewal_whose_session_dies_is_retried_while_time_is_left() {
 
 #[test]
 fn a_renewal_answered_after_the_loss_is_given_back() {
-    let server = TestServer::start(&[]);
-    let proxy = Proxy::start(&server.addr);
-    let client = connect(&[&proxy.addr]);
+    let (server, proxy, client) = proxied();
     let kept = client
         .acquire("late-renewal", Duration::ZERO, 2 * S)
         .unwrap()

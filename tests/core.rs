@@ -14,6 +14,7 @@ use proptest::prelude::*;
 
 use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
 use crate::util::model::{Model, same_as_multiset, same_in_order};
+use crate::util::plain_acquire;
 
 fn acquired(owner: u64, token: u64) -> Response {
     Response::Acquired { owner, token }
@@ -1540,6 +1541,27 @@ fn a_limit_named_by_a_request_that_ends_at_once_during_the_grace_is_not_set() {
     }
 }
 
+/// The server's clean stop (spec §7.2): every connection shut down and
+/// answered, then the grants saved.
+fn stop_cleanly(state: &mut state::StateDir, fake: &mut Fake) {
+    fake.core.shut_down(fake.now);
+    fake.drain();
+    state
+        .save_clean_stop(&CleanStop::of(&fake.core, fake.now))
+        .unwrap();
+}
+
+/// The next run's core on `dir` (tokens from `FIRST_TOKEN + 1_000`, one
+/// connection), after it resumed what the state file holds.
+fn resumed(dir: &std::path::Path) -> Core {
+    let mut state = state::StateDir::open(dir).unwrap();
+    let mut next = Core::new(Limits::default(), FIRST_TOKEN + 1_000);
+    next.connect(0);
+    state.resume(&mut next).unwrap();
+    next.check_invariants();
+    next
+}
+
 /// Spec §7.4: adopted grants a clean stop saves (several exclusive ones on
 /// one key, owner 0) come back as they were, and still hold their key as
 /// if exclusive.
@@ -1557,18 +1579,12 @@ fn a_clean_stop_saves_and_restores_several_adopted_grants_of_one_key() {
             assert_eq!(fake.extend(1, "rw", 60, token), vec![(1, extended(token))]);
         }
         fake.run_until(6 * S);
-        fake.core.shut_down(fake.now);
-        fake.drain();
-        state
-            .save_clean_stop(&CleanStop::of(&fake.core, fake.now))
-            .unwrap();
+        stop_cleanly(&mut state, &mut fake);
     }
-    let mut state = state::StateDir::open(&dir.0).unwrap();
-    let mut next = Fake::new(Limits::default(), 1);
-    next.core = Core::new(Limits::default(), FIRST_TOKEN + 1_000);
-    next.core.connect(0);
-    state.resume(&mut next.core).unwrap();
-    next.core.check_invariants();
+    let mut next = Fake {
+        core: resumed(&dir.0),
+        now: 0,
+    };
     let tokens: Vec<(u64, u64, u16)> = next
         .core
         .grants()
@@ -1603,18 +1619,12 @@ fn adopted_grants_restored_within_the_grace_keep_their_key_held_until_the_horizo
             assert_eq!(fake.extend(1, key, 60, token), vec![(1, extended(token))]);
         }
         fake.enqueue_permits(0, "rw", 60, 30, 3, 65_535, 1);
-        fake.core.shut_down(fake.now);
-        fake.drain();
-        state
-            .save_clean_stop(&CleanStop::of(&fake.core, fake.now))
-            .unwrap();
+        stop_cleanly(&mut state, &mut fake);
     }
-    let mut state = state::StateDir::open(&dir.0).unwrap();
-    let mut next = Fake::new(Limits::default(), 1);
-    next.core = Core::new(Limits::default(), FIRST_TOKEN + 1_000);
-    next.core.connect(0);
-    state.resume(&mut next.core).unwrap();
-    next.core.check_invariants();
+    let mut next = Fake {
+        core: resumed(&dir.0),
+        now: 0,
+    };
     assert!(next.core.counted_grants() && next.core.grace_until() > 50 * S);
     for (key, token) in [("rw", EARLIER), ("rw", EARLIER + 1), ("one", EARLIER + 2)] {
         assert_eq!(next.release(0, key, token), vec![(0, released(token))]);
@@ -1844,18 +1854,10 @@ fn a_clean_stop_saved_and_resumed_restores_every_grant_and_the_remaining_grace()
         let b = fake.grant(1, long_key, 255, 2);
         fake.grant(1, "expires-now", 1, 3);
         fake.run_until(21 * S);
-        fake.core.shut_down(fake.now);
-        fake.drain();
-        state
-            .save_clean_stop(&CleanStop::of(&fake.core, fake.now))
-            .unwrap();
+        stop_cleanly(&mut state, &mut fake);
         assert_eq!((a, b), (FIRST_TOKEN, FIRST_TOKEN + 1));
     }
-    let mut state = state::StateDir::open(&dir.0).unwrap();
-    let mut next = Core::new(Limits::default(), FIRST_TOKEN + 1_000);
-    next.connect(0);
-    state.resume(&mut next).unwrap();
-    next.check_invariants();
+    let next = resumed(&dir.0);
     let mut grants: Vec<(String, u64, u64)> = next
         .grants()
         .map(|grant| (grant.key.to_owned(), grant.token, grant.owner))
@@ -2031,15 +2033,7 @@ impl Pair {
                 let owner = self.next_owner;
                 self.request(
                     conn,
-                    &Request::Acquire {
-                        wait_s,
-                        lease_s,
-                        owner,
-                        key: keys[key as usize],
-                        limit: 0,
-                        take: 0,
-                        label: "",
-                    },
+                    &plain_acquire(wait_s, lease_s, owner, keys[key as usize]),
                 )
             }
             Op::Release { conn, key, which } => {

@@ -3,28 +3,14 @@
 //! following an election across a clean restart.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::util::{TempDir, TestServer, kunci_bin};
-
-fn kunci(server: &str, args: &[&str]) -> Output {
-    Command::new(kunci_bin())
-        .args(args)
-        .env("KUNCI_SERVER", server)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run kunci")
-}
+use crate::util::{TempDir, TestServer, kunci, kunci_command};
 
 fn spawn(server: &str, args: &[&str]) -> Child {
-    Command::new(kunci_bin())
-        .args(args)
-        .env("KUNCI_SERVER", server)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
+    kunci_command(server, args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()

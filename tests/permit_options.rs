@@ -2,14 +2,14 @@
 //! put them on the wire, and the outcomes they make of the answers —
 //! against a scripted server, so that every answer can be chosen.
 
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::time::Duration;
 
 use kunci::client::{AcquireOptions, Client, Config, Error, Permits};
 use kunci::protocol::{Request, Response};
 
 use crate::util::scripted::Scripted;
-use crate::util::{decoded, kunci_bin};
+use crate::util::{decoded, kunci, kunci_command};
 
 const S: Duration = Duration::from_secs(1);
 
@@ -162,16 +162,6 @@ fn x10_is_a_definitive_limit_mismatch_naming_the_keys_limit() {
     assert_eq!(server.frames().len(), 1);
 }
 
-fn kunci(server: &str, args: &[&str]) -> Output {
-    Command::new(kunci_bin())
-        .args(args)
-        .env("KUNCI_SERVER", server)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run kunci")
-}
-
 fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
@@ -291,12 +281,8 @@ fn cli_limit_mismatch_exits_2_naming_the_keys_limit() {
 #[test]
 fn run_labels_its_grant_with_user_host_pid_and_command() {
     let server = granting();
-    let output = Command::new(kunci_bin())
-        .args(["run", "k", "--", "sh", "-c", "exit 0"])
-        .env("KUNCI_SERVER", &server.addr)
+    let output = kunci_command(&server.addr, &["run", "k", "--", "sh", "-c", "exit 0"])
         .env("USER", "tester")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
         .output()
         .unwrap();
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
@@ -318,21 +304,12 @@ fn run_labels_its_grant_with_user_host_pid_and_command() {
     // A long command is cut to 128 bytes at a character boundary; --label
     // replaces the default.
     let long = "é".repeat(100);
-    let output = Command::new(kunci_bin())
-        .args(["run", "k", "--label-args", "--", "true", &long])
-        .env("KUNCI_SERVER", &server.addr)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let output = kunci(
+        &server.addr,
+        &["run", "k", "--label-args", "--", "true", &long],
+    );
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
-    let output = Command::new(kunci_bin())
-        .args(["run", "k", "--label", "mine", "--", "true"])
-        .env("KUNCI_SERVER", &server.addr)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let output = kunci(&server.addr, &["run", "k", "--label", "mine", "--", "true"]);
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
     let labels: Vec<String> = server
         .frames()

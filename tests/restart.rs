@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use kunci::protocol::Response;
 
-use crate::util::{TempDir, TestServer, acquire, granted, query, release, require_tool};
+use crate::util::{Peer, TempDir, TestServer, acquire, granted, query, release, require_tool};
 
 fn state_args(dir: &TempDir) -> Vec<String> {
     vec!["--state-dir".into(), dir.0.display().to_string()]
@@ -197,6 +197,16 @@ fn start_under(wrapper: &[&str], dir: &TempDir, port: u16) -> TestServer {
     TestServer::start_under(wrapper, &args, |_| {})
 }
 
+/// A server on `dir` (any port) that granted `key` for `lease_s` to owner 1
+/// of a peer; the server, the peer and the grant's token.
+fn start_holding(dir: &TempDir, key: &str, lease_s: u8) -> (TestServer, Peer, u64) {
+    let server = start_on(dir, 0);
+    let mut peer = server.peer();
+    peer.send(&acquire(0, lease_s, 1, key));
+    let token = granted(peer.recv(), 1);
+    (server, peer, token)
+}
+
 fn port_of(server: &TestServer) -> u16 {
     server.addr.rsplit(':').next().unwrap().parse().unwrap()
 }
@@ -289,10 +299,7 @@ fn a_clean_stop_restores_every_grant_with_its_token_owner_and_deadline() {
 #[test]
 fn after_kill_9_a_holder_keeps_its_key_by_renewing_and_frees_it_by_releasing() {
     let dir = TempDir::new("adopt");
-    let server = start_on(&dir, 0);
-    let mut peer = server.peer();
-    peer.send(&acquire(0, 20, 1, "kept"));
-    let kept = granted(peer.recv(), 1);
+    let (server, mut peer, kept) = start_holding(&dir, "kept", 20);
     peer.send(&acquire(0, 20, 2, "freed"));
     let freed = granted(peer.recv(), 2);
     let port = port_of(&server);
@@ -383,10 +390,7 @@ fn the_grace_after_kill_9_is_at_most_the_longest_lease_plus_5_s() {
 #[test]
 fn the_grace_after_kill_9_follows_the_leases_outstanding_not_one_released_before() {
     let dir = TempDir::new("grace-lowered");
-    let server = start_on(&dir, 0);
-    let mut peer = server.peer();
-    peer.send(&acquire(0, 30, 1, "long"));
-    let long = granted(peer.recv(), 1);
+    let (server, mut peer, long) = start_holding(&dir, "long", 30);
     peer.send(&release(long, "long"));
     assert_eq!(peer.recv(), Response::Released { token: long });
     let granted_at = Instant::now();
@@ -472,10 +476,7 @@ fn a_clock_stepped_back_an_hour_does_not_lengthen_the_grace() {
         return;
     };
     let dir = TempDir::new("step-back");
-    let server = start_on(&dir, 0);
-    let mut peer = server.peer();
-    peer.send(&acquire(0, 1, 1, "crash"));
-    let before = granted(peer.recv(), 1);
+    let (server, _peer, before) = start_holding(&dir, "crash", 1);
     server.kill();
 
     let server = start_under(&stepped_back, &dir, 0);
@@ -496,10 +497,7 @@ fn a_clock_stepped_forward_an_hour_does_not_shorten_the_grace() {
         return;
     };
     let dir = TempDir::new("step-forward");
-    let server = start_on(&dir, 0);
-    let mut peer = server.peer();
-    peer.send(&acquire(0, 30, 1, "running"));
-    let token = granted(peer.recv(), 1);
+    let (server, _peer, token) = start_holding(&dir, "running", 30);
     server.kill();
 
     let server = start_under(&stepped_forward, &dir, 0);
@@ -527,10 +525,7 @@ fn failed_start(dir: &std::path::Path) -> String {
 #[test]
 fn a_damaged_state_file_stops_the_start_with_what_is_wrong() {
     let dir = TempDir::new("damaged");
-    let server = start_on(&dir, 0);
-    let mut peer = server.peer();
-    peer.send(&acquire(0, 30, 1, "k"));
-    granted(peer.recv(), 1);
+    let (server, _peer, _) = start_holding(&dir, "k", 30);
     assert!(server.stop().success());
     let file = dir.join("kunci.state");
     let good = std::fs::read(&file).unwrap();

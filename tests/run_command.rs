@@ -8,25 +8,11 @@ use kunci::client::{Client, Config};
 use kunci::protocol::Response;
 
 use crate::util::proxy::{Faults, Proxy};
-use crate::util::{TempDir, TestServer, kunci_bin, require_tool};
+use crate::util::{TempDir, TestServer, kunci, kunci_bin, kunci_command, require_tool};
 
 const MS: Duration = Duration::from_millis(1);
 const S: Duration = Duration::from_secs(1);
 const LATE: Duration = Duration::from_millis(500);
-
-fn command(server: &str, args: &[&str]) -> Command {
-    let mut command = Command::new(kunci_bin());
-    command
-        .args(args)
-        .env("KUNCI_SERVER", server)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null());
-    command
-}
-
-fn kunci(server: &str, args: &[&str]) -> Output {
-    command(server, args).output().expect("run kunci")
-}
 
 fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout)
@@ -220,11 +206,11 @@ fn unavailable_exits_4_and_indeterminate_exits_5() {
         ..Faults::default()
     });
     let started = Instant::now();
-    let unavailable = command(&refusing.addr, &["acquire", "k"])
+    let unavailable = kunci_command(&refusing.addr, &["acquire", "k"])
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let indeterminate = command(&swallowing.addr, &["acquire", "k"])
+    let indeterminate = kunci_command(&swallowing.addr, &["acquire", "k"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -330,7 +316,7 @@ fn run_forwards_sigterm_to_the_command() {
     let dir = TempDir::new("run-sigterm");
     let started_file = dir.join("started");
     let script = waiting_script(&dir, "exit 9");
-    let mut child = command(&server.addr, &["run", "sigterm", "--", "sh", "-c", &script])
+    let mut child = kunci_command(&server.addr, &["run", "sigterm", "--", "sh", "-c", &script])
         .spawn()
         .unwrap();
     wait_for_file(&started_file);
@@ -351,7 +337,7 @@ fn run_stops_the_command_when_the_server_restarts_under_it() {
     let dir = TempDir::new("run-restart");
     let started_file = dir.join("started");
     let script = waiting_script(&dir, "exit 0");
-    let mut child = command(
+    let mut child = kunci_command(
         &proxy.addr,
         &["run", "restart", "--lease", "2", "--", "sh", "-c", &script],
     )
@@ -382,7 +368,7 @@ fn run_kills_a_command_that_ignores_sigterm_after_kill_after() {
         "trap '' TERM; echo $KUNCI_TOKEN > {started}; while :; do sleep 0.05; done",
         started = started_file.display()
     );
-    let mut child = command(
+    let mut child = kunci_command(
         &server.addr,
         &[
             "run",
@@ -417,7 +403,7 @@ fn run_stops_the_command_if_kunci_itself_dies() {
     let dir = TempDir::new("run-parent-dies");
     let started_file = dir.join("started");
     let script = waiting_script(&dir, "exit 0");
-    let mut child = command(
+    let mut child = kunci_command(
         &server.addr,
         &["run", "orphaned", "--", "sh", "-c", &script],
     )
@@ -505,7 +491,7 @@ fn run_killed_by_sigkill_leaves_nothing_of_the_command_behind() {
         "sleep 1000 & echo $! > {pids}; trap '' TERM; sleep 1000 & echo $! >> {pids}; wait",
         pids = pid_file.display()
     );
-    let mut child = command(
+    let mut child = kunci_command(
         &server.addr,
         &[
             "run",
@@ -661,7 +647,7 @@ fn waiting_forever_queues_with_the_longest_wire_wait() {
     let client = direct(&server);
     let holder = client.acquire("forever", Duration::ZERO, 30 * S).unwrap();
     let started = Instant::now();
-    let run = command(
+    let run = kunci_command(
         &proxy.addr,
         &["run", "forever", "--wait", "inf", "--", "true"],
     )
@@ -670,7 +656,7 @@ fn waiting_forever_queues_with_the_longest_wire_wait() {
     .spawn()
     .unwrap();
     until_waiters(&client, "forever", 1);
-    let acquire = command(
+    let acquire = kunci_command(
         &proxy.addr,
         &["acquire", "forever", "--wait", "inf", "--lease", "1"],
     )
@@ -709,7 +695,7 @@ fn run_renews_at_once_a_lock_granted_after_waiting_longer_than_its_lease() {
     let proxy = Proxy::start(&server.addr);
     let client = direct(&server);
     let holder = client.acquire("late", Duration::ZERO, 30 * S).unwrap();
-    let run = command(
+    let run = kunci_command(
         &proxy.addr,
         &[
             "run",
@@ -837,7 +823,7 @@ fn run_exits_6_when_the_lease_runs_out_without_an_answered_renewal() {
     let dir = TempDir::new("run-unanswered");
     let script = waiting_script(&dir, "exit 0");
     let spawned = Instant::now();
-    let mut child = command(
+    let mut child = kunci_command(
         &proxy.addr,
         &[
             "run",
@@ -979,7 +965,7 @@ fn run_killed_by_sigkill_stops_the_command_by_the_end_of_its_lease() {
         pids = pid_file.display()
     );
     let spawned = Instant::now();
-    let mut child = command(
+    let mut child = kunci_command(
         &server.addr,
         &[
             "run",
@@ -1039,7 +1025,7 @@ fn run_kills_at_valid_until_when_the_lease_runs_out_whatever_kill_after_says() {
         started = started_file.display()
     );
     let spawned = Instant::now();
-    let mut child = command(
+    let mut child = kunci_command(
         &proxy.addr,
         &[
             "run",
@@ -1082,7 +1068,7 @@ fn run_with_renewals(faults: Faults) -> (Option<Duration>, Duration, i32, String
     let dir = TempDir::new("run-term-lead");
     let script = waiting_script(&dir, ":");
     let spawned = Instant::now();
-    let mut child = command(
+    let mut child = kunci_command(
         &proxy.addr,
         &[
             "run",

@@ -67,6 +67,23 @@ impl Pki {
         self.dir.join(name).to_string_lossy().into_owned()
     }
 
+    /// rustls configurations for an in-process endpoint (`server.pem`, no
+    /// client certificates asked for) and for a client that trusts `ca.pem`.
+    pub fn in_process_configs(&self) -> (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>) {
+        let server = kunci::tls::server_config(&kunci::tls::ServerFiles {
+            cert: self.dir.join("server.pem"),
+            key: self.dir.join("server.key"),
+            client_ca: None,
+        })
+        .unwrap();
+        let client = kunci::tls::client_config(&ClientFiles {
+            ca: Some(self.dir.join("ca.pem")),
+            ..ClientFiles::default()
+        })
+        .unwrap();
+        (server, client)
+    }
+
     /// A server with a plaintext and a TLS listener; `extra` adds flags.
     pub fn server(&self, extra: &[&str]) -> TestServer {
         let cert = self.path("server.pem");
@@ -386,42 +403,24 @@ fn client_certificates_when_the_listener_requires_them() {
          (--tls-cert); nothing was executed\n"
     );
     assert!(started.elapsed() < Duration::from_secs(3));
-    let stranger = kunci(
-        &[
-            "acquire",
-            "m",
-            "--server",
-            &tls,
-            "--tls-ca",
-            &ca,
-            "--tls-cert",
-            &pki.path("stranger.pem"),
-            "--tls-key",
-            &pki.path("stranger.key"),
-        ],
-        &[],
-    );
+    // `acquire m` with the certificate and key `{identity}.pem`/`.key`.
+    let acquire_as = |identity: &str| {
+        let cert = pki.path(&format!("{identity}.pem"));
+        let key = pki.path(&format!("{identity}.key"));
+        let args = ["acquire", "m", "--server", &tls, "--tls-ca", &ca];
+        kunci(
+            &[&args[..], &["--tls-cert", &cert, "--tls-key", &key]].concat(),
+            &[],
+        )
+    };
+    let stranger = acquire_as("stranger");
     assert_exit(
         &stranger,
         7,
         "kunci acquire: permission denied: the server refused this client's certificate; \
          nothing was executed\n",
     );
-    let with = kunci(
-        &[
-            "acquire",
-            "m",
-            "--server",
-            &tls,
-            "--tls-ca",
-            &ca,
-            "--tls-cert",
-            &pki.path("client.pem"),
-            "--tls-key",
-            &pki.path("client.key"),
-        ],
-        &[],
-    );
+    let with = acquire_as("client");
     assert_eq!(with.status.code(), Some(0), "{}", text(&with.stderr));
     // Nothing the refused clients sent was executed: one grant, ours.
     let query = kunci(&["query", "m", "--server", &plain_address(&server)], &[]);
@@ -871,17 +870,7 @@ fn endpoint_tls_backpressure_keeps_the_bounds() {
     use kunci::core::{Core, Limits};
 
     let pki = Pki::new();
-    let server_config = kunci::tls::server_config(&kunci::tls::ServerFiles {
-        cert: pki.dir.join("server.pem"),
-        key: pki.dir.join("server.key"),
-        client_ca: None,
-    })
-    .unwrap();
-    let client_config = kunci::tls::client_config(&ClientFiles {
-        ca: Some(pki.dir.join("ca.pem")),
-        ..ClientFiles::default()
-    })
-    .unwrap();
+    let (server_config, client_config) = pki.in_process_configs();
     let mut client = rustls::ClientConnection::new(
         client_config,
         kunci::tls::server_name("localhost:1").unwrap(),
@@ -1026,17 +1015,7 @@ fn one_turn_advances_a_bounded_number_of_handshakes() {
     use kunci::core::{Core, Limits};
 
     let pki = Pki::new();
-    let server_config = kunci::tls::server_config(&kunci::tls::ServerFiles {
-        cert: pki.dir.join("server.pem"),
-        key: pki.dir.join("server.key"),
-        client_ca: None,
-    })
-    .unwrap();
-    let client_config = kunci::tls::client_config(&ClientFiles {
-        ca: Some(pki.dir.join("ca.pem")),
-        ..ClientFiles::default()
-    })
-    .unwrap();
+    let (server_config, client_config) = pki.in_process_configs();
     let mut endpoint = Endpoint::new(Core::new(Limits::default(), 1), Vec::new());
     let connections = 3 * HANDSHAKES_PER_TURN;
     let mut clients = Vec::new();

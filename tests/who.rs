@@ -4,7 +4,7 @@
 //! that keeps a small lock table, so that every answer is known.
 
 use std::collections::BTreeMap;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,7 @@ use kunci::protocol::{Request, Response};
 
 use crate::util::proxy::{Faults, Proxy};
 use crate::util::scripted::Scripted;
-use crate::util::{decoded, kunci_bin};
+use crate::util::{decoded, kunci, kunci_command};
 
 const MS: Duration = Duration::from_millis(1);
 const S: Duration = Duration::from_secs(1);
@@ -255,20 +255,27 @@ fn keys_follows_the_cursor_to_the_end() {
     assert_eq!(page.keys[0].key, "jobs/c");
 }
 
-/// Rule 11: a grant whose answer was lost is found by `H` and released,
-/// long before its lease would end.
-#[test]
-fn an_acquire_whose_grant_was_lost_is_cleaned_up_through_holders() {
-    let (server, table) = table_server();
-    let proxy = Proxy::start(&server.addr);
-    // The next answer — the grant — never reaches the client.
+/// A proxy in front of `server` that drops the next answer, a client
+/// through it and a client straight to the server.
+fn losing_the_next_answer(server: &str) -> (Proxy, Client, Client) {
+    let proxy = Proxy::start(server);
     proxy.set_faults(Faults {
         drop_answers: 1,
         ..Faults::default()
     });
     let faulty = client(&proxy.addr);
+    let direct = client(server);
+    (proxy, faulty, direct)
+}
+
+/// Rule 11: a grant whose answer was lost is found by `H` and released,
+/// long before its lease would end.
+#[test]
+fn an_acquire_whose_grant_was_lost_is_cleaned_up_through_holders() {
+    let (server, table) = table_server();
+    // The next answer — the grant — never reaches the faulty client.
+    let (proxy, faulty, direct) = losing_the_next_answer(&server.addr);
     // Another grant of the same key, which the clean-up leaves alone.
-    let direct = client(&server.addr);
     let other = direct
         .acquire_with(
             "nightly",
@@ -324,16 +331,6 @@ fn an_acquire_whose_grant_was_lost_is_cleaned_up_through_holders() {
     assert_eq!(holders.grants.len(), 1);
     assert_eq!(holders.grants[0].token, other.token());
     other.release().unwrap();
-}
-
-fn kunci(server: &str, args: &[&str]) -> Output {
-    Command::new(kunci_bin())
-        .args(args)
-        .env("KUNCI_SERVER", server)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run kunci")
 }
 
 fn stdout(output: &Output) -> String {
@@ -452,11 +449,7 @@ fn cli_who_and_list_exit_codes() {
     ]
     .into_iter()
     .map(|(server, args)| {
-        let child = Command::new(kunci_bin())
-            .args(args)
-            .env("KUNCI_SERVER", server)
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
+        let child = kunci_command(server, args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -483,13 +476,7 @@ fn cli_who_and_list_exit_codes() {
 #[test]
 fn a_lost_grant_frees_the_key_long_before_its_lease_against_a_real_server() {
     let server = crate::util::TestServer::start(&[]);
-    let proxy = Proxy::start(&server.addr);
-    proxy.set_faults(Faults {
-        drop_answers: 1,
-        ..Faults::default()
-    });
-    let faulty = client(&proxy.addr);
-    let direct = client(&server.addr);
+    let (proxy, faulty, direct) = losing_the_next_answer(&server.addr);
     let outcome = faulty.acquire("orphan", Duration::ZERO, 60 * S);
     assert_eq!(outcome.unwrap_err(), Error::Indeterminate);
     let indeterminate_at = Instant::now();
@@ -517,14 +504,13 @@ fn a_lost_grant_frees_the_key_long_before_its_lease_against_a_real_server() {
 #[test]
 fn who_shows_run_s_default_label_and_the_queue_in_order_against_a_real_server() {
     let server = crate::util::TestServer::start(&[]);
-    let mut run = Command::new(kunci_bin())
-        .args(["run", "job", "--lease", "30", "--", "sleep", "30"])
-        .env("KUNCI_SERVER", &server.addr)
-        .env("USER", "tester")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut run = kunci_command(
+        &server.addr,
+        &["run", "job", "--lease", "30", "--", "sleep", "30"],
+    )
+    .env("USER", "tester")
+    .spawn()
+    .unwrap();
     let direct = client(&server.addr);
     let deadline = Instant::now() + 10 * S;
     while direct.holders("job").unwrap().grants.is_empty() {

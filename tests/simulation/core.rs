@@ -18,9 +18,10 @@ use kunci::core::{ConnId, Core, Limits, Micros, Output};
 use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 use kunci::server::state::{Clocks, Recorded};
 
-use super::{Rng, Simulation, Tally, env_u64, run_seeds};
+use super::{Rng, Simulation, Tally, env_u64, pick_conn, run_seeds};
 use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
 use crate::util::model::{Model, same_as_multiset, same_in_order};
+use crate::util::plain_acquire;
 
 /// The state file's steps (`kunci::core::restart`), in the core's µs.
 const HORIZON_STEP_US: Micros = HORIZON_STEP.as_micros() as Micros;
@@ -149,7 +150,10 @@ impl Tally for Counts {
     }
 }
 
-impl Sim {
+impl Simulation for Sim {
+    type Counts = Counts;
+    const NAME: &'static str = "simulation";
+
     fn new(seed: u64) -> Sim {
         let mut rng = Rng::new(seed);
         let limits = if rng.chance(35) {
@@ -229,6 +233,46 @@ impl Sim {
         }
     }
 
+    fn run(&mut self, steps: usize) -> Result<(), String> {
+        for step in 0..steps {
+            self.step = step;
+            self.step()?;
+        }
+        // Let every wait and lease run out; then every acquire was answered
+        // exactly once or lost with its connection.
+        self.step = steps;
+        let end = self.fake.now + 600 * S;
+        self.run_to(end)?;
+        if self.fake.core.keys() != 0 || self.fake.core.poll_timeout().is_some() {
+            return Err("keys or timers left after every lease ran out".to_owned());
+        }
+        for (owner, attempt) in &self.attempts {
+            if attempt.answers != 1 && !attempt.orphaned {
+                return Err(format!("owner {owner} answered {} times", attempt.answers));
+            }
+        }
+        Ok(())
+    }
+
+    fn position(&self) -> String {
+        format!("step {} (time {} µs)", self.step, self.fake.now)
+    }
+
+    fn counts(&self) -> Counts {
+        Counts {
+            waits_first_at_a_tie: self.model.ties,
+            ..self.counts
+        }
+    }
+
+    fn rerun(seed: u64) -> String {
+        format!(
+            "re-run with KUNCI_SIM_SEED={seed} KUNCI_SIM_TRACE=1 cargo test --release simulation"
+        )
+    }
+}
+
+impl Sim {
     fn wait_s(&mut self) -> u8 {
         match self.rng.below(20) {
             0..=4 => 0,
@@ -249,8 +293,7 @@ impl Sim {
     }
 
     fn open_conn(&mut self) -> Option<ConnId> {
-        let open: Vec<ConnId> = (0..self.conns).filter(|&c| self.open[c as usize]).collect();
-        (!open.is_empty()).then(|| *self.rng.pick(&open))
+        pick_conn(&mut self.rng, &self.open, true)
     }
 
     fn key(&mut self) -> String {
@@ -289,6 +332,17 @@ impl Sim {
         } else {
             token
         }
+    }
+
+    /// `E` on `key` with `token` and a random lease.
+    fn extend(&mut self, conn: ConnId, token: u64, key: &str) -> Result<(), String> {
+        let lease_s = self.lease_s();
+        let request = Request::Extend {
+            lease_s,
+            token,
+            key,
+        };
+        self.request(conn, &request).map(drop)
     }
 
     fn log(&self, what: impl FnOnce() -> String) {
@@ -338,15 +392,7 @@ impl Sim {
                         orphaned: false,
                     },
                 );
-                let request = Request::Acquire {
-                    wait_s,
-                    lease_s,
-                    owner,
-                    key: &key,
-                    limit: 0,
-                    take: 0,
-                    label: "",
-                };
+                let request = plain_acquire(wait_s, lease_s, owner, &key);
                 let out = self.request(conn, &request)?;
                 if out.is_empty() {
                     self.arrivals += 1;
@@ -368,27 +414,13 @@ impl Sim {
                     .map(drop)
             }
             47..=52 => match self.held_key() {
-                Some((key, token)) => {
-                    let lease_s = self.lease_s();
-                    let request = Request::Extend {
-                        lease_s,
-                        token,
-                        key: &key,
-                    };
-                    self.request(conn, &request).map(drop)
-                }
+                Some((key, token)) => self.extend(conn, token, &key),
                 None => self.advance(),
             },
             53..=55 => {
                 let key = self.key();
                 let token = self.wrong_token(&key);
-                let lease_s = self.lease_s();
-                let request = Request::Extend {
-                    lease_s,
-                    token,
-                    key: &key,
-                };
-                self.request(conn, &request).map(drop)
+                self.extend(conn, token, &key)
             }
             56..=60 => {
                 let key = self.key();
@@ -540,13 +572,9 @@ impl Sim {
     }
 
     fn reconnect(&mut self) -> Result<(), String> {
-        let closed: Vec<ConnId> = (0..self.conns)
-            .filter(|&c| !self.open[c as usize])
-            .collect();
-        if closed.is_empty() {
+        let Some(conn) = pick_conn(&mut self.rng, &self.open, false) else {
             return self.advance();
-        }
-        let conn = *self.rng.pick(&closed);
+        };
         self.log(|| format!("connect {conn}"));
         self.fake.core.connect(conn);
         self.model.connect(conn);
@@ -1066,27 +1094,6 @@ impl Sim {
         }
         Ok(())
     }
-
-    fn run(&mut self, steps: usize) -> Result<(), String> {
-        for step in 0..steps {
-            self.step = step;
-            self.step()?;
-        }
-        // Let every wait and lease run out; then every acquire was answered
-        // exactly once or lost with its connection.
-        self.step = steps;
-        let end = self.fake.now + 600 * S;
-        self.run_to(end)?;
-        if self.fake.core.keys() != 0 || self.fake.core.poll_timeout().is_some() {
-            return Err("keys or timers left after every lease ran out".to_owned());
-        }
-        for (owner, attempt) in &self.attempts {
-            if attempt.answers != 1 && !attempt.orphaned {
-                return Err(format!("owner {owner} answered {} times", attempt.answers));
-            }
-        }
-        Ok(())
-    }
 }
 
 /// The clocks at the instant the simulated event loop's clock read 0.
@@ -1095,36 +1102,6 @@ fn anchor() -> Clocks {
         boot_id: b"sim".to_vec(),
         boot_ms: 1_000_000,
         wall_ms: 50_000_000,
-    }
-}
-
-impl Simulation for Sim {
-    type Counts = Counts;
-    const NAME: &'static str = "simulation";
-
-    fn new(seed: u64) -> Sim {
-        Sim::new(seed)
-    }
-
-    fn run(&mut self, steps: usize) -> Result<(), String> {
-        Sim::run(self, steps)
-    }
-
-    fn position(&self) -> String {
-        format!("step {} (time {} µs)", self.step, self.fake.now)
-    }
-
-    fn counts(&self) -> Counts {
-        Counts {
-            waits_first_at_a_tie: self.model.ties,
-            ..self.counts
-        }
-    }
-
-    fn rerun(seed: u64) -> String {
-        format!(
-            "re-run with KUNCI_SIM_SEED={seed} KUNCI_SIM_TRACE=1 cargo test --release simulation"
-        )
     }
 }
 

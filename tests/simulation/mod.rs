@@ -9,8 +9,9 @@
 //!   half-closes, resets, stalls, floods, a graceful shutdown);
 //! - `permits`: keys with permits (spec §10) against the permit model.
 //!
-//! This file holds what they share: the generator, the environment knobs
-//! and the loop over seeds that names a failing seed and how to re-run it.
+//! This file holds what they share: the generator (and a connection picked
+//! with it), the environment knobs and the loop over seeds that names a
+//! failing seed and how to re-run it.
 //! A failure names its seed and step. `KUNCI_SIM_SEED=S` re-runs exactly
 //! that seed (add `KUNCI_SIM_TRACE=1` to print every step where the
 //! simulation traces), `KUNCI_SIM_SEEDS=N` runs seeds `0..N`,
@@ -20,6 +21,8 @@
 use std::fmt::Debug;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::time::Instant;
+
+use kunci::core::ConnId;
 
 mod core;
 mod permits;
@@ -60,6 +63,15 @@ impl Rng {
     pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
         &items[self.below(items.len() as u64) as usize]
     }
+}
+
+/// A connection whose flag in `open` (one per connection) is `wanted`,
+/// picked with `rng`; `None`, and nothing drawn, when there is none.
+pub fn pick_conn(rng: &mut Rng, open: &[bool], wanted: bool) -> Option<ConnId> {
+    let matching: Vec<ConnId> = (0..open.len() as ConnId)
+        .filter(|&c| open[c as usize] == wanted)
+        .collect();
+    (!matching.is_empty()).then(|| *rng.pick(&matching))
 }
 
 pub fn env_u64(name: &str) -> Option<u64> {

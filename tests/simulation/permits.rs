@@ -11,7 +11,7 @@
 use kunci::core::{ConnId, Limits, Micros};
 use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 
-use super::{Rng, Simulation, Tally, run_seeds};
+use super::{Rng, Simulation, Tally, pick_conn, run_seeds};
 use crate::util::fake::{FIRST_TOKEN, Fake, MS, S};
 use crate::util::model::{PermitModel, same_as_multiset, same_in_order};
 
@@ -44,7 +44,6 @@ struct PermitSim {
     rng: Rng,
     fake: Fake,
     model: PermitModel,
-    conns: ConnId,
     open: Vec<bool>,
     keys: Vec<(String, u16)>,
     next_owner: u64,
@@ -53,7 +52,10 @@ struct PermitSim {
     counts: Counts,
 }
 
-impl PermitSim {
+impl Simulation for PermitSim {
+    type Counts = Counts;
+    const NAME: &'static str = "permit simulation";
+
     fn new(seed: u64) -> PermitSim {
         let mut rng = Rng::new(seed ^ 0x9e_4a17);
         let limits = if rng.chance(30) {
@@ -90,7 +92,6 @@ impl PermitSim {
             rng,
             fake: Fake::new(limits, conns),
             model,
-            conns,
             open: vec![true; conns as usize],
             keys,
             next_owner: 0,
@@ -100,6 +101,31 @@ impl PermitSim {
         }
     }
 
+    fn run(&mut self, steps: usize) -> Result<(), String> {
+        for step in 0..steps {
+            self.step = step;
+            self.one_step()?;
+            self.fake.core.check_invariants();
+        }
+        Ok(())
+    }
+
+    fn position(&self) -> String {
+        format!("step {} (time {} µs)", self.step, self.fake.now)
+    }
+
+    fn counts(&self) -> Counts {
+        self.counts
+    }
+
+    fn rerun(seed: u64) -> String {
+        format!(
+            "re-run with KUNCI_PERMIT_SEED={seed} KUNCI_SIM_TRACE=1 cargo test --release permits"
+        )
+    }
+}
+
+impl PermitSim {
     fn log(&self, what: impl FnOnce() -> String) {
         if self.trace {
             eprintln!("[{} @{}] {}", self.step, self.fake.now, what());
@@ -114,18 +140,8 @@ impl PermitSim {
         }
     }
 
-    fn run(&mut self, steps: usize) -> Result<(), String> {
-        for step in 0..steps {
-            self.step = step;
-            self.one_step()?;
-            self.fake.core.check_invariants();
-        }
-        Ok(())
-    }
-
     fn one_step(&mut self) -> Result<(), String> {
-        let open: Vec<ConnId> = (0..self.conns).filter(|&c| self.open[c as usize]).collect();
-        let Some(&conn) = (!open.is_empty()).then(|| self.rng.pick(&open)) else {
+        let Some(conn) = pick_conn(&mut self.rng, &self.open, true) else {
             return self.reconnect();
         };
         match self.rng.below(100) {
@@ -290,13 +306,9 @@ impl PermitSim {
     }
 
     fn reconnect(&mut self) -> Result<(), String> {
-        let closed: Vec<ConnId> = (0..self.conns)
-            .filter(|&c| !self.open[c as usize])
-            .collect();
-        if closed.is_empty() {
+        let Some(conn) = pick_conn(&mut self.rng, &self.open, false) else {
             return self.advance();
-        }
-        let conn = *self.rng.pick(&closed);
+        };
         self.fake.core.connect(conn);
         self.model.connect(conn);
         self.open[conn as usize] = true;
@@ -341,33 +353,6 @@ fn request_owner(request: &Request<'_>) -> Option<u64> {
     match *request {
         Request::Acquire { owner, .. } => Some(owner),
         _ => None,
-    }
-}
-
-impl Simulation for PermitSim {
-    type Counts = Counts;
-    const NAME: &'static str = "permit simulation";
-
-    fn new(seed: u64) -> PermitSim {
-        PermitSim::new(seed)
-    }
-
-    fn run(&mut self, steps: usize) -> Result<(), String> {
-        PermitSim::run(self, steps)
-    }
-
-    fn position(&self) -> String {
-        format!("step {} (time {} µs)", self.step, self.fake.now)
-    }
-
-    fn counts(&self) -> Counts {
-        self.counts
-    }
-
-    fn rerun(seed: u64) -> String {
-        format!(
-            "re-run with KUNCI_PERMIT_SEED={seed} KUNCI_SIM_TRACE=1 cargo test --release permits"
-        )
     }
 }
 

@@ -18,6 +18,7 @@ use kunci::protocol::{self, Correlation, ErrorCode, Request, Response};
 
 use super::{Rng, Simulation, Tally, env_u64, run_seeds};
 use crate::util::fake::{FIRST_TOKEN, MS, S};
+use crate::util::plain_acquire;
 
 /// What the kernel holds for a peer before its reads (the send
 /// buffer): a write beyond it would block.
@@ -112,8 +113,11 @@ pub struct WireSim {
     pub step: usize,
 }
 
-impl WireSim {
-    pub fn new(seed: u64) -> WireSim {
+impl Simulation for WireSim {
+    type Counts = Counts;
+    const NAME: &'static str = "wire simulation";
+
+    fn new(seed: u64) -> WireSim {
         let mut rng = Rng::new(seed ^ 0x77_1e5);
         let limits = Limits {
             max_connections: rng.range(1, 12) as usize,
@@ -145,7 +149,7 @@ impl WireSim {
         }
     }
 
-    pub fn run(&mut self, steps: usize) -> Result<(), String> {
+    fn run(&mut self, steps: usize) -> Result<(), String> {
         for step in 0..steps {
             self.step = step;
             self.counts.steps += 1;
@@ -156,6 +160,20 @@ impl WireSim {
         self.finish()
     }
 
+    fn position(&self) -> String {
+        format!("step {}", self.step)
+    }
+
+    fn counts(&self) -> Counts {
+        self.counts
+    }
+
+    fn rerun(seed: u64) -> String {
+        format!("re-run with KUNCI_SIM_SEED={seed} cargo test --release simulation_of_the_wire")
+    }
+}
+
+impl WireSim {
     fn one_step(&mut self) -> Result<(), String> {
         let ids: Vec<ConnId> = self.live_peers();
         let pick = |rng: &mut Rng| -> Option<ConnId> { (!ids.is_empty()).then(|| *rng.pick(&ids)) };
@@ -326,49 +344,21 @@ impl WireSim {
                 0 => 1,
                 n => self.tokens[self.rng.below(n as u64) as usize].1,
             };
-            let mut bytes = Vec::new();
-            let correlation = match self.rng.below(11) {
+            let request = match self.rng.below(11) {
                 0..=3 => {
-                    let request = Request::Acquire {
-                        wait_s: self.rng.range(0, 3) as u8,
-                        lease_s: self.rng.range(1, 3) as u8,
-                        owner,
-                        key: &key,
-                        limit: 0,
-                        take: 0,
-                        label: "",
-                    };
-                    protocol::encode_request(&request, &mut bytes);
-                    request.correlation()
+                    let wait_s = self.rng.range(0, 3) as u8;
+                    let lease_s = self.rng.range(1, 3) as u8;
+                    plain_acquire(wait_s, lease_s, owner, &key)
                 }
-                4 => {
-                    let request = Request::Release { token, key: &key };
-                    protocol::encode_request(&request, &mut bytes);
-                    request.correlation()
-                }
-                5 => {
-                    let request = Request::Extend {
-                        lease_s: 2,
-                        token,
-                        key: &key,
-                    };
-                    protocol::encode_request(&request, &mut bytes);
-                    request.correlation()
-                }
-                6 => {
-                    let request = Request::Query { key: &key };
-                    protocol::encode_request(&request, &mut bytes);
-                    request.correlation()
-                }
-                7 => {
-                    let request = Request::Ping { nonce: owner };
-                    protocol::encode_request(&request, &mut bytes);
-                    request.correlation()
-                }
-                8 => {
-                    protocol::encode_request(&Request::Info, &mut bytes);
-                    Correlation::Info
-                }
+                4 => Request::Release { token, key: &key },
+                5 => Request::Extend {
+                    lease_s: 2,
+                    token,
+                    key: &key,
+                },
+                6 => Request::Query { key: &key },
+                7 => Request::Ping { nonce: owner },
+                8 => Request::Info,
                 9 => {
                     // A watch (spec §13): answered at once when the key's
                     // token is not `since`, else held until it changes,
@@ -377,30 +367,19 @@ impl WireSim {
                         0 => 0,
                         _ => token,
                     };
-                    let request = Request::Observe {
+                    Request::Observe {
                         wait_s: self.rng.range(0, 3) as u8,
                         id: owner,
                         since,
                         key: &key,
-                    };
-                    protocol::encode_request(&request, &mut bytes);
-                    request.correlation()
+                    }
                 }
-                _ => {
-                    // Lease 0: `X 5` carrying the owner, not fatal.
-                    let request = Request::Acquire {
-                        wait_s: 0,
-                        lease_s: 0,
-                        owner,
-                        key: &key,
-                        limit: 0,
-                        take: 0,
-                        label: "",
-                    };
-                    protocol::encode_request(&request, &mut bytes);
-                    request.correlation()
-                }
+                // Lease 0: `X 5` carrying the owner, not fatal.
+                _ => plain_acquire(0, 0, owner, &key),
             };
+            let mut bytes = Vec::new();
+            protocol::encode_request(&request, &mut bytes);
+            let correlation = request.correlation();
             let peer = self.peers.get_mut(&id).unwrap();
             peer.unread.extend_from_slice(&bytes);
             peer.pending.push(correlation);
@@ -741,31 +720,6 @@ impl WireSim {
             }
         }
         Ok(())
-    }
-}
-
-impl Simulation for WireSim {
-    type Counts = Counts;
-    const NAME: &'static str = "wire simulation";
-
-    fn new(seed: u64) -> WireSim {
-        WireSim::new(seed)
-    }
-
-    fn run(&mut self, steps: usize) -> Result<(), String> {
-        WireSim::run(self, steps)
-    }
-
-    fn position(&self) -> String {
-        format!("step {}", self.step)
-    }
-
-    fn counts(&self) -> Counts {
-        self.counts
-    }
-
-    fn rerun(seed: u64) -> String {
-        format!("re-run with KUNCI_SIM_SEED={seed} cargo test --release simulation_of_the_wire")
     }
 }
 

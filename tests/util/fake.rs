@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use kunci::core::{ConnId, Core, Limits, Micros, Output};
 use kunci::protocol::{Request, Response};
 
+use super::plain_acquire;
+
 pub const MS: Micros = 1_000;
 pub const S: Micros = 1_000_000;
 
@@ -70,18 +72,7 @@ impl Fake {
         lease_s: u8,
         owner: u64,
     ) -> Vec<Output> {
-        self.request(
-            conn,
-            &Request::Acquire {
-                wait_s,
-                lease_s,
-                owner,
-                key,
-                limit: 0,
-                take: 0,
-                label: "",
-            },
-        )
+        self.request(conn, &plain_acquire(wait_s, lease_s, owner, key))
     }
 
     /// An acquire that must be granted at once; returns its token.

@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -49,6 +49,23 @@ pub fn s_frame(
 /// The `kunci` binary under test.
 pub fn kunci_bin() -> &'static str {
     env!("CARGO_BIN_EXE_kunci")
+}
+
+/// `kunci ARGS` against `server` (as `KUNCI_SERVER`), with stdin closed and
+/// no `RUST_LOG`, so that only what the command itself says shows.
+pub fn kunci_command(server: &str, args: &[&str]) -> Command {
+    let mut command = Command::new(kunci_bin());
+    command
+        .args(args)
+        .env("KUNCI_SERVER", server)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null());
+    command
+}
+
+/// `kunci ARGS` against `server`, run to its end.
+pub fn kunci(server: &str, args: &[&str]) -> Output {
+    kunci_command(server, args).output().expect("run kunci")
 }
 
 /// A `kunci serve` child process, killed when dropped.
@@ -399,9 +416,9 @@ pub fn decoded(frame: &[u8]) -> Request<'_> {
     request
 }
 
-/// Request builders.
-pub fn acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Vec<u8> {
-    encode(&Request::Acquire {
+/// The plain exclusive `A` (spec §10.1: limit 0, take 0, no label).
+pub fn plain_acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Request<'_> {
+    Request::Acquire {
         wait_s,
         lease_s,
         owner,
@@ -409,7 +426,12 @@ pub fn acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Vec<u8> {
         limit: 0,
         take: 0,
         label: "",
-    })
+    }
+}
+
+/// Request builders.
+pub fn acquire(wait_s: u8, lease_s: u8, owner: u64, key: &str) -> Vec<u8> {
+    encode(&plain_acquire(wait_s, lease_s, owner, key))
 }
 
 pub fn release(token: u64, key: &str) -> Vec<u8> {

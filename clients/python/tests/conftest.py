@@ -482,6 +482,37 @@ def wait_for(predicate, timeout, interval=0.01):
         time.sleep(interval)
 
 
+def in_thread(function, *args, **kwargs):
+    """Starts ``function`` in a daemon thread; returns a dict that gets its
+    outcome (``result`` or ``error``), the instant it ended (``at``) and how
+    long it took (``took``)."""
+    box = {}
+
+    def run():
+        started = time.monotonic()
+        try:
+            box["result"] = function(*args, **kwargs)
+        except BaseException as error:  # noqa: B902
+            box["error"] = error
+        box["at"] = time.monotonic()
+        box["took"] = box["at"] - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    box["thread"] = thread
+    return box
+
+
+def joined(box, timeout):
+    """The result of an ``in_thread`` call (its exception raised again);
+    fails the test if it still runs after ``timeout`` seconds."""
+    box["thread"].join(timeout)
+    assert "took" in box, "still waiting after %.1f s" % timeout
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def outcome(function, *args, **kwargs):
     """(the exception class or "ok", elapsed seconds, value or exception)."""
     start = time.monotonic()

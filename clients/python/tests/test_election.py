@@ -15,7 +15,7 @@ import pytest
 import kunci
 import kunci._common as C
 import kunci._protocol as P
-from conftest import free_port, kunci_bin, wait_for
+from conftest import free_port, in_thread, joined, kunci_bin, wait_for
 
 
 # ---------------------------------------------------------------- the codec
@@ -177,29 +177,6 @@ class Follower(object):
     def wait_count(self, count, timeout=5):
         assert wait_for(lambda: len(self.items) >= count, timeout), (self.items, self.error)
         return self.items[count - 1]
-
-
-def in_thread(function, *args, **kwargs):
-    box = {}
-
-    def run():
-        try:
-            box["result"] = function(*args, **kwargs)
-        except BaseException as error:  # noqa: B902
-            box["error"] = error
-        box["at"] = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    box["thread"] = thread
-    return box
-
-
-def joined(box, timeout):
-    box["thread"].join(timeout)
-    assert "at" in box, "still waiting after %.1f s" % timeout
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 # -------------------------------------------------------- on a real server

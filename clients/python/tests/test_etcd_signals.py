@@ -2,39 +2,26 @@
 of the same ``etcd://`` client (issue 26, defect 6, as on a kunci server):
 it must not wait for the client's own locks. Real interpreter processes."""
 
-import signal
-import threading
-import time
-
 import pytest
 
 import kunci
-from conftest import wait_for
 from test_exit import oldest_and_newest
-from test_process import SIGTERM_RELEASE, start, stop
+from test_process import RELEASE_ON_SIGTERM, SIGTERM_RELEASE, release_from_a_signal_handler
 
 ON_ETCD = dict(SIGTERM_RELEASE)
 # The signal comes while the main thread holds the lock of the client's
 # connection pool (here made to last: taking an idle connection sleeps).
-ON_ETCD["holding the pool's lock"] = """
-    client = kunci.Client(ADDRESS)
-    t = client.acquire(KEY + "/held", lease=30)
-    def on_term(signum, frame):
-        start = time.monotonic()
-        t.release()
-        print("released %.3f" % (time.monotonic() - start), flush=True)
-        sys.exit(0)
-    signal.signal(signal.SIGTERM, on_term)
-    class SlowPop(list):
-        def pop(self, *args):
-            time.sleep(0.2)
-            return list.pop(self, *args)
-    members = client._etcd.members
-    client.query(KEY + "/busy")
-    members._idle = [SlowPop(idle) for idle in members._idle]
-    print("ready", flush=True)
-    while True:
+ON_ETCD["holding the pool's lock"] = RELEASE_ON_SIGTERM + """\
+        class SlowPop(list):
+            def pop(self, *args):
+                time.sleep(0.2)
+                return list.pop(self, *args)
+        members = client._etcd.members
         client.query(KEY + "/busy")
+        members._idle = [SlowPop(idle) for idle in members._idle]
+        print("ready", flush=True)
+        while True:
+            client.query(KEY + "/busy")
 """
 
 
@@ -43,29 +30,7 @@ def test_etcd_release_from_a_signal_handler_while_inside_a_call(etcd_cluster, do
     observer = kunci.Client(etcd_cluster.address)
     for python in oldest_and_newest():
         key = "sigterm-%s/%s" % (doing.split()[0], python.replace("/", "_"))
-        busy = observer.acquire(key + "/busy", lease=30)
-        child = start(python, ON_ETCD[doing], etcd_cluster.address, key)
-        # A deadlocked child never answers: it is killed, and the test fails.
-        watchdog = threading.Timer(10, child.kill)
-        watchdog.start()
-        try:
-            assert child.stdout.readline() == b"ready\n"
-            if doing == "blocked in an acquire":
-                wait_for(lambda: observer.query(key + "/busy").waiters == 1, 5)
-            else:
-                time.sleep(0.3)
-            sent = time.monotonic()
-            child.send_signal(signal.SIGTERM)
-            line = child.stdout.readline().decode().split()
-            took = time.monotonic() - sent
-            assert child.wait(5) == 0
-        finally:
-            watchdog.cancel()
-            stderr = stop(child)
-        assert line and line[0] == "released", stderr
-        assert float(line[1]) < 1.0 and took < 2.0, (line, took, stderr)
-        assert observer.query(key + "/held") is None
-        # The interrupted acquire left the queue as the program ended.
-        wait_for(lambda: observer.query(key + "/busy").waiters == 0, 5)
-        busy.release()
+        release_from_a_signal_handler(observer, python, doing, ON_ETCD[doing],
+                                      etcd_cluster.address, key,
+                                      queue_left_within=5, watchdog=10)
     observer.close()

@@ -5,6 +5,7 @@ nothing by itself. Where the behaviour depends on processes, signals or
 the interpreter, each runs a real interpreter process (every CPython >= 3.9
 on this machine)."""
 
+import contextlib
 import logging
 import signal
 import subprocess
@@ -77,25 +78,35 @@ CTRL_C = {
 }
 
 
+@contextlib.contextmanager
+def waiting_behind_a_holder(observer, python, body, address, key):
+    """Starts `body` in `python` once `observer` holds `key`, and yields
+    (child, holder) when the child waits for the key; after the block the
+    child is stopped and must have printed no traceback."""
+    holder = observer.acquire(key, lease=30)
+    child = start(python, body, address, key)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        wait_for(lambda: observer.query(key).waiters == 1, 5)
+        yield child, holder
+    finally:
+        stderr = stop(child)
+    assert "Traceback" not in stderr, stderr
+
+
 @pytest.mark.parametrize("flavour", sorted(CTRL_C))
 def test_ctrl_c_during_a_waiting_acquire_leaves_no_grant_to_nobody(server, flavour):
     observer = kunci.Client(server.address)
     for python in interpreters():
         key = "ctrl-c/" + python
-        holder = observer.acquire(key, lease=30)
-        child = start(python, CTRL_C[flavour], server.address, key)
-        try:
-            assert child.stdout.readline() == b"ready\n"
-            wait_for(lambda: observer.query(key).waiters == 1, 5)
+        with waiting_behind_a_holder(observer, python, CTRL_C[flavour], server.address,
+                                     key) as (child, holder):
             child.send_signal(signal.SIGINT)
             assert child.stdout.readline() == b"interrupted\n"
             # The wait is withdrawn: the key goes on at once when released.
             holder.release()
             wait_for(lambda: observer.query(key) is None, 2)
             assert child.poll() is None  # still running, reading nothing
-        finally:
-            stderr = stop(child)
-        assert "Traceback" not in stderr, stderr
     observer.close()
 
 
@@ -107,11 +118,8 @@ def test_ctrl_c_when_the_grant_is_already_sent_releases_it(server, flavour):
     observer = kunci.Client(server.address)
     for python in oldest_and_newest():
         key = "ctrl-c-late/" + python
-        holder = observer.acquire(key, lease=30)
-        child = start(python, CTRL_C[flavour], server.address, key)
-        try:
-            assert child.stdout.readline() == b"ready\n"
-            wait_for(lambda: observer.query(key).waiters == 1, 5)
+        with waiting_behind_a_holder(observer, python, CTRL_C[flavour], server.address,
+                                     key) as (child, holder):
             child.send_signal(signal.SIGSTOP)
             holder.release()
             wait_for(lambda: observer.query(key) is not None
@@ -125,16 +133,14 @@ def test_ctrl_c_when_the_grant_is_already_sent_releases_it(server, flavour):
             assert line == b"interrupted\n"
             wait_for(lambda: observer.query(key) is None, 2)
             assert child.poll() is None  # still running, reading nothing
-        finally:
-            stderr = stop(child)
-        assert "Traceback" not in stderr, stderr
     observer.close()
 
 
 # ------------------------------------------ release in a signal handler (26.6)
 
-SIGTERM_RELEASE = {
-    "blocked in an acquire": """
+# Holds KEY/held and releases it from its SIGTERM handler, saying how long
+# the release took; what follows it says what the main thread is doing.
+RELEASE_ON_SIGTERM = """
         client = kunci.Client(ADDRESS)
         t = client.acquire(KEY + "/held", lease=30)
         def on_term(signum, frame):
@@ -143,18 +149,14 @@ SIGTERM_RELEASE = {
             print("released %.3f" % (time.monotonic() - start), flush=True)
             sys.exit(0)
         signal.signal(signal.SIGTERM, on_term)
+"""
+
+SIGTERM_RELEASE = {
+    "blocked in an acquire": RELEASE_ON_SIGTERM + """\
         print("ready", flush=True)
         client.acquire(KEY + "/busy", wait=30)
     """,
-    "busy with calls": """
-        client = kunci.Client(ADDRESS)
-        t = client.acquire(KEY + "/held", lease=30)
-        def on_term(signum, frame):
-            start = time.monotonic()
-            t.release()
-            print("released %.3f" % (time.monotonic() - start), flush=True)
-            sys.exit(0)
-        signal.signal(signal.SIGTERM, on_term)
+    "busy with calls": RELEASE_ON_SIGTERM + """\
         print("ready", flush=True)
         while True:
             client.query(KEY + "/busy")
@@ -162,32 +164,50 @@ SIGTERM_RELEASE = {
 }
 
 
+def release_from_a_signal_handler(observer, python, doing, body, address, key,
+                                  queue_left_within, watchdog=None):
+    """Runs `body` (one of SIGTERM_RELEASE's programs, `doing` what its name
+    says) in `python` with `key + "/busy"` held by `observer`, sends it
+    SIGTERM, and checks that its handler released `key + "/held"` at once
+    and that the interrupted acquire left the queue within
+    `queue_left_within` s. A child still running `watchdog` s after its start
+    (deadlocked: it never answers) is killed, so the test fails instead of
+    hanging."""
+    busy = observer.acquire(key + "/busy", lease=30)
+    child = start(python, body, address, key)
+    timer = None if watchdog is None else threading.Timer(watchdog, child.kill)
+    if timer is not None:
+        timer.start()
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        if doing == "blocked in an acquire":
+            wait_for(lambda: observer.query(key + "/busy").waiters == 1, 5)
+        else:
+            time.sleep(0.3)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        line = child.stdout.readline().decode().split()
+        took = time.monotonic() - sent
+        assert child.wait(5) == 0
+    finally:
+        if timer is not None:
+            timer.cancel()
+        stderr = stop(child)
+    assert line and line[0] == "released", stderr
+    assert float(line[1]) < 1.0 and took < 2.0, (line, took, stderr)
+    assert observer.query(key + "/held") is None
+    # The interrupted acquire left the queue as the program ended.
+    wait_for(lambda: observer.query(key + "/busy").waiters == 0, queue_left_within)
+    busy.release()
+
+
 @pytest.mark.parametrize("doing", sorted(SIGTERM_RELEASE))
 def test_release_from_a_signal_handler_while_inside_a_call(server, doing):
     observer = kunci.Client(server.address)
     for python in oldest_and_newest():
-        key = "sigterm/" + python
-        busy = observer.acquire(key + "/busy", lease=30)
-        child = start(python, SIGTERM_RELEASE[doing], server.address, key)
-        try:
-            assert child.stdout.readline() == b"ready\n"
-            if doing == "blocked in an acquire":
-                wait_for(lambda: observer.query(key + "/busy").waiters == 1, 5)
-            else:
-                time.sleep(0.3)
-            sent = time.monotonic()
-            child.send_signal(signal.SIGTERM)
-            line = child.stdout.readline().decode().split()
-            took = time.monotonic() - sent
-            assert child.wait(5) == 0
-        finally:
-            stderr = stop(child)
-        assert line and line[0] == "released", stderr
-        assert float(line[1]) < 1.0 and took < 2.0, (line, took, stderr)
-        assert observer.query(key + "/held") is None
-        # The interrupted acquire left the queue as the program ended.
-        wait_for(lambda: observer.query(key + "/busy").waiters == 0, 2)
-        busy.release()
+        release_from_a_signal_handler(observer, python, doing, SIGTERM_RELEASE[doing],
+                                      server.address, "sigterm/" + python,
+                                      queue_left_within=2)
     observer.close()
 
 

@@ -14,39 +14,13 @@ import pytest
 
 import kunci
 import kunci._common
-from conftest import Server, request_frames, wait_for
+from conftest import Server, in_thread, joined, request_frames, wait_for
 
 
 @pytest.fixture
 def short_slices(monkeypatch):
     # Each attempt queues 1 s instead of 255 s.
     monkeypatch.setattr(kunci._common, "WAIT_FOREVER_SLICE", 1.0)
-
-
-def in_thread(function, *args, **kwargs):
-    """Starts ``function``; returns a dict that gets its outcome and time."""
-    box = {}
-
-    def run():
-        started = time.monotonic()
-        try:
-            box["result"] = function(*args, **kwargs)
-        except BaseException as error:  # noqa: B902
-            box["error"] = error
-        box["took"] = time.monotonic() - started
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    box["thread"] = thread
-    return box
-
-
-def joined(box, timeout):
-    box["thread"].join(timeout)
-    assert "took" in box, "still waiting after %.1f s" % timeout
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 @pytest.mark.parametrize("forever", [None, math.inf])
