@@ -8,7 +8,7 @@
 //! and nothing is queued for a connection once it stopped being live.
 //! At the end every request on a live connection has been answered.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use kunci::addr::Network;
 use kunci::core::connection::{Phase, READ_CHUNK};
@@ -99,7 +99,7 @@ pub struct WireSim {
     rng: Rng,
     endpoint: Endpoint,
     now: Micros,
-    peers: HashMap<ConnId, Peer>,
+    peers: BTreeMap<ConnId, Peer>,
     free_ids: BTreeSet<ConnId>,
     next_id: ConnId,
     /// Sockets to read again before waiting (`Action::Read`).
@@ -135,7 +135,7 @@ impl Simulation for WireSim {
             rng,
             endpoint: Endpoint::new(Core::new(limits, FIRST_TOKEN), networks),
             now: 0,
-            peers: HashMap::new(),
+            peers: BTreeMap::new(),
             free_ids: BTreeSet::new(),
             next_id: 0,
             ready: Vec::new(),
