@@ -28,41 +28,16 @@ pub(crate) enum JsonValue {
 }
 
 impl JsonValue {
-    /// The value as JSON text (only strings are ever written).
+    /// A string as JSON text. kunci writes its requests' JSON itself and
+    /// only needs strings quoted: any other value is an error.
     pub(crate) fn stringify(&self) -> Result<String, std::fmt::Error> {
-        let mut out = String::new();
-        self.write(&mut out);
-        Ok(out)
-    }
-
-    fn write(&self, out: &mut String) {
         match self {
-            JsonValue::Null => out.push_str("null"),
-            JsonValue::Boolean(value) => out.push_str(if *value { "true" } else { "false" }),
-            JsonValue::Number(literal) => out.push_str(literal),
-            JsonValue::String(text) => write_string(text, out),
-            JsonValue::Array(items) => {
-                out.push('[');
-                for (index, item) in items.iter().enumerate() {
-                    if index > 0 {
-                        out.push(',');
-                    }
-                    item.write(out);
-                }
-                out.push(']');
+            JsonValue::String(text) => {
+                let mut out = String::with_capacity(text.len() + 2);
+                write_string(text, &mut out);
+                Ok(out)
             }
-            JsonValue::Object(members) => {
-                out.push('{');
-                for (index, (name, value)) in members.iter().enumerate() {
-                    if index > 0 {
-                        out.push(',');
-                    }
-                    write_string(name, out);
-                    out.push(':');
-                    value.write(out);
-                }
-                out.push('}');
-            }
+            _ => Err(std::fmt::Error),
         }
     }
 }
@@ -493,5 +468,6 @@ mod tests {
             .stringify()
             .unwrap();
         assert_eq!(written, "\"a\\\"\\\\\\n\\u0001\u{7f}é\"");
+        assert!(JsonValue::Null.stringify().is_err());
     }
 }
