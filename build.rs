@@ -40,8 +40,8 @@ fn main() {
     // where `.rodata` would have (page-aligned anyway), and the rest of the
     // read-only data follows it without a gap. Only the layout changes; a
     // build without ring matches nothing and the section is left out.
-    let script = std::path::Path::new(&env::var("OUT_DIR").expect("OUT_DIR"))
-        .join("p256-table-first.ld");
+    let script =
+        std::path::Path::new(&env::var("OUT_DIR").expect("OUT_DIR")).join("p256-table-first.ld");
     std::fs::write(
         &script,
         "SECTIONS { .rodata.p256_table : { *(.rodata.ecp_nistz256_precomputed*) } }\n\
