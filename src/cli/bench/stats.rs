@@ -318,9 +318,15 @@ fn ratio((numerator, denominator): (u128, u128), decimals: u32) -> String {
 
 fn rate((numerator, denominator): (u128, u128)) -> String {
     if numerator >= denominator.saturating_mul(1_000_000) {
-        format!("{} M", ratio((numerator, denominator * 1_000_000), 3))
+        format!(
+            "{} M",
+            ratio((numerator, denominator.saturating_mul(1_000_000)), 3)
+        )
     } else if numerator >= denominator.saturating_mul(1_000) {
-        format!("{} k", ratio((numerator, denominator * 1_000), 2))
+        format!(
+            "{} k",
+            ratio((numerator, denominator.saturating_mul(1_000)), 2)
+        )
     } else {
         format!("{} ", ratio((numerator, denominator), 1))
     }
