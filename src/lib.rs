@@ -18,6 +18,7 @@
 //! - [`metrics`] — Prometheus exposition and its bounded HTTP exchange.
 //! - [`addr`] — server addresses (`HOST:PORT`, `unix:PATH`).
 //! - [`stream`] — the one TCP/Unix stream type the server, client and bench share.
+//! - `decimal` — durations and rates as decimal text, without floats.
 //! - [`timer_wheel`] — the hierarchical timer wheel and the 1 ms tick
 //!   rounding, shared by the core, the endpoint and the client engine.
 //! - `cli` — the `kunci` subcommands (feature `cli`, on by default; without
@@ -34,6 +35,7 @@ pub mod addr;
 pub mod cli;
 pub mod client;
 pub mod core;
+pub(crate) mod decimal;
 #[cfg(any(feature = "cli", feature = "etcd"))]
 pub(crate) mod mailbox;
 pub mod metrics;

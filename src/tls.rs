@@ -75,7 +75,7 @@ fn pem_problem(error: rustls::pki_types::pem::Error) -> String {
     match error {
         Error::Io(e) => e.to_string(),
         Error::NoItemsFound => "no PEM item of the expected kind in the file".to_owned(),
-        other => format!("not valid PEM ({other:?})"),
+        other => format!("not valid PEM ({other})"),
     }
 }
 

@@ -1531,3 +1531,100 @@ proptest! {
         }
     }
 }
+
+/// `Response`'s `Debug` is written by hand (for the binary's size): it
+/// prints what `#[derive(Debug)]` printed.
+#[test]
+fn response_debug_is_the_derived_text() {
+    let cases = [
+        (
+            Response::Acquired { owner: 1, token: 2 },
+            "Acquired { owner: 1, token: 2 }",
+        ),
+        (Response::Timeout { owner: 3 }, "Timeout { owner: 3 }"),
+        (Response::Busy { owner: 4 }, "Busy { owner: 4 }"),
+        (Response::Released { token: 5 }, "Released { token: 5 }"),
+        (Response::Extended { token: 6 }, "Extended { token: 6 }"),
+        (Response::NotHeld { token: 7 }, "NotHeld { token: 7 }"),
+        (
+            Response::Query {
+                token: 1,
+                owner: 2,
+                lease_ms: 3,
+                waiters: 4,
+            },
+            "Query { token: 1, owner: 2, lease_ms: 3, waiters: 4 }",
+        ),
+        (Response::Pong { nonce: 9 }, "Pong { nonce: 9 }"),
+        (Response::Info("a\"b".to_owned()), r#"Info("a\"b")"#),
+        (
+            Response::Error {
+                code: 4,
+                id: 0,
+                text: "bad\n".into(),
+            },
+            r#"Error { code: 4, id: 0, text: "bad\n" }"#,
+        ),
+        (
+            Response::Grant {
+                id: 1,
+                token: 2,
+                owner: 3,
+                lease_ms: 4,
+                held_ms: 5,
+                take: 6,
+                label: "l".to_owned(),
+            },
+            r#"Grant { id: 1, token: 2, owner: 3, lease_ms: 4, held_ms: 5, take: 6, label: "l" }"#,
+        ),
+        (
+            Response::Waiter {
+                id: 1,
+                owner: 2,
+                wait_ms: 3,
+                take: 4,
+                label: String::new(),
+            },
+            r#"Waiter { id: 1, owner: 2, wait_ms: 3, take: 4, label: "" }"#,
+        ),
+        (
+            Response::Key {
+                id: 1,
+                grants: 2,
+                waiters: 3,
+                limit: 4,
+                key: "k".to_owned(),
+            },
+            r#"Key { id: 1, grants: 2, waiters: 3, limit: 4, key: "k" }"#,
+        ),
+        (
+            Response::End {
+                id: 1,
+                count: 2,
+                next: 3,
+            },
+            "End { id: 1, count: 2, next: 3 }",
+        ),
+        (
+            Response::Authenticated {
+                name: "n".to_owned(),
+            },
+            r#"Authenticated { name: "n" }"#,
+        ),
+        (
+            Response::KeyState {
+                id: 1,
+                token: 2,
+                lease_ms: 3,
+                held_ms: 4,
+                grants: 5,
+                waiters: 6,
+                label: "x".to_owned(),
+            },
+            r#"KeyState { id: 1, token: 2, lease_ms: 3, held_ms: 4, grants: 5, waiters: 6, label: "x" }"#,
+        ),
+    ];
+    for (response, text) in cases {
+        assert_eq!(format!("{response:?}"), text);
+    }
+}

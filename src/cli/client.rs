@@ -273,7 +273,7 @@ Options:
             let round_trip = client.ping()?;
             say(
                 out,
-                format_args!("{:.3} ms", round_trip.as_secs_f64() * 1000.0),
+                format_args!("{} ms", crate::decimal::millis(round_trip, 3)),
             )
         },
     },

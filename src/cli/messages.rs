@@ -237,7 +237,7 @@ pub(super) fn grace_note(client: &Client, key: &str, deadline: std::time::Instan
 
 /// A duration as the user typed it: `2.5 s`, `1 s`.
 fn seconds_text(duration: Duration) -> String {
-    let text = format!("{:.3}", duration.as_secs_f64());
+    let text = crate::decimal::seconds(duration, 3);
     let text = text.trim_end_matches('0').trim_end_matches('.');
     format!("{text} s")
 }

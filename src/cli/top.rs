@@ -232,7 +232,7 @@ fn row(now: &Counters, before: Option<(Duration, &Counters)>) -> String {
         let rate = match (now.get(name), before) {
             (Some(value), Some((elapsed, old))) if !elapsed.is_zero() => {
                 let grown = value.saturating_sub(old.get(name).unwrap_or(value));
-                rate_text(grown as f64 / elapsed.as_secs_f64())
+                rate_text(grown, elapsed)
             }
             (Some(_), _) => "-".to_owned(),
             (None, _) => "?".to_owned(),
@@ -244,11 +244,13 @@ fn row(now: &Counters, before: Option<(Duration, &Counters)>) -> String {
 }
 
 /// A rate with one decimal below 10 per second, whole above.
-fn rate_text(rate: f64) -> String {
-    if rate < 9.95 {
-        format!("{rate:.1}")
+fn rate_text(count: u64, elapsed: Duration) -> String {
+    let (numerator, denominator) = crate::decimal::per_second(count, elapsed);
+    // Below 9.95 per second, one decimal.
+    if numerator.saturating_mul(100) < denominator.saturating_mul(995) {
+        crate::decimal::fixed(numerator, denominator, 1)
     } else {
-        format!("{rate:.0}")
+        crate::decimal::fixed(numerator, denominator, 0)
     }
 }
 

@@ -1094,7 +1094,12 @@ impl<R> Engine<R> {
         }
         match req.reply {
             Some(reply) => self.completions.push_back((reply, outcome)),
-            None => log::debug!("background {:?} on {:?}: {outcome:?}", req.op, req.key),
+            None => log::debug!(
+                "background {} on {:?}: {}",
+                req.op.summary(),
+                req.key,
+                outcome.summary()
+            ),
         }
     }
 

@@ -432,18 +432,23 @@ impl Shell {
     fn tls_failed(&mut self, s: SessionId, failure: crate::tls::Failure, now: Instant) {
         use super::engine::Refusal;
         use crate::tls::Failure;
-        let address = self.addresses.get(s / self.per_server);
+        // Its address as the user wrote it (`Display`; `Debug` of every
+        // address kind would cost the binary 1.6 KB for this line).
+        let address = match self.addresses.get(s / self.per_server) {
+            Some(address) => address.to_string(),
+            None => String::new(),
+        };
         let why = match failure {
             Failure::Untrusted(why) | Failure::Other(why) => {
-                log::debug!("session {s}: TLS with {address:?}: {why}");
+                log::debug!("session {s}: TLS with {address}: {why}");
                 Refusal::Unavailable(Unavailable::Untrusted(why))
             }
             Failure::NotTls(why) => {
-                log::debug!("session {s}: TLS with {address:?}: {why}");
+                log::debug!("session {s}: TLS with {address}: {why}");
                 Refusal::Unavailable(Unavailable::WrongProtocol(why))
             }
             Failure::Refused(why) => {
-                log::debug!("session {s}: TLS with {address:?}: {why}");
+                log::debug!("session {s}: TLS with {address}: {why}");
                 Refusal::PermissionDenied(why)
             }
         };

@@ -162,7 +162,11 @@ impl Iterator for Observe {
                     return Some(Err(error));
                 }
                 Err(error) => {
-                    log::debug!("{}: {error}; asking again in {pause:?}", self.name);
+                    log::debug!(
+                        "{}: {error}; asking again in {} s",
+                        self.name,
+                        crate::decimal::seconds_shortest(pause)
+                    );
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(PAUSE_MAX);
                 }

@@ -422,6 +422,62 @@ pub struct KeyPage {
     pub next: u64,
 }
 
+impl Op {
+    /// The request in a few words, for the background requests' debug
+    /// lines (compensating releases, the clean-up of spec §8 rule 11):
+    /// `Release { token: 7 }`, as `Debug` writes the two kinds that run
+    /// in the background, without the `Debug` of every kind (issue 28).
+    pub(crate) fn summary(&self) -> String {
+        match self {
+            Op::Release { token } => format!("Release {{ token: {token} }}"),
+            Op::Holders {
+                id,
+                clean_up_for: Some(owner),
+            } => format!("Holders {{ id: {id}, clean_up_for: Some({owner}) }}"),
+            Op::Acquire { .. } => "Acquire".to_owned(),
+            Op::Extend { .. } => "Extend".to_owned(),
+            Op::Query => "Query".to_owned(),
+            Op::Ping { .. } => "Ping".to_owned(),
+            Op::Info => "Info".to_owned(),
+            Op::Holders { .. } => "Holders".to_owned(),
+            Op::List { .. } => "List".to_owned(),
+            Op::Observe { .. } => "Observe".to_owned(),
+        }
+    }
+}
+
+impl Outcome {
+    /// The outcome in a few words, for the same debug lines: the variant
+    /// and its reason as `Debug` writes them, the name alone for answers
+    /// that carry data (a background request's data has no reader).
+    pub(crate) fn summary(&self) -> String {
+        match self {
+            Outcome::Unavailable(why) => format!("Unavailable({why:?})"),
+            Outcome::Invalid(text) => format!("Invalid({text:?})"),
+            Outcome::PermissionDenied(denied) => format!("PermissionDenied({denied:?})"),
+            Outcome::LimitMismatch {
+                key_limit: Some(limit),
+            } => format!("LimitMismatch {{ key_limit: Some({limit}) }}"),
+            Outcome::LimitMismatch { key_limit: None } => {
+                "LimitMismatch { key_limit: None }".to_owned()
+            }
+            Outcome::Acquired { token, .. } => format!("Acquired {{ token: {token} }}"),
+            Outcome::Timeout => "Timeout".to_owned(),
+            Outcome::Busy => "Busy".to_owned(),
+            Outcome::Indeterminate => "Indeterminate".to_owned(),
+            Outcome::Released => "Released".to_owned(),
+            Outcome::Extended { .. } => "Extended".to_owned(),
+            Outcome::NotHeld => "NotHeld".to_owned(),
+            Outcome::Query(_) => "Query".to_owned(),
+            Outcome::Pong { .. } => "Pong".to_owned(),
+            Outcome::Info(_) => "Info".to_owned(),
+            Outcome::Holders(_) => "Holders".to_owned(),
+            Outcome::Keys(_) => "Keys".to_owned(),
+            Outcome::Observed(_) => "Observed".to_owned(),
+        }
+    }
+}
+
 /// The margin taken off a lease to allow for the server's clock running
 /// faster than ours: 10 ms plus 0.2 % of the lease (2000 ppm, twice the
 /// worst slew NTP applies to two clocks that drift apart).

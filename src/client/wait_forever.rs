@@ -58,7 +58,10 @@ pub(crate) fn acquire_until_granted(
         let notices = client.shutdown_notices();
         match client.acquire_as(owner, key, slice, lease, acquire.clone()) {
             Err(Error::Timeout) => {
-                log::debug!("{key}: still held after {slice:?}; queueing again");
+                log::debug!(
+                    "{key}: still held after {} s; queueing again",
+                    crate::decimal::seconds_shortest(slice)
+                );
                 pause = RETRY_PAUSE_FIRST;
                 continue;
             }

@@ -737,9 +737,9 @@ impl Shell {
         let stop = CleanStop::of(core, now);
         match state.save_clean_stop(&stop) {
             Ok(()) => info!(
-                "state: saved {} in {:.0} ms; the state file was written {} in this run",
+                "state: saved {} in {} ms; the state file was written {} in this run",
                 counted(stop.count as u64, "grant"),
-                started.elapsed().as_secs_f64() * 1e3,
+                crate::decimal::millis(started.elapsed(), 0),
                 counted(state.writes, "time"),
             ),
             // The running file still promises its horizon: the next run

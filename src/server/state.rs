@@ -558,17 +558,17 @@ impl StateDir {
         })?;
         if !restart.grace.is_zero() {
             info!(
-                "state: the previous run stopped uncleanly; its leases may last {:.1} s more: \
+                "state: the previous run stopped uncleanly; its leases may last {} s more: \
                  until then a key counts as held unless its holder renews or releases it",
-                restart.grace.as_secs_f64()
+                crate::decimal::seconds(restart.grace, 1)
             );
         }
         if clean_stop {
             info!(
-                "state: restored {} of the previous run ({} expired while it was down) in {:.0} ms",
+                "state: restored {} of the previous run ({} expired while it was down) in {} ms",
                 super::counted(restored, "grant"),
                 recorded.grant_count() - restored,
-                started.elapsed().as_secs_f64() * 1e3
+                crate::decimal::millis(started.elapsed(), 0)
             );
         } else if version == 1 {
             info!("state: read a version 1 file; writing version {FORMAT_VERSION}");

@@ -561,7 +561,7 @@ impl Run {
             p.wait_s,
             p.hold.as_millis(),
             self.mix_text(),
-            self.warmup.as_secs_f64()
+            crate::decimal::seconds_shortest(self.warmup)
         )
     }
 
@@ -592,7 +592,7 @@ impl Run {
         }
         header.extend([
             ("seed", p.seed.to_string()),
-            ("warmup_s", format!("{:.3}", self.warmup.as_secs_f64())),
+            ("warmup_s", crate::decimal::seconds(self.warmup, 3)),
         ]);
         header
     }
@@ -624,15 +624,16 @@ impl Progress {
             return;
         }
         self.next = now + PROGRESS_EVERY;
-        let seconds = now.saturating_duration_since(self.last).as_secs_f64();
+        let interval = now.saturating_duration_since(self.last);
         let replies = stats.replies_seen - self.last_replies;
         self.last = now;
         self.last_replies = stats.replies_seen;
-        if self.enabled && seconds > 0.0 {
+        if self.enabled && !interval.is_zero() {
+            let (numerator, denominator) = crate::decimal::per_second(replies, interval);
             eprint!(
-                "\r{:>6.0} s {:>12.0} replies/s  {}{}\x1b[K",
-                now.saturating_duration_since(self.started).as_secs_f64(),
-                replies as f64 / seconds,
+                "\r{:>6} s {:>12} replies/s  {}{}\x1b[K",
+                crate::decimal::seconds(now.saturating_duration_since(self.started), 0),
+                crate::decimal::fixed(numerator, denominator, 0),
                 workload.progress(),
                 if stats.measuring() { "" } else { "  (warm-up)" }
             );

@@ -6,6 +6,8 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 
+use crate::decimal::seconds;
+
 /// The request kinds the bench sends; each has its own latency series.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -172,9 +174,12 @@ impl Stats {
         self.replies.iter().sum()
     }
 
-    fn per_second(&self, n: u64) -> f64 {
-        let window = self.window().as_secs_f64();
-        if window > 0.0 { n as f64 / window } else { 0.0 }
+    /// `n` per second of the window, as a ratio; 0 for an empty window.
+    fn per_second(&self, n: u64) -> (u128, u128) {
+        match self.window() {
+            window if window.is_zero() => (0, 1),
+            window => crate::decimal::per_second(n, window),
+        }
     }
 
     fn latency_series(&self) -> impl Iterator<Item = (&'static str, &Histogram<u64>)> {
@@ -189,7 +194,7 @@ impl Stats {
         let mut out = String::new();
         let requests = self.requests();
         let _ = writeln!(out, "{title}");
-        let _ = writeln!(out, "  measured    {:.3} s", self.window().as_secs_f64());
+        let _ = writeln!(out, "  measured    {} s", seconds(self.window(), 3));
         let _ = writeln!(
             out,
             "  requests    {requests:>12}  {}/s",
@@ -250,9 +255,9 @@ impl Stats {
         let requests = self.requests();
         let _ = write!(
             out,
-            "\"measured_s\":{:.6},\"requests\":{requests},\"requests_per_s\":{:.1},",
-            self.window().as_secs_f64(),
-            self.per_second(requests)
+            "\"measured_s\":{},\"requests\":{requests},\"requests_per_s\":{},",
+            seconds(self.window(), 6),
+            ratio(self.per_second(requests), 1)
         );
         out.push_str("\"replies\":{");
         for (i, (op, n)) in REPLY_OPS.iter().zip(self.replies).enumerate() {
@@ -264,7 +269,11 @@ impl Stats {
             let comma = if i == 0 { "" } else { "," };
             let _ = write!(out, "{comma}\"{name}\":{value}");
             if is_rate(name) {
-                let _ = write!(out, ",\"{name}_per_s\":{:.1}", self.per_second(*value));
+                let _ = write!(
+                    out,
+                    ",\"{name}_per_s\":{}",
+                    ratio(self.per_second(*value), 1)
+                );
             }
         }
         out.push_str("},\"latency_us\":{");
@@ -303,13 +312,23 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
-fn rate(per_second: f64) -> String {
-    if per_second >= 1e6 {
-        format!("{:.3} M", per_second / 1e6)
-    } else if per_second >= 1e3 {
-        format!("{:.2} k", per_second / 1e3)
+fn ratio((numerator, denominator): (u128, u128), decimals: u32) -> String {
+    crate::decimal::fixed(numerator, denominator, decimals)
+}
+
+fn rate((numerator, denominator): (u128, u128)) -> String {
+    if numerator >= denominator.saturating_mul(1_000_000) {
+        format!(
+            "{} M",
+            ratio((numerator, denominator.saturating_mul(1_000_000)), 3)
+        )
+    } else if numerator >= denominator.saturating_mul(1_000) {
+        format!(
+            "{} k",
+            ratio((numerator, denominator.saturating_mul(1_000)), 2)
+        )
     } else {
-        format!("{per_second:.1} ")
+        format!("{} ", ratio((numerator, denominator), 1))
     }
 }
 

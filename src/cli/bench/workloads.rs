@@ -617,7 +617,10 @@ impl Timers {
     fn late(&self, name: &'static str, earliest: Instant, now: Instant, stats: &mut Stats) {
         match now.checked_duration_since(earliest) {
             Some(late) => stats.sample(name, late),
-            None => stats.error(format!("{name}: fired {:?} early", earliest - now)),
+            None => stats.error(format!(
+                "{name}: fired {} ms early",
+                crate::decimal::millis(earliest - now, 3)
+            )),
         }
     }
 }

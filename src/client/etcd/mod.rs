@@ -147,7 +147,7 @@ fn run_in_background(cluster: &Arc<Cluster>, submission: Submission<Reply>) {
             if let Op::Release { token } = submission.op
                 && outcome != Outcome::Released
             {
-                log::debug!("background release of {token}: {outcome:?}");
+                log::debug!("background release of {token}: {}", outcome.summary());
             }
         });
     if let Err(error) = spawned {
