@@ -462,6 +462,32 @@ mod tests {
         assert_eq!(value("true"), None);
     }
 
+    proptest::proptest! {
+        /// Any bytes at all (an answer cut short, a proxy's error page):
+        /// a value or `None`, never a panic; and what it accepts it
+        /// accepts whole, whatever follows is refused.
+        #[test]
+        fn any_bytes_parse_or_are_refused(
+            raw in proptest::collection::vec(proptest::num::u8::ANY, 0..200),
+            jsonish in "[\\[\\]{}\":,0-9eE.+\\-tfnrul\\\\ ]{0,60}",
+            pick_raw in proptest::bool::ANY,
+        ) {
+            let body = if pick_raw { raw } else { jsonish.into_bytes() };
+            if parse(&body).is_some() {
+                let mut longer = body.clone();
+                longer.extend_from_slice(b" x");
+                proptest::prop_assert!(parse(&longer).is_none());
+            }
+        }
+
+        /// Every string kunci writes reads back as itself.
+        #[test]
+        fn written_strings_read_back(text in "\\PC*|[\\x00-\\x1f\"\\\\]*") {
+            let written = JsonValue::String(text.clone()).stringify().unwrap();
+            proptest::prop_assert_eq!(parse(written.as_bytes()), Some(JsonValue::String(text)));
+        }
+    }
+
     #[test]
     fn writes_strings_escaped() {
         let written = JsonValue::String("a\"\\\n\u{1}\u{7f}é".to_owned())
