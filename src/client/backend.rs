@@ -11,7 +11,7 @@ use super::etcd;
 use super::handoff::{Message, Reply};
 use super::io;
 use super::vocabulary::{Outcome, Submission};
-use crate::addr::Address;
+use crate::addr::{Address, EtcdLayout};
 
 /// Where requests go: kunci servers through the I/O thread, or an etcd
 /// cluster (`etcd://`, docs/ETCD.md). Both give the same outcomes.
@@ -64,6 +64,8 @@ impl Backend {
             let tls = servers
                 .iter()
                 .any(|address| matches!(address, Address::Etcd { tls: true, .. }));
+            let layout = EtcdLayout::of(&servers)
+                .map_err(|why| std::io::Error::new(std::io::ErrorKind::InvalidInput, why))?;
             let endpoints = servers
                 .into_iter()
                 .flat_map(|address| match address {
@@ -77,6 +79,7 @@ impl Backend {
                 config.connect_timeout,
                 config.etcd_credentials.clone(),
                 tls,
+                layout,
             )
             .map(Backend::Etcd)
         }

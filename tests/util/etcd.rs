@@ -161,7 +161,7 @@ impl Drop for Cluster {
 }
 
 /// One JSON request to a member; the body, or `None`.
-fn post(member: &str, path: &str, body: &str) -> Option<String> {
+pub fn post(member: &str, path: &str, body: &str) -> Option<String> {
     let mut stream = TcpStream::connect(member).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
     write!(

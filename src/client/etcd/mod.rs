@@ -18,6 +18,7 @@ use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::addr::EtcdLayout;
 use crate::mailbox;
 
 use super::handoff::{KeepTask, KeptLeases, LeaseMessage, Message, Reply};
@@ -45,10 +46,11 @@ impl Shared {
         connect_timeout: Duration,
         credentials: Option<EtcdCredentials>,
         tls: http::Tls,
+        layout: EtcdLayout,
     ) -> std::io::Result<Arc<Shared>> {
         let members =
             http::Members::new(endpoints, connect_timeout, tls).with_credentials(credentials);
-        let cluster = Arc::new(Cluster::new(members));
+        let cluster = Arc::new(Cluster::new(members).with_layout(layout));
         let (sender, notes) = mailbox::channel();
         let keeper = Keeper {
             cluster: cluster.clone(),

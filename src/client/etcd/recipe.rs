@@ -9,6 +9,12 @@
 //! revision is the fencing token. A waiter watches only earlier entries,
 //! and only as many as must go before it can fit ([`Verdict::Waits`]).
 //! Every failure path removes the caller's entry by revoking its lease.
+//!
+//! In etcd's own layout (`?layout=etcd`, [`EtcdLayout::Etcd`]) the same
+//! recipe runs on etcd's `client/v3/concurrency` keys: the entry is
+//! `KEY/` + the lease id in lowercase hex, its value the label alone, and
+//! every entry is exclusive, so the holder is the first entry and a waiter
+//! watches the entry just before its own, as `concurrency.Mutex` does.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
@@ -16,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::http::{Answer, Failure, Members};
 use super::json::{self, JsonValue};
+use crate::addr::EtcdLayout;
 use crate::client::vocabulary::{
     Denied, Grant, HOLDERS_MAX, Holders, Key, KeyPage, KeyStatus, KeySummary, Outcome,
     TRANSPORT_DEADLINE, Unavailable, Waiter, valid_until,
@@ -69,20 +76,23 @@ fn prefix(key: Key) -> String {
 }
 
 /// The first key after every key starting with `prefix` (its last byte,
-/// `/`, plus one).
+/// `/`, plus one). Only that one `/`: in etcd's layout a key that ends
+/// with `/` itself would otherwise take in other keys' entries.
 fn prefix_end(prefix: &str) -> String {
-    let mut end = prefix.trim_end_matches('/').to_owned();
+    let mut end = prefix.strip_suffix('/').unwrap_or(prefix).to_owned();
     end.push('0');
     end
 }
 
-/// A key-value pair as a range returns it.
+/// A key-value pair as a range returns it, and the layout that reads its
+/// value.
 #[derive(Debug, PartialEq, Eq)]
 struct Entry {
     name: Vec<u8>,
     create_revision: i64,
     lease: i64,
     value: Vec<u8>,
+    layout: EtcdLayout,
 }
 
 impl Entry {
@@ -92,20 +102,39 @@ impl Entry {
             create_revision: json::int(kv, "create_revision")?,
             lease: json::int(kv, "lease")?,
             value: json::bytes(kv, "value")?,
+            layout: EtcdLayout::Kunci,
         })
     }
 
+    /// In etcd's layout the value is the holder's alone: owner 0.
     fn owner(&self) -> u64 {
-        decode(&self.value).0
+        match self.layout {
+            EtcdLayout::Kunci => decode(&self.value).0,
+            EtcdLayout::Etcd => 0,
+        }
     }
 
+    /// In etcd's layout every entry is exclusive, whatever its value.
     fn slot(&self) -> Slot {
-        decode(&self.value).1
+        match self.layout {
+            EtcdLayout::Kunci => decode(&self.value).1,
+            EtcdLayout::Etcd => Slot::EXCLUSIVE,
+        }
     }
 
-    /// The label its acquire stored (empty when none), byte for byte.
+    /// The label its acquire stored (empty when none), byte for byte; in
+    /// etcd's layout the value up to its first newline (empty when it is
+    /// not UTF-8), as a label has none.
     fn label(&self) -> String {
-        decode_label(&self.value).to_owned()
+        match self.layout {
+            EtcdLayout::Kunci => decode_label(&self.value).to_owned(),
+            EtcdLayout::Etcd => {
+                let line = self.value.split(|byte| *byte == b'\n').next();
+                std::str::from_utf8(line.unwrap_or_default())
+                    .unwrap_or_default()
+                    .to_owned()
+            }
+        }
     }
 }
 
@@ -401,7 +430,15 @@ impl Cursors {
 pub(crate) struct Cluster {
     members: Members,
     cursors: Mutex<Cursors>,
+    layout: EtcdLayout,
 }
+
+/// What etcd's layout refuses before anything is sent: what its recipe
+/// cannot express.
+const EXCLUSIVE_ONLY: &str =
+    "etcd's layout (?layout=etcd) has exclusive locks only: no limit, take or shared";
+const NO_LISTING: &str =
+    "etcd's layout (?layout=etcd) cannot list keys: its locks are anywhere in etcd's keys";
 
 /// How a waiting acquire's turn check ended.
 enum Turn {
@@ -429,7 +466,41 @@ impl Cluster {
         Cluster {
             members,
             cursors: Mutex::default(),
+            layout: EtcdLayout::Kunci,
         }
+    }
+
+    /// The cluster in `layout` (`?layout=`).
+    pub(crate) fn with_layout(mut self, layout: EtcdLayout) -> Cluster {
+        self.layout = layout;
+        self
+    }
+
+    /// Where a key's entries live: [`prefix`], or in etcd's layout `KEY/`
+    /// (as `concurrency.Mutex` and `Election` name them).
+    fn prefix(&self, key: Key) -> String {
+        match self.layout {
+            EtcdLayout::Kunci => prefix(key),
+            EtcdLayout::Etcd => format!("{}/", key.as_str()),
+        }
+    }
+
+    /// An entry's name: the prefix and its lease id in hex (in etcd's
+    /// layout lowercase and unpadded, as Go's `fmt.Sprintf("%s%x")`).
+    fn entry_name(&self, prefix: &str, lease: i64) -> String {
+        match self.layout {
+            EtcdLayout::Kunci => format!("{prefix}{lease:016x}"),
+            EtcdLayout::Etcd => format!("{prefix}{lease:x}"),
+        }
+    }
+
+    /// Every entry of a range answer ([`entries`]), read in this layout.
+    fn entries(&self, range: &JsonValue) -> Option<Vec<Entry>> {
+        let mut found = entries(range)?;
+        for entry in &mut found {
+            entry.layout = self.layout;
+        }
+        Some(found)
     }
 
     pub(crate) fn endpoints(&self) -> &[String] {
@@ -599,11 +670,11 @@ impl Cluster {
         };
         let read = self.read(
             "/v3/kv/range",
-            &range_body(&prefix(key), 0, "DESCEND", token_revision),
+            &range_body(&self.prefix(key), 0, "DESCEND", token_revision),
             deadline,
         );
         let mut found = match read {
-            Ok((_, value)) => entries(&value).ok_or(Outcome::Indeterminate)?,
+            Ok((_, value)) => self.entries(&value).ok_or(Outcome::Indeterminate)?,
             Err(fault) => return Err(fault.outcome()),
         };
         match found.first() {
@@ -631,16 +702,25 @@ impl Cluster {
         if let Some(why) = claim.invalid() {
             return Ok(Outcome::Invalid(why));
         }
+        if self.layout == EtcdLayout::Etcd && !claim.is_plain() {
+            return Ok(Outcome::Invalid(EXCLUSIVE_ONLY));
+        }
         let (set_at, lease, _) = match self.grant(lease_s, deadline) {
             Ok(granted) => granted,
             Err(fault) => return Ok(fault.outcome()),
         };
-        let prefix = prefix(key);
-        let name = format!("{prefix}{lease:016x}");
+        let prefix = self.prefix(key);
+        let name = self.entry_name(&prefix, lease);
+        // etcd's layout stores the label alone: a Mutex writes "", an
+        // Election its value.
+        let value = match self.layout {
+            EtcdLayout::Kunci => claim.value(owner),
+            EtcdLayout::Etcd => claim.label.clone(),
+        };
         let put = format!(
             r#"{{"request_put":{{"key":"{}","value":"{}","lease":"{lease}"}}}}"#,
             json::base64(name.as_bytes()),
-            json::base64(claim.value(owner).as_bytes()),
+            json::base64(value.as_bytes()),
         );
         // The entries before ours, the latest first. `A` needs only
         // whether there is one and which (it can only mismatch nothing);
@@ -687,7 +767,9 @@ impl Cluster {
                 self.revoke_in_background(lease);
                 return Ok(Outcome::Timeout);
             }
-            let snapshot = txn_ranges(&answer).first().and_then(|range| entries(range));
+            let snapshot = txn_ranges(&answer)
+                .first()
+                .and_then(|range| self.entries(range));
             let Some(snapshot) = snapshot else {
                 self.revoke_in_background(lease);
                 return Ok(Outcome::Indeterminate);
@@ -846,7 +928,7 @@ impl Cluster {
         let txn = format!(
             r#"{{"success":[{{"request_range":{}}},{{"request_range":{{"key":"{}"}}}}]}}"#,
             range_body(
-                &prefix(place.key),
+                &self.prefix(place.key),
                 i64::from(exclusive),
                 "DESCEND",
                 place.revision - 1
@@ -862,7 +944,7 @@ impl Cluster {
         if own.is_none_or(|own| own.create_revision != place.revision) {
             return Ok(Turn::Gone);
         }
-        let before = entries(before).ok_or(Fault::Unknown)?;
+        let before = self.entries(before).ok_or(Fault::Unknown)?;
         // The limit was checked when the entry was put; the earlier
         // entries can only have gone since.
         Ok(match judge(place.slot, &before, false) {
@@ -888,7 +970,7 @@ impl Cluster {
                 json::base64(one),
             ),
             _ => {
-                let prefix = prefix(place.key);
+                let prefix = self.prefix(place.key);
                 format!(
                     r#"{{"create_request":{{"key":"{}","range_end":"{}","start_revision":"{from_revision}","filters":["NOPUT"]}}}}"#,
                     json::base64(prefix.as_bytes()),
@@ -1045,10 +1127,10 @@ impl Cluster {
     fn key_entries(&self, key: Key, deadline: Instant) -> Result<Vec<Entry>, Outcome> {
         match self.read(
             "/v3/kv/range",
-            &range_body(&prefix(key), 0, "ASCEND", 0),
+            &range_body(&self.prefix(key), 0, "ASCEND", 0),
             deadline,
         ) {
-            Ok((_, value)) => entries(&value).ok_or(Outcome::Indeterminate),
+            Ok((_, value)) => self.entries(&value).ok_or(Outcome::Indeterminate),
             Err(fault) => Err(fault.outcome()),
         }
     }
@@ -1150,6 +1232,9 @@ impl Cluster {
         count: u16,
         deadline: Instant,
     ) -> Outcome {
+        if self.layout == EtcdLayout::Etcd {
+            return Outcome::Invalid(NO_LISTING);
+        }
         let start = if cursor == 0 {
             ROOT.as_bytes().to_vec()
         } else {
@@ -1300,12 +1385,46 @@ mod tests {
         assert!(format!("{a}{:016x}", 7u64) < prefix_end(&a));
     }
 
+    #[test]
+    fn etcds_layout_names_entries_as_go_does_and_reads_every_value_as_exclusive() {
+        let members = || Members::new(vec!["127.0.0.1:1".into()], Duration::from_secs(1), None);
+        let etcd = Cluster::new(members()).with_layout(EtcdLayout::Etcd);
+        let kunci = Cluster::new(members());
+        let key = Key::new("jobs/a/").unwrap();
+        assert_eq!(etcd.prefix(key), "jobs/a//");
+        assert_eq!(kunci.prefix(key), "kunci/7:jobs/a//");
+        // Only the last `/` ends the range: `jobs/a/x/…` is not this key's.
+        assert_eq!(prefix_end(&etcd.prefix(key)), "jobs/a/0");
+        assert_eq!(etcd.entry_name("n/", 0x694d_8a3b_00c1), "n/694d8a3b00c1");
+        assert_eq!(kunci.entry_name("n/", 0xc1), "n/00000000000000c1");
+        let read = |value: &[u8]| Entry {
+            value: value.to_vec(),
+            layout: EtcdLayout::Etcd,
+            ..entry(3, "")
+        };
+        for value in [&b""[..], b"7", b"7 5 1", b"7 3 2 db1"] {
+            let entry = read(value);
+            assert_eq!((entry.owner(), entry.slot()), (0, Slot::EXCLUSIVE));
+            assert_eq!(entry.label().as_bytes(), value);
+        }
+        assert_eq!(read(b"db1:5432\ngranted_ms=1").label(), "db1:5432");
+        assert_eq!(read(b"\xff").label(), "");
+        // Every entry exclusive: the first holds alone, a waiter watches
+        // the entry just before its own.
+        let mut queue = vec![read(b"7 5 1"), read(b"8 5 1")];
+        queue[1].create_revision = 4;
+        assert_eq!(holders(&queue), 1);
+        queue.reverse();
+        assert_eq!(wake_revisions(judge(Slot::EXCLUSIVE, &queue, false)), [4]);
+    }
+
     fn entry(revision: i64, value: &str) -> Entry {
         Entry {
             name: format!("kunci/1:k/{revision:016x}").into_bytes(),
             create_revision: revision,
             lease: revision,
             value: value.as_bytes().to_vec(),
+            layout: EtcdLayout::Kunci,
         }
     }
 
