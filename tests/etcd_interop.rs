@@ -557,3 +557,81 @@ fn etcd_layout_kunci_who_and_query_show_an_etcdctl_holder_and_a_kunci_waiter() {
     let holder = holder.finish(Instant::now() + 5 * S);
     assert!(holder.status.success(), "{holder:?}");
 }
+
+// ------------------------------------------------------ with etcdctl elect
+
+/// The lines a child prints, read on a thread of their own so that a test
+/// waits for each one for a bounded time.
+struct Lines(std::sync::mpsc::Receiver<String>);
+
+impl Lines {
+    fn of(child: &mut Child) -> Lines {
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (sender, receiver) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if sender.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Lines(receiver)
+    }
+
+    fn next(&self, limit: Duration) -> String {
+        self.0.recv_timeout(limit).expect("a line in time")
+    }
+}
+
+#[test]
+fn etcd_layout_etcdctl_elect_listen_sees_a_kunci_elect_leader_and_its_successor() {
+    if !tools() {
+        return;
+    }
+    let cluster = Cluster::start(1);
+    let server = layout(&cluster);
+    let dir = TempDir::new("etcd-elect");
+    let leading = dir.join("leading");
+    std::fs::write(&leading, "").unwrap();
+    let name = "db-primary";
+    // The command leads until the file is gone.
+    let candidate = Reaped::spawn(
+        kunci(&server, &["elect", name, "db1:5432", "--lease", "10", "--"])
+            .args(["sh", "-c", "while [ -e \"$1\" ]; do sleep 0.05; done", "sh"])
+            .arg(&leading)
+            .stderr(Stdio::piped()),
+    );
+    assert!(wait_for(10 * S, || entries(&cluster, name).len() == 1));
+    let leader = entries(&cluster, name).remove(0);
+    assert_eq!(leader.value, "db1:5432");
+    let mut listener =
+        Reaped::spawn(etcdctl(&cluster, &["elect", "-l", name]).stdout(Stdio::piped()));
+    let lines = Lines::of(listener.child());
+    assert_eq!(lines.next(10 * S), leader.key);
+    assert_eq!(lines.next(S), "db1:5432");
+
+    // A Go candidate queues behind it and leads when it resigns.
+    let mut standby = Reaped::spawn(
+        etcdctl(&cluster, &["elect", name, "go-standby"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    assert!(wait_for(10 * S, || entries(&cluster, name).len() == 2));
+    let queued = entries(&cluster, name).remove(1);
+    assert_eq!(queued.value, "go-standby");
+    std::fs::remove_file(&leading).unwrap();
+    let resigned = candidate.finish(Instant::now() + 10 * S);
+    assert_eq!(resigned.status.code(), Some(0), "{resigned:?}");
+    assert_eq!(lines.next(10 * S), queued.key);
+    assert_eq!(lines.next(S), "go-standby");
+    // `etcdctl elect` prints the key and value once it leads.
+    let elected = Lines::of(standby.child());
+    assert_eq!(elected.next(5 * S), queued.key);
+    assert_eq!(elected.next(S), "go-standby");
+    standby.interrupt();
+    listener.interrupt();
+    assert!(standby.finish(Instant::now() + 5 * S).status.success());
+    let _ = listener.finish(Instant::now() + 5 * S);
+    assert!(wait_for(5 * S, || entries(&cluster, name).is_empty()));
+}
