@@ -11,6 +11,8 @@ mod edges;
 mod endpoint;
 #[cfg(feature = "etcd")]
 mod etcd;
+#[cfg(feature = "etcd")]
+mod etcd_leader;
 mod fencing;
 mod grant_quota;
 mod hostile;
