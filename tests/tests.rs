@@ -13,6 +13,8 @@ mod endpoint;
 mod etcd;
 #[cfg(feature = "etcd")]
 mod etcd_interop;
+#[cfg(feature = "etcd")]
+mod etcd_leader;
 mod fencing;
 mod grant_quota;
 mod hostile;

@@ -421,6 +421,11 @@ class LockContextBase(object):
         stack = self._entries.get(entrant)
         if stack is None and len(self._entries) == 1:
             entrant, stack = next(iter(list(self._entries.items())))
+        if stack is None:
+            # Several others hold entries (or none does): which one this
+            # exit means cannot be told, and guessing would release
+            # another entrant's lock.
+            raise RuntimeError("this lock() was not entered by the thread or task leaving it")
         ticket = stack.pop()
         if not stack:
             del self._entries[entrant]

@@ -209,3 +209,12 @@ def test_lock_context_entries():
     assert context._leaving("b") == 2
     assert context._leaving("c") == 1
     assert context._entries == {}
+    # With no entry, or entries of several others, an exit cannot be told
+    # apart: it is refused and releases nobody's.
+    with pytest.raises(RuntimeError, match="not entered by the thread or task"):
+        context._leaving("a")
+    context._entered("a", 4)
+    context._entered("b", 5)
+    with pytest.raises(RuntimeError, match="not entered by the thread or task"):
+        context._leaving("c")
+    assert context._entries == {"a": [4], "b": [5]}

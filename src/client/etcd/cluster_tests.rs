@@ -59,6 +59,7 @@ fn acquire(
         limit,
         take,
         label: format!("test {name}"),
+        ..Claim::default()
     };
     let wait_until = Instant::now() + wait;
     recipe.acquire(
@@ -441,6 +442,7 @@ fn etcd_who_lists_grants_in_token_order_then_waiters_in_queue_order_with_their_l
         limit: 3,
         take,
         label: label.to_owned(),
+        ..Claim::default()
     };
     // Labels come back byte for byte: UTF-8, runs of spaces, a trailing
     // space, digits that look like fields.
@@ -469,6 +471,7 @@ fn etcd_who_lists_grants_in_token_order_then_waiters_in_queue_order_with_their_l
                 limit: 0,
                 take: 0,
                 label: labels[3].into(),
+                ..Claim::default()
             },
             2,
         ),

@@ -113,12 +113,14 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: Key, deadline: Instant) -> Outco
             wait_until,
             permits,
             label,
+            campaign,
         } => {
             let (limit, take) = permits.wire();
             let claim = Claim {
                 limit,
                 take,
                 label: label.as_str().to_owned(),
+                campaign,
             };
             match cluster.acquire(key, owner, &claim, lease_s, wait_until, deadline) {
                 Ok(outcome) => outcome,
@@ -136,7 +138,7 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: Key, deadline: Instant) -> Outco
         // `Indeterminate` has already revoked its own lease.
         Op::Holders { .. } => cluster.holders(key, deadline),
         Op::List { cursor, count, .. } => cluster.list(key, cursor, count, deadline),
-        Op::Observe { .. } => Outcome::Invalid("observe is not available on etcd in this client"),
+        Op::Observe { since, wait_s, .. } => cluster.observe(key, since, wait_s != 0, deadline),
     }
 }
 

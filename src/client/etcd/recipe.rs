@@ -24,7 +24,7 @@ use super::http::{Answer, Failure, Members};
 use super::json::{self, JsonValue};
 use crate::addr::EtcdLayout;
 use crate::client::vocabulary::{
-    Denied, Grant, HOLDERS_MAX, Holders, Key, KeyPage, KeyStatus, KeySummary, Outcome,
+    Denied, Grant, HOLDERS_MAX, Holders, Key, KeyPage, KeyState, KeyStatus, KeySummary, Outcome,
     TRANSPORT_DEADLINE, Unavailable, Waiter, valid_until,
 };
 
@@ -128,12 +128,9 @@ impl Entry {
     fn label(&self) -> String {
         match self.layout {
             EtcdLayout::Kunci => decode_label(&self.value).to_owned(),
-            EtcdLayout::Etcd => {
-                let line = self.value.split(|byte| *byte == b'\n').next();
-                std::str::from_utf8(line.unwrap_or_default())
-                    .unwrap_or_default()
-                    .to_owned()
-            }
+            EtcdLayout::Etcd => std::str::from_utf8(first_line(&self.value))
+                .unwrap_or_default()
+                .to_owned(),
         }
     }
 }
@@ -142,13 +139,16 @@ impl Entry {
 const LABEL_LEN_MAX: usize = 128;
 
 /// What one acquire asks for (spec §10.1): `limit` 0 names no limit,
-/// `take` 0 takes every permit (exclusive), `label` says who asks. The
-/// default is `A`'s: no limit, exclusive, no label.
+/// `take` 0 takes every permit (exclusive), `label` says who asks;
+/// `campaign`: its entry stores its grant time once it holds (spec
+/// §13.6, [`Claim::granted_value`]). The default is `A`'s: no limit,
+/// exclusive, no label, no campaign.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Claim {
     pub(crate) limit: u16,
     pub(crate) take: u16,
     pub(crate) label: String,
+    pub(crate) campaign: bool,
 }
 
 impl Claim {
@@ -184,12 +184,59 @@ impl Claim {
         }
     }
 
+    /// For a campaign with a label (a campaign always has one), its
+    /// [`value`](Self::value), to which its entry adds the grant time
+    /// once it holds ([`granted_value`]).
+    fn campaign_value(&self, owner: u64) -> Option<String> {
+        (self.campaign && !self.label.is_empty()).then(|| self.value(owner))
+    }
+
     fn slot(&self) -> Slot {
         Slot {
             limit: self.limit,
             take: self.take,
         }
     }
+}
+
+/// A campaign's value with its grant time, now: the trailer
+/// `\ngranted_ms=MS`, wall-clock milliseconds since the Unix epoch
+/// ([`granted_ms`]; 0 for a clock before it).
+fn granted_value(value: &str) -> String {
+    format!("{value}\ngranted_ms={}", wall_clock_ms())
+}
+
+/// Now on the wall clock, in milliseconds since the Unix epoch (0 before
+/// it).
+fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
+}
+
+/// A value's first line: `OWNER[ LIMIT TAKE[ LABEL]]`. A label has no
+/// newline, so what follows one is the trailer ([`granted_ms`]).
+fn first_line(value: &[u8]) -> &[u8] {
+    value
+        .iter()
+        .position(|byte| *byte == b'\n')
+        .map_or(value, |end| &value[..end])
+}
+
+/// The wall-clock grant time (ms since the Unix epoch) a campaign stored
+/// in its entry ([`Claim::granted_value`]), if any: the value's lines
+/// after the first are `NAME=VALUE` fields, unknown names ignored; this
+/// is `granted_ms` with 1..=19 decimal digits. Peer input: never panics.
+fn granted_ms(value: &[u8]) -> Option<u64> {
+    value.split(|byte| *byte == b'\n').skip(1).find_map(|line| {
+        let digits = line.strip_prefix(b"granted_ms=")?;
+        if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        std::str::from_utf8(digits).ok()?.parse().ok()
+    })
 }
 
 /// An entry as the fit rule sees it: its limit (0: none) and take (0:
@@ -209,7 +256,7 @@ impl Slot {
 /// as exclusive with no limit: it blocks while it is there and never lets
 /// anyone overcommit. Peer input: never panics.
 fn decode(value: &[u8]) -> (u64, Slot) {
-    let Ok(text) = std::str::from_utf8(value) else {
+    let Ok(text) = std::str::from_utf8(first_line(value)) else {
         return (0, Slot::EXCLUSIVE);
     };
     if let Ok(owner) = text.trim().parse() {
@@ -232,7 +279,7 @@ fn decode(value: &[u8]) -> (u64, Slot) {
 /// `OWNER LIMIT TAKE `, when those three are valid; else empty. Peer
 /// input: never panics.
 fn decode_label(value: &[u8]) -> &str {
-    let Ok(text) = std::str::from_utf8(value) else {
+    let Ok(text) = std::str::from_utf8(first_line(value)) else {
         return "";
     };
     let mut fields = text.splitn(4, ' ');
@@ -383,6 +430,25 @@ fn range_body(prefix: &str, limit: i64, order: &str, max_create_revision: i64) -
     )
 }
 
+/// A `/v3/watch` request from `from_revision` with one `filter`
+/// (`NOPUT`, `NODELETE`): on the entry named `name`, or with `prefix` on
+/// every entry of a key (under its prefix).
+fn watch_body(name: &[u8], prefix: Option<&str>, from_revision: i64, filter: &str) -> String {
+    let range = match prefix {
+        Some(prefix) => {
+            format!(
+                r#""key":"{}","range_end":"{}""#,
+                json::base64(prefix.as_bytes()),
+                json::base64(prefix_end(&prefix).as_bytes()),
+            )
+        }
+        None => format!(r#""key":"{}""#, json::base64(name)),
+    };
+    format!(
+        r#"{{"create_request":{{{range},"start_revision":"{from_revision}","filters":["{filter}"]}}}}"#
+    )
+}
+
 /// Where every kunci key's entries live: the prefix [`prefix`] puts
 /// before `LEN:KEY/`, and the first key after all of them.
 const ROOT: &str = "kunci/";
@@ -453,12 +519,15 @@ enum Turn {
     Gone,
 }
 
-/// A waiting acquire's entry: its key, name, create revision and slot.
+/// A waiting acquire's entry: its key, name, create revision and slot;
+/// for a campaign, its value without the grant time
+/// ([`Claim::campaign_value`]).
 struct Place {
     key: Key,
     name: String,
     revision: i64,
     slot: Slot,
+    campaign_value: Option<String>,
 }
 
 impl Cluster {
@@ -711,17 +780,25 @@ impl Cluster {
         };
         let prefix = self.prefix(key);
         let name = self.entry_name(&prefix, lease);
-        // etcd's layout stores the label alone: a Mutex writes "", an
-        // Election its value.
-        let value = match self.layout {
-            EtcdLayout::Kunci => claim.value(owner),
-            EtcdLayout::Etcd => claim.label.clone(),
+        let put_valued = |value: &str| {
+            format!(
+                r#"{{"request_put":{{"key":"{}","value":"{}","lease":"{lease}"}}}}"#,
+                json::base64(name.as_bytes()),
+                json::base64(value.as_bytes()),
+            )
         };
-        let put = format!(
-            r#"{{"request_put":{{"key":"{}","value":"{}","lease":"{lease}"}}}}"#,
-            json::base64(name.as_bytes()),
-            json::base64(value.as_bytes()),
-        );
+        // etcd's layout stores the label alone (a Mutex writes "", an
+        // Election its value): there is no room for a grant time.
+        let (put, campaign_value) = match self.layout {
+            EtcdLayout::Kunci => (put_valued(&claim.value(owner)), claim.campaign_value(owner)),
+            EtcdLayout::Etcd => (put_valued(&claim.label), None),
+        };
+        // A campaign's put that is a grant (the key is free) carries the
+        // grant time; a queued entry gets it when it is granted (`stamp`).
+        let put_granted = match &campaign_value {
+            Some(value) => put_valued(&granted_value(value)),
+            None => put.clone(),
+        };
         // The entries before ours, the latest first. `A` needs only
         // whether there is one and which (it can only mismatch nothing);
         // the rest need them all (the limit, the sum of takes).
@@ -739,7 +816,7 @@ impl Cluster {
             (false, true) => String::new(),
         };
         let txn = format!(
-            r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{put}],"failure":[{failure}]}}"#,
+            r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{put_granted}],"failure":[{failure}]}}"#,
             json::base64(prefix.as_bytes()),
             json::base64(prefix_end(&prefix).as_bytes()),
         );
@@ -791,7 +868,7 @@ impl Cluster {
                     }
                 }
                 let txn = format!(
-                    r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"LESS","create_revision":"{}"}}],"success":[{put}],"failure":[{earlier}]}}"#,
+                    r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"LESS","create_revision":"{}"}}],"success":[{put_granted}],"failure":[{earlier}]}}"#,
                     json::base64(prefix.as_bytes()),
                     json::base64(prefix_end(&prefix).as_bytes()),
                     revision + 1,
@@ -806,23 +883,27 @@ impl Cluster {
                 continue;
             };
             // Our entry is in the queue, created at `revision`.
+            let place = Place {
+                key,
+                name,
+                revision,
+                slot: claim.slot(),
+                campaign_value,
+            };
             return match verdict {
-                Verdict::Holds => Ok(Outcome::Acquired {
-                    token: revision as u64,
-                    sent_at: set_at,
-                }),
+                Verdict::Holds => {
+                    self.stamp(&place, lease, deadline);
+                    Ok(Outcome::Acquired {
+                        token: revision as u64,
+                        sent_at: set_at,
+                    })
+                }
                 Verdict::Mismatch { limit } => match self.revoke(lease, deadline) {
                     Ok(()) => Err(LimitMismatch { limit }),
                     Err(_) => Ok(Outcome::Indeterminate),
                 },
                 Verdict::Waits { wake } => {
                     let wake = wake.into_iter().map(|entry| entry.name.clone()).collect();
-                    let place = Place {
-                        key,
-                        name,
-                        revision,
-                        slot: claim.slot(),
-                    };
                     Ok(self.wait_turn(
                         place,
                         (wake, revision),
@@ -901,6 +982,7 @@ impl Cluster {
                         }
                         Err(_) => {}
                     }
+                    self.stamp(&place, lease, deadline);
                     return Outcome::Acquired {
                         token: place.revision as u64,
                         sent_at: set_at,
@@ -965,20 +1047,23 @@ impl Cluster {
     /// a set of keys that is not a range, nor select by create revision.
     fn watch_deletion(&self, place: &Place, wake: &[Vec<u8>], from_revision: i64, until: Instant) {
         let body = match wake {
-            [one] => format!(
-                r#"{{"create_request":{{"key":"{}","start_revision":"{from_revision}","filters":["NOPUT"]}}}}"#,
-                json::base64(one),
-            ),
-            _ => {
-                let prefix = self.prefix(place.key);
-                format!(
-                    r#"{{"create_request":{{"key":"{}","range_end":"{}","start_revision":"{from_revision}","filters":["NOPUT"]}}}}"#,
-                    json::base64(prefix.as_bytes()),
-                    json::base64(prefix_end(&prefix).as_bytes()),
-                )
-            }
+            [one] => watch_body(one, None, from_revision, "NOPUT"),
+            _ => watch_body(&[], Some(&self.prefix(place.key)), from_revision, "NOPUT"),
         };
-        let Some(mut stream) = self.members.open_stream("/v3/watch", &body, until) else {
+        self.watch_until(&body, until, &|event_key| match event_key {
+            Some(deleted) => deleted == place.name.as_bytes() || wake.contains(&deleted),
+            // Unreadable: check again rather than miss it.
+            None => true,
+        });
+    }
+
+    /// Follows the watch `body` until an event for which `woken` (given
+    /// the event's key, `None` when unreadable) is true, or until `until`,
+    /// or until the watch breaks or cannot be opened (after a short pause
+    /// then: the caller reads again in every case). The watch's connection
+    /// is closed on return.
+    fn watch_until(&self, body: &str, until: Instant, woken: &dyn Fn(Option<Vec<u8>>) -> bool) {
+        let Some(mut stream) = self.members.open_stream("/v3/watch", body, until) else {
             let left = until.saturating_duration_since(Instant::now());
             std::thread::sleep(left.min(READ_RETRY_PAUSE));
             return;
@@ -1004,16 +1089,34 @@ impl Cluster {
             if json::boolean(result, "canceled") {
                 return;
             }
-            let woken = json::array(result, "events").iter().any(|event| {
-                match json::field(event, "kv").and_then(|kv| json::bytes(kv, "key")) {
-                    Some(deleted) => deleted == place.name.as_bytes() || wake.contains(&deleted),
-                    // Unreadable: check again rather than miss it.
-                    None => true,
-                }
-            });
+            let woken = json::array(result, "events")
+                .iter()
+                .any(|event| woken(json::field(event, "kv").and_then(|kv| json::bytes(kv, "key"))));
             if woken {
                 return;
             }
+        }
+    }
+
+    /// Writes the grant time into the entry of a campaign granted after it
+    /// was queued (what a leader's held_for reads): one put of the same
+    /// value with the time, on the same lease, guarded by the entry's
+    /// create revision and lease so that it never re-creates a released
+    /// entry nor moves it back to a lease it left. Best effort (at most
+    /// 1 s): without it the time is unknown, nothing else.
+    fn stamp(&self, place: &Place, lease: i64, deadline: Instant) {
+        let Some(value) = &place.campaign_value else {
+            return;
+        };
+        let txn = format!(
+            r#"{{"compare":[{{"key":"{name}","target":"CREATE","result":"EQUAL","create_revision":"{}"}},{{"key":"{name}","target":"LEASE","result":"EQUAL","lease":"{lease}"}}],"success":[{{"request_put":{{"key":"{name}","value":"{}","lease":"{lease}"}}}}]}}"#,
+            place.revision,
+            json::base64(granted_value(value).as_bytes()),
+            name = json::base64(place.name.as_bytes()),
+        );
+        let by = deadline.min(Instant::now() + Duration::from_secs(1));
+        if self.write("/v3/kv/txn", &txn, by).is_err() {
+            log::debug!("could not write the grant time of {}", place.revision);
         }
     }
 
@@ -1158,6 +1261,41 @@ impl Cluster {
             lease_ms: u32::try_from(ttl.max(0).saturating_mul(1000)).unwrap_or(u32::MAX),
             waiters: u32::try_from(queued).unwrap_or(u32::MAX),
         })
+    }
+
+    /// `O` (spec §13.1) on etcd: the key's state, whose token is the
+    /// create revision of its first entry (the earliest grant; 0 when it
+    /// has none), answered at once when that differs from `since` or the
+    /// call does not wait; else followed with an etcd watch (not polling)
+    /// until it differs or the wait (`deadline` less the transport
+    /// deadline) ends. The first entry can change only by its own
+    /// deletion (later entries come after it), so a held key's watch is
+    /// on that entry's deletion alone, and a free key's on a put under its
+    /// prefix. A watch that breaks or cannot be opened (an outage) only
+    /// sends it back to the read, which is retried until `deadline`.
+    pub(crate) fn observe(&self, key: Key, since: u64, waits: bool, deadline: Instant) -> Outcome {
+        let wait_until = deadline.checked_sub(TRANSPORT_DEADLINE).unwrap_or(deadline);
+        let prefix = self.prefix(key);
+        let range = range_body(&prefix, 0, "ASCEND", 0);
+        loop {
+            let value = match self.read("/v3/kv/range", &range, deadline) {
+                Ok((_, value)) => value,
+                Err(fault) => return fault.outcome(),
+            };
+            let (Some(found), Some(revision)) = (self.entries(&value), header_revision(&value))
+            else {
+                return Outcome::Indeterminate;
+            };
+            let state = key_state(&found);
+            if state.token != since || !waits || Instant::now() >= wait_until {
+                return Outcome::Observed(state);
+            }
+            let watch = match found.first() {
+                Some(first) => watch_body(&first.name, None, revision + 1, "NOPUT"),
+                None => watch_body(&[], Some(&prefix), revision + 1, "NODELETE"),
+            };
+            self.watch_until(&watch, wait_until, &|_| true);
+        }
     }
 
     /// The time to live of `lease` in whole seconds as etcd reports it
@@ -1354,6 +1492,30 @@ impl Cluster {
     }
 }
 
+/// The [`KeyState`] of a key's entries in create-revision order: the
+/// first one's create revision and label, and its time held from the
+/// grant time it stored (wall clock; unknown when it stored none: it was
+/// not a campaign's, [`granted_ms`]). The lease left is not read (0).
+fn key_state(found: &[Entry]) -> KeyState {
+    let Some(first) = found.first() else {
+        return KeyState {
+            held_ms: Some(0),
+            ..KeyState::default()
+        };
+    };
+    let grants = holders(found);
+    let held_ms = granted_ms(&first.value)
+        .map(|granted| u32::try_from(wall_clock_ms().saturating_sub(granted)).unwrap_or(u32::MAX));
+    KeyState {
+        token: first.create_revision.max(0) as u64,
+        lease_ms: 0,
+        held_ms,
+        grants: u16::try_from(grants).unwrap_or(u16::MAX),
+        waiters: u32::try_from(found.len() - grants).unwrap_or(u32::MAX),
+        label: first.label(),
+    }
+}
+
 /// Waits before the next attempt of a repeatable request, or ends it at
 /// `deadline` with the fault its attempts earned: `Unknown` once any of
 /// them may have reached etcd, else `Unsent`.
@@ -1433,6 +1595,7 @@ mod tests {
             limit,
             take,
             label: label.to_owned(),
+            campaign: false,
         }
     }
 
@@ -1496,6 +1659,73 @@ mod tests {
             assert_eq!(decode(bad).1, Slot::EXCLUSIVE, "{bad:?}");
         }
         assert_eq!(decode(b"12 3 4").0, 12);
+    }
+
+    #[test]
+    fn a_campaign_s_grant_time_is_a_trailer_every_reader_skips() {
+        let campaign = Claim {
+            campaign: true,
+            ..claim(0, 0, "db1 a b")
+        };
+        let base = campaign.campaign_value(7).unwrap();
+        assert_eq!(base, "7 0 0 db1 a b");
+        let before = wall_clock_ms();
+        let value = granted_value(&base);
+        let stored = granted_ms(value.as_bytes()).unwrap();
+        assert!((before..=wall_clock_ms()).contains(&stored), "{value}");
+        assert_eq!(value, format!("7 0 0 db1 a b\ngranted_ms={stored}"));
+        assert_eq!(decode(value.as_bytes()), (7, Slot::EXCLUSIVE));
+        assert_eq!(decode_label(value.as_bytes()), "db1 a b");
+        // A lock or a campaign without a label stores no time.
+        assert_eq!(claim(0, 0, "db1").campaign_value(7), None);
+        let unlabelled = Claim {
+            campaign: true,
+            ..Claim::default()
+        };
+        assert_eq!(unlabelled.campaign_value(7), None);
+        // Other fields are skipped; only 1..=19 digits count.
+        assert_eq!(granted_ms(b"7 0 0 x\nother=1\ngranted_ms=12"), Some(12));
+        for bad in [
+            &b"7 0 0 x"[..],
+            b"granted_ms=12",
+            b"7 0 0 x\ngranted_ms=",
+            b"7 0 0 x\ngranted_ms=-1",
+            b"7 0 0 x\ngranted_ms=1 ",
+            b"7 0 0 x\ngranted_ms=12345678901234567890",
+            b"7 0 0 x\n\xffgranted_ms=1",
+        ] {
+            assert_eq!(granted_ms(bad), None, "{bad:?}");
+        }
+        assert_eq!(
+            granted_ms(b"7 0 0 x\ngranted_ms=9999999999999999999"),
+            Some(9_999_999_999_999_999_999)
+        );
+    }
+
+    #[test]
+    fn the_key_state_is_the_first_entry_s() {
+        assert_eq!(key_state(&[]).token, 0);
+        let now = wall_clock_ms();
+        let mut first = entry(5, &format!("1 0 0 ann\ngranted_ms={}", now - 2_000));
+        first.create_revision = 5;
+        let all = [first, entry(6, "2 0 0 bob"), entry(7, "3")];
+        let state = key_state(&all);
+        assert_eq!(
+            (
+                state.token,
+                state.label.as_str(),
+                state.grants,
+                state.waiters
+            ),
+            (5, "ann", 1, 2)
+        );
+        let held = state.held_ms.unwrap();
+        assert!((2_000..3_000).contains(&held), "{held}");
+        // No grant time stored (a lock, an older client): unknown.
+        assert_eq!(key_state(&all[1..]).held_ms, None);
+        // A grant time in the future (a clock ahead): 0.
+        let ahead = [entry(5, &format!("1 0 0 a\ngranted_ms={}", now + 60_000))];
+        assert_eq!(key_state(&ahead).held_ms, Some(0));
     }
 
     #[test]
