@@ -1,9 +1,10 @@
 //! etcd's own layout (`?layout=etcd`, docs/ETCD.md, "Two layouts"): the
-//! client's and the CLI's exclusive locks share etcd's
-//! `client/v3/concurrency` recipe with the real `etcdctl lock` (Debian's
-//! etcd-client): one FIFO queue, never two holders, `kunci who` shows
-//! etcdctl's holders; and what that recipe cannot express is refused
-//! before anything is sent.
+//! client's and the CLI's exclusive locks and elections share etcd's
+//! `client/v3/concurrency` recipe with the real `etcdctl lock` and
+//! `etcdctl elect` (Debian's etcd-client): one FIFO queue, never two
+//! holders, `kunci who` shows etcdctl's holders, `kunci leader --watch`
+//! follows etcdctl's leaders and `etcdctl elect -l` kunci's; and what that
+//! recipe cannot express is refused before anything is sent.
 //!
 //! Each test starts its own one-member cluster on loopback. Without `etcd`
 //! or `etcdctl` installed they fail under CI and are skipped, saying so,
@@ -634,4 +635,84 @@ fn etcd_layout_etcdctl_elect_listen_sees_a_kunci_elect_leader_and_its_successor(
     assert!(standby.finish(Instant::now() + 5 * S).status.success());
     let _ = listener.finish(Instant::now() + 5 * S);
     assert!(wait_for(5 * S, || entries(&cluster, name).is_empty()));
+}
+
+#[test]
+fn etcd_layout_kunci_leader_watch_follows_an_etcdctl_elect_leader_and_its_kunci_successor() {
+    if !tools() {
+        return;
+    }
+    let cluster = Cluster::start(1);
+    let server = layout(&cluster);
+    let dir = TempDir::new("etcd-leader");
+    let leading = dir.join("leading");
+    std::fs::write(&leading, "").unwrap();
+    let name = "db-primary";
+    let mut watch =
+        Reaped::spawn(kunci(&server, &["leader", name, "--watch"]).stdout(Stdio::piped()));
+    let shown = Lines::of(watch.child());
+    assert_eq!(shown.next(10 * S), "none");
+
+    let mut go = Reaped::spawn(
+        etcdctl(&cluster, &["elect", name, "go-primary:5432"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    assert!(wait_for(10 * S, || entries(&cluster, name).len() == 1));
+    let go_entry = entries(&cluster, name).remove(0);
+    let go_term = go_entry.create_revision;
+    // etcd's layout keeps no grant time: held_for is unknown.
+    assert_eq!(
+        shown.next(10 * S),
+        format!("go-primary:5432 term={go_term} held_for=?")
+    );
+    let json = kunci(&server, &["leader", name, "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(json.status.code(), Some(0), "{json:?}");
+    assert_eq!(
+        text(&json.stdout),
+        format!(
+            "{{\"value\": \"go-primary:5432\", \"term\": \"{go_term}\", \"held_for\": null}}\n"
+        )
+    );
+    let leader = client_of(&server).leader(name).unwrap();
+    assert_eq!(
+        leader,
+        Some(kunci::client::Leader {
+            value: "go-primary:5432".into(),
+            term: go_term,
+            held_for: None,
+        })
+    );
+
+    // A kunci candidate queues behind it and leads when it resigns.
+    let candidate = Reaped::spawn(
+        kunci(
+            &server,
+            &["elect", name, "rs-standby", "--lease", "10", "--"],
+        )
+        .args(["sh", "-c", "while [ -e \"$1\" ]; do sleep 0.05; done", "sh"])
+        .arg(&leading)
+        .stderr(Stdio::piped()),
+    );
+    assert!(wait_for(10 * S, || entries(&cluster, name).len() == 2));
+    let standby = entries(&cluster, name).remove(1);
+    assert_eq!(standby.value, "rs-standby");
+    go.interrupt();
+    assert!(go.finish(Instant::now() + 5 * S).status.success());
+    assert_eq!(
+        shown.next(10 * S),
+        format!("rs-standby term={} held_for=?", standby.create_revision)
+    );
+    assert!(standby.create_revision > go_term);
+    // Its entry keeps etcd's layout once it leads: the value alone.
+    assert_eq!(entries(&cluster, name), [standby]);
+    std::fs::remove_file(&leading).unwrap();
+    let resigned = candidate.finish(Instant::now() + 10 * S);
+    assert_eq!(resigned.status.code(), Some(0), "{resigned:?}");
+    assert_eq!(shown.next(10 * S), "none");
+    watch.interrupt();
+    let watched = watch.finish(Instant::now() + 5 * S);
+    assert_eq!(watched.status.code(), Some(0), "{watched:?}");
 }
