@@ -11,7 +11,7 @@ use super::etcd;
 use super::handoff::{Message, Reply};
 use super::io;
 use super::vocabulary::{Outcome, Submission};
-use crate::addr::{Address, EtcdLayout};
+use crate::addr::Address;
 
 /// Where requests go: kunci servers through the I/O thread, or an etcd
 /// cluster (`etcd://`, docs/ETCD.md). Both give the same outcomes.
@@ -64,7 +64,7 @@ impl Backend {
             let tls = servers
                 .iter()
                 .any(|address| matches!(address, Address::Etcd { tls: true, .. }));
-            let layout = EtcdLayout::of(&servers)
+            let layout = crate::addr::EtcdLayout::of(&servers)
                 .map_err(|why| std::io::Error::new(std::io::ErrorKind::InvalidInput, why))?;
             let endpoints = servers
                 .into_iter()

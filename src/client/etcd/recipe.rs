@@ -439,7 +439,7 @@ fn watch_body(name: &[u8], prefix: Option<&str>, from_revision: i64, filter: &st
             format!(
                 r#""key":"{}","range_end":"{}""#,
                 json::base64(prefix.as_bytes()),
-                json::base64(prefix_end(&prefix).as_bytes()),
+                json::base64(prefix_end(prefix).as_bytes()),
             )
         }
         None => format!(r#""key":"{}""#, json::base64(name)),
