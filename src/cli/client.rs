@@ -12,7 +12,8 @@ use super::permits;
 use crate::client::{Client, Error};
 
 use super::messages::usage_error;
-use super::options::{Options, is_etcd, is_etcd_layout};
+use super::options::{Options, is_etcd};
+use crate::addr::EtcdLayout;
 
 // What `run`, `elect`, `top` and `bench` take from the client commands.
 pub(super) use super::messages::{Attempt, grace_note, init_logging, message, report};
@@ -211,7 +212,8 @@ Options:
                   at most 1000 of each)
 ",
         run: |client, options, out| {
-            let etcd = (is_etcd(&options.servers), is_etcd_layout(&options.servers));
+            let etcd_layout = EtcdLayout::of(&options.servers) == Ok(EtcdLayout::Etcd);
+            let etcd = (is_etcd(&options.servers), etcd_layout);
             super::who::who(client, &options.positionals[0], options.json, etcd, out)
         },
     },

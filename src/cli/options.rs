@@ -358,20 +358,6 @@ pub(super) fn secret(file: Option<OsString>) -> Result<Option<Secret>, String> {
     Ok(Some(secret))
 }
 
-/// Whether the servers are etcd members in etcd's own layout
-/// (`?layout=etcd`).
-pub(super) fn is_etcd_layout(servers: &[Address]) -> bool {
-    servers.iter().any(|address| {
-        matches!(
-            address,
-            Address::Etcd {
-                layout: EtcdLayout::Etcd,
-                ..
-            }
-        )
-    })
-}
-
 pub(super) fn is_etcd(servers: &[Address]) -> bool {
     servers
         .iter()
