@@ -141,7 +141,7 @@ const LABEL_LEN_MAX: usize = 128;
 /// What one acquire asks for (spec §10.1): `limit` 0 names no limit,
 /// `take` 0 takes every permit (exclusive), `label` says who asks;
 /// `campaign`: its entry stores its grant time once it holds (spec
-/// §13.6, [`Claim::granted_value`]). The default is `A`'s: no limit,
+/// §13.6, [`Claim::campaign_value`]). The default is `A`'s: no limit,
 /// exclusive, no label, no campaign.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Claim {
@@ -226,7 +226,7 @@ fn first_line(value: &[u8]) -> &[u8] {
 }
 
 /// The wall-clock grant time (ms since the Unix epoch) a campaign stored
-/// in its entry ([`Claim::granted_value`]), if any: the value's lines
+/// in its entry ([`granted_value`]), if any: the value's lines
 /// after the first are `NAME=VALUE` fields, unknown names ignored; this
 /// is `granted_ms` with 1..=19 decimal digits. Peer input: never panics.
 fn granted_ms(value: &[u8]) -> Option<u64> {
