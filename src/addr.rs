@@ -67,11 +67,10 @@ impl EtcdLayout {
     fn parse(query: &str) -> Result<EtcdLayout, String> {
         let mut layout = EtcdLayout::Kunci;
         for item in query.split('&') {
-            layout = match item.strip_prefix("layout=") {
-                Some("kunci") => EtcdLayout::Kunci,
-                Some("etcd") => EtcdLayout::Etcd,
-                Some(value) => return Err(format!("layout must be kunci or etcd, not {value:?}")),
-                None => {
+            layout = match item {
+                "layout=kunci" => EtcdLayout::Kunci,
+                "layout=etcd" => EtcdLayout::Etcd,
+                _ => {
                     return Err(format!(
                         "unknown option {item:?} (etcd addresses take ?layout=kunci or \
                          ?layout=etcd)"
@@ -437,7 +436,8 @@ mod tests {
         let error = |text: &str| text.parse::<Address>().unwrap_err().to_string();
         assert_eq!(
             error("etcd://h:1?layout=zk"),
-            "invalid address \"etcd://h:1?layout=zk\": layout must be kunci or etcd, not \"zk\""
+            "invalid address \"etcd://h:1?layout=zk\": unknown option \"layout=zk\" \
+             (etcd addresses take ?layout=kunci or ?layout=etcd)"
         );
         assert_eq!(
             error("etcd://h:1?mode=etcd"),

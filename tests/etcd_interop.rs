@@ -271,8 +271,9 @@ fn etcd_layout_refuses_what_etcds_recipe_cannot_express_before_anything_is_sent(
     assert_eq!(
         text(&unknown.stderr),
         format!(
-            "kunci query: KUNCI_SERVER: invalid address \"etcd://{member}?layout=zk\": layout \
-             must be kunci or etcd, not \"zk\"\n(see kunci query --help)\n"
+            "kunci query: KUNCI_SERVER: invalid address \"etcd://{member}?layout=zk\": unknown \
+             option \"layout=zk\" (etcd addresses take ?layout=kunci or ?layout=etcd)\n\
+             (see kunci query --help)\n"
         )
     );
     // The library: the same refusals, the same mixed members.

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::super::http::Members;
 use super::{Claim, Cluster, LimitMismatch, entries, prefix, range_body};
+use crate::addr::EtcdLayout;
 use crate::client::vocabulary::{
     Grant, Holders, Key, KeyPage, KeyStatus, KeySummary, Outcome, Waiter,
 };
@@ -98,7 +99,7 @@ fn entry_count(recipe: &Arc<Cluster>, name: &str) -> usize {
     let (_, value) = recipe
         .read("/v3/kv/range", &body, Instant::now() + 5 * S)
         .unwrap_or_else(|_| panic!("range of {name}"));
-    entries(&value).expect("entries").len()
+    entries(&value, EtcdLayout::Kunci).expect("entries").len()
 }
 
 /// Waits until `name` has `count` entries that do not hold.
@@ -358,7 +359,7 @@ fn latest_revision(recipe: &Arc<Cluster>, name: &str) -> u64 {
     let (_, value) = recipe
         .read("/v3/kv/range", &body, Instant::now() + 5 * S)
         .unwrap_or_else(|_| panic!("range of {name}"));
-    let latest = entries(&value).expect("entries");
+    let latest = entries(&value, EtcdLayout::Kunci).expect("entries");
     latest[0].create_revision as u64
 }
 

@@ -96,13 +96,13 @@ struct Entry {
 }
 
 impl Entry {
-    fn from_json(kv: &JsonValue) -> Option<Entry> {
+    fn from_json(kv: &JsonValue, layout: EtcdLayout) -> Option<Entry> {
         Some(Entry {
             name: json::bytes(kv, "key")?,
             create_revision: json::int(kv, "create_revision")?,
             lease: json::int(kv, "lease")?,
             value: json::bytes(kv, "value")?,
-            layout: EtcdLayout::Kunci,
+            layout,
         })
     }
 
@@ -391,19 +391,19 @@ pub(crate) struct LimitMismatch {
 }
 
 /// The lowest entry of a range answer, and how many entries the range has.
-fn first_entry(range: &JsonValue) -> Option<(Option<Entry>, i64)> {
+fn first_entry(range: &JsonValue, layout: EtcdLayout) -> Option<(Option<Entry>, i64)> {
     let count = json::int(range, "count")?;
     match json::array(range, "kvs").first() {
-        Some(kv) => Some((Some(Entry::from_json(kv)?), count)),
+        Some(kv) => Some((Some(Entry::from_json(kv, layout)?), count)),
         None => Some((None, count)),
     }
 }
 
-/// Every entry of a range answer, in its order.
-fn entries(range: &JsonValue) -> Option<Vec<Entry>> {
+/// Every entry of a range answer, in its order, read in `layout`.
+fn entries(range: &JsonValue, layout: EtcdLayout) -> Option<Vec<Entry>> {
     json::array(range, "kvs")
         .iter()
-        .map(Entry::from_json)
+        .map(|kv| Entry::from_json(kv, layout))
         .collect()
 }
 
@@ -550,26 +550,23 @@ impl Cluster {
     fn prefix(&self, key: Key) -> String {
         match self.layout {
             EtcdLayout::Kunci => prefix(key),
-            EtcdLayout::Etcd => format!("{}/", key.as_str()),
+            EtcdLayout::Etcd => key.as_str().to_owned() + "/",
         }
     }
 
     /// An entry's name: the prefix and its lease id in hex (in etcd's
     /// layout lowercase and unpadded, as Go's `fmt.Sprintf("%s%x")`).
     fn entry_name(&self, prefix: &str, lease: i64) -> String {
-        match self.layout {
-            EtcdLayout::Kunci => format!("{prefix}{lease:016x}"),
-            EtcdLayout::Etcd => format!("{prefix}{lease:x}"),
-        }
+        let width = match self.layout {
+            EtcdLayout::Kunci => 16,
+            EtcdLayout::Etcd => 0,
+        };
+        format!("{prefix}{lease:0width$x}")
     }
 
     /// Every entry of a range answer ([`entries`]), read in this layout.
     fn entries(&self, range: &JsonValue) -> Option<Vec<Entry>> {
-        let mut found = entries(range)?;
-        for entry in &mut found {
-            entry.layout = self.layout;
-        }
-        Some(found)
+        entries(range, self.layout)
     }
 
     pub(crate) fn endpoints(&self) -> &[String] {
@@ -1022,7 +1019,7 @@ impl Cluster {
         let [before, own] = txn_ranges(&value)[..] else {
             return Err(Fault::Unknown);
         };
-        let (own, _) = first_entry(own).ok_or(Fault::Unknown)?;
+        let (own, _) = first_entry(own, self.layout).ok_or(Fault::Unknown)?;
         if own.is_none_or(|own| own.create_revision != place.revision) {
             return Ok(Turn::Gone);
         }
@@ -1182,7 +1179,7 @@ impl Cluster {
             // release deletes the entry before it revokes the lease).
             let own = format!(r#"{{"key":"{}"}}"#, json::base64(&entry.name));
             return match self.read("/v3/kv/range", &own, deadline) {
-                Ok((_, value)) => match first_entry(&value) {
+                Ok((_, value)) => match first_entry(&value, self.layout) {
                     Some((Some(now), _)) if now.create_revision as u64 == token => {
                         Outcome::Extended { sent_at }
                     }
@@ -1388,7 +1385,7 @@ impl Cluster {
             json::base64(ROOT_END.as_bytes()),
         );
         let (page, more) = match self.read("/v3/kv/range", &body, deadline) {
-            Ok((_, value)) => match entries(&value) {
+            Ok((_, value)) => match self.entries(&value) {
                 Some(page) => (page, json::boolean(&value, "more")),
                 None => return Outcome::Indeterminate,
             },
