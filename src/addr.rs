@@ -48,7 +48,9 @@ pub enum EtcdLayout {
 impl EtcdLayout {
     /// The one layout of a client's `etcd://` addresses (the default when
     /// there is none); `Err` with the reason when they name different
-    /// ones: one cluster has one layout.
+    /// ones: one cluster has one layout. Not inlined: a cold check with
+    /// three callers is smaller as one copy.
+    #[inline(never)]
     pub fn of(servers: &[Address]) -> Result<EtcdLayout, &'static str> {
         let mut layouts = servers.iter().filter_map(|address| match address {
             Address::Etcd { layout, .. } => Some(*layout),

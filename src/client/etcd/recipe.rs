@@ -1403,7 +1403,7 @@ impl Cluster {
             .and_then(|entry| key_of(&entry.name))
             .and_then(|name| Key::new(name).ok())
         {
-            resume_at = resume_at.max(prefix_end(&prefix(key)).into_bytes());
+            resume_at = resume_at.max(prefix_end(&self.prefix(key)).into_bytes());
         }
         // Consecutive entries of one kunci key form a group.
         let mut groups: Vec<(String, Vec<Entry>)> = Vec::new();
