@@ -1,6 +1,7 @@
 //! Server addresses: `HOST:PORT` for TCP, `unix:PATH` for a Unix socket,
 //! `tls://HOST:PORT` for TCP with TLS, `etcd://HOST:PORT[,HOST:PORT…]` for
-//! the members of an etcd cluster (`etcds://` with TLS).
+//! the members of an etcd cluster (`etcds://` with TLS), with
+//! `?layout=etcd` to share locks with etcd's own recipe.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -20,10 +21,67 @@ pub enum Address {
     /// `tls://HOST:PORT`: TCP with TLS; a client checks the certificate
     /// against HOST.
     Tls(String),
-    /// `etcd://HOST:PORT[,HOST:PORT…]`: members of one etcd v3 cluster,
-    /// reached through its HTTP/JSON gateway (a client address only);
-    /// `etcds://` reaches them over TLS.
-    Etcd { endpoints: Vec<String>, tls: bool },
+    /// `etcd://HOST:PORT[,HOST:PORT…][?layout=etcd]`: members of one etcd
+    /// v3 cluster, reached through its HTTP/JSON gateway (a client address
+    /// only); `etcds://` reaches them over TLS.
+    Etcd {
+        endpoints: Vec<String>,
+        tls: bool,
+        layout: EtcdLayout,
+    },
+}
+
+/// Where the locks live in etcd's keys (`?layout=`, docs/ETCD.md, "Two
+/// layouts").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum EtcdLayout {
+    /// kunci's own, `kunci/LEN:KEY/LEASEID` (`?layout=kunci`, the
+    /// default): permits, listing, names that never collide.
+    #[default]
+    Kunci,
+    /// etcd's `client/v3/concurrency` recipe, `KEY/LEASEID`
+    /// (`?layout=etcd`): exclusive locks and elections shared with
+    /// `etcdctl lock`, `etcdctl elect` and Go's `Mutex` and `Election`.
+    Etcd,
+}
+
+impl EtcdLayout {
+    /// The one layout of a client's `etcd://` addresses (the default when
+    /// there is none); `Err` with the reason when they name different
+    /// ones: one cluster has one layout. Not inlined: a cold check with
+    /// three callers is smaller as one copy.
+    #[inline(never)]
+    pub fn of(servers: &[Address]) -> Result<EtcdLayout, &'static str> {
+        let mut layouts = servers.iter().filter_map(|address| match address {
+            Address::Etcd { layout, .. } => Some(*layout),
+            _ => None,
+        });
+        let first = layouts.next().unwrap_or_default();
+        if layouts.any(|layout| layout != first) {
+            return Err("the members of one etcd cluster have one layout: \
+                        give ?layout=etcd on every etcd:// address or on none");
+        }
+        Ok(first)
+    }
+
+    /// The layout an address's query names: `layout=kunci` or
+    /// `layout=etcd`; any other parameter is refused.
+    fn parse(query: &str) -> Result<EtcdLayout, String> {
+        let mut layout = EtcdLayout::Kunci;
+        for item in query.split('&') {
+            layout = match item {
+                "layout=kunci" => EtcdLayout::Kunci,
+                "layout=etcd" => EtcdLayout::Etcd,
+                _ => {
+                    return Err(format!(
+                        "unknown option {item:?} (etcd addresses take ?layout=kunci or \
+                         ?layout=etcd)"
+                    ));
+                }
+            };
+        }
+        Ok(layout)
+    }
 }
 
 /// An address (or an `--allow` network) that does not parse, with the
@@ -75,6 +133,14 @@ impl FromStr for Address {
             None => text.strip_prefix("etcd://").map(|members| (members, false)),
         };
         if let Some((members, tls)) = etcd {
+            let (members, layout) = match members.split_once('?') {
+                Some((members, query)) => (
+                    members,
+                    EtcdLayout::parse(query)
+                        .map_err(|problem| AddressError::address(text, problem))?,
+                ),
+                None => (members, EtcdLayout::Kunci),
+            };
             let endpoints: Vec<String> = members.split(',').map(|m| m.trim().to_owned()).collect();
             for endpoint in &endpoints {
                 host_port_problem(endpoint).map_or(Ok(()), |problem| {
@@ -84,7 +150,11 @@ impl FromStr for Address {
                     ))
                 })?;
             }
-            return Ok(Address::Etcd { endpoints, tls });
+            return Ok(Address::Etcd {
+                endpoints,
+                tls,
+                layout,
+            });
         }
         if let Some(host_port) = text.strip_prefix("tls://") {
             if let Some(problem) = host_port_problem(host_port) {
@@ -191,9 +261,17 @@ impl fmt::Display for Address {
             Address::Tcp(host_port) => f.write_str(host_port),
             Address::Unix(path) => write!(f, "unix:{}", path.display()),
             Address::Tls(host_port) => write!(f, "tls://{host_port}"),
-            Address::Etcd { endpoints, tls } => {
+            Address::Etcd {
+                endpoints,
+                tls,
+                layout,
+            } => {
                 let scheme = if *tls { "etcds" } else { "etcd" };
-                write!(f, "{scheme}://{}", endpoints.join(","))
+                let query = match layout {
+                    EtcdLayout::Kunci => "",
+                    EtcdLayout::Etcd => "?layout=etcd",
+                };
+                write!(f, "{scheme}://{}{query}", endpoints.join(","))
             }
         }
     }
@@ -267,7 +345,8 @@ mod tests {
             "etcd://127.0.0.1:2379,db2:2379".parse(),
             Ok(Address::Etcd {
                 endpoints: vec!["127.0.0.1:2379".into(), "db2:2379".into()],
-                tls: false
+                tls: false,
+                layout: EtcdLayout::Kunci,
             })
         );
         assert_eq!(
@@ -325,6 +404,80 @@ mod tests {
             error("etcd://a:1,b"),
             "invalid address \"etcd://a:1,b\": etcd member \"b\": no port"
         );
+    }
+
+    #[test]
+    fn an_etcd_address_names_its_layout_and_shows_it_back() {
+        let etcd = |text: &str| match text.parse::<Address>() {
+            Ok(Address::Etcd {
+                endpoints, layout, ..
+            }) => (endpoints, layout),
+            other => panic!("{text}: {other:?}"),
+        };
+        assert_eq!(
+            etcd("etcd://127.0.0.1:2379,[::1]:2380?layout=etcd"),
+            (
+                vec!["127.0.0.1:2379".to_owned(), "[::1]:2380".to_owned()],
+                EtcdLayout::Etcd
+            )
+        );
+        assert_eq!(etcd("etcds://h:1?layout=kunci").1, EtcdLayout::Kunci);
+        assert_eq!(etcd("etcd://h:1").1, EtcdLayout::Kunci);
+        // The last one given counts, as in the Python client.
+        assert_eq!(
+            etcd("etcd://h:1?layout=kunci&layout=etcd").1,
+            EtcdLayout::Etcd
+        );
+        for (text, shown) in [
+            ("etcd://a:1,b:2?layout=etcd", "etcd://a:1,b:2?layout=etcd"),
+            ("etcds://a:1?layout=etcd", "etcds://a:1?layout=etcd"),
+            ("etcds://a:1?layout=kunci", "etcds://a:1"),
+        ] {
+            assert_eq!(text.parse::<Address>().unwrap().to_string(), shown);
+        }
+        let error = |text: &str| text.parse::<Address>().unwrap_err().to_string();
+        assert_eq!(
+            error("etcd://h:1?layout=zk"),
+            "invalid address \"etcd://h:1?layout=zk\": unknown option \"layout=zk\" \
+             (etcd addresses take ?layout=kunci or ?layout=etcd)"
+        );
+        assert_eq!(
+            error("etcd://h:1?mode=etcd"),
+            "invalid address \"etcd://h:1?mode=etcd\": unknown option \"mode=etcd\" \
+             (etcd addresses take ?layout=kunci or ?layout=etcd)"
+        );
+        // One cluster, one layout: however the members are given.
+        let layout_of = |texts: &[&str]| {
+            let servers: Vec<Address> = texts.iter().map(|text| text.parse().unwrap()).collect();
+            EtcdLayout::of(&servers)
+        };
+        assert_eq!(layout_of(&["etcd://a:1?layout=etcd"]), Ok(EtcdLayout::Etcd));
+        assert_eq!(
+            layout_of(&["etcd://a:1?layout=etcd", "etcd://b:1?layout=etcd"]),
+            Ok(EtcdLayout::Etcd)
+        );
+        assert_eq!(
+            layout_of(&["etcd://a:1", "etcd://b:1?layout=kunci"]),
+            Ok(EtcdLayout::Kunci)
+        );
+        assert_eq!(layout_of(&["a:1"]), Ok(EtcdLayout::Kunci));
+        assert_eq!(
+            layout_of(&["etcd://a:1?layout=etcd", "etcd://b:1"]),
+            Err("the members of one etcd cluster have one layout: \
+                 give ?layout=etcd on every etcd:// address or on none")
+        );
+        for bad in [
+            "etcd://h:1?layout",
+            "etcd://h:1?",
+            "etcd://h:1?layout=ETCD",
+            "etcd://h:1?layout=etcd&x=1",
+            "etcd://h:1?layout=etcd,h:2",
+            "etcd://?layout=etcd",
+            "tls://h:1?layout=etcd",
+            "h:1?layout=etcd",
+        ] {
+            assert!(bad.parse::<Address>().is_err(), "{bad}");
+        }
     }
 }
 

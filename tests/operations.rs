@@ -35,7 +35,10 @@ const SERVER_LINES: &str = "  --server ADDR   a server address: HOST:PORT, tls:/
                   repeat, or separate with commas, for several addresses
                   of the same service (default: $KUNCI_SERVER, the same
                   way, else 127.0.0.1:5862); etcd://HOST:PORT[,HOST:PORT]...
-                  takes the locks on an etcd cluster instead (docs/ETCD.md)
+                  takes the locks on an etcd cluster instead (docs/ETCD.md),
+                  and with ?layout=etcd at its end shares exclusive locks
+                  and elections with etcdctl lock/elect and Go's
+                  concurrency package
   --secret-file FILE
                   the secret for a server with --auth (one trailing
                   newline is ignored); default: $KUNCI_SECRET, else none.

@@ -11,6 +11,10 @@ mod edges;
 mod endpoint;
 #[cfg(feature = "etcd")]
 mod etcd;
+#[cfg(feature = "etcd")]
+mod etcd_interop;
+#[cfg(feature = "etcd")]
+mod etcd_leader;
 mod fencing;
 mod grant_quota;
 mod hostile;

@@ -13,6 +13,7 @@ use crate::client::{Client, Error};
 
 use super::messages::usage_error;
 use super::options::{Options, is_etcd};
+use crate::addr::EtcdLayout;
 
 // What `run`, `elect`, `top` and `bench` take from the client commands.
 pub(super) use super::messages::{Attempt, grace_note, init_logging, message, report};
@@ -197,7 +198,8 @@ lease left, time held, label) oldest first, then its waiters in queue
 order (owner, permits, wait left, label). A key nobody holds or waits for
 is `free`. Times are in seconds. On etcd:// the time held and the wait
 left are `unknown` (null in JSON), and the lease left is in whole seconds
-(docs/ETCD.md).
+(docs/ETCD.md); with ?layout=etcd it shows etcd's own holders too
+(`etcdctl lock`, Go's Mutex): owner 0, their value as the label.
 
 Options:
   --json          one JSON object: {\"key\", \"limit\", \"left_out\", \"grants\":
@@ -210,7 +212,8 @@ Options:
                   at most 1000 of each)
 ",
         run: |client, options, out| {
-            let etcd = is_etcd(&options.servers);
+            let etcd_layout = EtcdLayout::of(&options.servers) == Ok(EtcdLayout::Etcd);
+            let etcd = (is_etcd(&options.servers), etcd_layout);
             super::who::who(client, &options.positionals[0], options.json, etcd, out)
         },
     },
@@ -232,7 +235,8 @@ the key, its number of grants and of waiters, and its limit of permits.
 The server hands the table out 1000 keys at a time; a key that was there
 for the whole listing is printed at least once, and a key may be printed
 twice when the table grew meanwhile. On etcd:// it reads every kunci
-entry of the cluster, 1000 at a time (docs/ETCD.md).
+entry of the cluster, 1000 at a time (docs/ETCD.md); with ?layout=etcd
+there is no listing (exit 2): those locks may be anywhere in etcd's keys.
 
 Options:
   --json          one JSON object per line: {\"key\", \"grants\", \"waiters\",

@@ -96,7 +96,7 @@ pub fn elect(mut arguments: Vec<OsString>) -> u8 {
     let mut run = vec![arguments.remove(0)];
     run.extend(["--wait", "inf", "--label", value].map(OsString::from));
     run.extend(arguments);
-    super::run::main(run)
+    super::run::campaign(run)
 }
 
 /// `kunci leader NAME [--json] [--watch]`.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::args;
 use super::exit;
 use super::permits::{self, PermitFlags};
-use crate::addr::{Address, DEFAULT_ADDRESS};
+use crate::addr::{Address, DEFAULT_ADDRESS, EtcdLayout};
 use crate::client::{AcquireOptions, Client, Config, Error, Secret, Ticket, WAIT_MAX};
 
 /// The environment variable that names the servers when `--server` is not
@@ -123,7 +123,10 @@ pub(super) const SERVER_HELP: &str =
                   repeat, or separate with commas, for several addresses
                   of the same service (default: $KUNCI_SERVER, the same
                   way, else 127.0.0.1:5862); etcd://HOST:PORT[,HOST:PORT]...
-                  takes the locks on an etcd cluster instead (docs/ETCD.md)
+                  takes the locks on an etcd cluster instead (docs/ETCD.md),
+                  and with ?layout=etcd at its end shares exclusive locks
+                  and elections with etcdctl lock/elect and Go's
+                  concurrency package
   --secret-file FILE
                   the secret for a server with --auth (one trailing
                   newline is ignored); default: $KUNCI_SECRET, else none.
@@ -316,8 +319,10 @@ pub(super) fn parse(arguments: Vec<OsString>, accepts: Accepts) -> Result<Parsed
 }
 
 /// Refuses a list of addresses no client can serve: `etcd://` mixed with
-/// kunci servers (one service is either).
+/// kunci servers (one service is either), or etcd members with different
+/// layouts (`?layout=`).
 pub(super) fn check_servers(servers: &[Address]) -> Result<(), String> {
+    EtcdLayout::of(servers)?;
     let etcd = servers
         .iter()
         .filter(|address| matches!(address, Address::Etcd { .. }))

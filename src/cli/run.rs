@@ -172,6 +172,16 @@ enum Event {
 }
 
 pub fn main(arguments: Vec<OsString>) -> u8 {
+    run(arguments, false)
+}
+
+/// `kunci elect`: `kunci run` whose acquire is a campaign's (on etcd its
+/// entry stores its grant time, which `kunci leader` shows as held_for).
+pub fn campaign(arguments: Vec<OsString>) -> u8 {
+    run(arguments, true)
+}
+
+fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
     let accepts = Accepts {
         wait: true,
         lease: true,
@@ -183,7 +193,7 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         optional: 0,
         command: true,
     };
-    let options = match common::parse(arguments, accepts) {
+    let mut options = match common::parse(arguments, accepts) {
         Ok(Parsed::Run(options)) => options,
         Ok(Parsed::Help) => {
             println!("{}", common::with_server_help(HELP));
@@ -194,6 +204,9 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
             return exit::USAGE;
         }
     };
+    if campaign {
+        options.acquire = options.acquire.for_campaign();
+    }
     common::init_logging();
     // First, while this process has one thread and no sockets.
     let watchdog = match Watchdog::start(options.kill_after) {

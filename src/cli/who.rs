@@ -10,17 +10,19 @@ use super::bench::stats::json_string;
 use crate::client::{Client, Error, Grant, Holders, KeySummary, Waiter};
 use crate::protocol::LIST_COUNT_MAX;
 
-/// `kunci who`: the key's grants, then its waiters.
+/// `kunci who`: the key's grants, then its waiters. `etcd`: the servers
+/// are etcd members, in etcd's own layout when `etcd_layout`.
 pub(super) fn who(
     client: &Client,
     key: &str,
     json: bool,
-    etcd: bool,
+    (etcd, etcd_layout): (bool, bool),
     out: &mut dyn Write,
 ) -> Result<(), Error> {
     let holders = client.holders(key)?;
     let times = if etcd { Times::LeaseOnly } else { Times::All };
-    let limit = if holders.is_free() {
+    // etcd's layout has no limits, and no listing to ask for one.
+    let limit = if holders.is_free() || etcd_layout {
         0
     } else {
         key_limit(client, key)?

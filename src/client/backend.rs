@@ -64,6 +64,8 @@ impl Backend {
             let tls = servers
                 .iter()
                 .any(|address| matches!(address, Address::Etcd { tls: true, .. }));
+            let layout = crate::addr::EtcdLayout::of(&servers)
+                .map_err(|why| std::io::Error::new(std::io::ErrorKind::InvalidInput, why))?;
             let endpoints = servers
                 .into_iter()
                 .flat_map(|address| match address {
@@ -77,6 +79,7 @@ impl Backend {
                 config.connect_timeout,
                 config.etcd_credentials.clone(),
                 tls,
+                layout,
             )
             .map(Backend::Etcd)
         }

@@ -915,7 +915,7 @@ impl<R> Engine<R> {
                     } => Outcome::Observed(KeyState {
                         token,
                         lease_ms,
-                        held_ms,
+                        held_ms: Some(held_ms),
                         grants,
                         waiters,
                         label,
@@ -1360,6 +1360,7 @@ fn encode<R>(req: &Req<R>, now: Instant, out: &mut Vec<u8>) {
             wait_until,
             permits,
             ref label,
+            ..
         } => {
             let (limit, take) = permits.wire();
             Request::Acquire {

@@ -18,7 +18,9 @@ pub struct Leader {
     pub value: String,
     /// Its term: the grant's token, a fencing token for what it writes.
     pub term: u64,
-    /// How long it has led, when known.
+    /// How long it has led; `None` when unknown (on etcd, a leader that
+    /// did not store its grant time: one that took the key without
+    /// campaigning, docs/ETCD.md).
     pub held_for: Option<Duration>,
 }
 
@@ -28,7 +30,7 @@ impl Leader {
         (state.token != 0).then(|| Leader {
             value: state.label,
             term: state.token,
-            held_for: Some(Duration::from_millis(u64::from(state.held_ms))),
+            held_for: state.held_ms.map(|ms| Duration::from_millis(u64::from(ms))),
         })
     }
 }
@@ -110,7 +112,7 @@ impl Client {
         if value.is_empty() {
             return Err(Error::InvalidArgument("value is empty"));
         }
-        let options = AcquireOptions::new().label(value);
+        let options = AcquireOptions::new().label(value).for_campaign();
         self.acquire_forever(name, lease, options)?
             .keep_alive_fresh()
     }

@@ -230,6 +230,7 @@ impl Client {
             wait_until: (!wait.is_zero()).then_some(wait_until),
             permits,
             label,
+            campaign: options.is_campaign(),
         };
         match self.call(op, key, deadline) {
             Outcome::Acquired { token, sent_at } => {

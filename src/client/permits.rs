@@ -140,6 +140,9 @@ impl fmt::Display for Permits {
 pub struct AcquireOptions {
     permits: Permits,
     label: String,
+    /// A campaign's acquire (spec §13.6): on etcd its entry stores its
+    /// grant time, which is what a leader's `held_for` reads there.
+    campaign: bool,
 }
 
 impl AcquireOptions {
@@ -170,6 +173,17 @@ impl AcquireOptions {
     /// The label.
     pub fn get_label(&self) -> &str {
         &self.label
+    }
+
+    /// The same options for a campaign, whose grant time an etcd entry
+    /// stores.
+    pub(crate) fn for_campaign(mut self) -> AcquireOptions {
+        self.campaign = true;
+        self
+    }
+
+    pub(crate) fn is_campaign(&self) -> bool {
+        self.campaign
     }
 }
 

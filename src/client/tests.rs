@@ -286,6 +286,7 @@ impl Harness {
                     wait_until: (!wait.is_zero()).then_some(wait_until),
                     permits,
                     label: Label::new(label).unwrap(),
+                    campaign: false,
                 },
                 key: Key::new("k").unwrap(),
                 deadline: wait_until + TRANSPORT_DEADLINE,

@@ -83,13 +83,16 @@ impl std::fmt::Debug for Key {
 pub(crate) enum Op {
     /// `A`, or `S` when it asks for permits or carries a label (the
     /// protocol encoder decides). `wait_until` is `Dw`, or `None` for an
-    /// original `wait = 0`, which stays 0 on the wire.
+    /// original `wait = 0`, which stays 0 on the wire. `campaign`: a
+    /// campaign's acquire, which on etcd stores its grant time (a kunci
+    /// server knows it anyway).
     Acquire {
         owner: u64,
         lease_s: u8,
         wait_until: Option<Instant>,
         permits: Permits,
         label: Label,
+        campaign: bool,
     },
     Release {
         token: u64,
@@ -144,8 +147,10 @@ pub struct KeyState {
     pub token: u64,
     /// That grant's lease left, rounded up (during a grace: to its end).
     pub lease_ms: u32,
-    /// How long that grant has been held, rounded down.
-    pub held_ms: u32,
+    /// How long that grant has been held, rounded down; `None` when
+    /// unknown (on etcd, a grant whose holder stored no grant time: one
+    /// not taken by a campaign, docs/ETCD.md).
+    pub held_ms: Option<u32>,
     /// How many grants the key has (saturating).
     pub grants: u16,
     /// How many wait for it.

@@ -25,6 +25,27 @@ pub struct Member {
     /// `127.0.0.1:PORT` of its client (gateway) listener.
     pub client: String,
     child: Option<Child>,
+    /// How it was started, to start it again ([`Cluster::restart`]).
+    command: Vec<std::ffi::OsString>,
+    log: std::path::PathBuf,
+}
+
+impl Member {
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log");
+        let child = Command::new("etcd")
+            .args(&self.command)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn etcd");
+        self.child = Some(child);
+    }
 }
 
 /// An etcd cluster of loopback members; every member is killed and the
@@ -57,39 +78,45 @@ impl Cluster {
         let members = peers
             .iter()
             .map(|(name, client, peer)| {
-                let log = std::fs::File::create(dir.join(&format!("{name}.log"))).expect("log");
-                let child = Command::new("etcd")
-                    .args(["--name", name])
-                    .arg("--data-dir")
-                    .arg(dir.join(name))
-                    .args([
+                let client_url = format!("http://127.0.0.1:{client}");
+                let peer_url = format!("http://127.0.0.1:{peer}");
+                let mut command: Vec<std::ffi::OsString> =
+                    ["--name", name, "--data-dir"].map(Into::into).into();
+                command.push(dir.join(name).into());
+                command.extend(
+                    [
                         "--listen-client-urls",
-                        &format!("http://127.0.0.1:{client}"),
-                    ])
-                    .args([
+                        &client_url,
                         "--advertise-client-urls",
-                        &format!("http://127.0.0.1:{client}"),
-                    ])
-                    .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
-                    .args([
+                        &client_url,
+                        "--listen-peer-urls",
+                        &peer_url,
                         "--initial-advertise-peer-urls",
-                        &format!("http://127.0.0.1:{peer}"),
-                    ])
-                    .args(["--initial-cluster", &initial])
-                    .args(["--initial-cluster-state", "new"])
-                    .args(["--initial-cluster-token", &token])
-                    .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
-                    .args(extra)
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(log)
-                    .spawn()
-                    .expect("spawn etcd");
-                Member {
+                        &peer_url,
+                        "--initial-cluster",
+                        &initial,
+                        "--initial-cluster-state",
+                        "new",
+                        "--initial-cluster-token",
+                        &token,
+                        "--heartbeat-interval",
+                        "50",
+                        "--election-timeout",
+                        "500",
+                    ]
+                    .iter()
+                    .chain(extra)
+                    .map(Into::into),
+                );
+                let mut member = Member {
                     name: name.clone(),
                     client: format!("127.0.0.1:{client}"),
-                    child: Some(child),
-                }
+                    child: None,
+                    command,
+                    log: dir.join(&format!("{name}.log")),
+                };
+                member.spawn();
+                member
             })
             .collect();
         let cluster = Cluster { members, _dir: dir };
@@ -150,6 +177,15 @@ impl Cluster {
             let _ = child.wait();
         }
     }
+
+    /// Starts a killed member again on its data (the same flags: etcd
+    /// ignores the initial-cluster ones when its data directory has a
+    /// member) and waits until the cluster takes writes.
+    pub fn restart(&mut self, index: usize) {
+        assert!(self.members[index].child.is_none(), "kill it first");
+        self.members[index].spawn();
+        self.wait_ready();
+    }
 }
 
 impl Drop for Cluster {
@@ -161,7 +197,7 @@ impl Drop for Cluster {
 }
 
 /// One JSON request to a member; the body, or `None`.
-fn post(member: &str, path: &str, body: &str) -> Option<String> {
+pub fn post(member: &str, path: &str, body: &str) -> Option<String> {
     let mut stream = TcpStream::connect(member).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
     write!(
@@ -186,11 +222,15 @@ fn field(json: &str, name: &str) -> Option<String> {
 
 /// A TCP proxy in front of one member that forwards the first `pass`
 /// HTTP requests (counted across connections) and after that forwards
-/// nothing and answers nothing: a member that went silent.
+/// nothing and answers nothing: a member that went silent. With `pass`
+/// `usize::MAX` it only counts the requests and the connections the
+/// client closed.
 pub struct Blackhole {
     pub addr: String,
     stopped: Arc<AtomicBool>,
     streams: Arc<Mutex<Vec<TcpStream>>>,
+    requests: Arc<AtomicUsize>,
+    client_closes: Arc<AtomicUsize>,
 }
 
 impl Blackhole {
@@ -200,6 +240,8 @@ impl Blackhole {
         let stopped = Arc::new(AtomicBool::new(false));
         let streams = Arc::new(Mutex::new(Vec::new()));
         let requests = Arc::new(AtomicUsize::new(0));
+        let client_closes = Arc::new(AtomicUsize::new(0));
+        let counted = (requests.clone(), client_closes.clone());
         let (upstream, stop, open) = (upstream.to_owned(), stopped.clone(), streams.clone());
         std::thread::spawn(move || {
             for client in listener.incoming() {
@@ -214,8 +256,12 @@ impl Blackhole {
                     .unwrap()
                     .extend([client.try_clone().unwrap(), server.try_clone().unwrap()]);
                 let (from, to) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                let requests = requests.clone();
-                std::thread::spawn(move || pump(from, to, Some((requests, pass))));
+                let requests = counted.0.clone();
+                let closes = counted.1.clone();
+                std::thread::spawn(move || {
+                    pump(from, to, Some((requests, pass)));
+                    closes.fetch_add(1, Ordering::SeqCst);
+                });
                 std::thread::spawn(move || pump(server, client, None));
             }
         });
@@ -223,7 +269,20 @@ impl Blackhole {
             addr,
             stopped,
             streams,
+            requests,
+            client_closes,
         }
+    }
+
+    /// How many HTTP requests have started through it.
+    pub fn requests(&self) -> usize {
+        self.requests.load(Ordering::SeqCst)
+    }
+
+    /// How many connections ended from the client's side (it closed them,
+    /// or the member did and the client's side followed).
+    pub fn client_closes(&self) -> usize {
+        self.client_closes.load(Ordering::SeqCst)
     }
 }
 

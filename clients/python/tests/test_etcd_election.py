@@ -2,9 +2,13 @@
 ``observe`` on a real etcd, in the sync and asyncio clients: the leader is
 the key's earliest entry, its term the create revision, ``held_for`` the
 time since the grant time the holder wrote; ``observe`` follows an etcd
-watch through resignations, lease ends and an etcd restart."""
+watch through resignations, lease ends and an etcd restart; and the Rust
+CLI (``kunci leader``, ``kunci elect``) and Python reading each other's
+leaders, grant time included."""
 
+import os
 import re
+import subprocess
 import threading
 import time
 import urllib.request
@@ -12,7 +16,7 @@ import urllib.request
 import pytest
 
 import kunci
-from conftest import EtcdCluster, free_port, require_tool, wait_for
+from conftest import EtcdCluster, free_port, kunci_bin, require_tool, wait_for
 from test_election import Follower, campaign, in_thread, joined
 
 
@@ -55,6 +59,45 @@ def test_a_leader_without_a_stored_time_has_held_for_none(etcd_cluster, make_cli
         leader = client.leader(name)
         assert (leader.value, leader.term, leader.held_for) == (value, ticket.token, None)
         client.release(name, ticket.token)
+
+
+def test_rust_cli_and_python_read_each_other_s_leader_and_held_for(etcd_cluster, make_client):
+    client = make_client(etcd_cluster.address)
+    name = "cross-%s" % client.flavour
+    env = dict(os.environ, KUNCI_SERVER=etcd_cluster.address)
+    env.pop("RUST_LOG", None)
+    # A Python campaign, as `kunci leader` shows it.
+    ticket = campaign(client, name, "py host:1", lease=10)
+    time.sleep(1.1)
+    shown = subprocess.run([kunci_bin(), "leader", name], env=env, capture_output=True,
+                           text=True, timeout=20)
+    assert shown.returncode == 0, shown.stderr
+    match = re.fullmatch(r"py host:1 term=([0-9]+) held_for=([0-9]+\.[0-9]{3})\n", shown.stdout)
+    assert match, shown.stdout
+    assert int(match.group(1)) == ticket.token
+    assert 1.1 <= float(match.group(2)) < 4.0
+    shown = subprocess.run([kunci_bin(), "leader", name, "--json"], env=env,
+                           capture_output=True, text=True, timeout=20)
+    assert shown.stdout.startswith(
+        '{"value": "py host:1", "term": "%d", "held_for": 1.' % ticket.token), shown.stdout
+    # A `kunci elect` queued behind it stores its grant time when granted.
+    elect = subprocess.Popen(
+        [kunci_bin(), "elect", name, "rust host", "--lease", "5", "--",
+         "sh", "-c", 'echo "$KUNCI_TOKEN"; exec sleep 60'],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)
+        assert client.leader(name).value == "py host:1"
+        ticket.release()
+        term = int(elect.stdout.readline())
+        time.sleep(0.5)
+        leader = client.leader(name)
+        assert (leader.value, leader.term) == ("rust host", term)
+        assert leader.held_for is not None and 0.5 <= leader.held_for < 2.0
+    finally:
+        elect.terminate()
+        assert elect.wait(10) == 128 + 15
+    assert client.leader(name) is None
 
 
 def test_observe_on_etcd_sees_the_takeover_when_the_leader_resigns(etcd_cluster, make_client):

@@ -261,6 +261,7 @@ mod tests {
             wait_until: None,
             permits: Permits::exclusive(),
             label: Label::new("").unwrap(),
+            campaign: false,
         };
         submit(&mut engine, acquire, 0);
         engine.connected(0, now);

@@ -171,6 +171,7 @@ impl Sim {
                     wait_until,
                     permits: Permits::exclusive(),
                     label: Label::new("").unwrap(),
+                    campaign: false,
                 }
             }
             // Tokens the servers never grant, so each release is unique.

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::super::http::Members;
 use super::{Claim, Cluster, LimitMismatch, entries, prefix, range_body};
+use crate::addr::EtcdLayout;
 use crate::client::vocabulary::{
     Grant, Holders, Key, KeyPage, KeyStatus, KeySummary, Outcome, Waiter,
 };
@@ -59,6 +60,7 @@ fn acquire(
         limit,
         take,
         label: format!("test {name}"),
+        ..Claim::default()
     };
     let wait_until = Instant::now() + wait;
     recipe.acquire(
@@ -97,7 +99,7 @@ fn entry_count(recipe: &Arc<Cluster>, name: &str) -> usize {
     let (_, value) = recipe
         .read("/v3/kv/range", &body, Instant::now() + 5 * S)
         .unwrap_or_else(|_| panic!("range of {name}"));
-    entries(&value).expect("entries").len()
+    entries(&value, EtcdLayout::Kunci).expect("entries").len()
 }
 
 /// Waits until `name` has `count` entries that do not hold.
@@ -357,7 +359,7 @@ fn latest_revision(recipe: &Arc<Cluster>, name: &str) -> u64 {
     let (_, value) = recipe
         .read("/v3/kv/range", &body, Instant::now() + 5 * S)
         .unwrap_or_else(|_| panic!("range of {name}"));
-    let latest = entries(&value).expect("entries");
+    let latest = entries(&value, EtcdLayout::Kunci).expect("entries");
     latest[0].create_revision as u64
 }
 
@@ -441,6 +443,7 @@ fn etcd_who_lists_grants_in_token_order_then_waiters_in_queue_order_with_their_l
         limit: 3,
         take,
         label: label.to_owned(),
+        ..Claim::default()
     };
     // Labels come back byte for byte: UTF-8, runs of spaces, a trailing
     // space, digits that look like fields.
@@ -469,6 +472,7 @@ fn etcd_who_lists_grants_in_token_order_then_waiters_in_queue_order_with_their_l
                 limit: 0,
                 take: 0,
                 label: labels[3].into(),
+                ..Claim::default()
             },
             2,
         ),

@@ -18,6 +18,7 @@ use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::addr::EtcdLayout;
 use crate::mailbox;
 
 use super::handoff::{KeepTask, KeptLeases, LeaseMessage, Message, Reply};
@@ -45,10 +46,11 @@ impl Shared {
         connect_timeout: Duration,
         credentials: Option<EtcdCredentials>,
         tls: http::Tls,
+        layout: EtcdLayout,
     ) -> std::io::Result<Arc<Shared>> {
         let members =
             http::Members::new(endpoints, connect_timeout, tls).with_credentials(credentials);
-        let cluster = Arc::new(Cluster::new(members));
+        let cluster = Arc::new(Cluster::new(members).with_layout(layout));
         let (sender, notes) = mailbox::channel();
         let keeper = Keeper {
             cluster: cluster.clone(),
@@ -111,12 +113,14 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: Key, deadline: Instant) -> Outco
             wait_until,
             permits,
             label,
+            campaign,
         } => {
             let (limit, take) = permits.wire();
             let claim = Claim {
                 limit,
                 take,
                 label: label.as_str().to_owned(),
+                campaign,
             };
             match cluster.acquire(key, owner, &claim, lease_s, wait_until, deadline) {
                 Ok(outcome) => outcome,
@@ -134,7 +138,7 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: Key, deadline: Instant) -> Outco
         // `Indeterminate` has already revoked its own lease.
         Op::Holders { .. } => cluster.holders(key, deadline),
         Op::List { cursor, count, .. } => cluster.list(key, cursor, count, deadline),
-        Op::Observe { .. } => Outcome::Invalid("observe is not available on etcd in this client"),
+        Op::Observe { since, wait_s, .. } => cluster.observe(key, since, wait_s != 0, deadline),
     }
 }
 

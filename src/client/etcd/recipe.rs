@@ -9,6 +9,12 @@
 //! revision is the fencing token. A waiter watches only earlier entries,
 //! and only as many as must go before it can fit ([`Verdict::Waits`]).
 //! Every failure path removes the caller's entry by revoking its lease.
+//!
+//! In etcd's own layout (`?layout=etcd`, [`EtcdLayout::Etcd`]) the same
+//! recipe runs on etcd's `client/v3/concurrency` keys: the entry is
+//! `KEY/` + the lease id in lowercase hex, its value the label alone, and
+//! every entry is exclusive, so the holder is the first entry and a waiter
+//! watches the entry just before its own, as `concurrency.Mutex` does.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
@@ -16,8 +22,9 @@ use std::time::{Duration, Instant};
 
 use super::http::{Answer, Failure, Members};
 use super::json::{self, JsonValue};
+use crate::addr::EtcdLayout;
 use crate::client::vocabulary::{
-    Denied, Grant, HOLDERS_MAX, Holders, Key, KeyPage, KeyStatus, KeySummary, Outcome,
+    Denied, Grant, HOLDERS_MAX, Holders, Key, KeyPage, KeyState, KeyStatus, KeySummary, Outcome,
     TRANSPORT_DEADLINE, Unavailable, Waiter, valid_until,
 };
 
@@ -69,43 +76,62 @@ fn prefix(key: Key) -> String {
 }
 
 /// The first key after every key starting with `prefix` (its last byte,
-/// `/`, plus one).
+/// `/`, plus one). Only that one `/`: in etcd's layout a key that ends
+/// with `/` itself would otherwise take in other keys' entries.
 fn prefix_end(prefix: &str) -> String {
-    let mut end = prefix.trim_end_matches('/').to_owned();
+    let mut end = prefix.strip_suffix('/').unwrap_or(prefix).to_owned();
     end.push('0');
     end
 }
 
-/// A key-value pair as a range returns it.
+/// A key-value pair as a range returns it, and the layout that reads its
+/// value.
 #[derive(Debug, PartialEq, Eq)]
 struct Entry {
     name: Vec<u8>,
     create_revision: i64,
     lease: i64,
     value: Vec<u8>,
+    layout: EtcdLayout,
 }
 
 impl Entry {
-    fn from_json(kv: &JsonValue) -> Option<Entry> {
+    fn from_json(kv: &JsonValue, layout: EtcdLayout) -> Option<Entry> {
         Some(Entry {
             name: json::bytes(kv, "key")?,
             create_revision: json::int(kv, "create_revision")?,
             lease: json::int(kv, "lease")?,
             value: json::bytes(kv, "value")?,
+            layout,
         })
     }
 
+    /// In etcd's layout the value is the holder's alone: owner 0.
     fn owner(&self) -> u64 {
-        decode(&self.value).0
+        match self.layout {
+            EtcdLayout::Kunci => decode(&self.value).0,
+            EtcdLayout::Etcd => 0,
+        }
     }
 
+    /// In etcd's layout every entry is exclusive, whatever its value.
     fn slot(&self) -> Slot {
-        decode(&self.value).1
+        match self.layout {
+            EtcdLayout::Kunci => decode(&self.value).1,
+            EtcdLayout::Etcd => Slot::EXCLUSIVE,
+        }
     }
 
-    /// The label its acquire stored (empty when none), byte for byte.
+    /// The label its acquire stored (empty when none), byte for byte; in
+    /// etcd's layout the value up to its first newline (empty when it is
+    /// not UTF-8), as a label has none.
     fn label(&self) -> String {
-        decode_label(&self.value).to_owned()
+        match self.layout {
+            EtcdLayout::Kunci => decode_label(&self.value).to_owned(),
+            EtcdLayout::Etcd => std::str::from_utf8(first_line(&self.value))
+                .unwrap_or_default()
+                .to_owned(),
+        }
     }
 }
 
@@ -113,13 +139,16 @@ impl Entry {
 const LABEL_LEN_MAX: usize = 128;
 
 /// What one acquire asks for (spec §10.1): `limit` 0 names no limit,
-/// `take` 0 takes every permit (exclusive), `label` says who asks. The
-/// default is `A`'s: no limit, exclusive, no label.
+/// `take` 0 takes every permit (exclusive), `label` says who asks;
+/// `campaign`: its entry stores its grant time once it holds (spec
+/// §13.6, [`Claim::campaign_value`]). The default is `A`'s: no limit,
+/// exclusive, no label, no campaign.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Claim {
     pub(crate) limit: u16,
     pub(crate) take: u16,
     pub(crate) label: String,
+    pub(crate) campaign: bool,
 }
 
 impl Claim {
@@ -155,12 +184,59 @@ impl Claim {
         }
     }
 
+    /// For a campaign with a label (a campaign always has one), its
+    /// [`value`](Self::value), to which its entry adds the grant time
+    /// once it holds ([`granted_value`]).
+    fn campaign_value(&self, owner: u64) -> Option<String> {
+        (self.campaign && !self.label.is_empty()).then(|| self.value(owner))
+    }
+
     fn slot(&self) -> Slot {
         Slot {
             limit: self.limit,
             take: self.take,
         }
     }
+}
+
+/// A campaign's value with its grant time, now: the trailer
+/// `\ngranted_ms=MS`, wall-clock milliseconds since the Unix epoch
+/// ([`granted_ms`]; 0 for a clock before it).
+fn granted_value(value: &str) -> String {
+    format!("{value}\ngranted_ms={}", wall_clock_ms())
+}
+
+/// Now on the wall clock, in milliseconds since the Unix epoch (0 before
+/// it).
+fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
+}
+
+/// A value's first line: `OWNER[ LIMIT TAKE[ LABEL]]`. A label has no
+/// newline, so what follows one is the trailer ([`granted_ms`]).
+fn first_line(value: &[u8]) -> &[u8] {
+    value
+        .iter()
+        .position(|byte| *byte == b'\n')
+        .map_or(value, |end| &value[..end])
+}
+
+/// The wall-clock grant time (ms since the Unix epoch) a campaign stored
+/// in its entry ([`granted_value`]), if any: the value's lines
+/// after the first are `NAME=VALUE` fields, unknown names ignored; this
+/// is `granted_ms` with 1..=19 decimal digits. Peer input: never panics.
+fn granted_ms(value: &[u8]) -> Option<u64> {
+    value.split(|byte| *byte == b'\n').skip(1).find_map(|line| {
+        let digits = line.strip_prefix(b"granted_ms=")?;
+        if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        std::str::from_utf8(digits).ok()?.parse().ok()
+    })
 }
 
 /// An entry as the fit rule sees it: its limit (0: none) and take (0:
@@ -180,7 +256,7 @@ impl Slot {
 /// as exclusive with no limit: it blocks while it is there and never lets
 /// anyone overcommit. Peer input: never panics.
 fn decode(value: &[u8]) -> (u64, Slot) {
-    let Ok(text) = std::str::from_utf8(value) else {
+    let Ok(text) = std::str::from_utf8(first_line(value)) else {
         return (0, Slot::EXCLUSIVE);
     };
     if let Ok(owner) = text.trim().parse() {
@@ -203,7 +279,7 @@ fn decode(value: &[u8]) -> (u64, Slot) {
 /// `OWNER LIMIT TAKE `, when those three are valid; else empty. Peer
 /// input: never panics.
 fn decode_label(value: &[u8]) -> &str {
-    let Ok(text) = std::str::from_utf8(value) else {
+    let Ok(text) = std::str::from_utf8(first_line(value)) else {
         return "";
     };
     let mut fields = text.splitn(4, ' ');
@@ -315,19 +391,19 @@ pub(crate) struct LimitMismatch {
 }
 
 /// The lowest entry of a range answer, and how many entries the range has.
-fn first_entry(range: &JsonValue) -> Option<(Option<Entry>, i64)> {
+fn first_entry(range: &JsonValue, layout: EtcdLayout) -> Option<(Option<Entry>, i64)> {
     let count = json::int(range, "count")?;
     match json::array(range, "kvs").first() {
-        Some(kv) => Some((Some(Entry::from_json(kv)?), count)),
+        Some(kv) => Some((Some(Entry::from_json(kv, layout)?), count)),
         None => Some((None, count)),
     }
 }
 
-/// Every entry of a range answer, in its order.
-fn entries(range: &JsonValue) -> Option<Vec<Entry>> {
+/// Every entry of a range answer, in its order, read in `layout`.
+fn entries(range: &JsonValue, layout: EtcdLayout) -> Option<Vec<Entry>> {
     json::array(range, "kvs")
         .iter()
-        .map(Entry::from_json)
+        .map(|kv| Entry::from_json(kv, layout))
         .collect()
 }
 
@@ -351,6 +427,25 @@ fn range_body(prefix: &str, limit: i64, order: &str, max_create_revision: i64) -
         r#"{{"key":"{}","range_end":"{}","limit":"{limit}","sort_target":"CREATE","sort_order":"{order}","max_create_revision":"{max_create_revision}"}}"#,
         json::base64(prefix.as_bytes()),
         json::base64(prefix_end(prefix).as_bytes()),
+    )
+}
+
+/// A `/v3/watch` request from `from_revision` with one `filter`
+/// (`NOPUT`, `NODELETE`): on the entry named `name`, or with `prefix` on
+/// every entry of a key (under its prefix).
+fn watch_body(name: &[u8], prefix: Option<&str>, from_revision: i64, filter: &str) -> String {
+    let range = match prefix {
+        Some(prefix) => {
+            format!(
+                r#""key":"{}","range_end":"{}""#,
+                json::base64(prefix.as_bytes()),
+                json::base64(prefix_end(prefix).as_bytes()),
+            )
+        }
+        None => format!(r#""key":"{}""#, json::base64(name)),
+    };
+    format!(
+        r#"{{"create_request":{{{range},"start_revision":"{from_revision}","filters":["{filter}"]}}}}"#
     )
 }
 
@@ -401,7 +496,15 @@ impl Cursors {
 pub(crate) struct Cluster {
     members: Members,
     cursors: Mutex<Cursors>,
+    layout: EtcdLayout,
 }
+
+/// What etcd's layout refuses before anything is sent: what its recipe
+/// cannot express.
+const EXCLUSIVE_ONLY: &str =
+    "etcd's layout (?layout=etcd) has exclusive locks only: no limit, take or shared";
+const NO_LISTING: &str =
+    "etcd's layout (?layout=etcd) cannot list keys: its locks are anywhere in etcd's keys";
 
 /// How a waiting acquire's turn check ended.
 enum Turn {
@@ -416,12 +519,15 @@ enum Turn {
     Gone,
 }
 
-/// A waiting acquire's entry: its key, name, create revision and slot.
+/// A waiting acquire's entry: its key, name, create revision and slot;
+/// for a campaign, its value without the grant time
+/// ([`Claim::campaign_value`]).
 struct Place {
     key: Key,
     name: String,
     revision: i64,
     slot: Slot,
+    campaign_value: Option<String>,
 }
 
 impl Cluster {
@@ -429,7 +535,38 @@ impl Cluster {
         Cluster {
             members,
             cursors: Mutex::default(),
+            layout: EtcdLayout::Kunci,
         }
+    }
+
+    /// The cluster in `layout` (`?layout=`).
+    pub(crate) fn with_layout(mut self, layout: EtcdLayout) -> Cluster {
+        self.layout = layout;
+        self
+    }
+
+    /// Where a key's entries live: [`prefix`], or in etcd's layout `KEY/`
+    /// (as `concurrency.Mutex` and `Election` name them).
+    fn prefix(&self, key: Key) -> String {
+        match self.layout {
+            EtcdLayout::Kunci => prefix(key),
+            EtcdLayout::Etcd => key.as_str().to_owned() + "/",
+        }
+    }
+
+    /// An entry's name: the prefix and its lease id in hex (in etcd's
+    /// layout lowercase and unpadded, as Go's `fmt.Sprintf("%s%x")`).
+    fn entry_name(&self, prefix: &str, lease: i64) -> String {
+        let width = match self.layout {
+            EtcdLayout::Kunci => 16,
+            EtcdLayout::Etcd => 0,
+        };
+        format!("{prefix}{lease:0width$x}")
+    }
+
+    /// Every entry of a range answer ([`entries`]), read in this layout.
+    fn entries(&self, range: &JsonValue) -> Option<Vec<Entry>> {
+        entries(range, self.layout)
     }
 
     pub(crate) fn endpoints(&self) -> &[String] {
@@ -599,11 +736,11 @@ impl Cluster {
         };
         let read = self.read(
             "/v3/kv/range",
-            &range_body(&prefix(key), 0, "DESCEND", token_revision),
+            &range_body(&self.prefix(key), 0, "DESCEND", token_revision),
             deadline,
         );
         let mut found = match read {
-            Ok((_, value)) => entries(&value).ok_or(Outcome::Indeterminate)?,
+            Ok((_, value)) => self.entries(&value).ok_or(Outcome::Indeterminate)?,
             Err(fault) => return Err(fault.outcome()),
         };
         match found.first() {
@@ -631,17 +768,34 @@ impl Cluster {
         if let Some(why) = claim.invalid() {
             return Ok(Outcome::Invalid(why));
         }
+        if self.layout == EtcdLayout::Etcd && !claim.is_plain() {
+            return Ok(Outcome::Invalid(EXCLUSIVE_ONLY));
+        }
         let (set_at, lease, _) = match self.grant(lease_s, deadline) {
             Ok(granted) => granted,
             Err(fault) => return Ok(fault.outcome()),
         };
-        let prefix = prefix(key);
-        let name = format!("{prefix}{lease:016x}");
-        let put = format!(
-            r#"{{"request_put":{{"key":"{}","value":"{}","lease":"{lease}"}}}}"#,
-            json::base64(name.as_bytes()),
-            json::base64(claim.value(owner).as_bytes()),
-        );
+        let prefix = self.prefix(key);
+        let name = self.entry_name(&prefix, lease);
+        let put_valued = |value: &str| {
+            format!(
+                r#"{{"request_put":{{"key":"{}","value":"{}","lease":"{lease}"}}}}"#,
+                json::base64(name.as_bytes()),
+                json::base64(value.as_bytes()),
+            )
+        };
+        // etcd's layout stores the label alone (a Mutex writes "", an
+        // Election its value): there is no room for a grant time.
+        let (put, campaign_value) = match self.layout {
+            EtcdLayout::Kunci => (put_valued(&claim.value(owner)), claim.campaign_value(owner)),
+            EtcdLayout::Etcd => (put_valued(&claim.label), None),
+        };
+        // A campaign's put that is a grant (the key is free) carries the
+        // grant time; a queued entry gets it when it is granted (`stamp`).
+        let put_granted = match &campaign_value {
+            Some(value) => put_valued(&granted_value(value)),
+            None => put.clone(),
+        };
         // The entries before ours, the latest first. `A` needs only
         // whether there is one and which (it can only mismatch nothing);
         // the rest need them all (the limit, the sum of takes).
@@ -659,7 +813,7 @@ impl Cluster {
             (false, true) => String::new(),
         };
         let txn = format!(
-            r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{put}],"failure":[{failure}]}}"#,
+            r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{put_granted}],"failure":[{failure}]}}"#,
             json::base64(prefix.as_bytes()),
             json::base64(prefix_end(&prefix).as_bytes()),
         );
@@ -687,7 +841,9 @@ impl Cluster {
                 self.revoke_in_background(lease);
                 return Ok(Outcome::Timeout);
             }
-            let snapshot = txn_ranges(&answer).first().and_then(|range| entries(range));
+            let snapshot = txn_ranges(&answer)
+                .first()
+                .and_then(|range| self.entries(range));
             let Some(snapshot) = snapshot else {
                 self.revoke_in_background(lease);
                 return Ok(Outcome::Indeterminate);
@@ -709,7 +865,7 @@ impl Cluster {
                     }
                 }
                 let txn = format!(
-                    r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"LESS","create_revision":"{}"}}],"success":[{put}],"failure":[{earlier}]}}"#,
+                    r#"{{"compare":[{{"key":"{}","range_end":"{}","target":"CREATE","result":"LESS","create_revision":"{}"}}],"success":[{put_granted}],"failure":[{earlier}]}}"#,
                     json::base64(prefix.as_bytes()),
                     json::base64(prefix_end(&prefix).as_bytes()),
                     revision + 1,
@@ -724,23 +880,27 @@ impl Cluster {
                 continue;
             };
             // Our entry is in the queue, created at `revision`.
+            let place = Place {
+                key,
+                name,
+                revision,
+                slot: claim.slot(),
+                campaign_value,
+            };
             return match verdict {
-                Verdict::Holds => Ok(Outcome::Acquired {
-                    token: revision as u64,
-                    sent_at: set_at,
-                }),
+                Verdict::Holds => {
+                    self.stamp(&place, lease, deadline);
+                    Ok(Outcome::Acquired {
+                        token: revision as u64,
+                        sent_at: set_at,
+                    })
+                }
                 Verdict::Mismatch { limit } => match self.revoke(lease, deadline) {
                     Ok(()) => Err(LimitMismatch { limit }),
                     Err(_) => Ok(Outcome::Indeterminate),
                 },
                 Verdict::Waits { wake } => {
                     let wake = wake.into_iter().map(|entry| entry.name.clone()).collect();
-                    let place = Place {
-                        key,
-                        name,
-                        revision,
-                        slot: claim.slot(),
-                    };
                     Ok(self.wait_turn(
                         place,
                         (wake, revision),
@@ -819,6 +979,7 @@ impl Cluster {
                         }
                         Err(_) => {}
                     }
+                    self.stamp(&place, lease, deadline);
                     return Outcome::Acquired {
                         token: place.revision as u64,
                         sent_at: set_at,
@@ -846,7 +1007,7 @@ impl Cluster {
         let txn = format!(
             r#"{{"success":[{{"request_range":{}}},{{"request_range":{{"key":"{}"}}}}]}}"#,
             range_body(
-                &prefix(place.key),
+                &self.prefix(place.key),
                 i64::from(exclusive),
                 "DESCEND",
                 place.revision - 1
@@ -858,11 +1019,11 @@ impl Cluster {
         let [before, own] = txn_ranges(&value)[..] else {
             return Err(Fault::Unknown);
         };
-        let (own, _) = first_entry(own).ok_or(Fault::Unknown)?;
+        let (own, _) = first_entry(own, self.layout).ok_or(Fault::Unknown)?;
         if own.is_none_or(|own| own.create_revision != place.revision) {
             return Ok(Turn::Gone);
         }
-        let before = entries(before).ok_or(Fault::Unknown)?;
+        let before = self.entries(before).ok_or(Fault::Unknown)?;
         // The limit was checked when the entry was put; the earlier
         // entries can only have gone since.
         Ok(match judge(place.slot, &before, false) {
@@ -883,20 +1044,23 @@ impl Cluster {
     /// a set of keys that is not a range, nor select by create revision.
     fn watch_deletion(&self, place: &Place, wake: &[Vec<u8>], from_revision: i64, until: Instant) {
         let body = match wake {
-            [one] => format!(
-                r#"{{"create_request":{{"key":"{}","start_revision":"{from_revision}","filters":["NOPUT"]}}}}"#,
-                json::base64(one),
-            ),
-            _ => {
-                let prefix = prefix(place.key);
-                format!(
-                    r#"{{"create_request":{{"key":"{}","range_end":"{}","start_revision":"{from_revision}","filters":["NOPUT"]}}}}"#,
-                    json::base64(prefix.as_bytes()),
-                    json::base64(prefix_end(&prefix).as_bytes()),
-                )
-            }
+            [one] => watch_body(one, None, from_revision, "NOPUT"),
+            _ => watch_body(&[], Some(&self.prefix(place.key)), from_revision, "NOPUT"),
         };
-        let Some(mut stream) = self.members.open_stream("/v3/watch", &body, until) else {
+        self.watch_until(&body, until, &|event_key| match event_key {
+            Some(deleted) => deleted == place.name.as_bytes() || wake.contains(&deleted),
+            // Unreadable: check again rather than miss it.
+            None => true,
+        });
+    }
+
+    /// Follows the watch `body` until an event for which `woken` (given
+    /// the event's key, `None` when unreadable) is true, or until `until`,
+    /// or until the watch breaks or cannot be opened (after a short pause
+    /// then: the caller reads again in every case). The watch's connection
+    /// is closed on return.
+    fn watch_until(&self, body: &str, until: Instant, woken: &dyn Fn(Option<Vec<u8>>) -> bool) {
+        let Some(mut stream) = self.members.open_stream("/v3/watch", body, until) else {
             let left = until.saturating_duration_since(Instant::now());
             std::thread::sleep(left.min(READ_RETRY_PAUSE));
             return;
@@ -922,16 +1086,34 @@ impl Cluster {
             if json::boolean(result, "canceled") {
                 return;
             }
-            let woken = json::array(result, "events").iter().any(|event| {
-                match json::field(event, "kv").and_then(|kv| json::bytes(kv, "key")) {
-                    Some(deleted) => deleted == place.name.as_bytes() || wake.contains(&deleted),
-                    // Unreadable: check again rather than miss it.
-                    None => true,
-                }
-            });
+            let woken = json::array(result, "events")
+                .iter()
+                .any(|event| woken(json::field(event, "kv").and_then(|kv| json::bytes(kv, "key"))));
             if woken {
                 return;
             }
+        }
+    }
+
+    /// Writes the grant time into the entry of a campaign granted after it
+    /// was queued (what a leader's held_for reads): one put of the same
+    /// value with the time, on the same lease, guarded by the entry's
+    /// create revision and lease so that it never re-creates a released
+    /// entry nor moves it back to a lease it left. Best effort (at most
+    /// 1 s): without it the time is unknown, nothing else.
+    fn stamp(&self, place: &Place, lease: i64, deadline: Instant) {
+        let Some(value) = &place.campaign_value else {
+            return;
+        };
+        let txn = format!(
+            r#"{{"compare":[{{"key":"{name}","target":"CREATE","result":"EQUAL","create_revision":"{}"}},{{"key":"{name}","target":"LEASE","result":"EQUAL","lease":"{lease}"}}],"success":[{{"request_put":{{"key":"{name}","value":"{}","lease":"{lease}"}}}}]}}"#,
+            place.revision,
+            json::base64(granted_value(value).as_bytes()),
+            name = json::base64(place.name.as_bytes()),
+        );
+        let by = deadline.min(Instant::now() + Duration::from_secs(1));
+        if self.write("/v3/kv/txn", &txn, by).is_err() {
+            log::debug!("could not write the grant time of {}", place.revision);
         }
     }
 
@@ -997,7 +1179,7 @@ impl Cluster {
             // release deletes the entry before it revokes the lease).
             let own = format!(r#"{{"key":"{}"}}"#, json::base64(&entry.name));
             return match self.read("/v3/kv/range", &own, deadline) {
-                Ok((_, value)) => match first_entry(&value) {
+                Ok((_, value)) => match first_entry(&value, self.layout) {
                     Some((Some(now), _)) if now.create_revision as u64 == token => {
                         Outcome::Extended { sent_at }
                     }
@@ -1045,10 +1227,10 @@ impl Cluster {
     fn key_entries(&self, key: Key, deadline: Instant) -> Result<Vec<Entry>, Outcome> {
         match self.read(
             "/v3/kv/range",
-            &range_body(&prefix(key), 0, "ASCEND", 0),
+            &range_body(&self.prefix(key), 0, "ASCEND", 0),
             deadline,
         ) {
-            Ok((_, value)) => entries(&value).ok_or(Outcome::Indeterminate),
+            Ok((_, value)) => self.entries(&value).ok_or(Outcome::Indeterminate),
             Err(fault) => Err(fault.outcome()),
         }
     }
@@ -1076,6 +1258,41 @@ impl Cluster {
             lease_ms: u32::try_from(ttl.max(0).saturating_mul(1000)).unwrap_or(u32::MAX),
             waiters: u32::try_from(queued).unwrap_or(u32::MAX),
         })
+    }
+
+    /// `O` (spec §13.1) on etcd: the key's state, whose token is the
+    /// create revision of its first entry (the earliest grant; 0 when it
+    /// has none), answered at once when that differs from `since` or the
+    /// call does not wait; else followed with an etcd watch (not polling)
+    /// until it differs or the wait (`deadline` less the transport
+    /// deadline) ends. The first entry can change only by its own
+    /// deletion (later entries come after it), so a held key's watch is
+    /// on that entry's deletion alone, and a free key's on a put under its
+    /// prefix. A watch that breaks or cannot be opened (an outage) only
+    /// sends it back to the read, which is retried until `deadline`.
+    pub(crate) fn observe(&self, key: Key, since: u64, waits: bool, deadline: Instant) -> Outcome {
+        let wait_until = deadline.checked_sub(TRANSPORT_DEADLINE).unwrap_or(deadline);
+        let prefix = self.prefix(key);
+        let range = range_body(&prefix, 0, "ASCEND", 0);
+        loop {
+            let value = match self.read("/v3/kv/range", &range, deadline) {
+                Ok((_, value)) => value,
+                Err(fault) => return fault.outcome(),
+            };
+            let (Some(found), Some(revision)) = (self.entries(&value), header_revision(&value))
+            else {
+                return Outcome::Indeterminate;
+            };
+            let state = key_state(&found);
+            if state.token != since || !waits || Instant::now() >= wait_until {
+                return Outcome::Observed(state);
+            }
+            let watch = match found.first() {
+                Some(first) => watch_body(&first.name, None, revision + 1, "NOPUT"),
+                None => watch_body(&[], Some(&prefix), revision + 1, "NODELETE"),
+            };
+            self.watch_until(&watch, wait_until, &|_| true);
+        }
     }
 
     /// The time to live of `lease` in whole seconds as etcd reports it
@@ -1150,6 +1367,9 @@ impl Cluster {
         count: u16,
         deadline: Instant,
     ) -> Outcome {
+        if self.layout == EtcdLayout::Etcd {
+            return Outcome::Invalid(NO_LISTING);
+        }
         let start = if cursor == 0 {
             ROOT.as_bytes().to_vec()
         } else {
@@ -1165,7 +1385,7 @@ impl Cluster {
             json::base64(ROOT_END.as_bytes()),
         );
         let (page, more) = match self.read("/v3/kv/range", &body, deadline) {
-            Ok((_, value)) => match entries(&value) {
+            Ok((_, value)) => match self.entries(&value) {
                 Some(page) => (page, json::boolean(&value, "more")),
                 None => return Outcome::Indeterminate,
             },
@@ -1183,7 +1403,7 @@ impl Cluster {
             .and_then(|entry| key_of(&entry.name))
             .and_then(|name| Key::new(name).ok())
         {
-            resume_at = resume_at.max(prefix_end(&prefix(key)).into_bytes());
+            resume_at = resume_at.max(prefix_end(&self.prefix(key)).into_bytes());
         }
         // Consecutive entries of one kunci key form a group.
         let mut groups: Vec<(String, Vec<Entry>)> = Vec::new();
@@ -1269,6 +1489,30 @@ impl Cluster {
     }
 }
 
+/// The [`KeyState`] of a key's entries in create-revision order: the
+/// first one's create revision and label, and its time held from the
+/// grant time it stored (wall clock; unknown when it stored none: it was
+/// not a campaign's, [`granted_ms`]). The lease left is not read (0).
+fn key_state(found: &[Entry]) -> KeyState {
+    let Some(first) = found.first() else {
+        return KeyState {
+            held_ms: Some(0),
+            ..KeyState::default()
+        };
+    };
+    let grants = holders(found);
+    let held_ms = granted_ms(&first.value)
+        .map(|granted| u32::try_from(wall_clock_ms().saturating_sub(granted)).unwrap_or(u32::MAX));
+    KeyState {
+        token: first.create_revision.max(0) as u64,
+        lease_ms: 0,
+        held_ms,
+        grants: u16::try_from(grants).unwrap_or(u16::MAX),
+        waiters: u32::try_from(found.len() - grants).unwrap_or(u32::MAX),
+        label: first.label(),
+    }
+}
+
 /// Waits before the next attempt of a repeatable request, or ends it at
 /// `deadline` with the fault its attempts earned: `Unknown` once any of
 /// them may have reached etcd, else `Unsent`.
@@ -1300,12 +1544,46 @@ mod tests {
         assert!(format!("{a}{:016x}", 7u64) < prefix_end(&a));
     }
 
+    #[test]
+    fn etcds_layout_names_entries_as_go_does_and_reads_every_value_as_exclusive() {
+        let members = || Members::new(vec!["127.0.0.1:1".into()], Duration::from_secs(1), None);
+        let etcd = Cluster::new(members()).with_layout(EtcdLayout::Etcd);
+        let kunci = Cluster::new(members());
+        let key = Key::new("jobs/a/").unwrap();
+        assert_eq!(etcd.prefix(key), "jobs/a//");
+        assert_eq!(kunci.prefix(key), "kunci/7:jobs/a//");
+        // Only the last `/` ends the range: `jobs/a/x/…` is not this key's.
+        assert_eq!(prefix_end(&etcd.prefix(key)), "jobs/a/0");
+        assert_eq!(etcd.entry_name("n/", 0x694d_8a3b_00c1), "n/694d8a3b00c1");
+        assert_eq!(kunci.entry_name("n/", 0xc1), "n/00000000000000c1");
+        let read = |value: &[u8]| Entry {
+            value: value.to_vec(),
+            layout: EtcdLayout::Etcd,
+            ..entry(3, "")
+        };
+        for value in [&b""[..], b"7", b"7 5 1", b"7 3 2 db1"] {
+            let entry = read(value);
+            assert_eq!((entry.owner(), entry.slot()), (0, Slot::EXCLUSIVE));
+            assert_eq!(entry.label().as_bytes(), value);
+        }
+        assert_eq!(read(b"db1:5432\ngranted_ms=1").label(), "db1:5432");
+        assert_eq!(read(b"\xff").label(), "");
+        // Every entry exclusive: the first holds alone, a waiter watches
+        // the entry just before its own.
+        let mut queue = vec![read(b"7 5 1"), read(b"8 5 1")];
+        queue[1].create_revision = 4;
+        assert_eq!(holders(&queue), 1);
+        queue.reverse();
+        assert_eq!(wake_revisions(judge(Slot::EXCLUSIVE, &queue, false)), [4]);
+    }
+
     fn entry(revision: i64, value: &str) -> Entry {
         Entry {
             name: format!("kunci/1:k/{revision:016x}").into_bytes(),
             create_revision: revision,
             lease: revision,
             value: value.as_bytes().to_vec(),
+            layout: EtcdLayout::Kunci,
         }
     }
 
@@ -1314,6 +1592,7 @@ mod tests {
             limit,
             take,
             label: label.to_owned(),
+            campaign: false,
         }
     }
 
@@ -1377,6 +1656,73 @@ mod tests {
             assert_eq!(decode(bad).1, Slot::EXCLUSIVE, "{bad:?}");
         }
         assert_eq!(decode(b"12 3 4").0, 12);
+    }
+
+    #[test]
+    fn a_campaign_s_grant_time_is_a_trailer_every_reader_skips() {
+        let campaign = Claim {
+            campaign: true,
+            ..claim(0, 0, "db1 a b")
+        };
+        let base = campaign.campaign_value(7).unwrap();
+        assert_eq!(base, "7 0 0 db1 a b");
+        let before = wall_clock_ms();
+        let value = granted_value(&base);
+        let stored = granted_ms(value.as_bytes()).unwrap();
+        assert!((before..=wall_clock_ms()).contains(&stored), "{value}");
+        assert_eq!(value, format!("7 0 0 db1 a b\ngranted_ms={stored}"));
+        assert_eq!(decode(value.as_bytes()), (7, Slot::EXCLUSIVE));
+        assert_eq!(decode_label(value.as_bytes()), "db1 a b");
+        // A lock or a campaign without a label stores no time.
+        assert_eq!(claim(0, 0, "db1").campaign_value(7), None);
+        let unlabelled = Claim {
+            campaign: true,
+            ..Claim::default()
+        };
+        assert_eq!(unlabelled.campaign_value(7), None);
+        // Other fields are skipped; only 1..=19 digits count.
+        assert_eq!(granted_ms(b"7 0 0 x\nother=1\ngranted_ms=12"), Some(12));
+        for bad in [
+            &b"7 0 0 x"[..],
+            b"granted_ms=12",
+            b"7 0 0 x\ngranted_ms=",
+            b"7 0 0 x\ngranted_ms=-1",
+            b"7 0 0 x\ngranted_ms=1 ",
+            b"7 0 0 x\ngranted_ms=12345678901234567890",
+            b"7 0 0 x\n\xffgranted_ms=1",
+        ] {
+            assert_eq!(granted_ms(bad), None, "{bad:?}");
+        }
+        assert_eq!(
+            granted_ms(b"7 0 0 x\ngranted_ms=9999999999999999999"),
+            Some(9_999_999_999_999_999_999)
+        );
+    }
+
+    #[test]
+    fn the_key_state_is_the_first_entry_s() {
+        assert_eq!(key_state(&[]).token, 0);
+        let now = wall_clock_ms();
+        let mut first = entry(5, &format!("1 0 0 ann\ngranted_ms={}", now - 2_000));
+        first.create_revision = 5;
+        let all = [first, entry(6, "2 0 0 bob"), entry(7, "3")];
+        let state = key_state(&all);
+        assert_eq!(
+            (
+                state.token,
+                state.label.as_str(),
+                state.grants,
+                state.waiters
+            ),
+            (5, "ann", 1, 2)
+        );
+        let held = state.held_ms.unwrap();
+        assert!((2_000..3_000).contains(&held), "{held}");
+        // No grant time stored (a lock, an older client): unknown.
+        assert_eq!(key_state(&all[1..]).held_ms, None);
+        // A grant time in the future (a clock ahead): 0.
+        let ahead = [entry(5, &format!("1 0 0 a\ngranted_ms={}", now + 60_000))];
+        assert_eq!(key_state(&ahead).held_ms, Some(0));
     }
 
     #[test]

@@ -1,0 +1,404 @@
+//! Leader election on a real etcd (spec §13.6, docs/ETCD.md "Leader
+//! election on etcd"): `leader` and `observe` through the library, `O`
+//! following an etcd watch rather than polling, an etcd restart under a
+//! follower, and `kunci leader` / `kunci elect` as processes.
+//!
+//! Each test starts its own cluster on loopback. Without `etcd` installed
+//! they fail under CI and are skipped, saying so, elsewhere
+//! (`util::require_tool`).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kunci::client::{AcquireOptions, Client, Config, Leader};
+
+use crate::util::etcd::{Blackhole, Cluster};
+use crate::util::{kunci_bin, require_tool};
+
+const MS: Duration = Duration::from_millis(1);
+const S: Duration = Duration::from_secs(1);
+
+fn client_of(address: &str) -> Client {
+    Client::new([address.parse().unwrap()], Config::default()).unwrap()
+}
+
+fn kunci(server: &str, args: &[&str]) -> Output {
+    Command::new(kunci_bin())
+        .args(args)
+        .env("KUNCI_SERVER", server)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kunci")
+}
+
+fn spawn(server: &str, args: &[&str]) -> Child {
+    Command::new(kunci_bin())
+        .args(args)
+        .env("KUNCI_SERVER", server)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kunci")
+}
+
+/// The lines a child prints, as they come.
+fn lines(child: &mut Child) -> mpsc::Receiver<String> {
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (sender, receiver) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if sender.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    receiver
+}
+
+fn next_line(lines: &mpsc::Receiver<String>, limit: Duration) -> String {
+    lines
+        .recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("no line within {limit:?}"))
+}
+
+fn signal(child: &Child, signal: i32) {
+    // SAFETY: kill(2) with our own child's pid.
+    unsafe {
+        libc::kill(child.id() as i32, signal);
+    }
+}
+
+fn text(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The term and held_for in `VALUE term=TOKEN held_for=SECONDS`.
+fn term_and_held(line: &str, value: &str) -> (u64, String) {
+    let rest = line
+        .strip_prefix(&format!("{value} term="))
+        .unwrap_or_else(|| panic!("{line:?} is not led by {value:?}"));
+    let (term, held) = rest.split_once(" held_for=").expect("held_for");
+    (term.parse().expect("a term"), held.to_owned())
+}
+
+/// The items of `client.observe(name)`, as they come, from a thread.
+fn follow(client: &Client, name: &str) -> mpsc::Receiver<Option<(String, u64)>> {
+    let (sender, receiver) = mpsc::channel();
+    let (client, name) = (client.clone(), name.to_owned());
+    std::thread::spawn(move || {
+        for item in client.observe(&name) {
+            let item = item.expect("observe yields no error here");
+            if sender.send(item.map(|l| (l.value, l.term))).is_err() {
+                return;
+            }
+        }
+    });
+    receiver
+}
+
+fn next_item(
+    items: &mpsc::Receiver<Option<(String, u64)>>,
+    limit: Duration,
+) -> Option<(String, u64)> {
+    items
+        .recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("no item within {limit:?}"))
+}
+
+fn held_for(leader: &Leader) -> Duration {
+    leader.held_for.expect("a campaign's held_for is known")
+}
+
+#[test]
+fn etcd_leader_and_observe_follow_campaigns_resignations_and_a_dead_lease() {
+    if !require_tool("etcd", "etcd-server") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let (client, standby) = (cluster.client(), cluster.client());
+    assert_eq!(client.leader("db").unwrap(), None);
+    let items = follow(&cluster.client(), "db");
+    assert_eq!(next_item(&items, 5 * S), None);
+
+    let lead = client.campaign("db", "host a:5432", 10 * S).unwrap();
+    let a_term = lead.token();
+    assert_eq!(
+        next_item(&items, 5 * S),
+        Some(("host a:5432".into(), a_term))
+    );
+    std::thread::sleep(1100 * MS);
+    let leader = client.leader("db").unwrap().unwrap();
+    assert_eq!(
+        (leader.value.as_str(), leader.term),
+        ("host a:5432", a_term)
+    );
+    // Wall clock, one machine: at least the time since the campaign ended.
+    assert!(
+        (1100 * MS..4 * S).contains(&held_for(&leader)),
+        "{leader:?}"
+    );
+
+    // A second candidate queues; the follower sees nothing of it.
+    let queued = std::thread::spawn(move || standby.campaign("db", "host-b", 10 * S).unwrap());
+    assert!(
+        items.recv_timeout(1500 * MS).is_err(),
+        "a waiter is no change"
+    );
+    let resigned = Instant::now();
+    lead.release().unwrap();
+    let b_lead = queued.join().unwrap();
+    let b_term = b_lead.token();
+    assert!(b_term > a_term, "term {b_term} after {a_term}");
+    assert_eq!(next_item(&items, 5 * S), Some(("host-b".into(), b_term)));
+    assert!(resigned.elapsed() < 2 * S, "{:?}", resigned.elapsed());
+    // Its grant time is the grant's, not the enqueue's (1.5 s before).
+    let leader = client.leader("db").unwrap().unwrap();
+    assert_eq!((leader.value.as_str(), leader.term), ("host-b", b_term));
+    assert!(held_for(&leader) < S, "{leader:?}");
+    b_lead.release().unwrap();
+    assert_eq!(next_item(&items, 5 * S), None);
+
+    // A leader nobody keeps alive ends at its lease's end, as a dead
+    // host's does; a lock stores no grant time: held_for is unknown.
+    let options = AcquireOptions::new().label("dead");
+    let dead = client
+        .acquire_with("db", Duration::ZERO, 2 * S, options)
+        .unwrap();
+    let dead_term = dead.token();
+    std::mem::forget(dead);
+    assert_eq!(next_item(&items, 5 * S), Some(("dead".into(), dead_term)));
+    let leader = client.leader("db").unwrap().unwrap();
+    assert_eq!(leader.held_for, None, "{leader:?}");
+    let started = Instant::now();
+    assert_eq!(next_item(&items, 8 * S), None);
+    let ended = started.elapsed();
+    assert!((1000 * MS..6 * S).contains(&ended), "ended after {ended:?}");
+    assert!(items.recv_timeout(300 * MS).is_err(), "nothing spurious");
+}
+
+#[test]
+fn etcd_observe_waits_on_a_watch_and_never_polls() {
+    if !require_tool("etcd", "etcd-server") {
+        return;
+    }
+    let cluster = Cluster::start(1);
+    let counting = Blackhole::start(&cluster.members[0].client, usize::MAX);
+    let client = client_of(&format!("etcd://{}", counting.addr));
+    let holder = cluster.client();
+    let ticket = holder.acquire("k", Duration::ZERO, 30 * S).unwrap();
+    let token = ticket.token();
+
+    // Wait 0: one read, at once, whatever `since` is.
+    let before = counting.requests();
+    let state = client.observe_key("k", token, Duration::ZERO).unwrap();
+    assert_eq!((state.token, state.grants, state.waiters), (token, 1, 0));
+    assert_eq!(counting.requests() - before, 1);
+
+    // Unchanged for the whole wait: answered at its end, never before,
+    // with a read, a watch and a read again; the watch's connection is
+    // closed when the call ends.
+    let before = (counting.requests(), counting.client_closes());
+    let started = Instant::now();
+    let state = client.observe_key("k", token, 3 * S).unwrap();
+    let took = started.elapsed();
+    assert_eq!(state.token, token);
+    assert!((3 * S..5 * S).contains(&took), "answered after {took:?}");
+    assert_eq!(counting.requests() - before.0, 3, "polling: more than 3");
+    let closed = Instant::now();
+    while counting.client_closes() == before.1 {
+        assert!(
+            closed.elapsed() < 2 * S,
+            "the watch's connection stays open"
+        );
+        std::thread::sleep(10 * MS);
+    }
+
+    // A different `since`: at once.
+    let started = Instant::now();
+    let state = client.observe_key("k", token + 1, 10 * S).unwrap();
+    assert_eq!(state.token, token);
+    assert!(started.elapsed() < S);
+
+    // Held, then released: answered at the release, not before.
+    let waiting = {
+        let client = client.clone();
+        std::thread::spawn(move || {
+            let state = client.observe_key("k", token, 20 * S);
+            (state, Instant::now())
+        })
+    };
+    std::thread::sleep(1500 * MS);
+    assert!(!waiting.is_finished(), "answered before the change");
+    let before = counting.requests();
+    std::thread::sleep(1500 * MS);
+    assert_eq!(counting.requests(), before, "a waiting observe polls");
+    let released = Instant::now();
+    ticket.release().unwrap();
+    let (state, at) = waiting.join().unwrap();
+    let state = state.unwrap();
+    assert_eq!((state.token, state.grants), (0, 0));
+    assert!(at >= released && at - released < S, "{:?}", at - released);
+
+    // Free, then acquired: answered with the new grant's token.
+    let waiting = {
+        let client = client.clone();
+        std::thread::spawn(move || client.observe_key("k", 0, 20 * S))
+    };
+    std::thread::sleep(1 * S);
+    assert!(!waiting.is_finished(), "answered before the change");
+    let options = AcquireOptions::new().label("new");
+    let next = holder
+        .acquire_with("k", Duration::ZERO, 30 * S, options)
+        .unwrap();
+    let state = waiting.join().unwrap().unwrap();
+    assert_eq!(
+        (state.token, state.label.as_str(), state.held_ms),
+        (next.token(), "new", None)
+    );
+    next.release().unwrap();
+}
+
+#[test]
+fn etcd_observe_goes_on_quietly_across_an_etcd_restart() {
+    if !require_tool("etcd", "etcd-server") {
+        return;
+    }
+    let mut cluster = Cluster::start(1);
+    let client = cluster.client();
+    let lead = client.acquire("svc", Duration::ZERO, 30 * S).unwrap();
+    let a_term = lead.token();
+    let items = follow(&cluster.client(), "svc");
+    assert_eq!(next_item(&items, 5 * S), Some((String::new(), a_term)));
+    cluster.kill(0);
+    // Longer than the longest pause between attempts.
+    std::thread::sleep(2500 * MS);
+    cluster.restart(0);
+    std::thread::sleep(500 * MS);
+    assert!(items.try_recv().is_err(), "an outage is no change");
+    lead.release().unwrap();
+    assert_eq!(next_item(&items, 5 * S), None);
+    let next = client.campaign("svc", "b", 30 * S).unwrap();
+    assert_eq!(next_item(&items, 5 * S), Some(("b".into(), next.token())));
+    assert!(next.token() > a_term);
+    next.release().unwrap();
+    assert_eq!(next_item(&items, 5 * S), None);
+}
+
+#[test]
+fn etcd_kunci_elect_takes_over_and_kunci_leader_follows() {
+    if !require_tool("etcd", "etcd-server") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let addr = cluster.address();
+    let none = kunci(&addr, &["leader", "svc"]);
+    assert_eq!(
+        (none.status.code(), text(&none)),
+        (Some(1), "none\n".into())
+    );
+    let json = kunci(&addr, &["leader", "svc", "--json"]);
+    assert_eq!(
+        (json.status.code(), text(&json)),
+        (Some(1), "null\n".into())
+    );
+    let mut watch = spawn(&addr, &["leader", "svc", "--watch"]);
+    let watched = lines(&mut watch);
+    assert_eq!(next_line(&watched, 5 * S), "none");
+
+    let command = "echo \"$KUNCI_TOKEN\"; exec sleep 60";
+    let elect = |value: &str| {
+        spawn(
+            &addr,
+            &[
+                "elect", "svc", value, "--lease", "2", "--", "sh", "-c", command,
+            ],
+        )
+    };
+    let mut a = elect("host a");
+    let a_lines = lines(&mut a);
+    let a_term: u64 = next_line(&a_lines, 10 * S).parse().unwrap();
+    let (term, _) = term_and_held(&next_line(&watched, 5 * S), "host a");
+    assert_eq!(term, a_term);
+    let mut b = elect("host-b");
+    let b_lines = lines(&mut b);
+    std::thread::sleep(1100 * MS);
+    let shown = kunci(&addr, &["leader", "svc"]);
+    assert_eq!(shown.status.code(), Some(0));
+    let (term, held) = term_and_held(text(&shown).trim_end(), "host a");
+    assert_eq!(term, a_term);
+    // The grant time `kunci elect` stored: at least the 1.1 s slept.
+    let held: f64 = held.parse().expect("held_for is known");
+    assert!((1.1..4.0).contains(&held), "{held}");
+    let json = kunci(&addr, &["leader", "svc", "--json"]);
+    let want = format!("{{\"value\": \"host a\", \"term\": \"{a_term}\", \"held_for\": ");
+    let json = text(&json);
+    assert!(json.starts_with(&want), "{json}");
+    let held: f64 = json[want.len()..]
+        .trim_end()
+        .trim_end_matches('}')
+        .parse()
+        .unwrap();
+    assert!(held >= 1.1, "{json}");
+    assert!(
+        b_lines.recv_timeout(500 * MS).is_err(),
+        "the standby ran while the leader led"
+    );
+
+    // The leader's process dies: nobody releases, its lease ends (2 s,
+    // renewed every 2/3 s, so at least 1.3 s were left), then the standby
+    // leads and the watch shows it.
+    signal(&a, libc::SIGKILL);
+    let killed = Instant::now();
+    let _ = a.wait();
+    let b_term: u64 = next_line(&b_lines, 10 * S).parse().unwrap();
+    let took = killed.elapsed();
+    assert!(took >= 1300 * MS, "took over after {took:?}");
+    assert!(took < 8 * S, "took over after {took:?}");
+    assert!(b_term > a_term, "term {b_term} after {a_term}");
+    // The watch may see the new leader before it stored its grant time
+    // (one more put after its grant): held_for is then unknown.
+    let (term, held) = term_and_held(&next_line(&watched, 5 * S), "host-b");
+    assert_eq!(term, b_term);
+    assert!(held == "?" || held.parse::<f64>().unwrap() < 1.0, "{held}");
+    let shown = kunci(&addr, &["leader", "svc"]);
+    let (term, held) = term_and_held(text(&shown).trim_end(), "host-b");
+    assert_eq!(term, b_term);
+    assert!(held.parse::<f64>().unwrap() < 2.0, "{held}");
+
+    // A leader that stops resigns; the watch says so, and ends on SIGTERM.
+    signal(&b, libc::SIGTERM);
+    assert_eq!(b.wait().unwrap().code(), Some(128 + libc::SIGTERM));
+    assert_eq!(next_line(&watched, 5 * S), "none");
+    signal(&watch, libc::SIGTERM);
+    assert_eq!(watch.wait().unwrap().code(), Some(0));
+
+    // A key held by a lock: its label leads, for an unknown time.
+    let client = client_of(&addr);
+    let options = AcquireOptions::new().label("by hand");
+    let lock = client
+        .acquire_with("svc", Duration::ZERO, 30 * S, options)
+        .unwrap();
+    let shown = kunci(&addr, &["leader", "svc"]);
+    assert_eq!(
+        (shown.status.code(), text(&shown)),
+        (
+            Some(0),
+            format!("by hand term={} held_for=?\n", lock.token())
+        )
+    );
+    let json = kunci(&addr, &["leader", "svc", "--json"]);
+    assert_eq!(
+        text(&json),
+        format!(
+            "{{\"value\": \"by hand\", \"term\": \"{}\", \"held_for\": null}}\n",
+            lock.token()
+        )
+    );
+    lock.release().unwrap();
+}
