@@ -237,8 +237,8 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::super::{Engine, Key, Op, Submission};
-    use crate::client::TRANSPORT_DEADLINE;
     use crate::client::permits::{Label, Permits};
+    use crate::client::vocabulary::TRANSPORT_DEADLINE;
     use crate::timer_wheel::TimerId;
 
     /// An engine with one session up, an acquire sent on it, a ping queued

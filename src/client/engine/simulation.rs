@@ -14,8 +14,8 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::{Action, Engine, Key, Op, Outcome, Submission};
-use crate::client::TRANSPORT_DEADLINE;
 use crate::client::permits::{Label, Permits};
+use crate::client::vocabulary::TRANSPORT_DEADLINE;
 use crate::protocol::{self, Decoded, ErrorCode, Request, Response};
 
 const MS: Duration = Duration::from_millis(1);
