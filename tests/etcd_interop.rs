@@ -19,7 +19,7 @@ use base64::Engine as _;
 use kunci::client::{AcquireOptions, Client, Config, Error, Permits};
 
 use crate::util::etcd::{Cluster, post};
-use crate::util::{TempDir, kunci_bin, require_tool};
+use crate::util::{TempDir, kunci_command, require_tool};
 
 const MS: Duration = Duration::from_millis(1);
 const S: Duration = Duration::from_secs(1);
@@ -50,17 +50,6 @@ fn etcdctl(cluster: &Cluster, args: &[&str]) -> Command {
         .env("ETCDCTL_API", "3")
         .args(["--endpoints", &endpoints.join(",")])
         .args(args)
-        .stdin(Stdio::null());
-    command
-}
-
-/// `kunci ARGS` with `KUNCI_SERVER` set to `server`.
-fn kunci(server: &str, args: &[&str]) -> Command {
-    let mut command = Command::new(kunci_bin());
-    command
-        .args(args)
-        .env("KUNCI_SERVER", server)
-        .env_remove("RUST_LOG")
         .stdin(Stdio::null());
     command
 }
@@ -229,7 +218,7 @@ fn etcd_layout_refuses_what_etcds_recipe_cannot_express_before_anything_is_sent(
     ];
     for (args, why) in refused {
         let started = Instant::now();
-        let output = kunci(&server, args).output().unwrap();
+        let output = kunci_command(&server, args).output().unwrap();
         assert_eq!(output.status.code(), Some(2), "{args:?}: {output:?}");
         assert_eq!(
             text(&output.stderr),
@@ -243,7 +232,7 @@ fn etcd_layout_refuses_what_etcds_recipe_cannot_express_before_anything_is_sent(
         assert!(started.elapsed() < 2 * S, "{args:?}");
     }
     // One cluster has one layout, however its members are given.
-    let mixed = kunci(
+    let mixed = kunci_command(
         &server,
         &[
             "query",
@@ -262,7 +251,7 @@ fn etcd_layout_refuses_what_etcds_recipe_cannot_express_before_anything_is_sent(
         "kunci query: the members of one etcd cluster have one layout: give ?layout=etcd \
          on every etcd:// address or on none\n(see kunci query --help)\n"
     );
-    let unknown = kunci(&format!("etcd://{member}?layout=zk"), &["query", "jobs"])
+    let unknown = kunci_command(&format!("etcd://{member}?layout=zk"), &["query", "jobs"])
         .output()
         .unwrap();
     assert_eq!(unknown.status.code(), Some(2), "{unknown:?}");
@@ -397,7 +386,7 @@ fn etcd_layout_kunci_run_and_etcdctl_lock_never_overlap_and_hand_over_in_fifo_or
             let args = [
                 "run", name, "--wait", "60", "--lease", "10", "--", "sh", "-c",
             ];
-            let mut command = kunci(&server, &args);
+            let mut command = kunci_command(&server, &args);
             command.args([CRITICAL, "sh", tag]);
             command
         };
@@ -478,10 +467,10 @@ fn etcd_layout_kunci_who_and_query_show_an_etcdctl_holder_and_a_kunci_waiter() {
     let revision = found[0].create_revision;
 
     // A try fails at once; a waiter queues behind etcdctl's holder.
-    let tried = kunci(&server, &["acquire", name]).output().unwrap();
+    let tried = kunci_command(&server, &["acquire", name]).output().unwrap();
     assert_eq!(tried.status.code(), Some(1), "{tried:?}");
     let waiter = Reaped::spawn(
-        kunci(
+        kunci_command(
             &server,
             &["acquire", name, "--wait", "30", "--label", "ann@db2"],
         )
@@ -490,7 +479,9 @@ fn etcd_layout_kunci_who_and_query_show_an_etcdctl_holder_and_a_kunci_waiter() {
     );
     assert!(wait_for(10 * S, || entries(&cluster, name).len() == 2));
 
-    let who = kunci(&server, &["who", name, "--json"]).output().unwrap();
+    let who = kunci_command(&server, &["who", name, "--json"])
+        .output()
+        .unwrap();
     assert_eq!(who.status.code(), Some(0), "{who:?}");
     let json = text(&who.stdout);
     // etcdctl lock's session lease is 10 s, shown in whole seconds.
@@ -506,7 +497,7 @@ fn etcd_layout_kunci_who_and_query_show_an_etcdctl_holder_and_a_kunci_waiter() {
             r#"{{"key":"{name}","limit":0,"left_out":0,"grants":[{{"token":"{revision}","owner":"0","lease_ms":{lease_ms},"held_ms":null,"take":0,"label":""}}],"waiters":[{{"owner":"0","wait_ms":null,"take":0,"label":"ann@db2"}}]}}"#
         ) + "\n"
     );
-    let table = kunci(&server, &["who", name]).output().unwrap();
+    let table = kunci_command(&server, &["who", name]).output().unwrap();
     let table = text(&table.stdout);
     let lines: Vec<&str> = table.lines().collect();
     assert_eq!(
@@ -527,7 +518,7 @@ fn etcd_layout_kunci_who_and_query_show_an_etcdctl_holder_and_a_kunci_waiter() {
         ["1", "0", "all", "unknown", "ann@db2"],
         "{table}"
     );
-    let query = kunci(&server, &["query", name]).output().unwrap();
+    let query = kunci_command(&server, &["query", name]).output().unwrap();
     let query = text(&query.stdout);
     assert!(
         query.starts_with(&format!("held token={revision} owner=0 lease_ms=")),
@@ -549,7 +540,7 @@ fn etcd_layout_kunci_who_and_query_show_an_etcdctl_holder_and_a_kunci_waiter() {
         (found[0].create_revision, found[0].value.as_str()),
         (queued, "ann@db2")
     );
-    let released = kunci(&server, &["release", name, &queued.to_string()])
+    let released = kunci_command(&server, &["release", name, &queued.to_string()])
         .output()
         .unwrap();
     assert_eq!(released.status.code(), Some(0), "{released:?}");
@@ -597,7 +588,7 @@ fn etcd_layout_etcdctl_elect_listen_sees_a_kunci_elect_leader_and_its_successor(
     let name = "db-primary";
     // The command leads until the file is gone.
     let candidate = Reaped::spawn(
-        kunci(&server, &["elect", name, "db1:5432", "--lease", "10", "--"])
+        kunci_command(&server, &["elect", name, "db1:5432", "--lease", "10", "--"])
             .args(["sh", "-c", "while [ -e \"$1\" ]; do sleep 0.05; done", "sh"])
             .arg(&leading)
             .stderr(Stdio::piped()),
@@ -648,7 +639,7 @@ fn etcd_layout_kunci_leader_watch_follows_an_etcdctl_elect_leader_and_its_kunci_
     std::fs::write(&leading, "").unwrap();
     let name = "db-primary";
     let mut watch =
-        Reaped::spawn(kunci(&server, &["leader", name, "--watch"]).stdout(Stdio::piped()));
+        Reaped::spawn(kunci_command(&server, &["leader", name, "--watch"]).stdout(Stdio::piped()));
     let shown = Lines::of(watch.child());
     assert_eq!(shown.next(10 * S), "none");
 
@@ -665,7 +656,7 @@ fn etcd_layout_kunci_leader_watch_follows_an_etcdctl_elect_leader_and_its_kunci_
         shown.next(10 * S),
         format!("go-primary:5432 term={go_term} held_for=?")
     );
-    let json = kunci(&server, &["leader", name, "--json"])
+    let json = kunci_command(&server, &["leader", name, "--json"])
         .output()
         .unwrap();
     assert_eq!(json.status.code(), Some(0), "{json:?}");
@@ -687,7 +678,7 @@ fn etcd_layout_kunci_leader_watch_follows_an_etcdctl_elect_leader_and_its_kunci_
 
     // A kunci candidate queues behind it and leads when it resigns.
     let candidate = Reaped::spawn(
-        kunci(
+        kunci_command(
             &server,
             &["elect", name, "rs-standby", "--lease", "10", "--"],
         )

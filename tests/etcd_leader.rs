@@ -7,75 +7,19 @@
 //! they fail under CI and are skipped, saying so, elsewhere
 //! (`util::require_tool`).
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use kunci::client::{AcquireOptions, Client, Config, Leader};
 
 use crate::util::etcd::{Blackhole, Cluster};
-use crate::util::{kunci_bin, require_tool};
+use crate::util::{kunci, next_line, require_tool, signal, spawn_kunci, stdout_lines, stdout_text};
 
 const MS: Duration = Duration::from_millis(1);
 const S: Duration = Duration::from_secs(1);
 
 fn client_of(address: &str) -> Client {
     Client::new([address.parse().unwrap()], Config::default()).unwrap()
-}
-
-fn kunci(server: &str, args: &[&str]) -> Output {
-    Command::new(kunci_bin())
-        .args(args)
-        .env("KUNCI_SERVER", server)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run kunci")
-}
-
-fn spawn(server: &str, args: &[&str]) -> Child {
-    Command::new(kunci_bin())
-        .args(args)
-        .env("KUNCI_SERVER", server)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kunci")
-}
-
-/// The lines a child prints, as they come.
-fn lines(child: &mut Child) -> mpsc::Receiver<String> {
-    let stdout = child.stdout.take().expect("piped stdout");
-    let (sender, receiver) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if sender.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    receiver
-}
-
-fn next_line(lines: &mpsc::Receiver<String>, limit: Duration) -> String {
-    lines
-        .recv_timeout(limit)
-        .unwrap_or_else(|_| panic!("no line within {limit:?}"))
-}
-
-fn signal(child: &Child, signal: i32) {
-    // SAFETY: kill(2) with our own child's pid.
-    unsafe {
-        libc::kill(child.id() as i32, signal);
-    }
-}
-
-fn text(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// The term and held_for in `VALUE term=TOKEN held_for=SECONDS`.
@@ -299,21 +243,21 @@ fn etcd_kunci_elect_takes_over_and_kunci_leader_follows() {
     let addr = cluster.address();
     let none = kunci(&addr, &["leader", "svc"]);
     assert_eq!(
-        (none.status.code(), text(&none)),
+        (none.status.code(), stdout_text(&none)),
         (Some(1), "none\n".into())
     );
     let json = kunci(&addr, &["leader", "svc", "--json"]);
     assert_eq!(
-        (json.status.code(), text(&json)),
+        (json.status.code(), stdout_text(&json)),
         (Some(1), "null\n".into())
     );
-    let mut watch = spawn(&addr, &["leader", "svc", "--watch"]);
-    let watched = lines(&mut watch);
+    let mut watch = spawn_kunci(&addr, &["leader", "svc", "--watch"]);
+    let watched = stdout_lines(&mut watch);
     assert_eq!(next_line(&watched, 5 * S), "none");
 
     let command = "echo \"$KUNCI_TOKEN\"; exec sleep 60";
     let elect = |value: &str| {
-        spawn(
+        spawn_kunci(
             &addr,
             &[
                 "elect", "svc", value, "--lease", "2", "--", "sh", "-c", command,
@@ -321,23 +265,23 @@ fn etcd_kunci_elect_takes_over_and_kunci_leader_follows() {
         )
     };
     let mut a = elect("host a");
-    let a_lines = lines(&mut a);
+    let a_lines = stdout_lines(&mut a);
     let a_term: u64 = next_line(&a_lines, 10 * S).parse().unwrap();
     let (term, _) = term_and_held(&next_line(&watched, 5 * S), "host a");
     assert_eq!(term, a_term);
     let mut b = elect("host-b");
-    let b_lines = lines(&mut b);
+    let b_lines = stdout_lines(&mut b);
     std::thread::sleep(1100 * MS);
     let shown = kunci(&addr, &["leader", "svc"]);
     assert_eq!(shown.status.code(), Some(0));
-    let (term, held) = term_and_held(text(&shown).trim_end(), "host a");
+    let (term, held) = term_and_held(stdout_text(&shown).trim_end(), "host a");
     assert_eq!(term, a_term);
     // The grant time `kunci elect` stored: at least the 1.1 s slept.
     let held: f64 = held.parse().expect("held_for is known");
     assert!((1.1..4.0).contains(&held), "{held}");
     let json = kunci(&addr, &["leader", "svc", "--json"]);
     let want = format!("{{\"value\": \"host a\", \"term\": \"{a_term}\", \"held_for\": ");
-    let json = text(&json);
+    let json = stdout_text(&json);
     assert!(json.starts_with(&want), "{json}");
     let held: f64 = json[want.len()..]
         .trim_end()
@@ -367,7 +311,7 @@ fn etcd_kunci_elect_takes_over_and_kunci_leader_follows() {
     assert_eq!(term, b_term);
     assert!(held == "?" || held.parse::<f64>().unwrap() < 1.0, "{held}");
     let shown = kunci(&addr, &["leader", "svc"]);
-    let (term, held) = term_and_held(text(&shown).trim_end(), "host-b");
+    let (term, held) = term_and_held(stdout_text(&shown).trim_end(), "host-b");
     assert_eq!(term, b_term);
     assert!(held.parse::<f64>().unwrap() < 2.0, "{held}");
 
@@ -386,7 +330,7 @@ fn etcd_kunci_elect_takes_over_and_kunci_leader_follows() {
         .unwrap();
     let shown = kunci(&addr, &["leader", "svc"]);
     assert_eq!(
-        (shown.status.code(), text(&shown)),
+        (shown.status.code(), stdout_text(&shown)),
         (
             Some(0),
             format!("by hand term={} held_for=?\n", lock.token())
@@ -394,7 +338,7 @@ fn etcd_kunci_elect_takes_over_and_kunci_leader_follows() {
     );
     let json = kunci(&addr, &["leader", "svc", "--json"]);
     assert_eq!(
-        text(&json),
+        stdout_text(&json),
         format!(
             "{{\"value\": \"by hand\", \"term\": \"{}\", \"held_for\": null}}\n",
             lock.token()

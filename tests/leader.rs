@@ -2,52 +2,11 @@
 //! when the leader's process is killed, and `kunci leader --watch`
 //! following an election across a clean restart.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Output, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::util::{TempDir, TestServer, kunci, kunci_command};
-
-fn spawn(server: &str, args: &[&str]) -> Child {
-    kunci_command(server, args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kunci")
-}
-
-/// The lines a child prints, as they come.
-fn lines(child: &mut Child) -> mpsc::Receiver<String> {
-    let stdout = child.stdout.take().expect("piped stdout");
-    let (sender, receiver) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if sender.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    receiver
-}
-
-fn next_line(lines: &mpsc::Receiver<String>, limit: Duration) -> String {
-    lines
-        .recv_timeout(limit)
-        .unwrap_or_else(|_| panic!("no line within {limit:?}"))
-}
-
-fn signal(child: &Child, signal: i32) {
-    // SAFETY: kill(2) with our own child's pid.
-    unsafe {
-        libc::kill(child.id() as i32, signal);
-    }
-}
-
-fn text(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
+use crate::util::{
+    TempDir, TestServer, kunci, next_line, signal, spawn_kunci, stdout_lines, stdout_text,
+};
 
 /// The term in `VALUE term=TOKEN held_for=SECONDS`.
 fn term_of(line: &str, value: &str) -> u64 {
@@ -65,38 +24,42 @@ fn elect_takes_over_at_the_lease_end_after_the_leader_is_killed() {
     let addr = server.addr.clone();
     let none = kunci(&addr, &["leader", "svc"]);
     assert_eq!(
-        (none.status.code(), text(&none)),
+        (none.status.code(), stdout_text(&none)),
         (Some(1), "none\n".into())
     );
     let json = kunci(&addr, &["leader", "svc", "--json"]);
     assert_eq!(
-        (json.status.code(), text(&json)),
+        (json.status.code(), stdout_text(&json)),
         (Some(1), "null\n".into())
     );
     let command = "echo \"$KUNCI_TOKEN\"; exec sleep 60";
-    let mut a = spawn(
+    let mut a = spawn_kunci(
         &addr,
         &[
             "elect", "svc", "host a", "--lease", "2", "--", "sh", "-c", command,
         ],
     );
-    let a_lines = lines(&mut a);
+    let a_lines = stdout_lines(&mut a);
     let a_term: u64 = next_line(&a_lines, Duration::from_secs(10))
         .parse()
         .unwrap();
-    let mut b = spawn(
+    let mut b = spawn_kunci(
         &addr,
         &[
             "elect", "svc", "host-b", "--lease", "2", "--", "sh", "-c", command,
         ],
     );
-    let b_lines = lines(&mut b);
+    let b_lines = stdout_lines(&mut b);
     let shown = kunci(&addr, &["leader", "svc"]);
     assert_eq!(shown.status.code(), Some(0));
-    assert_eq!(term_of(text(&shown).trim_end(), "host a"), a_term);
+    assert_eq!(term_of(stdout_text(&shown).trim_end(), "host a"), a_term);
     let json = kunci(&addr, &["leader", "svc", "--json"]);
     let want = format!("{{\"value\": \"host a\", \"term\": \"{a_term}\", \"held_for\": ");
-    assert!(text(&json).starts_with(&want), "{}", text(&json));
+    assert!(
+        stdout_text(&json).starts_with(&want),
+        "{}",
+        stdout_text(&json)
+    );
     assert!(
         b_lines.recv_timeout(Duration::from_millis(500)).is_err(),
         "the standby ran while the leader led"
@@ -117,14 +80,14 @@ fn elect_takes_over_at_the_lease_end_after_the_leader_is_killed() {
     assert!(took < Duration::from_secs(6), "took over after {took:?}");
     assert!(b_term > a_term, "term {b_term} after {a_term}");
     let shown = kunci(&addr, &["leader", "svc"]);
-    assert_eq!(term_of(text(&shown).trim_end(), "host-b"), b_term);
+    assert_eq!(term_of(stdout_text(&shown).trim_end(), "host-b"), b_term);
     // The leader stopped: it resigns.
     signal(&b, libc::SIGTERM);
     let status = b.wait().unwrap();
     assert_eq!(status.code(), Some(128 + libc::SIGTERM));
     let none = kunci(&addr, &["leader", "svc"]);
     assert_eq!(
-        (none.status.code(), text(&none)),
+        (none.status.code(), stdout_text(&none)),
         (Some(1), "none\n".into())
     );
     // A value over 128 bytes or with a newline is a usage error.
@@ -145,15 +108,15 @@ fn leader_watch_follows_an_election_across_a_clean_restart() {
     let state = state.to_string_lossy().into_owned();
     let args = ["--listen", socket.as_str(), "--state-dir", state.as_str()];
     let server = TestServer::start(&args);
-    let mut watcher = spawn(&socket, &["leader", "svc", "--watch"]);
-    let changes = lines(&mut watcher);
+    let mut watcher = spawn_kunci(&socket, &["leader", "svc", "--watch"]);
+    let changes = stdout_lines(&mut watcher);
     assert_eq!(next_line(&changes, Duration::from_secs(10)), "none");
     let granted = kunci(
         &socket,
         &["acquire", "svc", "--lease", "60", "--label", "host-a"],
     );
     assert_eq!(granted.status.code(), Some(0));
-    let token: u64 = text(&granted).trim().parse().unwrap();
+    let token: u64 = stdout_text(&granted).trim().parse().unwrap();
     let line = next_line(&changes, Duration::from_secs(5));
     assert_eq!(term_of(&line, "host-a"), token);
     // A clean restart keeps the grant: nothing changed, nothing printed.

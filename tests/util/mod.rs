@@ -68,6 +68,51 @@ pub fn kunci(server: &str, args: &[&str]) -> Output {
     kunci_command(server, args).output().expect("run kunci")
 }
 
+/// `kunci ARGS` against `server`, started with its stdout piped (for
+/// [`stdout_lines`]) and its stderr dropped.
+pub fn spawn_kunci(server: &str, args: &[&str]) -> Child {
+    kunci_command(server, args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kunci")
+}
+
+/// The lines a child prints, as they come.
+pub fn stdout_lines(child: &mut Child) -> mpsc::Receiver<String> {
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (sender, receiver) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if sender.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    receiver
+}
+
+/// The next line of [`stdout_lines`], within `limit`.
+pub fn next_line(lines: &mpsc::Receiver<String>, limit: Duration) -> String {
+    lines
+        .recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("no line within {limit:?}"))
+}
+
+/// Sends `signal` to a child of this test.
+pub fn signal(child: &Child, signal: i32) {
+    // SAFETY: kill(2) with our own child's pid.
+    unsafe {
+        libc::kill(child.id() as i32, signal);
+    }
+}
+
+/// A command's stdout as text.
+pub fn stdout_text(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
 /// A `kunci serve` child process, killed when dropped.
 pub struct TestServer {
     child: Option<Child>,
