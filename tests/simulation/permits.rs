@@ -13,7 +13,7 @@ use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 
 use super::{Rng, Simulation, Tally, pick_conn, run_seeds};
 use crate::util::fake::{FIRST_TOKEN, Fake, MS, S};
-use crate::util::model::{PermitModel, same_as_multiset, same_in_order};
+use crate::util::model::{PermitModel, lease_ms_left, same_as_multiset, same_in_order};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Counts {
@@ -25,6 +25,9 @@ pub struct Counts {
     pub timeouts: u64,
     pub busy: u64,
     pub expired: u64,
+    pub key_states: u64,
+    /// Reads of a key with several grants.
+    pub key_states_shared: u64,
 }
 
 impl Tally for Counts {
@@ -37,6 +40,8 @@ impl Tally for Counts {
         self.timeouts += other.timeouts;
         self.busy += other.busy;
         self.expired += other.expired;
+        self.key_states += other.key_states;
+        self.key_states_shared += other.key_states_shared;
     }
 }
 
@@ -213,7 +218,68 @@ impl PermitSim {
                 same_in_order(&out, &want)
             }
             78..=80 => self.reconnect(),
+            81..=84 => self.read_key_state(conn),
             _ => self.advance(),
+        }
+    }
+
+    /// One `O` with `wait` 0 (a read, spec §13.1–13.2): on a key with
+    /// permits the current token is the smallest of its grants, `grants`
+    /// counts them all. (The time held and the label are the core
+    /// simulation's to check: the permit model keeps neither.)
+    fn read_key_state(&mut self, conn: ConnId) -> Result<(), String> {
+        let key = self.rng.pick(&self.keys).0.clone();
+        let id = self.rng.next();
+        let since = if self.rng.chance(50) {
+            0
+        } else {
+            self.model.next_token
+        };
+        let request = Request::Observe {
+            wait_s: 0,
+            id,
+            since,
+            key: &key,
+        };
+        let now = self.fake.now;
+        let out = self.fake.request(conn, &request);
+        self.log(|| format!("{request:?} from {conn} → {out:?}"));
+        let (token, lease_ms, grants, waiters) = match self.model.keys.get(&key) {
+            Some(state) => state.grants.first().map_or((0, 0, 0, 0), |first| {
+                (
+                    first.token,
+                    lease_ms_left(first.lease_tick, now),
+                    state.grants.len() as u16,
+                    state.queue.len() as u32,
+                )
+            }),
+            None => (0, 0, 0, 0),
+        };
+        match out.as_slice() {
+            [
+                (
+                    to,
+                    Response::KeyState {
+                        id: got,
+                        token: got_token,
+                        lease_ms: got_lease,
+                        grants: got_grants,
+                        waiters: got_waiters,
+                        ..
+                    },
+                ),
+            ] if *to == conn
+                && *got == id
+                && (*got_token, *got_lease, *got_grants, *got_waiters)
+                    == (token, lease_ms, grants, waiters) =>
+            {
+                self.counts.key_states += 1;
+                self.counts.key_states_shared += u64::from(grants >= 2);
+                Ok(())
+            }
+            _ => Err(format!(
+                "O on {key:?}: {out:?}, expected token {token} lease_ms {lease_ms} grants {grants} waiters {waiters}"
+            )),
         }
     }
 
@@ -371,6 +437,8 @@ fn simulation_of_semaphores_and_shared_locks_against_the_permit_model() {
             counts.timeouts,
             counts.busy,
             counts.expired,
+            counts.key_states,
+            counts.key_states_shared,
         ];
         assert!(reached.iter().all(|&n| n > 100), "{counts:?}");
     }

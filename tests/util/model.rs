@@ -1033,9 +1033,10 @@ impl PermitModel {
                 events.push((name.clone(), None, waiter.owner));
             }
         }
-        let mut orders = Vec::new();
-        permutations(events.len(), &mut Vec::new(), &mut orders);
-        for order in orders {
+        // Every order, lexicographically, made one at a time: n! of them
+        // at once would not fit in memory past n = 10.
+        let mut order: Vec<usize> = (0..events.len()).collect();
+        loop {
             *tries += 1;
             if *tries > 200_000 {
                 return None;
@@ -1048,14 +1049,15 @@ impl PermitModel {
             }
             let mut all = out.clone();
             all.extend(more);
-            if !within(&all, budget) {
-                continue;
+            if within(&all, budget) {
+                if let Some(found) = model.fire_from(now, budget, all, tries) {
+                    return Some(found);
+                }
             }
-            if let Some(found) = model.fire_from(now, budget, all, tries) {
-                return Some(found);
+            if !next_order(&mut order) {
+                return None;
             }
         }
-        None
     }
 
     fn fire_one(&mut self, name: &str, token: Option<u64>, owner: u64, now: Micros) -> Vec<Output> {
@@ -1087,19 +1089,21 @@ impl PermitModel {
     }
 }
 
-/// Every order of `0..n`, appended to `orders`.
-fn permutations(n: usize, prefix: &mut Vec<usize>, orders: &mut Vec<Vec<usize>>) {
-    if prefix.len() == n {
-        orders.push(prefix.clone());
-        return;
-    }
-    for next in 0..n {
-        if !prefix.contains(&next) {
-            prefix.push(next);
-            permutations(n, prefix, orders);
-            prefix.pop();
-        }
-    }
+/// Turns `order` into the next one in lexicographic order; false after
+/// the last.
+fn next_order(order: &mut [usize]) -> bool {
+    let Some(pivot) = (1..order.len()).rev().find(|&i| order[i - 1] < order[i]) else {
+        return false;
+    };
+    let Some(swap) = (pivot..order.len())
+        .rev()
+        .find(|&j| order[j] > order[pivot - 1])
+    else {
+        return false;
+    };
+    order.swap(pivot - 1, swap);
+    order[pivot..].reverse();
+    true
 }
 
 /// Whether every answer in `outputs` is one of `budget`'s (as a multiset).
