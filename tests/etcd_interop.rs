@@ -28,6 +28,7 @@ const EXCLUSIVE_ONLY: &str =
     "etcd's layout (?layout=etcd) has exclusive locks only: no limit, take or shared";
 const NO_LISTING: &str =
     "etcd's layout (?layout=etcd) cannot list keys: its locks are anywhere in etcd's keys";
+const RESERVED_NAME: &str = "etcd's layout (?layout=etcd) refuses kunci and kunci/…: kunci's own layout keeps its locks there";
 
 /// Whether etcd and etcdctl are installed (under CI a missing one fails).
 fn tools() -> bool {
@@ -215,6 +216,11 @@ fn etcd_layout_refuses_what_etcds_recipe_cannot_express_before_anything_is_sent(
         ),
         (&["list"], NO_LISTING),
         (&["list", "jobs/", "--json"], NO_LISTING),
+        // Where kunci's own layout keeps its entries (kunci/LEN:KEY/…).
+        (&["run", "kunci", "--", "true"], RESERVED_NAME),
+        (&["acquire", "kunci/4:jobs", "--wait", "5"], RESERVED_NAME),
+        (&["query", "kunci/"], RESERVED_NAME),
+        (&["leader", "kunci/db"], RESERVED_NAME),
     ];
     for (args, why) in refused {
         let started = Instant::now();

@@ -960,7 +960,13 @@ class Cluster(object):
                         return
                     continue
                 result = _field(_parse(message), "result")
-                if not isinstance(result, dict) or result.get("canceled") is True or ends(result):
+                if not isinstance(result, dict) or result.get("canceled") is True:
+                    # Unreadable, an error on the stream, or cancelled: the
+                    # caller reads and watches again, after a pause (a
+                    # gateway that refuses every watch is no busy loop).
+                    time.sleep(max(0.0, min(until - monotonic(), RETRY_PAUSE)))
+                    return
+                if ends(result):
                     return
         finally:
             stream.close()
@@ -1095,14 +1101,21 @@ def cluster_for(addresses, connect_timeout, tls=None, credentials=None):
 
 def _check_etcd_layout(call):
     """In etcd's layout, what its recipe cannot express is refused before
-    anything is sent: permits (a limit, a take, shared) and listing keys
-    (its keys are anywhere in etcd's key space)."""
+    anything is sent: permits (a limit, a take, shared), listing keys (its
+    keys are anywhere in etcd's key space), and the names where kunci's
+    own layout keeps its entries."""
     if call.op == "A" and (call.limit or call.take):
         raise InvalidArgument(
             "etcd's layout (?layout=etcd) has exclusive locks only: no limit, take or shared")
     if call.op == "L":
         raise InvalidArgument(
             "etcd's layout (?layout=etcd) cannot list keys: its locks are anywhere in etcd's keys")
+    if call.key == b"kunci" or call.key.startswith(b"kunci/"):
+        # Their entries would lie among kunci's layout's (kunci/LEN:KEY/...):
+        # a lock there would wait for, or be read as, the other layout's.
+        raise InvalidArgument(
+            "etcd's layout (?layout=etcd) refuses kunci and kunci/\u2026: kunci's own layout "
+            "keeps its locks there")
 
 
 def _key_state(found):

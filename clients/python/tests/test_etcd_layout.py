@@ -74,6 +74,13 @@ def test_what_etcds_recipe_cannot_express_is_refused_before_anything_is_sent(mak
         assert time.monotonic() - started < 0.1
     with pytest.raises(kunci.InvalidArgument, match="layout"):
         client.list_keys("")
+    for name in ("kunci", "kunci/4:jobs", "kunci/"):
+        started = time.monotonic()
+        with pytest.raises(kunci.InvalidArgument, match="kunci's own layout keeps its locks"):
+            client.acquire(name, wait=0, lease=5)
+        with pytest.raises(kunci.InvalidArgument, match="kunci's own layout keeps its locks"):
+            client.query(name)
+        assert time.monotonic() - started < 0.1
     with pytest.raises(kunci.InvalidArgument, match="one layout"):
         make_client(["etcd://127.0.0.1:%d?layout=etcd" % port, "etcd://127.0.0.1:%d" % port])
     with pytest.raises(kunci.InvalidArgument):

@@ -279,7 +279,7 @@ fn integer(literal: &str) -> Option<i64> {
     if significant.is_empty() {
         return Some(0);
     }
-    if power < 0 || significant.len() as i64 + power > 16 {
+    if power < 0 || power.checked_add(i64::try_from(significant.len()).ok()?)? > 16 {
         return None;
     }
     let mut value: i64 = significant.parse().ok()?;
@@ -460,6 +460,7 @@ mod tests {
         assert_eq!(value("5e-1"), None);
         assert_eq!(value("\"42\""), Some(42));
         assert_eq!(value("true"), None);
+        assert_eq!(value("1e9223372036854775807"), None, "no overflow");
     }
 
     proptest::proptest! {

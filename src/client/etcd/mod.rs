@@ -106,6 +106,9 @@ impl Shared {
 }
 
 fn execute(cluster: &Arc<Cluster>, op: Op, key: Key, deadline: Instant) -> Outcome {
+    if let Some(why) = cluster.refuses_key(key) {
+        return Outcome::Invalid(why);
+    }
     match op {
         Op::Acquire {
             owner,

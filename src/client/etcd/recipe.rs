@@ -505,6 +505,7 @@ const EXCLUSIVE_ONLY: &str =
     "etcd's layout (?layout=etcd) has exclusive locks only: no limit, take or shared";
 const NO_LISTING: &str =
     "etcd's layout (?layout=etcd) cannot list keys: its locks are anywhere in etcd's keys";
+const RESERVED_NAME: &str = "etcd's layout (?layout=etcd) refuses kunci and kunci/…: kunci's own layout keeps its locks there";
 
 /// How a waiting acquire's turn check ended.
 enum Turn {
@@ -543,6 +544,16 @@ impl Cluster {
     pub(crate) fn with_layout(mut self, layout: EtcdLayout) -> Cluster {
         self.layout = layout;
         self
+    }
+
+    /// Why this layout refuses `key` before anything is sent, if it does.
+    /// In etcd's layout the entries of `kunci` and `kunci/…` would lie
+    /// among kunci's layout's (`kunci/LEN:KEY/…`): a lock there would wait
+    /// for, or be read as, the other layout's entries.
+    pub(crate) fn refuses_key(&self, key: Key) -> Option<&'static str> {
+        let name = key.as_str();
+        (self.layout == EtcdLayout::Etcd && (name == "kunci" || name.starts_with("kunci/")))
+            .then_some(RESERVED_NAME)
     }
 
     /// Where a key's entries live: [`prefix`], or in etcd's layout `KEY/`
@@ -1060,10 +1071,15 @@ impl Cluster {
     /// then: the caller reads again in every case). The watch's connection
     /// is closed on return.
     fn watch_until(&self, body: &str, until: Instant, woken: &dyn Fn(Option<Vec<u8>>) -> bool) {
-        let Some(mut stream) = self.members.open_stream("/v3/watch", body, until) else {
+        // A watch that could not start, broke, or was refused: the caller
+        // reads and watches again, after a pause (a gateway that refuses
+        // every watch must not turn that into a busy loop).
+        let pause = || {
             let left = until.saturating_duration_since(Instant::now());
             std::thread::sleep(left.min(READ_RETRY_PAUSE));
-            return;
+        };
+        let Some(mut stream) = self.members.open_stream("/v3/watch", body, until) else {
+            return pause();
         };
         loop {
             let message = match stream.next_message(until) {
@@ -1071,20 +1087,18 @@ impl Cluster {
                 Ok(None) => return,
                 Err(error) => {
                     log::debug!("etcd watch broke: {error}");
-                    let left = until.saturating_duration_since(Instant::now());
-                    std::thread::sleep(left.min(READ_RETRY_PAUSE));
-                    return;
+                    return pause();
                 }
             };
+            // Unreadable, an error message on the stream, or cancelled.
             let Some(value) = json::parse(&message) else {
-                return;
+                return pause();
             };
             let Some(result) = json::field(&value, "result") else {
-                // An error message on the stream.
-                return;
+                return pause();
             };
             if json::boolean(result, "canceled") {
-                return;
+                return pause();
             }
             let woken = json::array(result, "events")
                 .iter()
@@ -1288,8 +1302,8 @@ impl Cluster {
                 return Outcome::Observed(state);
             }
             let watch = match found.first() {
-                Some(first) => watch_body(&first.name, None, revision + 1, "NOPUT"),
-                None => watch_body(&[], Some(&prefix), revision + 1, "NODELETE"),
+                Some(first) => watch_body(&first.name, None, revision.saturating_add(1), "NOPUT"),
+                None => watch_body(&[], Some(&prefix), revision.saturating_add(1), "NODELETE"),
             };
             self.watch_until(&watch, wait_until, &|_| true);
         }
