@@ -237,9 +237,7 @@ pub(super) fn grace_note(client: &Client, key: &str, deadline: std::time::Instan
 
 /// A duration as the user typed it: `2.5 s`, `1 s`.
 fn seconds_text(duration: Duration) -> String {
-    let text = crate::decimal::seconds(duration, 3);
-    let text = text.trim_end_matches('0').trim_end_matches('.');
-    format!("{text} s")
+    format!("{} s", crate::decimal::seconds_shortest(duration))
 }
 
 pub(super) fn usage_error(command: &str, message: &str) -> u8 {
