@@ -123,7 +123,13 @@ fn a_bad_auth_file_stops_the_start_with_its_line_number() {
     std::fs::write(&path, format!("{good}broken {} lock:a*\n", "ab".repeat(32))).unwrap();
     let started = Instant::now();
     let output = Command::new(kunci_bin())
-        .args(["serve", "--listen", "127.0.0.1:0", "--auth"])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-state-dir",
+            "--auth",
+        ])
         .arg(&path)
         .output()
         .unwrap();
@@ -135,7 +141,13 @@ fn a_bad_auth_file_stops_the_start_with_its_line_number() {
         "{stderr}"
     );
     let missing = Command::new(kunci_bin())
-        .args(["serve", "--listen", "127.0.0.1:0", "--auth"])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-state-dir",
+            "--auth",
+        ])
         .arg(dir.join("none"))
         .output()
         .unwrap();

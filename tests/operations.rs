@@ -354,7 +354,7 @@ fn server_logs_carry_utc_timestamps_unless_stderr_is_the_journal() {
         format!("{}:{}", stat.dev(), stat.ino())
     };
     let mut child = Command::new(kunci_bin())
-        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(["serve", "--listen", "127.0.0.1:0", "--no-state-dir"])
         .env("JOURNAL_STREAM", &journal_stream)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())

@@ -183,6 +183,73 @@ fn without_a_state_dir_a_restart_frees_every_key() {
     assert!(granted(peer.recv(), 2) > token);
 }
 
+/// Spec §7, state by default: a server given no state flag keeps its
+/// state under `$HOME/.local/state/kunci/`, one directory per first listen
+/// address (0700, named in the start-up line), so a `kill -9` does not hand
+/// a held key to a second client.
+#[test]
+fn a_default_server_keeps_a_held_key_from_a_second_client_after_kill_9() {
+    use std::os::unix::fs::PermissionsExt;
+    let home = TempDir::new("default-home");
+    let server = TestServer::start_with_default_state(&["--listen", "127.0.0.1:0"], &home.0);
+    let port = port_of(&server);
+    let dir = home.0.join(format!(".local/state/kunci/127.0.0.1_{port}"));
+    let started = server.wait_log_line(|line| line.contains("listening on"));
+    assert!(
+        started.contains(&format!("; state dir {}", dir.display())),
+        "{started}"
+    );
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700);
+    assert!(dir.join("kunci.state").is_file());
+    // A second default server on another port gets a directory of its own.
+    let other = TestServer::start_with_default_state(&["--listen", "127.0.0.1:0"], &home.0);
+    let other_dir = home
+        .0
+        .join(format!(".local/state/kunci/127.0.0.1_{}", port_of(&other)));
+    assert!(other_dir.join("kunci.state").is_file());
+    assert_ne!(other_dir, dir);
+    drop(other);
+
+    let mut holder = server.peer();
+    holder.send(&acquire(0, 30, 1, "leader"));
+    let token = granted(holder.recv(), 1);
+    server.kill();
+    let listen = format!("127.0.0.1:{port}");
+    let server = TestServer::start_with_default_state(&["--listen", &listen], &home.0);
+    let mut second = server.peer();
+    second.send(&acquire(0, 30, 2, "leader"));
+    assert_eq!(second.recv(), Response::Timeout { owner: 2 });
+    // The holder keeps its key by renewing, as after any crash.
+    let mut holder = server.peer();
+    holder.send(&crate::util::extend(30, token, "leader"));
+    assert_eq!(holder.recv(), Response::Extended { token });
+}
+
+#[test]
+fn no_state_dir_warns_in_one_line_that_a_crash_frees_every_key() {
+    let server = TestServer::start(&["--no-state-dir"]);
+    let started = server.wait_log_line(|line| line.contains("listening on"));
+    assert!(started.ends_with("; no state dir"), "{started}");
+    let warning = server.wait_log_line(|line| line.contains("--no-state-dir"));
+    assert!(
+        warning.ends_with(
+            "WARN  --no-state-dir: a crash frees every key at once (two holders for up to one \
+             lease) and tokens rely on the wall clock never stepping back"
+        ),
+        "{warning}"
+    );
+    let output = std::process::Command::new(crate::util::kunci_bin())
+        .args(["serve", "--no-state-dir", "--state-dir", "/tmp/x"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&output.stderr)
+            .starts_with("kunci serve: --state-dir and --no-state-dir exclude each other\n")
+    );
+}
+
 // ---- restarts without an outage (spec §7) ------------------------------------------
 
 /// A server on `127.0.0.1:port` (0: any) with the state directory `dir`.

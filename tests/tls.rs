@@ -665,7 +665,7 @@ fn refused_tls_peers_are_closed_with_nothing_sent() {
 fn bad_tls_files_stop_the_start() {
     let pki = Pki::new();
     let serve = |args: &[&str]| {
-        let output = kunci(&[&["serve"], args].concat(), &[]);
+        let output = kunci(&[&["serve", "--no-state-dir"], args].concat(), &[]);
         (output.status.code(), text(&output.stderr))
     };
     let (code, log) = serve(&[

@@ -12,7 +12,9 @@
 # 1000000"), PIPELINE (32), RUNS (3), DURATION seconds per run (4), PORT
 # (17870; B uses PORT+1), LOAD (the binary whose `kunci bench` makes the
 # load and reads the counters; default A: keep it fixed when comparing
-# builds of different code).
+# builds of different code), ARGS_A and ARGS_B (more `kunci serve` flags
+# for each, split on spaces; default --no-state-dir: compare one build with
+# and without a state directory with A=B=kunci ARGS_B="--state-dir DIR").
 set -euo pipefail
 
 RUNS=${RUNS:-3}
@@ -23,6 +25,8 @@ PIPELINE=${PIPELINE:-32}
 NAME_A=${NAME_A:-A}
 NAME_B=${NAME_B:-B}
 LOAD=${LOAD:-$A}
+ARGS_A=${ARGS_A:---no-state-dir}
+ARGS_B=${ARGS_B:---no-state-dir}
 
 PIDS=()
 LOADS=()
@@ -42,8 +46,9 @@ stop_all() {
 }
 trap stop_all EXIT
 
-start_server() { # BINARY ADDR
-    "$1" serve --listen "$2" --max-keys 8000000 2>/dev/null &
+start_server() { # BINARY ADDR ARGS
+    # shellcheck disable=SC2086 # ARGS are several flags
+    "$1" serve --listen "$2" --max-keys 8000000 $3 2>/dev/null &
     PIDS+=($!)
     for _ in $(seq 100); do
         "$1" ping --server "$2" >/dev/null 2>&1 && return
@@ -88,11 +93,11 @@ pairs() { # ADDR PID
 
 A_ADDR=127.0.0.1:$PORT
 B_ADDR=127.0.0.1:$((PORT + 1))
-start_server "$A" "$A_ADDR"
-start_server "$B" "$B_ADDR"
+start_server "$A" "$A_ADDR" "$ARGS_A"
+start_server "$B" "$B_ADDR" "$ARGS_B"
 
 echo "machine: $(nproc) cores, $(uname -sr); pairs C=50 P=$PIPELINE, ${DURATION} s per run, $RUNS runs"
-echo "A = $NAME_A ($A), B = $NAME_B ($B); load from $LOAD"
+echo "A = $NAME_A ($A $ARGS_A), B = $NAME_B ($B $ARGS_B); load from $LOAD"
 for held in $HELD; do
     if [ "$held" != 0 ]; then
         for addr in "$A_ADDR" "$B_ADDR"; do

@@ -40,7 +40,7 @@ tail -1 "$DIR/secret.out" >"$DIR/auth"
 start_server() { # ADDR [ARGS...]
     local addr=$1
     shift
-    "$KUNCI" serve --listen "$addr" "$@" 2>/dev/null &
+    "$KUNCI" serve --no-state-dir --listen "$addr" "$@" 2>/dev/null &
     PIDS+=($!)
     for _ in $(seq 100); do
         # A ping without a secret is refused by the auth server: any answer

@@ -33,7 +33,7 @@ for spec in "$@"; do
     [ -x "$bin" ] || { echo "cachegrind_server.sh: $bin is not a program" >&2; exit 1; }
     addr=127.0.0.1:$PORT
     valgrind --tool=cachegrind --cache-sim=yes --branch-sim=yes \
-        --cachegrind-out-file="$out/$name.cg" "$bin" serve --listen "$addr" 2>"$out/$name.log" &
+        --cachegrind-out-file="$out/$name.cg" "$bin" serve --no-state-dir --listen "$addr" 2>"$out/$name.log" &
     pid=$!
     for _ in $(seq 300); do
         "$LOAD" ping --server "$addr" >/dev/null 2>&1 && break

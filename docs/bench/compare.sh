@@ -56,7 +56,7 @@ stop() {
 }
 trap stop EXIT
 
-"$KUNCI" serve --listen "127.0.0.1:$KUNCI_PORT" 2>"$LOGS/kunci.log" &
+"$KUNCI" serve --no-state-dir --listen "127.0.0.1:$KUNCI_PORT" 2>"$LOGS/kunci.log" &
 KUNCI_PID=$!
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
     >"$LOGS/redis.log" 2>&1 &

@@ -54,7 +54,7 @@ def free_port():
 def start(binary, *args):
     port = free_port()
     server = subprocess.Popen(
-        [binary, "serve", "--listen", f"127.0.0.1:{port}", *args],
+        [binary, "serve", "--no-state-dir", "--listen", f"127.0.0.1:{port}", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(100):
         try:

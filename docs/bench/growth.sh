@@ -71,7 +71,7 @@ stop() {
 }
 trap stop EXIT
 
-"$KUNCI" serve --listen "$KADDR" --max-keys 8000000 --max-connections 20000 \
+"$KUNCI" serve --no-state-dir --listen "$KADDR" --max-keys 8000000 --max-connections 20000 \
     2>"$LOGS/kunci.log" &
 KUNCI_PID=$!
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \

@@ -42,7 +42,7 @@ stop_all() {
 trap stop_all EXIT
 
 start_server() { # ADDR
-    "$KUNCI" serve --listen "$1" --max-keys 8000000 2>/dev/null &
+    "$KUNCI" serve --no-state-dir --listen "$1" --max-keys 8000000 2>/dev/null &
     PIDS+=($!)
     for _ in $(seq 100); do
         "$KUNCI" ping --server "$1" >/dev/null 2>&1 && return

@@ -39,7 +39,7 @@ stop_server() {
 trap stop_server EXIT
 
 start_server() {
-    "$KUNCI" serve --listen "$ADDR" "$@" 2>/dev/null &
+    "$KUNCI" serve --no-state-dir --listen "$ADDR" "$@" 2>/dev/null &
     SERVER_PID=$!
     for _ in $(seq 100); do
         "$KUNCI" ping --server "$ADDR" >/dev/null 2>&1 && return

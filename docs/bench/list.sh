@@ -31,7 +31,7 @@ stop_all() {
 }
 trap stop_all EXIT
 
-"$KUNCI" serve --listen "$ADDR" --max-keys 8000000 2>/dev/null &
+"$KUNCI" serve --no-state-dir --listen "$ADDR" --max-keys 8000000 2>/dev/null &
 PIDS+=($!)
 for _ in $(seq 100); do
     "$KUNCI" ping --server "$ADDR" >/dev/null 2>&1 && break

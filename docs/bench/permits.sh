@@ -32,7 +32,7 @@ trap stop EXIT
 rss() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 info() { "$KUNCI" info --server "$1" | tr ' ' '\n' | awk -F= -v k="$2" '$1 == k {print $2}'; }
 start() { # ADDR
-    "$KUNCI" serve --listen "$1" --max-keys 4000000 --max-grants 4000000 2>/dev/null &
+    "$KUNCI" serve --no-state-dir --listen "$1" --max-keys 4000000 --max-grants 4000000 2>/dev/null &
     PID=$!
     for _ in $(seq 100); do
         "$KUNCI" ping --server "$1" >/dev/null 2>&1 && return

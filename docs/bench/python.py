@@ -59,7 +59,7 @@ def free_port():
 
 def start_kunci():
     binary = os.environ.get("KUNCI_BIN") or os.path.join(ROOT, "target", "release", "kunci")
-    proc = subprocess.Popen([binary, "serve", "--listen", "127.0.0.1:0"], stderr=subprocess.PIPE)
+    proc = subprocess.Popen([binary, "serve", "--no-state-dir", "--listen", "127.0.0.1:0"], stderr=subprocess.PIPE)
     while True:
         line = proc.stderr.readline().decode()
         if not line:

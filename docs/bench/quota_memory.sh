@@ -38,7 +38,7 @@ held() {
 echo "quota line: ${QUOTA:-max-keys=1000000 max-grants=1000000}"
 for run in 1 2; do
     for who in free quota; do
-        "$KUNCI" serve --listen "$ADDR" --auth "$D/auth" 2>/dev/null &
+        "$KUNCI" serve --no-state-dir --listen "$ADDR" --auth "$D/auth" 2>/dev/null &
         SERVER=$!
         for _ in $(seq 100); do
             "$KUNCI" info --server "$ADDR" --secret-file "$D/info" >/dev/null 2>&1 && break

@@ -61,7 +61,7 @@ openssl x509 -req -in "$DIR/server.csr" -CA "$DIR/ca.pem" -CAkey "$DIR/ca.key" \
 TLS_ARGS=(--tls-ca "$DIR/ca.pem")
 
 start_kunci() {
-    "$KUNCI" serve --listen "127.0.0.1:$PORT" --listen "tls://127.0.0.1:$TLS_PORT" \
+    "$KUNCI" serve --no-state-dir --listen "127.0.0.1:$PORT" --listen "tls://127.0.0.1:$TLS_PORT" \
         --tls-cert "$DIR/server.pem" --tls-key "$DIR/server.key" "$@" 2>"$DIR/kunci.log" &
     KUNCI_PID=$!
     for _ in $(seq 100); do

@@ -8,6 +8,7 @@ use super::args;
 use super::exit;
 use crate::core::Limits;
 use crate::core::access::AccessList;
+use crate::server::state_location::{self, StateLocation};
 use crate::server::{Config, Server};
 
 fn help() -> String {
@@ -63,20 +64,26 @@ Options:
                               * = every key). `kunci secret` makes a line.
                               Read at start only (default: no
                               authentication)
-  --state-dir DIR             keep restart state in DIR: a clean stop saves
-                              every held grant and the next start restores
-                              it; after a crash every key counts as held for
-                              at most the longest outstanding lease + 5 s
-                              unless its holder renews it; tokens stay
-                              monotonic even if the clock steps back
-                              (default: keep nothing on disk)
+  --state-dir DIR             keep restart state in DIR (created 0700): a
+                              clean stop saves every held grant and the next
+                              start restores it; after a crash every key
+                              counts as held for at most the longest
+                              outstanding lease + 5 s unless its holder
+                              renews it; tokens stay monotonic even if the
+                              clock steps back. Default: $STATE_DIRECTORY
+                              (systemd), else $XDG_STATE_HOME/kunci/ADDR or
+                              ~/.local/state/kunci/ADDR, ADDR named after the
+                              first --listen address
+  --no-state-dir              keep nothing on disk: a crash then frees every
+                              key at once (two holders for up to one lease)
+                              and tokens rely on the wall clock
   --unix-mode MODE            permissions of unix: socket files, octal
                               (default {unix_mode:o})
   -h, --help                  show this help
 
 Logging: RUST_LOG (default info) — one start-up line, then only problems.
 SIGTERM / SIGINT / SIGHUP: waiters get `B`, connections `X 8`, held grants are
-saved (with --state-dir), then exit 0.
+saved in the state directory, then exit 0.
 ",
         listen = defaults.listen[0],
         max_keys = limits.max_keys,
@@ -105,6 +112,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Parsed>, String> {
     let mut auth = None;
     let mut listen = Vec::new();
     let mut max_grants = None;
+    let mut no_state_dir = false;
     let mut parser = lexopt::Parser::from_args(arguments);
     while let Some(argument) = parser.next().map_err(|e| e.to_string())? {
         let limits: &mut Limits = &mut config.limits;
@@ -155,12 +163,29 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Parsed>, String> {
             Long("state-dir") => {
                 config.state_dir = Some(parser.value().map_err(|e| e.to_string())?.into())
             }
+            Long("no-state-dir") => no_state_dir = true,
             Short('h') | Long("help") => return Ok(None),
             other => return Err(other.unexpected().to_string()),
         }
     }
     if !listen.is_empty() {
         config.listen = listen;
+    }
+    match (no_state_dir, config.state_dir.is_some()) {
+        (true, true) => return Err("--state-dir and --no-state-dir exclude each other".into()),
+        (true, false) => {}
+        (false, true) => {}
+        (false, false) => match state_location::default_location_from_env() {
+            Some(StateLocation::Exactly(dir)) => config.state_dir = Some(dir),
+            Some(StateLocation::PerAddress(base)) => config.state_base = Some(base),
+            None => {
+                return Err(
+                    "no state directory: HOME, XDG_STATE_HOME and STATE_DIRECTORY \
+                     are unset; give --state-dir DIR (or --no-state-dir)"
+                        .into(),
+                );
+            }
+        },
     }
     #[cfg(feature = "tls")]
     if let Some(files) = &config.tls {
@@ -271,7 +296,6 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         );
         return 1;
     }
-    let state_dir = config.state_dir.clone();
     let allow: Vec<String> = config.allow.iter().map(ToString::to_string).collect();
     let server = match Server::bind(config) {
         Ok(server) => server,
@@ -294,8 +318,9 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     // One line with everything that shapes the server; the optional parts
     // only when set, metrics last.
     let mut options = String::new();
-    if let Some(dir) = &state_dir {
-        options.push_str(&format!("; state dir {}", dir.display()));
+    match server.state_dir() {
+        Some(dir) => options.push_str(&format!("; state dir {}", dir.display())),
+        None => options.push_str("; no state dir"),
     }
     if !allow.is_empty() {
         options.push_str(&format!("; allow {}", allow.join(" ")));
@@ -325,6 +350,12 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         limits.max_grants,
         limits.max_connections,
     );
+    if server.state_dir().is_none() {
+        warn!(
+            "--no-state-dir: a crash frees every key at once (two holders for up to one \
+             lease) and tokens rely on the wall clock never stepping back"
+        );
+    }
     for address in server.unguarded_addresses() {
         warn!(
             "{address} is reachable beyond this host and nothing checks who connects: \

@@ -13,6 +13,7 @@
 mod listener;
 mod scrape;
 pub mod state;
+pub mod state_location;
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -64,6 +65,10 @@ pub struct Config {
     /// Where to keep the token high-water mark and lease horizon that make
     /// restarts safe (see [`state`]); `None` keeps nothing on disk.
     pub state_dir: Option<std::path::PathBuf>,
+    /// Without `state_dir`: keep the state in the subdirectory of this
+    /// one named after the first address bound (spec §7, "state by
+    /// default"; see [`state_location`]).
+    pub state_base: Option<std::path::PathBuf>,
     /// Where to serve Prometheus metrics over HTTP (see [`crate::metrics`]);
     /// `None` serves none.
     pub metrics: Option<Address>,
@@ -107,6 +112,7 @@ impl Default for Config {
             unix_mode: 0o600,
             allow: Vec::new(),
             state_dir: None,
+            state_base: None,
             metrics: None,
             access: None,
             max_connections_per_peer: None,
@@ -277,12 +283,6 @@ impl Server {
             .limits
             .validate()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        let mut state = match &config.state_dir {
-            Some(dir) => Some(StateDir::open(dir)?),
-            None => None,
-        };
-        let token_high_water = state.as_ref().map_or(0, StateDir::token_high_water);
-        let first_token = first_token_from_clock().max(token_high_water);
         let tls = tls_config(&config)?;
         let poll = Poll::new()?;
         let mut listeners = Vec::new();
@@ -305,6 +305,19 @@ impl Server {
             addresses.push(local);
             listeners.push(listener);
         }
+        // Opened once the listeners are bound: a per-address directory is
+        // named after the port actually bound when 0 was asked.
+        let state_dir = config.state_dir.clone().or_else(|| {
+            let base = config.state_base.as_ref()?;
+            let location = state_location::StateLocation::PerAddress(base.clone());
+            Some(location.resolve(addresses.first()?))
+        });
+        let mut state = match &state_dir {
+            Some(dir) => Some(StateDir::open(dir)?),
+            None => None,
+        };
+        let token_high_water = state.as_ref().map_or(0, StateDir::token_high_water);
+        let first_token = first_token_from_clock().max(token_high_water);
         let metrics = match &config.metrics {
             Some(address) => Some(MetricsEndpoint::bind(
                 address,
@@ -370,6 +383,11 @@ impl Server {
             shutdown,
             shell,
         })
+    }
+
+    /// The state directory in use, if any.
+    pub fn state_dir(&self) -> Option<&std::path::Path> {
+        self.shell.state.as_ref().map(StateDir::path)
     }
 
     /// The addresses actually bound, in the order given.

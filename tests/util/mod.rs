@@ -146,6 +146,32 @@ impl TestServer {
         args: &[&str],
         adjust: impl FnOnce(&mut Command),
     ) -> TestServer {
+        Self::spawn(wrapper, args, adjust, false)
+    }
+
+    /// `kunci serve ARGS` with no state flag added: the server picks its
+    /// default state directory (spec §7) from `HOME`, `XDG_STATE_HOME`
+    /// and `STATE_DIRECTORY`, which this sets (`home`) and clears.
+    pub fn start_with_default_state(args: &[&str], home: &std::path::Path) -> TestServer {
+        Self::spawn(
+            &[],
+            args,
+            |command| {
+                command
+                    .env("HOME", home)
+                    .env_remove("XDG_STATE_HOME")
+                    .env_remove("STATE_DIRECTORY");
+            },
+            true,
+        )
+    }
+
+    fn spawn(
+        wrapper: &[&str],
+        args: &[&str],
+        adjust: impl FnOnce(&mut Command),
+        default_state: bool,
+    ) -> TestServer {
         let mut command = match wrapper.split_first() {
             Some((program, wrapper_args)) => {
                 let mut command = Command::new(program);
@@ -160,6 +186,15 @@ impl TestServer {
         command.arg("serve");
         if !args.contains(&"--listen") {
             command.args(["--listen", "127.0.0.1:0"]);
+        }
+        // Tests never write under the user's home: a test that wants a
+        // state directory names one (or starts the server with a HOME of
+        // its own, `start_with_default_state`).
+        let state_named = args
+            .iter()
+            .any(|arg| *arg == "--state-dir" || *arg == "--no-state-dir");
+        if !state_named && !default_state {
+            command.arg("--no-state-dir");
         }
         command
             .args(args)
@@ -202,6 +237,23 @@ impl TestServer {
             addr,
             addresses,
             log,
+        }
+    }
+
+    /// The first line logged that `wanted` accepts, waiting up to 10 s
+    /// for it (lines logged after the start-up line come in later).
+    pub fn wait_log_line(&self, wanted: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(line) = self.log.lock().unwrap().iter().find(|l| wanted(l)) {
+                return line.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "line not logged: {:?}",
+                self.log.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
