@@ -176,6 +176,9 @@ type proxy struct {
 	address  string
 	// dropDown: answers from the server are swallowed.
 	dropDown atomic.Bool
+	// dropDownNew: connections accepted while it is set swallow every
+	// answer for their whole life.
+	dropDownNew atomic.Bool
 	// dropUp: requests from the client are swallowed.
 	dropUp atomic.Bool
 	// downDelay: each server→client chunk is held back this long (ns).
@@ -184,7 +187,8 @@ type proxy struct {
 	acceptMode atomic.Value
 	accepted   atomic.Int64
 	mu         sync.Mutex
-	up         []byte // every byte a client sent
+	up         []byte   // every byte clients sent
+	ups        [][]byte // what each connection's client sent, in accept order
 	conns      []net.Conn
 }
 
@@ -226,6 +230,12 @@ func (p *proxy) upBytes() []byte {
 	return append([]byte(nil), p.up...)
 }
 
+func (p *proxy) connUp(i int) []byte {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]byte(nil), p.ups[i]...)
+}
+
 func (p *proxy) acceptLoop() {
 	for {
 		client, err := p.listener.Accept()
@@ -235,12 +245,14 @@ func (p *proxy) acceptLoop() {
 		p.accepted.Add(1)
 		p.mu.Lock()
 		p.conns = append(p.conns, client)
+		p.ups = append(p.ups, nil)
+		index := len(p.ups) - 1
 		p.mu.Unlock()
-		go p.serve(client)
+		go p.serve(client, index, p.dropDownNew.Load())
 	}
 }
 
-func (p *proxy) serve(client net.Conn) {
+func (p *proxy) serve(client net.Conn, index int, dropAll bool) {
 	switch mode := p.acceptMode.Load().(string); mode {
 	case "x7", "x9":
 		code := byte(7)
@@ -251,7 +263,7 @@ func (p *proxy) serve(client net.Conn) {
 		_, _ = client.Write(frame)
 		_ = client.(*net.TCPConn).CloseWrite()
 		_ = client.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
-		p.record(client)
+		p.record(client, index)
 		_ = client.Close()
 		return
 	}
@@ -270,6 +282,7 @@ func (p *proxy) serve(client net.Conn) {
 			if n > 0 {
 				p.mu.Lock()
 				p.up = append(p.up, buf[:n]...)
+				p.ups[index] = append(p.ups[index], buf[:n]...)
 				p.mu.Unlock()
 				if !p.dropUp.Load() {
 					if _, err := server.Write(buf[:n]); err != nil {
@@ -291,7 +304,7 @@ func (p *proxy) serve(client net.Conn) {
 			if d := p.downDelay.Load(); d > 0 {
 				time.Sleep(time.Duration(d))
 			}
-			if !p.dropDown.Load() {
+			if !p.dropDown.Load() && !dropAll {
 				if _, err := client.Write(buf[:n]); err != nil {
 					break
 				}
@@ -305,10 +318,11 @@ func (p *proxy) serve(client net.Conn) {
 	_ = server.Close()
 }
 
-func (p *proxy) record(c net.Conn) {
+func (p *proxy) record(c net.Conn, index int) {
 	data, _ := io.ReadAll(c)
 	p.mu.Lock()
 	p.up = append(p.up, data...)
+	p.ups[index] = append(p.ups[index], data...)
 	p.mu.Unlock()
 }
 
@@ -326,6 +340,65 @@ func freePort(t *testing.T) string {
 func setHook(t *testing.T, h *atomic.Pointer[func()], f func()) {
 	h.Store(&f)
 	t.Cleanup(func() { h.Store(nil) })
+}
+
+// fakeServer answers each connection with respond(request bytes): what it
+// returns is written back (nil: nothing).
+func fakeServer(t *testing.T, respond func([]byte) []byte) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = l.Close() })
+	go func() {
+		for {
+			conn, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				buf := make([]byte, 4096)
+				for {
+					n, err := conn.Read(buf)
+					if n > 0 {
+						if answer := respond(append([]byte(nil), buf[:n]...)); answer != nil {
+							_, _ = conn.Write(answer)
+						}
+					}
+					if err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return l.Addr().String()
+}
+
+// acquireFrames are the A frames in b (requests of the client).
+func acquireFrames(b []byte) int {
+	count := 0
+	for i := 0; i < len(b); {
+		switch b[i] {
+		case 'A':
+			count++
+			i += 11
+		case 'H', 'R':
+			i += 9
+		case 'P':
+			i += 9
+		default:
+			i++
+			continue
+		}
+		for i < len(b) && b[i] != '\n' {
+			i++
+		}
+		i++
+	}
+	return count
 }
 
 var _ = fmt.Sprintf
