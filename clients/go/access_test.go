@@ -140,6 +140,7 @@ func TestTLS(t *testing.T) {
 }
 
 func TestTLSClientCertificate(t *testing.T) {
+	t.Parallel()
 	cs := makeCerts(t)
 	srv := startServer(t, "--listen", "tls://127.0.0.1:0", "--tls-cert", cs.serverCert, "--tls-key", cs.serverKey,
 		"--tls-client-ca", cs.clientCA)

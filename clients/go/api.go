@@ -77,7 +77,9 @@ func (c *Client) granted(call *call, r result, cleanUp bool) (*Ticket, error) {
 		return nil, errorOf(call, r)
 	}
 	token := r.f.b
-	runHook(&handOverHook)
+	if c.handOverHook != nil {
+		c.handOverHook()
+	}
 	if !time.Now().Before(call.deadline) {
 		c.releaseBackground(call.key, token)
 		return nil, newError(ErrIndeterminate, "the grant came after the call's deadline and was released")

@@ -8,6 +8,7 @@ import (
 )
 
 func TestAcquireReleaseQueryInfoPing(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	before := time.Now()
@@ -54,6 +55,7 @@ func TestAcquireReleaseQueryInfoPing(t *testing.T) {
 }
 
 func TestTokensIncreaseAndRenewMovesValidUntil(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	a, err := c.Acquire(bg(), "a")
@@ -82,6 +84,7 @@ func TestTokensIncreaseAndRenewMovesValidUntil(t *testing.T) {
 }
 
 func TestInvalidInputSendsNothing(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	p := newProxy(t, srv.address)
 	c := dial(t, p.address)
@@ -130,6 +133,7 @@ func TestInvalidInputSendsNothing(t *testing.T) {
 }
 
 func TestWaiterGetsTheKeyOnRelease(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	holder, err := c.Acquire(bg(), "k")
@@ -160,6 +164,7 @@ func TestWaiterGetsTheKeyOnRelease(t *testing.T) {
 }
 
 func TestTimeoutIsDefinitiveAtTheWireWait(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	if _, err := c.Acquire(bg(), "k"); err != nil {

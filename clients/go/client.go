@@ -73,6 +73,11 @@ type Client struct {
 	bgSignal chan struct{}
 	bgDone   chan struct{}
 	bgWG     sync.WaitGroup
+
+	// Test hooks, set before the first call: run by a session's reader
+	// after each read, and by an acquire before its hand-over gate (a
+	// pause there stands for a GC pause or a stopped process).
+	readHook, handOverHook func()
 }
 
 type keyToken struct {

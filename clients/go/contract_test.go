@@ -12,6 +12,7 @@ import (
 // Rule 3: the wire wait is ceil((Dw − now) / 1 s) when the request goes
 // out, 0 for an original wait of 0 and once Dw has passed.
 func TestWireWait(t *testing.T) {
+	t.Parallel()
 	now := time.Now()
 	cases := []struct {
 		set  bool
@@ -35,6 +36,7 @@ func TestWireWait(t *testing.T) {
 
 // The wait byte on the wire is computed when the request is written.
 func TestWireWaitOnTheWire(t *testing.T) {
+	t.Parallel()
 	got := make(chan []byte, 1)
 	addr := fakeServer(t, func(req []byte) []byte {
 		got <- req
@@ -55,6 +57,7 @@ func TestWireWaitOnTheWire(t *testing.T) {
 // ErrIndeterminate, never sent again; the client then finds the grant the
 // server made for it and releases it, long before its lease would end.
 func TestNoAnswerByTheDeadlineIsIndeterminateNeverResentAndCleanedUp(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	p := newProxy(t, srv.address)
 	observer := dial(t, srv.address)
@@ -92,6 +95,7 @@ func TestNoAnswerByTheDeadlineIsIndeterminateNeverResentAndCleanedUp(t *testing.
 // Rule 5: a session that dies after the request went out ends the call
 // ErrIndeterminate at once; the request is not sent again elsewhere.
 func TestSessionDyingAfterTheRequestIsIndeterminateAtOnce(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	p := newProxy(t, srv.address)
 	c := dial(t, p.address)
@@ -121,14 +125,20 @@ func TestSessionDyingAfterTheRequestIsIndeterminateAtOnce(t *testing.T) {
 // over: that exact token is released and the call is indeterminate; the
 // session stays open.
 func TestGrantNoticedAfterTheDeadlineIsReleased(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
+	var armed atomic.Bool
+	c.handOverHook = func() {
+		if armed.CompareAndSwap(true, false) {
+			time.Sleep(transportDeadline + 200*time.Millisecond)
+		}
+	}
 	if _, err := c.Ping(bg()); err != nil {
 		t.Fatal(err)
 	}
-	setHook(t, &handOverHook, func() { time.Sleep(transportDeadline + 200*time.Millisecond) })
+	armed.Store(true)
 	_, err := c.Acquire(bg(), "k")
-	handOverHook.Store(nil)
 	if !errors.Is(err, ErrIndeterminate) {
 		t.Fatalf("%v, want ErrIndeterminate", err)
 	}
@@ -145,18 +155,20 @@ func TestGrantNoticedAfterTheDeadlineIsReleased(t *testing.T) {
 // the call ends ErrIndeterminate, and the grant taken in afterwards is
 // released, not lost.
 func TestGrantReadWhileTheDeadlinePassesIsReleased(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	observer := dial(t, srv.address)
 	c := dial(t, srv.address)
+	var armed atomic.Bool
+	c.readHook = func() {
+		if armed.CompareAndSwap(true, false) {
+			time.Sleep(transportDeadline + 300*time.Millisecond)
+		}
+	}
 	if _, err := c.Ping(bg()); err != nil {
 		t.Fatal(err)
 	}
-	var once atomic.Bool
-	setHook(t, &readHook, func() {
-		if once.CompareAndSwap(false, true) {
-			time.Sleep(transportDeadline + 300*time.Millisecond)
-		}
-	})
+	armed.Store(true)
 	start := time.Now()
 	_, err := c.Acquire(bg(), "k", Lease(60*time.Second))
 	if !errors.Is(err, ErrIndeterminate) {
@@ -177,6 +189,7 @@ func TestGrantReadWhileTheDeadlinePassesIsReleased(t *testing.T) {
 // Rule 4: a request certainly not sent moves to the next address; X 7 as
 // a session's first frame means nothing on it was executed.
 func TestNotSentRequestMovesToTheNextAddress(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, freePort(t)+","+srv.address)
 	tk, err := c.Acquire(bg(), "k")
@@ -198,6 +211,7 @@ func TestNotSentRequestMovesToTheNextAddress(t *testing.T) {
 // Rule 4: X 9 from every address ends the call ErrUnavailable at once,
 // naming the reason.
 func TestNotAllowedEverywhereIsUnavailableAtOnce(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	p := newProxy(t, srv.address)
 	p.acceptMode.Store("x9")
@@ -215,6 +229,7 @@ func TestNotAllowedEverywhereIsUnavailableAtOnce(t *testing.T) {
 // Rule 4: nothing listening is ErrUnavailable at D; a context's earlier
 // deadline is D.
 func TestUnavailableAtTheDeadline(t *testing.T) {
+	t.Parallel()
 	c := dial(t, freePort(t))
 	ctx, cancel := context.WithTimeout(bg(), 700*time.Millisecond)
 	defer cancel()
@@ -232,6 +247,7 @@ func TestUnavailableAtTheDeadline(t *testing.T) {
 // A renewal without an answer: ErrIndeterminate, and valid_until keeps
 // the earlier of the two bounds.
 func TestIndeterminateRenewalKeepsTheEarlierBound(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	p := newProxy(t, srv.address)
 	c := dial(t, p.address)
@@ -256,6 +272,7 @@ func TestIndeterminateRenewalKeepsTheEarlierBound(t *testing.T) {
 
 // An answer that matches no request ends the session: ErrIndeterminate.
 func TestUncorrelatedAnswerEndsTheSession(t *testing.T) {
+	t.Parallel()
 	addr := fakeServer(t, func(req []byte) []byte {
 		return []byte{'T', 0, 0, 0, 0, 0, 0, 0, 9, '\n'}
 	})
@@ -272,6 +289,7 @@ func TestUncorrelatedAnswerEndsTheSession(t *testing.T) {
 
 // Cancelling a waiting acquire withdraws its wait at once.
 func TestCancelledWaitIsWithdrawn(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	holderClient := dial(t, srv.address)
 	if _, err := holderClient.Acquire(bg(), "k"); err != nil {
@@ -302,6 +320,7 @@ func TestCancelledWaitIsWithdrawn(t *testing.T) {
 
 // B is definitive.
 func TestBusyIsDefinitive(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t, "--max-keys", "1")
 	c := dial(t, srv.address)
 	if _, err := c.Acquire(bg(), "a"); err != nil {
@@ -314,6 +333,7 @@ func TestBusyIsDefinitive(t *testing.T) {
 
 // Close releases the tickets not released or detached, within 0.5 s.
 func TestCloseReleasesTickets(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	observer := dial(t, srv.address)
 	c, err := Dial(srv.address)

@@ -23,6 +23,7 @@ func nextLeader(t *testing.T, ch <-chan *Leader) *Leader {
 }
 
 func TestElection(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	if l, err := c.Leader(bg(), "e"); err != nil || l != nil {
@@ -93,6 +94,7 @@ func TestElection(t *testing.T) {
 // Proclaim (spec §13.4a) changes the value without losing the term;
 // observers see it. It needs a server that knows C.
 func TestProclaim(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	lead, err := c.Campaign(bg(), "p", "one")
@@ -129,6 +131,7 @@ func TestProclaim(t *testing.T) {
 // Observe goes on quietly through a server restart and reports the state
 // it finds.
 func TestObserveFollowsThroughAnOutage(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	p := newProxy(t, srv.address)
 	c := dial(t, p.address)

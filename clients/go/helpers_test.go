@@ -337,11 +337,6 @@ func freePort(t *testing.T) string {
 	return addr
 }
 
-func setHook(t *testing.T, h *atomic.Pointer[func()], f func()) {
-	h.Store(&f)
-	t.Cleanup(func() { h.Store(nil) })
-}
-
 // fakeServer answers each connection with respond(request bytes): what it
 // returns is written back (nil: nothing).
 func fakeServer(t *testing.T, respond func([]byte) []byte) string {

@@ -9,6 +9,7 @@ import (
 
 // Rule 10: a managed lock is renewed every lease/3 while held.
 func TestLockIsKeptAlive(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	l, err := c.Lock(bg(), "k", Lease(time.Second))
@@ -42,6 +43,7 @@ func TestLockIsKeptAlive(t *testing.T) {
 // Rule 10: a renewal answered N is a loss: Lost closes, renewal stops, and
 // Unlock sends nothing and says ErrLockLost.
 func TestLockLostWhenRenewalIsAnsweredN(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	other := dial(t, srv.address)
@@ -71,6 +73,7 @@ func TestLockLostWhenRenewalIsAnsweredN(t *testing.T) {
 // Rule 10: when renewals go unanswered, the loss is declared at
 // valid_until, never before.
 func TestLockLostAtValidUntilWithoutRenewal(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	p := newProxy(t, srv.address)
 	c := dial(t, p.address)
@@ -95,6 +98,7 @@ func TestLockLostAtValidUntilWithoutRenewal(t *testing.T) {
 // Rule 10: a grant that comes after a wait with less than two thirds of
 // its lease left is renewed before it is handed over.
 func TestLateGrantIsRenewedBeforeHandOver(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	holder, err := c.Acquire(bg(), "k")
@@ -123,6 +127,7 @@ func TestLateGrantIsRenewedBeforeHandOver(t *testing.T) {
 // Rule 10: if the renewal before hand-over is answered N, the call ends
 // ErrLockLost and nothing is handed over.
 func TestLateGrantWhoseRenewalIsNIsNotHandedOver(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	p := newProxy(t, srv.address)
 	c := dial(t, p.address)

@@ -9,6 +9,7 @@ import (
 )
 
 func TestSemaphoreAndLimitMismatch(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	a, err := c.Acquire(bg(), "sem", Limit(2), Label("first"))
@@ -47,6 +48,7 @@ func TestSemaphoreAndLimitMismatch(t *testing.T) {
 }
 
 func TestSharedAndExclusive(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	r1, err := c.Acquire(bg(), "rw", Shared())
@@ -79,6 +81,7 @@ func TestSharedAndExclusive(t *testing.T) {
 }
 
 func TestListFollowsTheCursor(t *testing.T) {
+	t.Parallel()
 	srv := startServer(t)
 	c := dial(t, srv.address)
 	for i := 0; i < 30; i++ {

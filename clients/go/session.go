@@ -25,8 +25,12 @@ type session struct {
 	// ends (a call's D passed unanswered: rule 5).
 	draining atomic.Bool
 
-	wmu  sync.Mutex // one writer at a time
-	wbuf []byte
+	// Under mu: frames queued for the goroutine that is writing.
+	out        []byte
+	outCalls   []queued
+	spare      []byte
+	spareCalls []queued
+	flushing   bool
 
 	mu             sync.Mutex
 	acquires       map[uint64]*call
@@ -45,19 +49,6 @@ type session struct {
 // takes in answers before it closes, so that an answer already on its way
 // is handled by rules 6–7 instead of being lost (rule 5).
 const drainWait = 5 * time.Millisecond
-
-// Test hooks: run by the reader after each read, and by an acquire before
-// its hand-over gate (a pause there is a GC pause or a stopped process).
-var (
-	readHook     atomic.Pointer[func()]
-	handOverHook atomic.Pointer[func()]
-)
-
-func runHook(h *atomic.Pointer[func()]) {
-	if f := h.Load(); f != nil {
-		(*f)()
-	}
-}
 
 // usable: alive and not draining.
 func (s *session) usable() bool { return s.alive.Load() && !s.draining.Load() }
@@ -139,11 +130,13 @@ func (s *session) findListing(id uint64) *call {
 	return nil
 }
 
-// write sends c on this session. False: certainly not sent (nothing of it
-// reached the socket), so it may move to another session (rule 4).
+// write queues c on this session and sees it written: by this goroutine
+// when no other is writing (one system call, no hand-off), else by the
+// goroutine that is, together with every frame queued meanwhile (a
+// pipelined burst goes out in one write). False: the session was not
+// usable and nothing was queued. A call whose bytes the socket took none
+// of gets a moved result (certainly not sent: rule 4).
 func (s *session) write(c *call) bool {
-	s.wmu.Lock()
-	defer s.wmu.Unlock()
 	s.mu.Lock()
 	if !s.usable() {
 		s.mu.Unlock()
@@ -151,34 +144,104 @@ func (s *session) write(c *call) bool {
 	}
 	s.addLocked(c)
 	c.writing = true
+	// The send instant and the wire wait are taken as the frame is queued,
+	// just before the write that carries it: the send instant is never
+	// later than the first byte's (valid_until stays conservative).
 	now := time.Now()
 	c.sentAt = now
-	s.wbuf = c.encode(s.wbuf[:0], now)
-	s.mu.Unlock()
-	_ = s.conn.SetWriteDeadline(c.deadline)
-	n, err := s.conn.Write(s.wbuf)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	c.writing = false
-	if err != nil {
-		if n == 0 && !s.tls {
-			// The socket took none of it: certainly not sent. A write that
-			// timed out leaves the session as it was; any other error
-			// ends it.
-			s.removeLocked(c)
-			var timeout net.Error
-			if !(errors.As(err, &timeout) && timeout.Timeout()) {
-				s.failLocked("cannot write: " + err.Error())
-			}
-			return false
-		}
-		s.failLocked("write failed after its first bytes: " + err.Error())
+	s.out = c.encode(s.out, now)
+	s.outCalls = append(s.outCalls, queued{c, len(s.out)})
+	if s.flushing {
+		s.mu.Unlock()
 		return true
 	}
-	if !s.alive.Load() && s.removeLocked(c) {
-		c.done <- s.closedResultLocked()
-	}
+	s.flushing = true
+	s.mu.Unlock()
+	s.flush(4)
 	return true
+}
+
+// queued is a call in the output buffer and where its frame ends.
+type queued struct {
+	c   *call
+	end int
+}
+
+// flush writes the queued frames until none is left; after rounds
+// writes it hands the rest to a goroutine of its own, so that a caller
+// never writes for others for long.
+func (s *session) flush(rounds int) {
+	for round := 0; ; round++ {
+		s.mu.Lock()
+		if len(s.out) == 0 {
+			s.flushing = false
+			s.mu.Unlock()
+			return
+		}
+		if round == rounds {
+			s.mu.Unlock()
+			go s.flush(-1)
+			return
+		}
+		buf, calls := s.out, s.outCalls
+		s.out, s.outCalls = s.spare[:0], s.spareCalls[:0]
+		deadline := calls[0].c.deadline
+		for _, q := range calls[1:] {
+			if q.c.deadline.Before(deadline) {
+				deadline = q.c.deadline
+			}
+		}
+		dead := !s.alive.Load()
+		s.mu.Unlock()
+		var n int
+		var err error
+		if dead {
+			err = errors.New("the session had ended")
+		} else {
+			_ = s.conn.SetWriteDeadline(deadline)
+			n, err = s.conn.Write(buf)
+		}
+		s.mu.Lock()
+		s.settleWriteLocked(calls, n, err, dead)
+		for i := range calls {
+			calls[i] = queued{}
+		}
+		s.spare, s.spareCalls = buf[:0], calls[:0]
+		s.mu.Unlock()
+	}
+}
+
+// settleWriteLocked: the write of calls' frames took n bytes and ended
+// with err. A call none of whose bytes went out (and, over TLS, only when
+// nothing was written at all) is certainly not sent: it moves on. The
+// rest are possibly sent: they wait for their answers, or get the closed
+// result if the session ended.
+func (s *session) settleWriteLocked(calls []queued, n int, err error, dead bool) {
+	start := 0
+	for _, q := range calls {
+		q.c.writing = false
+		notSent := err != nil && (dead || (!s.tls && n <= start))
+		if notSent && s.removeLocked(q.c) {
+			q.c.done <- result{kind: resMoved, reason: "not sent: " + err.Error()}
+		}
+		start = q.end
+	}
+	if err != nil && !dead {
+		var timeout net.Error
+		if !(n == 0 && !s.tls && errors.As(err, &timeout) && timeout.Timeout()) {
+			// A write that timed out with nothing taken leaves the session
+			// as it was; any other failure ends it.
+			s.failLocked("cannot write: " + err.Error())
+		}
+	}
+	if !s.alive.Load() {
+		res := s.closedResultLocked()
+		for _, q := range calls {
+			if s.removeLocked(q.c) && !q.c.abandoned {
+				q.c.done <- res
+			}
+		}
+	}
 }
 
 // closedResultLocked is the result of a possibly-sent call whose session
@@ -245,7 +308,9 @@ func (s *session) readLoop() {
 	for {
 		n, err := s.conn.Read(chunk)
 		if n > 0 {
-			runHook(&readHook)
+			if hook := s.client.readHook; hook != nil {
+				hook()
+			}
 			buf = append(buf, chunk[:n]...)
 			now := time.Now()
 			s.mu.Lock()
