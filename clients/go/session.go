@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -157,6 +158,9 @@ func (s *session) write(c *call) bool {
 	}
 	s.flushing = true
 	s.mu.Unlock()
+	// Goroutines that are ready to run (woken by the answers of one read)
+	// queue their frames behind this one first: one write carries them.
+	runtime.Gosched()
 	s.flush(4)
 	return true
 }

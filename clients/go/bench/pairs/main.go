@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"math/rand"
 	"os"
+	"runtime/pprof"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -29,6 +30,7 @@ func main() {
 	keys := flag.Int("keys", 1000000, "key space")
 	duration := flag.Duration("duration", 10*time.Second, "measured time")
 	warmup := flag.Duration("warmup", 2*time.Second, "time run before measuring")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the measured time to this file")
 	flag.Parse()
 
 	var measuring atomic.Bool
@@ -90,10 +92,25 @@ func main() {
 		}
 	}
 	time.Sleep(*warmup)
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+	}
 	measuring.Store(true)
 	start := time.Now()
 	time.Sleep(*duration)
 	measuring.Store(false)
+	if *cpuProfile != "" {
+		pprof.StopCPUProfile()
+	}
 	elapsed := time.Since(start)
 	close(stop)
 	wg.Wait()
@@ -108,9 +125,10 @@ func main() {
 		}
 		return all[int(p*float64(len(all)-1))]
 	}
-	fmt.Printf("pairs C=%d P=%d: %.0f req/s (%d requests in %.1f s, %d misses, %d errors); latency p50 %v p99 %v p99.9 %v\n",
+	us := func(d time.Duration) int64 { return d.Microseconds() }
+	fmt.Printf("go pairs C=%d P=%d: %.0f req/s (%d requests in %.1f s, %d misses, %d errors); latency µs p50 %d p99 %d p99.9 %d\n",
 		*clients, *perClient, float64(requests.Load())/elapsed.Seconds(), requests.Load(), elapsed.Seconds(),
-		misses.Load(), failures.Load(), pct(0.5), pct(0.99), pct(0.999))
+		misses.Load(), failures.Load(), us(pct(0.5)), us(pct(0.99)), us(pct(0.999)))
 	if failures.Load() > 0 {
 		os.Exit(1)
 	}
