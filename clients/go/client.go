@@ -78,6 +78,9 @@ type Client struct {
 	// after each read, and by an acquire before its hand-over gate (a
 	// pause there stands for a GC pause or a stopped process).
 	readHook, handOverHook func()
+	// Test knob: no clean-up after an indeterminate acquire (rule 11), so
+	// that a test sees what else released a grant.
+	noCleanUp bool
 }
 
 type keyToken struct {
@@ -608,6 +611,9 @@ func (c *Client) backgroundReleases() {
 // of the call's owner if the server made one (rule 11). The H's id is
 // that owner, which no other request uses.
 func (c *Client) cleanUpAfter(acquire *call) {
+	if c.noCleanUp {
+		return
+	}
 	call := newCall('H', acquire.key, time.Now().Add(transportDeadline))
 	call.owner = acquire.owner
 	call.cleanUpFor = acquire.owner
