@@ -36,7 +36,7 @@ func (c *Client) acquireCall(ctx context.Context, key []byte, a acquireArgs, own
 
 func checkedAcquire(key string, opts []Option) ([]byte, acquireArgs, error) {
 	s := applyOptions(opts)
-	args, err := s.acquireArgs(false)
+	args, err := s.acquireArgs()
 	if err != nil {
 		return nil, args, err
 	}

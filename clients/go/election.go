@@ -37,7 +37,7 @@ func (c *Client) Campaign(ctx context.Context, name, value string, opts ...Optio
 		return nil, invalid("wait must be ≥ 0, got %v", campaignWait)
 	}
 	s.waitSet, s.wait = false, 0
-	args, err := s.acquireArgs(false)
+	args, err := s.acquireArgs()
 	if err != nil {
 		return nil, err
 	}

@@ -152,3 +152,31 @@ func TestObserveFollowsThroughAnOutage(t *testing.T) {
 		t.Fatalf("%+v", l)
 	}
 }
+
+// Spec §13.6 (v5): during the grace after a server's crash the leader is
+// not "none" but unknown (term 0), for Leader and for an observer that
+// has reported nothing yet.
+func TestLeaderDuringACrashGrace(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	addr := freePort(t)
+	srv := startServer(t, "--state-dir", dir, "--listen", addr)
+	c := dial(t, addr)
+	// The candidate's grant, not kept alive (a kept-alive lead would adopt
+	// its grant back at once).
+	if _, err := c.Acquire(bg(), "g", Label("v"), Lease(10*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	srv.crash()
+	startServer(t, "--state-dir", dir, "--listen", addr)
+	fresh := dial(t, addr)
+	l, err := fresh.Leader(bg(), "g")
+	if err != nil || l == nil || l.Term != 0 || l.Value != "" || l.HeldFor != -1 {
+		t.Fatalf("Leader during the grace: %+v %v, want the unknown leader", l, err)
+	}
+	ctx, cancel := context.WithCancel(bg())
+	defer cancel()
+	if l := nextLeader(t, fresh.Observe(ctx, "g")); l == nil || l.Term != 0 {
+		t.Fatalf("Observe during the grace: %+v, want the unknown leader", l)
+	}
+}

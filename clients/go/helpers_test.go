@@ -50,13 +50,15 @@ type server struct {
 // when the test ends.
 func startServer(t *testing.T, args ...string) *server {
 	t.Helper()
-	hasListen := false
+	hasListen, hasStateDir := false, false
 	for _, a := range args {
-		if a == "--listen" {
-			hasListen = true
-		}
+		hasListen = hasListen || a == "--listen"
+		hasStateDir = hasStateDir || a == "--state-dir"
 	}
-	full := []string{"serve", "--state-dir", t.TempDir()}
+	full := []string{"serve"}
+	if !hasStateDir {
+		full = append(full, "--state-dir", t.TempDir())
+	}
 	if !hasListen {
 		full = append(full, "--listen", "127.0.0.1:0")
 	}
@@ -116,6 +118,12 @@ func (s *server) logText() string {
 	s.logMu.Lock()
 	defer s.logMu.Unlock()
 	return s.log.String()
+}
+
+// crash ends the server with SIGKILL (an unclean stop).
+func (s *server) crash() {
+	_ = s.cmd.Process.Kill()
+	_ = s.cmd.Wait()
 }
 
 // stop ends the server with SIGTERM (a clean stop).

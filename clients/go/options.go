@@ -126,12 +126,12 @@ type acquireArgs struct {
 	label       []byte
 }
 
-func (s *settings) acquireArgs(forDial bool) (acquireArgs, error) {
+func (s *settings) acquireArgs() (acquireArgs, error) {
 	var a acquireArgs
 	if len(s.dialOnly) > 0 {
 		return a, invalid("%s is an option of Dial, not of a call", strings.Join(s.dialOnly, ", "))
 	}
-	if err := checkWait(s.wait); err != nil && !forDial {
+	if err := checkWait(s.wait); err != nil {
 		return a, err
 	}
 	a.wait = s.wait
