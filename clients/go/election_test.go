@@ -180,3 +180,55 @@ func TestLeaderDuringACrashGrace(t *testing.T) {
 		t.Fatalf("Observe during the grace: %+v, want the unknown leader", l)
 	}
 }
+
+// A campaign waits through a server restart (spec §9's --wait inf): the
+// B of a server shutting down, and the outage after it, are waited
+// through; it leads once the key is free on the restarted server.
+func TestCampaignWaitsThroughARestart(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	addr := freePort(t)
+	srv := startServer(t, "--state-dir", dir, "--listen", addr)
+	holder := dial(t, addr)
+	held, err := holder.Acquire(bg(), "e", Label("first"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := dial(t, addr)
+	elected := make(chan *Leadership, 1)
+	go func() {
+		lead, err := c.Campaign(bg(), "e", "second")
+		if err != nil {
+			t.Error(err)
+		}
+		elected <- lead
+	}()
+	waitFor(t, 3*time.Second, "the candidate to queue", func() bool {
+		st, _ := holder.Query(bg(), "e")
+		return st != nil && st.Waiters == 1
+	})
+	srv.stop() // answers the waiter B, then X 8
+	time.Sleep(300 * time.Millisecond)
+	startServer(t, "--state-dir", dir, "--listen", addr) // the held grant is restored
+	waitFor(t, 5*time.Second, "the candidate to queue again", func() bool {
+		st, _ := holder.Query(bg(), "e")
+		return st != nil && st.Waiters == 1 && st.Token == held.Token()
+	})
+	select {
+	case <-elected:
+		t.Fatal("elected while the key is held")
+	default:
+	}
+	if err := held.Release(bg()); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case lead := <-elected:
+		if lead == nil || lead.Term() <= held.Token() {
+			t.Fatalf("lead %+v", lead)
+		}
+		_ = lead.Resign(bg())
+	case <-time.After(5 * time.Second):
+		t.Fatal("not elected after the release")
+	}
+}
