@@ -260,7 +260,7 @@ func TestSecretNeverInClear(t *testing.T) {
 func TestKunciServerWithSeveralAddresses(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "k.sock")
 	startServer(t, "--listen", "unix:"+sock)
-	t.Setenv("KUNCI_SERVER", freePort(t)+", unix:"+sock)
+	t.Setenv("KUNCI_SERVER", deadAddress(t)+", unix:"+sock)
 	c := dial(t, "")
 	tk, err := c.Acquire(bg(), "k")
 	if err != nil {

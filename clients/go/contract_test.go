@@ -193,7 +193,7 @@ func TestGrantReadWhileTheDeadlinePassesIsReleased(t *testing.T) {
 func TestNotSentRequestMovesToTheNextAddress(t *testing.T) {
 	t.Parallel()
 	srv := startServer(t)
-	c := dial(t, freePort(t)+","+srv.address)
+	c := dial(t, deadAddress(t)+","+srv.address)
 	tk, err := c.Acquire(bg(), "k")
 	if err != nil {
 		t.Fatal(err)
@@ -232,7 +232,7 @@ func TestNotAllowedEverywhereIsUnavailableAtOnce(t *testing.T) {
 // deadline is D.
 func TestUnavailableAtTheDeadline(t *testing.T) {
 	t.Parallel()
-	c := dial(t, freePort(t))
+	c := dial(t, deadAddress(t))
 	ctx, cancel := context.WithTimeout(bg(), 700*time.Millisecond)
 	defer cancel()
 	start := time.Now()

@@ -3,6 +3,7 @@ package kunci
 import (
 	"context"
 	"errors"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -159,7 +160,7 @@ func TestObserveFollowsThroughAnOutage(t *testing.T) {
 func TestLeaderDuringACrashGrace(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	addr := freePort(t)
+	addr := "unix:" + filepath.Join(dir, "kunci.sock") // the same address after a restart
 	srv := startServer(t, "--state-dir", dir, "--listen", addr)
 	c := dial(t, addr)
 	// The candidate's grant, not kept alive (a kept-alive lead would adopt
@@ -187,7 +188,7 @@ func TestLeaderDuringACrashGrace(t *testing.T) {
 func TestCampaignWaitsThroughARestart(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	addr := freePort(t)
+	addr := "unix:" + filepath.Join(dir, "kunci.sock") // the same address after a restart
 	srv := startServer(t, "--state-dir", dir, "--listen", addr)
 	holder := dial(t, addr)
 	held, err := holder.Acquire(bg(), "e", Label("first"))

@@ -334,15 +334,23 @@ func (p *proxy) record(c net.Conn, index int) {
 	p.mu.Unlock()
 }
 
-// freePort is a loopback port nothing listens on.
-func freePort(t *testing.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+// deadAddress is a loopback address where nothing listens, for the whole
+// test: its port stays bound (without listening), so that no server of
+// a test running in parallel can take it.
+func deadAddress(t *testing.T) string {
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := l.Addr().String()
-	_ = l.Close()
-	return addr
+	t.Cleanup(func() { _ = syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fmt.Sprintf("127.0.0.1:%d", sa.(*syscall.SockaddrInet4).Port)
 }
 
 // fakeServer answers each connection with respond(request bytes): what it
@@ -403,5 +411,3 @@ func acquireFrames(b []byte) int {
 	}
 	return count
 }
-
-var _ = fmt.Sprintf
