@@ -1,0 +1,3 @@
+module kunci
+
+go 1.19
