@@ -17,7 +17,9 @@ impl Client {
     /// server has one, is released first (spec §8 rule 11). It ends only
     /// with a grant or an error that waiting cannot cure: an invalid
     /// argument, a capacity limit ([`Error::Busy`]), a refusal, a server
-    /// that is not trusted.
+    /// that is not trusted. While no server answers it logs a warning
+    /// after 10 s, then at doubling gaps (the command line's stderr), with
+    /// the address and the last cause.
     pub fn acquire_forever(
         &self,
         key: &str,
