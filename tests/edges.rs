@@ -501,3 +501,130 @@ fn an_unreachable_server_names_the_last_cause() {
         "{text}"
     );
 }
+
+/// A child's stderr lines as they come, each with when it came.
+fn stderr_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<(Instant, String)> {
+    use std::io::BufRead;
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { return };
+            if sender.send((Instant::now(), line)).is_err() {
+                return;
+            }
+        }
+    });
+    receiver
+}
+
+/// Issue 40: `--wait inf` where no server ever answers keeps waiting, but
+/// says so on stderr once 10 s have passed (never earlier), with the
+/// address and the last cause; a name that does not resolve gets its own
+/// line. `kunci run` and `kunci elect` alike (both wait forever), side by
+/// side. (The later words, at doubling gaps, are `Silence`'s unit test.)
+#[test]
+fn waiting_forever_for_a_server_that_never_answers_says_so_after_10_s() {
+    let dir = TempDir::new("never-answers");
+    let socket = dir.0.join("nobody.sock");
+    let at_socket = format!("unix:{}", socket.display());
+    let spawn = |args: &[&str]| {
+        Command::new(kunci_bin())
+            .args(args)
+            .env_remove("KUNCI_SERVER")
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run kunci")
+    };
+    let started = Instant::now();
+    let mut run = spawn(&[
+        "run", "job", "--wait", "inf", "--server", &at_socket, "--", "true",
+    ]);
+    let mut elect = spawn(&[
+        "elect",
+        "chief",
+        "me",
+        "--server",
+        "nosuchhost.invalid:5862",
+        "--",
+        "true",
+    ]);
+    let run_lines = stderr_lines(&mut run);
+    let elect_lines = stderr_lines(&mut elect);
+    let first_word = |lines: &std::sync::mpsc::Receiver<(Instant, String)>| {
+        let (at, line) = lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a word within 30 s");
+        (at.duration_since(started), line)
+    };
+    let (after, line) = first_word(&run_lines);
+    assert!(after >= Duration::from_secs(10), "{after:?}: {line}");
+    assert_eq!(
+        line,
+        format!(
+            "kunci: warning: waiting for \"job\" (--wait inf): no server has answered for \
+             10 s (the last attempt: {at_socket}: No such file or directory (os error 2)); \
+             still trying"
+        )
+    );
+    let (after, line) = first_word(&elect_lines);
+    assert!(after >= Duration::from_secs(10), "{after:?}: {line}");
+    assert!(
+        line.starts_with(
+            "kunci: warning: waiting for \"chief\" (--wait inf): the host name does not \
+             resolve: nosuchhost.invalid:5862: "
+        ) && line.ends_with(". Check the address (--server, KUNCI_SERVER); still trying"),
+        "{line}"
+    );
+    let (_, line) = first_word(&elect_lines);
+    assert!(
+        line.starts_with(
+            "kunci: warning: waiting for \"chief\" (--wait inf): no server has answered for \
+             10 s (the last attempt: nosuchhost.invalid:5862: "
+        ),
+        "{line}"
+    );
+    // Still waiting: neither has ended.
+    for child in [&mut run, &mut elect] {
+        assert!(child.try_wait().unwrap().is_none());
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
+
+/// Issue 40: a refused connection at the only address is said at once,
+/// not after the request's 5 s deadline (`--wait inf` aside: it waits).
+#[test]
+fn a_refusal_at_the_only_address_is_reported_at_once() {
+    let dir = TempDir::new("refused");
+    let at_socket = format!("unix:{}", dir.0.join("nobody.sock").display());
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let at_port = format!("127.0.0.1:{port}");
+    for (address, cause) in [
+        (&at_socket, "No such file or directory (os error 2)"),
+        (&at_port, "Connection refused (os error 111)"),
+    ] {
+        for args in [
+            &["ping", "--server", address][..],
+            &["acquire", "k", "--wait", "30", "--server", address][..],
+        ] {
+            let started = Instant::now();
+            let output = kunci(args, &[]);
+            let took = started.elapsed();
+            assert_eq!(output.status.code(), Some(4), "{args:?}");
+            assert!(took < Duration::from_secs(4), "{args:?}: {took:?}");
+            assert!(
+                stderr(&output).contains(&format!("(the last attempt: {address}: {cause})")),
+                "{}",
+                stderr(&output)
+            );
+        }
+    }
+}

@@ -530,7 +530,7 @@ fn a_refused_client_speaks_in_kunci_lines_not_logger_lines() {
 /// part that is wrong, then one hint line; nothing dumps the whole help.
 #[test]
 fn usage_errors_are_one_line_naming_what_is_wrong_and_one_hint() {
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 14] = [
         (
             &["serve", "--allow", "10.0.0.0/33"],
             "kunci serve: --allow: invalid network \"10.0.0.0/33\": prefix length \"33\" is \
@@ -564,6 +564,30 @@ fn usage_errors_are_one_line_naming_what_is_wrong_and_one_hint() {
         (
             &["help", "frobnicate"],
             "kunci help: there is no command \"frobnicate\"\n(see kunci help)\n",
+        ),
+        (
+            &["aquire", "k"],
+            "kunci: there is no command \"aquire\"; did you mean acquire?\n(see kunci help)\n",
+        ),
+        (
+            &["help", "relase"],
+            "kunci help: there is no command \"relase\"; did you mean release?\n\
+             (see kunci help)\n",
+        ),
+        (
+            &["secret", "bad name", "info"],
+            "kunci secret: name \"bad name\" has a space: a name is one word of printable \
+             ASCII, without blanks (such as \"bad-name\")\n(see kunci secret --help)\n",
+        ),
+        (
+            &["acquire", "k", "--wait", "5m"],
+            "kunci acquire: --wait: \"5m\" has a unit; it takes seconds: --wait 300\n\
+             (see kunci acquire --help)\n",
+        ),
+        (
+            &["run", "k", "--lease", "30s", "--", "true"],
+            "kunci run: --lease: \"30s\" has a unit; it takes seconds: --lease 30\n\
+             (see kunci run --help)\n",
         ),
         (
             &["bench", "--bogus"],

@@ -73,28 +73,61 @@ pub fn address(value: Result<OsString, lexopt::Error>) -> Result<Address, String
 }
 
 /// Parses seconds with an optional decimal fraction (`--wait 2.5`),
-/// exactly, without floating point: at most nanosecond precision.
+/// exactly, without floating point: at most nanosecond precision. A time
+/// with a unit (`5m`, `30s`) is refused with the same time in seconds as
+/// the example to write (spec §9 gives seconds; one form, no guessing).
 pub fn seconds(option: &str, text: &str) -> Result<Duration, String> {
-    let bad = || format!("{option}: invalid number of seconds {text:?}");
+    if let Some(duration) = plain_seconds(text) {
+        return Ok(duration);
+    }
+    Err(match with_unit(text) {
+        Some(duration) => format!(
+            "{option}: {text:?} has a unit; it takes seconds: {option} {}",
+            crate::decimal::seconds_shortest(duration)
+        ),
+        None => format!(
+            "{option}: invalid number of seconds {text:?} (write seconds, with decimals if \
+             needed: {option} 30, {option} 2.5)"
+        ),
+    })
+}
+
+/// `text` as seconds with an optional decimal fraction, if it is one.
+fn plain_seconds(text: &str) -> Option<Duration> {
     let (whole, fraction) = text.split_once('.').unwrap_or((text, ""));
     if whole.is_empty() && fraction.is_empty()
         || !whole.bytes().all(|b| b.is_ascii_digit())
         || !fraction.bytes().all(|b| b.is_ascii_digit())
         || fraction.len() > 9
     {
-        return Err(bad());
+        return None;
     }
     let whole: u64 = if whole.is_empty() {
         0
     } else {
-        whole.parse().map_err(|_| bad())?
+        whole.parse().ok()?
     };
     let nanos: u32 = if fraction.is_empty() {
         0
     } else {
-        format!("{fraction:0<9}").parse().map_err(|_| bad())?
+        format!("{fraction:0<9}").parse().ok()?
     };
-    Ok(Duration::new(whole, nanos))
+    Some(Duration::new(whole, nanos))
+}
+
+/// `text` as a number with a unit (`500ms`, `30s`, `5m`, `5min`, `2h`),
+/// if it is one: only to say it in seconds.
+fn with_unit(text: &str) -> Option<Duration> {
+    let number_end = text.find(|c: char| c.is_ascii_alphabetic())?;
+    let (number, unit) = text.split_at(number_end);
+    let number = plain_seconds(number)?;
+    match unit {
+        "ms" => Some(number / 1000),
+        "s" | "sec" => Some(number),
+        "m" | "min" => number.checked_mul(60),
+        "h" => number.checked_mul(3600),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -111,5 +144,44 @@ mod tests {
         for bad in ["", ".", "-1", "1e3", "abc", "1.2.3", "1.0000000001"] {
             assert!(seconds("--wait", bad).is_err(), "{bad}");
         }
+    }
+
+    /// `--wait 5m`, `--lease 30s`: refused, with the seconds to write.
+    #[test]
+    fn a_time_with_a_unit_is_refused_with_its_seconds() {
+        assert_eq!(
+            seconds("--wait", "5m"),
+            Err("--wait: \"5m\" has a unit; it takes seconds: --wait 300".to_owned())
+        );
+        assert_eq!(
+            seconds("--lease", "30s"),
+            Err("--lease: \"30s\" has a unit; it takes seconds: --lease 30".to_owned())
+        );
+        for (text, example) in [
+            ("1.5m", "90"),
+            ("2h", "7200"),
+            ("250ms", "0.25"),
+            ("10min", "600"),
+        ] {
+            assert_eq!(
+                seconds("--wait", text),
+                Err(format!(
+                    "--wait: {text:?} has a unit; it takes seconds: --wait {example}"
+                ))
+            );
+        }
+        assert_eq!(
+            seconds("--kill-after", "soon"),
+            Err(
+                "--kill-after: invalid number of seconds \"soon\" (write seconds, with \
+                 decimals if needed: --kill-after 30, --kill-after 2.5)"
+                    .to_owned()
+            )
+        );
+        assert!(
+            seconds("--wait", "5x")
+                .unwrap_err()
+                .starts_with("--wait: invalid")
+        );
     }
 }

@@ -290,6 +290,11 @@ fn token(text: &str) -> Result<u64, Error> {
 }
 
 /// Whether `name` is one of the commands here.
+/// The names of the client commands.
+pub(super) fn command_names() -> impl Iterator<Item = &'static str> {
+    COMMANDS.iter().map(|command| command.name)
+}
+
 pub(super) fn is_command(name: &str) -> bool {
     COMMANDS.iter().any(|command| command.name == name)
 }

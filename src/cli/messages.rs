@@ -8,6 +8,7 @@ use super::exit;
 use super::options::{SECRET_ENV, is_etcd};
 use crate::addr::Address;
 use crate::client::{Client, Denied, Error};
+use crate::protocol::SHARED_LIMIT;
 
 /// The exit code for an outcome (spec §9).
 pub(super) fn exit_code(error: &Error) -> u8 {
@@ -69,6 +70,10 @@ pub(super) fn message(
     let key = attempt
         .key
         .map_or_else(|| "the key".to_owned(), |key| format!("key {key:?}"));
+    // Only a request that named a key is refused "on" it.
+    let on_key = attempt
+        .key
+        .map_or_else(String::new, |key| format!(" on key {key:?}"));
     let token = attempt
         .token
         .map_or_else(|| "the token".to_owned(), |token| format!("token {token}"));
@@ -148,6 +153,16 @@ pub(super) fn message(
                 servers.join(", ")
             )
         }
+        Error::Unavailable(crate::client::Unavailable::Unreachable)
+            if let Some((path, why)) = socket_not_permitted(servers, attempt.connect_failure) =>
+        {
+            format!(
+                "this user may not open the socket {path} ({why}); nothing was sent, so \
+                 nothing changed. The socket's group and mode decide who may (ls -l {path}; \
+                 kunci serve --unix-mode); the package's socket is mode 660, group kunci: \
+                 sudo adduser $USER kunci, then log in again"
+            )
+        }
         Error::Unavailable(crate::client::Unavailable::Unreachable) => {
             let servers: Vec<String> = servers.iter().map(ToString::to_string).collect();
             let last = attempt
@@ -182,6 +197,13 @@ pub(super) fn message(
              never held it); nothing changed"
         ),
         Error::LimitMismatch {
+            key_limit: Some(SHARED_LIMIT),
+        } => format!(
+            "{key} is a shared lock (a limit of {SHARED_LIMIT} permits), and this request \
+             named another limit; nothing was acquired or queued. Ask with --shared (a key \
+             keeps its limit while it has grants or waiters)"
+        ),
+        Error::LimitMismatch {
             key_limit: Some(limit),
         } => format!(
             "{key} has a limit of {limit} permits, not the one this request named; \
@@ -198,7 +220,7 @@ pub(super) fn message(
                 .to_owned()
         }
         Error::PermissionDenied(Denied::NotPermitted) if is_etcd(servers) => format!(
-            "the etcd user's roles do not allow {} on {key}; nothing changed",
+            "the etcd user's roles do not allow {}{on_key}; nothing changed",
             if command.is_empty() { "that" } else { command }
         ),
         Error::PermissionDenied(Denied::NotAuthenticated) => format!(
@@ -206,12 +228,37 @@ pub(super) fn message(
              or another; nothing was executed. Give it with --secret-file FILE or \
              ${SECRET_ENV}"
         ),
+        Error::PermissionDenied(Denied::NotPermitted) if matches!(command, "info" | "top") => {
+            format!(
+                "this secret's scopes do not allow reading the server's counters ({command} \
+                 needs the scope info); nothing changed. The server's --auth file names them \
+                 (lock:PREFIX, read:PREFIX, info)"
+            )
+        }
         Error::PermissionDenied(Denied::NotPermitted) => format!(
-            "this secret's scopes do not allow {} on {key}; nothing changed. The \
+            "this secret's scopes do not allow {}{on_key}; nothing changed. The \
              server's --auth file names them (lock:PREFIX, read:PREFIX, info)",
             if command.is_empty() { "that" } else { command }
         ),
     }
+}
+
+/// The unix socket and why, when the only address is one that this user
+/// may not open (`EACCES`): its group and mode are the cause, not the
+/// server's `--allow` or limits.
+fn socket_not_permitted<'a>(
+    servers: &'a [Address],
+    connect_failure: Option<&'a str>,
+) -> Option<(String, &'a str)> {
+    let [address @ Address::Unix(path)] = servers else {
+        return None;
+    };
+    let why = connect_failure?
+        .strip_prefix(&address.to_string())?
+        .strip_prefix(": ")?;
+    // How std shows EACCES: "Permission denied (os error 13)".
+    why.starts_with("Permission denied")
+        .then(|| (path.display().to_string(), why))
 }
 
 /// After a `Timeout`: if the key is held only by the crash grace of a
@@ -264,4 +311,114 @@ pub(super) fn init_logging() {
         })
         .try_init();
     super::logging::report_filter_problem(problem, "warn");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::Unavailable;
+
+    fn addresses(text: &str) -> Vec<Address> {
+        vec![text.parse().unwrap()]
+    }
+
+    /// A unix socket this user may not open points at the socket's group
+    /// and mode (the `kunci` group), not at the server's `--allow`.
+    #[test]
+    fn a_socket_this_user_may_not_open_names_its_group_and_mode() {
+        let servers = addresses("unix:/run/kunci/kunci.sock");
+        let attempt = Attempt {
+            connect_failure: Some("unix:/run/kunci/kunci.sock: Permission denied (os error 13)"),
+            ..Attempt::default()
+        };
+        assert_eq!(
+            message(
+                "ping",
+                &Error::Unavailable(Unavailable::Unreachable),
+                &servers,
+                &attempt
+            ),
+            "this user may not open the socket /run/kunci/kunci.sock (Permission denied (os \
+             error 13)); nothing was sent, so nothing changed. The socket's group and mode \
+             decide who may (ls -l /run/kunci/kunci.sock; kunci serve --unix-mode); the \
+             package's socket is mode 660, group kunci: sudo adduser $USER kunci, then log \
+             in again"
+        );
+        // Another cause at the same socket keeps the general message.
+        let missing = Attempt {
+            connect_failure: Some(
+                "unix:/run/kunci/kunci.sock: No such file or directory (os error 2)",
+            ),
+            ..Attempt::default()
+        };
+        let text = message(
+            "ping",
+            &Error::Unavailable(Unavailable::Unreachable),
+            &servers,
+            &missing,
+        );
+        assert!(text.starts_with("no server took the request"), "{text}");
+    }
+
+    /// `kunci info` and `kunci top` name no key: their refusal says which
+    /// scope they need instead of "on the key".
+    #[test]
+    fn counters_refused_by_scope_name_the_info_scope_and_no_key() {
+        let servers = addresses("127.0.0.1:5862");
+        let denied = Error::PermissionDenied(Denied::NotPermitted);
+        for command in ["info", "top"] {
+            assert_eq!(
+                message(command, &denied, &servers, &Attempt::default()),
+                format!(
+                    "this secret's scopes do not allow reading the server's counters \
+                     ({command} needs the scope info); nothing changed. The server's --auth \
+                     file names them (lock:PREFIX, read:PREFIX, info)"
+                )
+            );
+        }
+        assert_eq!(
+            message("list", &denied, &servers, &Attempt::default()),
+            "this secret's scopes do not allow list; nothing changed. The server's --auth \
+             file names them (lock:PREFIX, read:PREFIX, info)"
+        );
+        let on_key = Attempt {
+            key: Some("app/x"),
+            ..Attempt::default()
+        };
+        assert_eq!(
+            message("acquire", &denied, &servers, &on_key),
+            "this secret's scopes do not allow acquire on key \"app/x\"; nothing changed. \
+             The server's --auth file names them (lock:PREFIX, read:PREFIX, info)"
+        );
+    }
+
+    /// A shared lock's limit is 65535: the message says `--shared`.
+    #[test]
+    fn a_limit_mismatch_on_a_shared_key_says_shared() {
+        let servers = addresses("127.0.0.1:5862");
+        let attempt = Attempt {
+            key: Some("db"),
+            ..Attempt::default()
+        };
+        assert_eq!(
+            message(
+                "acquire",
+                &Error::LimitMismatch {
+                    key_limit: Some(65535)
+                },
+                &servers,
+                &attempt
+            ),
+            "key \"db\" is a shared lock (a limit of 65535 permits), and this request named \
+             another limit; nothing was acquired or queued. Ask with --shared (a key keeps \
+             its limit while it has grants or waiters)"
+        );
+        let other = message(
+            "acquire",
+            &Error::LimitMismatch { key_limit: Some(3) },
+            &servers,
+            &attempt,
+        );
+        assert!(other.contains("Ask with --limit 3 "), "{other}");
+    }
 }

@@ -61,12 +61,59 @@ Exit status of client commands:
   6 not held / lock lost   7 permission denied (secret or scopes)
 ";
 
+/// The commands that are not client commands ([`client::is_command`]).
+const OTHER_COMMANDS: [&str; 7] = ["serve", "run", "bench", "top", "secret", "elect", "leader"];
+
 /// Every command `kunci help COMMAND` knows.
 fn is_command(name: &str) -> bool {
-    matches!(
-        name,
-        "serve" | "run" | "bench" | "top" | "secret" | "elect" | "leader"
-    ) || client::is_command(name)
+    OTHER_COMMANDS.contains(&name) || client::is_command(name)
+}
+
+/// The message for a command that does not exist: with the command it
+/// was most likely meant to be, when one is a slip of a letter or two
+/// away (`aquire`: acquire).
+fn no_such_command(prefix: &str, name: &str) -> String {
+    let likely = OTHER_COMMANDS
+        .into_iter()
+        .chain(client::command_names())
+        .chain(["help"])
+        .map(|command| (edit_distance(name, command), command))
+        .filter(|&(distance, command)| distance <= (command.len() / 3).max(1))
+        .min();
+    match likely {
+        Some((_, command)) => format!(
+            "{prefix}: there is no command {name:?}; did you mean {command}?\n(see kunci help)"
+        ),
+        None => format!("{prefix}: there is no command {name:?}\n(see kunci help)"),
+    }
+}
+
+/// The fewest one-character insertions, deletions, substitutions and swaps
+/// of two neighbours that turn `a` into `b` (optimal string alignment).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().collect();
+    let b: Vec<char> = b.chars().collect();
+    // rows[i][j]: the distance between a[..i] and b[..j].
+    let mut rows = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in rows.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in rows[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let substitution = usize::from(a[i - 1] != b[j - 1]);
+            let mut best = (rows[i - 1][j] + 1)
+                .min(rows[i][j - 1] + 1)
+                .min(rows[i - 1][j - 1] + substitution);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                best = best.min(rows[i - 2][j - 2] + 1);
+            }
+            rows[i][j] = best;
+        }
+    }
+    rows[a.len()][b.len()]
 }
 
 /// Runs `name` with `arguments`; `None` when there is no such command.
@@ -107,7 +154,7 @@ pub fn main() -> ExitCode {
                 dispatch(topic, vec!["--help".into()]).unwrap_or(exit::USAGE)
             }
             Some(topic) => {
-                eprintln!("kunci help: there is no command {topic:?}\n(see kunci help)");
+                eprintln!("{}", no_such_command("kunci help", topic));
                 exit::USAGE
             }
         },
@@ -118,10 +165,58 @@ pub fn main() -> ExitCode {
         _ => match dispatch(name, args) {
             Some(code) => code,
             None => {
-                eprintln!("kunci: there is no command {command:?}\n(see kunci help)");
+                let name = command.to_string_lossy();
+                eprintln!("{}", no_such_command("kunci", &name));
                 exit::USAGE
             }
         },
     };
     ExitCode::from(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slip_of_a_letter_names_the_command_meant() {
+        assert_eq!(
+            no_such_command("kunci", "aquire"),
+            "kunci: there is no command \"aquire\"; did you mean acquire?\n(see kunci help)"
+        );
+        for (typed, meant) in [
+            ("relase", "release"),
+            ("rnu", "run"),
+            ("lsit", "list"),
+            ("leaders", "leader"),
+            ("pign", "ping"),
+            ("serv", "serve"),
+            ("secrets", "secret"),
+            ("hlep", "help"),
+        ] {
+            assert!(
+                no_such_command("kunci", typed).contains(&format!("; did you mean {meant}?\n")),
+                "{typed}: {}",
+                no_such_command("kunci", typed)
+            );
+        }
+        // Nothing close: no guess.
+        assert_eq!(
+            no_such_command("kunci help", "frobnicate"),
+            "kunci help: there is no command \"frobnicate\"\n(see kunci help)"
+        );
+        assert_eq!(
+            no_such_command("kunci", "x"),
+            "kunci: there is no command \"x\"\n(see kunci help)"
+        );
+    }
+
+    #[test]
+    fn edit_distance_counts_a_swap_as_one() {
+        assert_eq!(edit_distance("aquire", "acquire"), 1);
+        assert_eq!(edit_distance("lsit", "list"), 1);
+        assert_eq!(edit_distance("", "run"), 3);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("same", "same"), 0);
+    }
 }

@@ -416,6 +416,10 @@ pub(super) fn client(
     #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
     let mut config = Config {
         sessions_per_server: 1,
+        // One address that refuses the connection: say so at once rather
+        // than after the request's whole deadline (`--wait inf` still
+        // waits: it asks again after a pause).
+        end_at_refusal: servers.len() == 1,
         secret,
         // Every command's parsing has run `check_plaintext_secret`: a
         // secret in clear beyond this host was refused there unless the

@@ -130,6 +130,14 @@ impl Backend {
         }
     }
 
+    pub(crate) fn unresolved_names(&self) -> Vec<String> {
+        match self {
+            Backend::Kunci(shared) => shared.unresolved_names(),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(_) => Vec::new(),
+        }
+    }
+
     pub(crate) fn close(&self) {
         match self {
             Backend::Kunci(shared) => shared.close(),

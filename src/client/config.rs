@@ -20,6 +20,15 @@ pub struct Config {
     /// (default 1 s). A failed attempt is retried, after a short backoff,
     /// while requests wait for a session.
     pub connect_timeout: Duration,
+    /// With one address: whether a connection it refuses (nothing listens
+    /// on the TCP port; a unix socket that is missing, or that this user
+    /// may not open) ends every request that waits for a session
+    /// [`Unavailable`](super::Error::Unavailable) at once, instead of
+    /// trying again until the request's deadline (default: no; the
+    /// command line sets it, so that a mistyped address is said at once).
+    /// Nothing was sent (spec §8 rule 4). With several addresses it has
+    /// no effect: another one may take the request.
+    pub end_at_refusal: bool,
     /// The secret for a server with `--auth` (spec §12): sent as `U`, the
     /// first frame of every session (default: none). One shorter than 32
     /// bytes makes every call fail [`Error::InvalidArgument`](super::Error::InvalidArgument) before
@@ -48,6 +57,7 @@ impl Default for Config {
         Config {
             sessions_per_server: 2,
             connect_timeout: Duration::from_secs(1),
+            end_at_refusal: false,
             secret: None,
             allow_plaintext_secret: false,
             #[cfg(feature = "etcd")]

@@ -276,6 +276,9 @@ pub(crate) struct Engine<R> {
     /// Why no request can run with this configuration (a secret that
     /// would go in clear, spec §12.5): each ends `Invalid` at once.
     refusal: Option<&'static str>,
+    /// Whether a connection refused at the only address ends the
+    /// requests waiting for a session at once ([`Engine::connect_refused`]).
+    end_at_refusal: bool,
 }
 
 impl<R> Engine<R> {
@@ -311,7 +314,15 @@ impl<R> Engine<R> {
             shutdown_notices: 0,
             secret: None,
             refusal: None,
+            end_at_refusal: false,
         }
+    }
+
+    /// Makes a connection refused at the only address end every request
+    /// that waits for a session `Unavailable` at once, instead of at its
+    /// `D` ([`Config::end_at_refusal`](super::Config::end_at_refusal)).
+    pub(crate) fn end_at_refusal(&mut self) {
+        self.end_at_refusal = true;
     }
 
     /// Makes every session start with `U secret` (spec §12.2). A secret
@@ -537,6 +548,23 @@ impl<R> Engine<R> {
                 retry_at: now + retry_delay(session.failures),
             };
             self.assign(now);
+        }
+    }
+
+    /// Session `s`'s connection attempt was refused: nothing listens at
+    /// its address, or it is a unix socket that is missing or that this
+    /// user may not open. With [`Engine::end_at_refusal`] and one address,
+    /// the requests that wait for a session end `Unavailable` now: none
+    /// was sent (rule 4 lets them wait for another session until `D`, and
+    /// there is no other address to try). Otherwise as
+    /// [`Engine::connect_failed`].
+    pub(crate) fn connect_refused(&mut self, s: SessionId, now: Instant) {
+        self.connect_failed(s, now);
+        if self.end_at_refusal && self.not_allowed_at.len() == 1 {
+            let waiting: Vec<ReqId> = self.unassigned.drain(..).collect();
+            for id in waiting {
+                self.complete(id, Outcome::Unavailable(Unavailable::Unreachable), now);
+            }
         }
     }
 

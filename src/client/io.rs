@@ -8,6 +8,7 @@
 //! piles up while the loop is busy is written in one batch per session:
 //! write coalescing comes from the loop's own latency.
 
+use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -57,6 +58,9 @@ pub(crate) struct Shared {
     shutdown_notices: AtomicU64,
     /// Why the latest connection attempt failed, with its address.
     last_connect_failure: Mutex<Option<String>>,
+    /// The addresses whose name did not resolve at their latest attempt,
+    /// each with why.
+    unresolved: Mutex<BTreeMap<String, String>>,
 }
 
 impl Shared {
@@ -124,6 +128,15 @@ impl Shared {
     pub(crate) fn last_connect_failure(&self) -> Option<String> {
         lock(&self.last_connect_failure).clone()
     }
+
+    /// The addresses whose host name did not resolve at their latest
+    /// connection attempt, each with why (`address: error`).
+    pub(crate) fn unresolved_names(&self) -> Vec<String> {
+        lock(&self.unresolved)
+            .iter()
+            .map(|(address, error)| format!("{address}: {error}"))
+            .collect()
+    }
 }
 
 /// The TLS configuration of `tls://` sessions (`None` when no address is
@@ -171,6 +184,7 @@ pub(crate) fn start(
         running: AtomicBool::new(true),
         shutdown_notices: AtomicU64::new(0),
         last_connect_failure: Mutex::new(None),
+        unresolved: Mutex::new(BTreeMap::new()),
     });
     let per_server = per_server.max(1);
     let sessions = addresses.len() * per_server;
@@ -185,6 +199,9 @@ pub(crate) fn start(
     }
     if let Some(problem) = config.plaintext_secret_problem(&addresses) {
         engine.refuse_every_request(problem);
+    }
+    if config.end_at_refusal {
+        engine.end_at_refusal();
     }
     let mut shell = Shell {
         poll,
@@ -278,7 +295,11 @@ impl Shell {
                             log::debug!("session {s}: connect failed: {error}");
                             self.connect_failure(s, &error);
                             self.drop_conn(s);
-                            self.engine.connect_failed(s, now);
+                            if self.is_refusal(s, &error) {
+                                self.engine.connect_refused(s, now);
+                            } else {
+                                self.engine.connect_failed(s, now);
+                            }
                             continue;
                         }
                     }
@@ -496,20 +517,38 @@ impl Shell {
         };
         let attempt = self.attempts[s];
         self.attempts[s] = attempt.wrapping_add(1);
+        let resolved = match address {
+            Address::Tcp(host_port) => Some(resolve(host_port, attempt)),
+            #[cfg(feature = "tls")]
+            Address::Tls(host_port) => Some(resolve(host_port, attempt)),
+            _ => None,
+        };
+        let unresolved = matches!(resolved, Some(Err(_)));
+        {
+            let mut names = lock(&self.shared.unresolved);
+            match &resolved {
+                Some(Err(error)) => {
+                    names.insert(address.to_string(), error.to_string());
+                }
+                _ => {
+                    names.remove(&address.to_string());
+                }
+            }
+        }
+        let resolved =
+            move || resolved.unwrap_or_else(|| Err(io::Error::other("no address to resolve")));
         let stream = match address {
-            Address::Tcp(host_port) => resolve(host_port, attempt)
-                .and_then(TcpStream::connect)
-                .and_then(|stream| {
-                    stream.set_nodelay(true)?;
-                    Ok(Stream::Tcp(stream))
-                }),
+            Address::Tcp(_) => resolved().and_then(TcpStream::connect).and_then(|stream| {
+                stream.set_nodelay(true)?;
+                Ok(Stream::Tcp(stream))
+            }),
             Address::Unix(path) => UnixStream::connect(path).map(Stream::Unix),
             #[cfg(feature = "tls")]
             Address::Tls(host_port) => match &self.tls {
                 Some(config) => crate::tls::server_name(host_port)
                     .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
                     .and_then(|name| {
-                        let stream = TcpStream::connect(resolve(host_port, attempt)?)?;
+                        let stream = TcpStream::connect(resolved()?)?;
                         stream.set_nodelay(true)?;
                         Stream::tls(stream, config.clone(), name)
                     }),
@@ -535,7 +574,11 @@ impl Shell {
                 log::debug!("session {s}: cannot connect to {address}: {error}");
                 let failure = format!("{address}: {error}");
                 *lock(&self.shared.last_connect_failure) = Some(failure);
-                self.engine.connect_failed(s, now);
+                if !unresolved && self.is_refusal(s, &error) {
+                    self.engine.connect_refused(s, now);
+                } else {
+                    self.engine.connect_failed(s, now);
+                }
                 return;
             }
         };
@@ -558,6 +601,24 @@ impl Shell {
     fn connect_failure(&self, s: SessionId, error: &io::Error) {
         if let Some(address) = self.addresses.get(s / self.per_server) {
             *lock(&self.shared.last_connect_failure) = Some(format!("{address}: {error}"));
+        }
+    }
+
+    /// Whether a failed connect of session `s` was a refusal: nothing
+    /// listens on the TCP port, or the unix socket is missing or this
+    /// user may not open it (a name that does not resolve is not one).
+    fn is_refusal(&self, s: SessionId, error: &io::Error) -> bool {
+        match self.addresses.get(s / self.per_server) {
+            Some(Address::Unix(_)) => matches!(
+                error.kind(),
+                io::ErrorKind::ConnectionRefused
+                    | io::ErrorKind::NotFound
+                    | io::ErrorKind::PermissionDenied
+            ),
+            Some(Address::Tcp(_) | Address::Tls(_)) => {
+                error.kind() == io::ErrorKind::ConnectionRefused
+            }
+            _ => false,
         }
     }
 

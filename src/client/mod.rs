@@ -434,6 +434,13 @@ impl Client {
         self.inner.shared.last_connect_failure()
     }
 
+    /// The addresses whose host name did not resolve at their latest
+    /// connection attempt, each as `address: why`. (Waiting forever says
+    /// so.)
+    pub(crate) fn unresolved_names(&self) -> Vec<String> {
+        self.inner.shared.unresolved_names()
+    }
+
     /// An owner id no other call of this client uses: a random base plus a
     /// counter, skipping 0.
     pub(crate) fn fresh_owner(&self) -> u64 {

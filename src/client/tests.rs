@@ -75,6 +75,14 @@ impl Checked {
         self.checked(|engine| engine.connect_failed(s, now))
     }
 
+    fn connect_refused(&mut self, s: usize, now: Instant) {
+        self.checked(|engine| engine.connect_refused(s, now))
+    }
+
+    fn end_at_refusal(&mut self) {
+        self.checked(Engine::end_at_refusal)
+    }
+
     fn session_closed(&mut self, s: usize, now: Instant) {
         self.checked(|engine| engine.session_closed(s, now))
     }
@@ -546,6 +554,51 @@ fn unavailable_exactly_at_the_deadline_when_nothing_was_sent() {
         )]
     );
     assert!(h.engine.is_idle());
+}
+
+/// `Config::end_at_refusal` (the CLI with one address): a refused
+/// connect ends the requests waiting for a session at once, and only
+/// those; without it, or with a second address to try, a refusal is one
+/// more connect failure, retried until `D`.
+#[test]
+fn a_refusal_at_the_only_address_ends_the_waiting_requests_at_once() {
+    let unreachable = Outcome::Unavailable(crate::client::Unavailable::Unreachable);
+    let mut h = Harness::new(1);
+    h.engine.end_at_refusal();
+    h.acquire(1, 5, 2 * S);
+    h.other(2, Op::Ping { nonce: 1 });
+    assert_eq!(h.actions(), [Action::Connect(0)]);
+    h.at(3 * MS);
+    h.engine.connect_refused(0, h.now);
+    assert_eq!(
+        h.completions(),
+        [(1, unreachable.clone()), (2, unreachable.clone())]
+    );
+    assert!(h.engine.is_idle());
+    // A later request connects again (the retry is due) and is served.
+    h.other(3, Op::Ping { nonce: 2 });
+    assert_eq!(h.actions(), [Action::Connect(0)]);
+    h.engine.connected(0, h.now);
+    assert_eq!(h.write(0), [Frame::P { nonce: 2 }]);
+    assert_eq!(h.completions(), []);
+
+    // Without the setting: no outcome before `D`.
+    let mut h = Harness::new(1);
+    h.acquire(1, 5, 2 * S);
+    h.actions();
+    h.engine.connect_refused(0, h.now);
+    assert_eq!(h.completions(), []);
+    assert!(!h.engine.is_idle());
+
+    // Two addresses: the other one may still take it.
+    let mut h = Harness::new(2);
+    h.engine.end_at_refusal();
+    h.acquire(1, 5, 2 * S);
+    assert_eq!(h.actions(), [Action::Connect(0), Action::Connect(1)]);
+    h.engine.connect_refused(0, h.now);
+    assert_eq!(h.completions(), []);
+    h.engine.connected(1, h.now);
+    assert_eq!(h.write(1), [a(2, 5)]);
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! server's restart or an outage. `kunci run --wait inf`, `kunci elect`
 //! and [`Client::campaign`](super::Client::campaign) use it.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::vocabulary::{Error, Unavailable, WAIT_MAX};
 use super::{AcquireOptions, Client, Ticket};
@@ -17,7 +17,9 @@ impl Client {
     /// server has one, is released first (spec §8 rule 11). It ends only
     /// with a grant or an error that waiting cannot cure: an invalid
     /// argument, a capacity limit ([`Error::Busy`]), a refusal, a server
-    /// that is not trusted.
+    /// that is not trusted. While no server answers it logs a warning
+    /// after 10 s, then at doubling gaps (the command line's stderr), with
+    /// the address and the last cause.
     pub fn acquire_forever(
         &self,
         key: &str,
@@ -37,6 +39,92 @@ const RETRY_PAUSE_FIRST: Duration = Duration::from_millis(100);
 /// a shutting-down server sends the two back to back.
 const SHUTDOWN_NOTICE_WAIT: Duration = Duration::from_millis(200);
 
+/// How long a wait forever hears from no server before it says so.
+const SILENCE_FIRST_WORD: Duration = Duration::from_secs(10);
+/// The longest gap between two such words; the gaps double up to it.
+const SILENCE_WORD_GAP_MAX: Duration = Duration::from_secs(3600);
+
+/// When a wait forever says that no server answers it (a cron job with a
+/// mistyped address must not wait in silence): a warning in the log
+/// (`kunci: warning: …` on the command line's stderr) once no server has
+/// answered for 10 s, then after 20 s, 40 s, … of silence, the gaps
+/// doubling up to an hour. Any answer ends the silence. Sans-IO: the
+/// caller gives `now`.
+#[derive(Debug)]
+pub(crate) struct Silence {
+    /// When the silence began: the wait's start, or the latest answer.
+    since: Instant,
+    /// How long after `since` the next word is due.
+    next: Duration,
+}
+
+impl Silence {
+    pub(crate) fn new(now: Instant) -> Silence {
+        Silence {
+            since: now,
+            next: SILENCE_FIRST_WORD,
+        }
+    }
+
+    /// A server answered at `now`.
+    pub(crate) fn heard(&mut self, now: Instant) {
+        *self = Silence::new(now);
+    }
+
+    /// An attempt found no server at `now`. The lines to log if a word is
+    /// due: one per address whose name does not resolve (`unresolved`,
+    /// each `address: why`), then one with the latest connection failure
+    /// (`address: why`, if any).
+    pub(crate) fn unheard(
+        &mut self,
+        now: Instant,
+        key: &str,
+        last_failure: Option<&str>,
+        unresolved: &[String],
+    ) -> Vec<String> {
+        let silent = now.saturating_duration_since(self.since);
+        if silent < self.next {
+            return Vec::new();
+        }
+        let said = self.next;
+        while self.next <= silent {
+            self.next += self.next.min(SILENCE_WORD_GAP_MAX);
+        }
+        let mut lines: Vec<String> = unresolved
+            .iter()
+            .map(|name| {
+                format!(
+                    "waiting for {key:?} (--wait inf): the host name does not resolve: \
+                     {name}. Check the address (--server, KUNCI_SERVER); still trying"
+                )
+            })
+            .collect();
+        let last = last_failure.map_or_else(
+            || "no connection attempt failed, but nothing was answered".to_owned(),
+            |why| format!("the last attempt: {why}"),
+        );
+        lines.push(format!(
+            "waiting for {key:?} (--wait inf): no server has answered for {} s ({last}); \
+             still trying",
+            crate::decimal::seconds_shortest(said)
+        ));
+        lines
+    }
+}
+
+/// Logs the word [`Silence::unheard`] has due, if any.
+fn say_unheard(silence: &mut Silence, client: &Client, key: &str) {
+    let failure = client.last_connect_failure();
+    for line in silence.unheard(
+        Instant::now(),
+        key,
+        failure.as_deref(),
+        &client.unresolved_names(),
+    ) {
+        log::warn!("{line}");
+    }
+}
+
 /// Acquires `key`, waiting `slice` at a time until it is granted (spec §9
 /// `--wait inf`). Each attempt is a new request at the tail of the queue:
 /// the place is not kept across attempts. `Timeout` queues again at once;
@@ -45,6 +133,11 @@ const SHUTDOWN_NOTICE_WAIT: Duration = Duration::from_millis(200);
 /// after `Indeterminate` the call's own grant, if the server has one, is
 /// released first (rule 11), then the key is asked for again. Every other
 /// outcome, a `Busy` at a capacity limit included, ends the wait.
+///
+/// Before the first attempt, and after one that reached no server, a `P`
+/// checks that a server answers: an attempt of a whole slice would
+/// otherwise stay silent for 255 s + 5 s. While none answers, the
+/// [`Silence`] rule says so in the log.
 pub(crate) fn acquire_until_granted(
     client: &Client,
     key: &str,
@@ -53,7 +146,33 @@ pub(crate) fn acquire_until_granted(
     slice: Duration,
 ) -> Result<Ticket, Error> {
     let mut pause = RETRY_PAUSE_FIRST;
+    let mut silence = Silence::new(Instant::now());
+    let mut answering = false;
     loop {
+        if !answering {
+            match client.ping() {
+                // Any answer, a refusal too (the acquire then ends with it).
+                Ok(_)
+                | Err(
+                    Error::PermissionDenied(_)
+                    | Error::InvalidArgument(_)
+                    | Error::Unavailable(Unavailable::ConnectionLimit | Unavailable::NotAllowed),
+                ) => {
+                    silence.heard(Instant::now());
+                    answering = true;
+                }
+                Err(Error::Unavailable(
+                    why @ (Unavailable::Untrusted(_) | Unavailable::WrongProtocol(_)),
+                )) => return Err(Error::Unavailable(why)),
+                Err(error) => {
+                    log::debug!("{key}: no server answers ({error}); asking again");
+                    say_unheard(&mut silence, client, key);
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(RETRY_PAUSE_MAX);
+                    continue;
+                }
+            }
+        }
         let owner = client.fresh_owner();
         let notices = client.shutdown_notices();
         match client.acquire_as(owner, key, slice, lease, acquire.clone()) {
@@ -62,11 +181,15 @@ pub(crate) fn acquire_until_granted(
                     "{key}: still held after {} s; queueing again",
                     crate::decimal::seconds_shortest(slice)
                 );
+                silence.heard(Instant::now());
                 pause = RETRY_PAUSE_FIRST;
                 continue;
             }
             Err(Error::Busy) if !server_shut_down(client, notices) => return Err(Error::Busy),
-            Err(Error::Busy) => log::debug!("{key}: the server is shutting down; asking again"),
+            Err(Error::Busy) => {
+                log::debug!("{key}: the server is shutting down; asking again");
+                silence.heard(Instant::now());
+            }
             // A certificate problem does not go away by waiting, nor does a
             // peer that speaks another protocol.
             Err(Error::Unavailable(
@@ -75,11 +198,15 @@ pub(crate) fn acquire_until_granted(
                 return Err(Error::Unavailable(why));
             }
             Err(Error::Unavailable(why)) => {
-                log::debug!("{key}: unavailable ({why:?}); asking again")
+                log::debug!("{key}: unavailable ({why:?}); asking again");
+                answering = false;
+                say_unheard(&mut silence, client, key);
             }
             Err(Error::Indeterminate) => {
                 log::debug!("{key}: no answer in time; releasing this call's grant if any");
-                release_own_grant(client, key, owner);
+                say_unheard(&mut silence, client, key);
+                release_own_grant(client, key, owner, &mut silence);
+                answering = false;
             }
             outcome => return outcome,
         }
@@ -106,13 +233,14 @@ fn server_shut_down(client: &Client, notices: u64) -> bool {
 /// Spec §8 rule 11: after an `Indeterminate` acquire, makes sure the call
 /// holds nothing: ask for the key's holders (`H`) and release every grant
 /// of the call's `owner`. Asks until the server answers (quietly, with the
-/// same capped pauses), so that the next attempt never queues behind its
-/// own lost grant.
-fn release_own_grant(client: &Client, key: &str, owner: u64) {
+/// same capped pauses, saying so as [`Silence`] has it), so that the next
+/// attempt never queues behind its own lost grant.
+fn release_own_grant(client: &Client, key: &str, owner: u64, silence: &mut Silence) {
     let mut pause = RETRY_PAUSE_FIRST;
     loop {
         match client.holders(key) {
             Ok(holders) => {
+                silence.heard(Instant::now());
                 let mut released = true;
                 for grant in holders
                     .grants
@@ -132,7 +260,10 @@ fn release_own_grant(client: &Client, key: &str, owner: u64) {
                 }
             }
             Err(Error::InvalidArgument(_)) => return,
-            Err(error) => log::debug!("{key}: asking who holds it: {error}"),
+            Err(error) => {
+                log::debug!("{key}: asking who holds it: {error}");
+                say_unheard(silence, client, key);
+            }
         }
         std::thread::sleep(pause);
         pause = (pause * 2).min(RETRY_PAUSE_MAX);
@@ -226,7 +357,8 @@ mod tests {
         (address, stop, std::thread::spawn(move || server.run()))
     }
 
-    /// A TCP relay to `upstream`: requests pass, answers are dropped while
+    /// A TCP relay to `upstream`: requests pass, answers other than a
+    /// pong (`P`, the check that a server answers) are dropped while
     /// `swallow` is set. Returns its address.
     fn relay(upstream: String, swallow: Arc<AtomicBool>) -> Address {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -247,7 +379,9 @@ mod tests {
                     loop {
                         match std::io::Read::read(&mut from_server, &mut buf) {
                             Ok(0) | Err(_) => return,
-                            Ok(_) if swallow.load(AtomicOrdering::SeqCst) => {}
+                            Ok(n)
+                                if swallow.load(AtomicOrdering::SeqCst)
+                                    && !buf[..n].starts_with(b"P") => {}
                             Ok(n) => {
                                 if std::io::Write::write_all(&mut to_client, &buf[..n]).is_err() {
                                     return;
@@ -303,6 +437,112 @@ mod tests {
         ticket.release().unwrap();
         stop.shut_down();
         running.join().unwrap().unwrap();
+    }
+
+    const S: Duration = Duration::from_secs(1);
+    const MS: Duration = Duration::from_millis(1);
+
+    /// A wait forever that hears from no server says so 10 s into the
+    /// silence, then at 20 s, 40 s, 80 s, …: the gaps double up to an
+    /// hour. An answer starts the count again.
+    #[test]
+    fn silence_is_said_after_10_s_then_at_doubling_gaps() {
+        let start = Instant::now();
+        let mut silence = Silence::new(start);
+        let failure = Some("127.0.0.1:9: Connection refused (os error 111)");
+        let said = "waiting for \"job\" (--wait inf): no server has answered for 10 s (the \
+                    last attempt: 127.0.0.1:9: Connection refused (os error 111)); still trying";
+        assert_eq!(
+            silence.unheard(start + 10 * S - MS, "job", failure, &[]),
+            [] as [String; 0]
+        );
+        assert_eq!(silence.unheard(start + 10 * S, "job", failure, &[]), [said]);
+        assert!(
+            silence
+                .unheard(start + 12 * S, "job", failure, &[])
+                .is_empty()
+        );
+        assert!(
+            silence
+                .unheard(start + 20 * S - MS, "job", failure, &[])
+                .is_empty()
+        );
+        let second = silence.unheard(start + 20 * S, "job", failure, &[]);
+        assert_eq!(second.len(), 1);
+        assert!(second[0].contains(" for 20 s "), "{second:?}");
+        assert!(
+            silence
+                .unheard(start + 39 * S, "job", failure, &[])
+                .is_empty()
+        );
+        let third = silence.unheard(start + 41 * S, "job", None, &[]);
+        assert_eq!(
+            third,
+            [
+                "waiting for \"job\" (--wait inf): no server has answered for 40 s (no \
+              connection attempt failed, but nothing was answered); still trying"
+            ]
+        );
+        // A long attempt in between: one word, and the next is the doubling
+        // after it (not one per missed step).
+        assert_eq!(silence.unheard(start + 700 * S, "job", None, &[]).len(), 1);
+        assert!(
+            silence
+                .unheard(start + 1279 * S, "job", None, &[])
+                .is_empty()
+        );
+        assert_eq!(silence.unheard(start + 1280 * S, "job", None, &[]).len(), 1);
+        // The gaps double up to an hour, then stay an hour.
+        let mut silence = Silence::new(start);
+        let mut due = 10 * S;
+        assert_eq!(silence.unheard(start + due, "job", None, &[]).len(), 1);
+        for gap in [10, 20, 40, 80, 160, 320, 640, 1280, 2560, 3600, 3600, 3600] {
+            due += gap * S;
+            assert!(
+                silence
+                    .unheard(start + due - MS, "job", None, &[])
+                    .is_empty()
+            );
+            let word = silence.unheard(start + due, "job", None, &[]);
+            assert!(
+                word[0].contains(&format!(" for {} s ", due.as_secs())),
+                "{word:?}"
+            );
+        }
+        // An answer ends the silence: 10 s from it again.
+        silence.heard(start + 30_000 * S);
+        assert!(
+            silence
+                .unheard(start + 30_009 * S, "job", None, &[])
+                .is_empty()
+        );
+        assert_eq!(
+            silence.unheard(start + 30_010 * S, "job", None, &[]).len(),
+            1
+        );
+    }
+
+    /// A host name that does not resolve gets its own line, before the
+    /// one with the last connection failure.
+    #[test]
+    fn a_name_that_does_not_resolve_is_said_on_its_own_line() {
+        let start = Instant::now();
+        let mut silence = Silence::new(start);
+        let why = "nosuchhost.invalid:5862: failed to lookup address information: \
+                   Name or service not known";
+        assert_eq!(
+            silence.unheard(start + 10 * S, "job", Some(why), &[why.to_owned()]),
+            [
+                format!(
+                    "waiting for \"job\" (--wait inf): the host name does not resolve: {why}. \
+                     Check the address (--server, KUNCI_SERVER); still trying"
+                ),
+                format!(
+                    "waiting for \"job\" (--wait inf): no server has answered for 10 s (the \
+                     last attempt: {why}); still trying"
+                ),
+            ]
+        );
     }
 
     /// Spec §9 `--wait inf`: `Unavailable` (no server at the address yet)

@@ -232,8 +232,27 @@ pub fn validate_name(name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > NAME_MAX {
         return Err(format!("name must be 1..={NAME_MAX} characters"));
     }
-    if !name.bytes().all(|byte| byte.is_ascii_graphic()) {
-        return Err(format!("name {name:?} is not printable ASCII"));
+    if let Some(first) = name.chars().find(|c| !c.is_ascii_graphic()) {
+        let what = match first {
+            ' ' => "a space".to_owned(),
+            c if c.is_whitespace() => format!("a blank ({c:?})"),
+            c if c.is_control() => format!("a control character ({c:?})"),
+            c => format!("{c:?}, which is not ASCII"),
+        };
+        // The same name with its blanks as dashes, when that is one.
+        let dashed: String = name
+            .chars()
+            .map(|c| if c.is_whitespace() { '-' } else { c })
+            .collect();
+        let example = if dashed.bytes().all(|byte| byte.is_ascii_graphic()) {
+            format!(" (such as {dashed:?})")
+        } else {
+            String::new()
+        };
+        return Err(format!(
+            "name {name:?} has {what}: a name is one word of printable ASCII, without \
+             blanks{example}"
+        ));
     }
     Ok(())
 }
@@ -344,6 +363,37 @@ mod tests {
         let identity = list.identity(index).unwrap();
         assert_eq!(&*identity.name, "ci");
         assert!(identity.scopes.info);
+    }
+
+    /// `kunci secret 'bad name'`: the message says what is wrong with
+    /// the name (a space), and a name that would do.
+    #[test]
+    fn a_bad_name_says_which_character_is_wrong() {
+        assert_eq!(
+            validate_name("bad name"),
+            Err(
+                "name \"bad name\" has a space: a name is one word of printable ASCII, \
+                 without blanks (such as \"bad-name\")"
+                    .to_owned()
+            )
+        );
+        assert_eq!(
+            validate_name("a\tb"),
+            Err(
+                "name \"a\\tb\" has a blank ('\\t'): a name is one word of printable \
+                 ASCII, without blanks (such as \"a-b\")"
+                    .to_owned()
+            )
+        );
+        assert_eq!(
+            validate_name("caf\u{e9}"),
+            Err(
+                "name \"caf\u{e9}\" has '\u{e9}', which is not ASCII: a name is one word of \
+                 printable ASCII, without blanks"
+                    .to_owned()
+            )
+        );
+        assert_eq!(validate_name("ci-runner_1"), Ok(()));
     }
 
     #[test]
