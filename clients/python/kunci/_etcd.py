@@ -914,7 +914,7 @@ class Cluster(object):
         key's on a put under its prefix. A watch that breaks or cannot be
         opened (an outage) only sends it back to the read, which is retried
         until the call's deadline."""
-        since, wait_until = call.token, call.deadline - P.TRANSPORT_DEADLINE
+        since, wait_until = call.token, call.deadline - call.transport
         prefix = self._prefix(call.key)
         while True:
             try:

@@ -228,11 +228,11 @@ def check_permits(limit, take, shared):
             raise ValueError("take needs a limit (take permits out of how many?)")
         return 0, 0
     if not _is_count(limit) or not 1 <= limit <= PERMITS_MAX:
-        raise ValueError("limit must be a whole number in 1..=%d, got %r" % (PERMITS_MAX, limit))
+        raise ValueError("limit must be a whole number from 1 to %d, got %r" % (PERMITS_MAX, limit))
     if take is None:
         return limit, 1
     if not _is_count(take) or not 1 <= take <= PERMITS_MAX:
-        raise ValueError("take must be a whole number in 1..=%d, got %r" % (PERMITS_MAX, take))
+        raise ValueError("take must be a whole number from 1 to %d, got %r" % (PERMITS_MAX, take))
     if take > limit:
         raise ValueError("take %d is more than the limit %d" % (take, limit))
     return limit, take
@@ -275,7 +275,7 @@ def check_lease(lease):
             raise ValueError("lease must be a whole number of seconds")
         lease = int(lease)
     if not 1 <= lease <= LEASE_MAX:
-        raise ValueError("lease must be 1..=255 seconds")
+        raise ValueError("lease must be a whole number of seconds from 1 to 255")
     return lease
 
 

@@ -31,6 +31,7 @@ class Scripted(object):
         self.cleaned = []
         self.background = []
         self._closed = False
+        self._transport = P.TRANSPORT_DEADLINE
         self._tickets = {}
         self._ids = C.OwnerIds()
         self._book = C.AddressBook([("tcp", ("127.0.0.1", 1))])
