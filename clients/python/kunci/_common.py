@@ -16,7 +16,7 @@ import ssl
 import sys
 import time
 import weakref
-from typing import Optional
+from typing import Any, ClassVar, Deque, Dict, List, NamedTuple, Optional, Set
 
 from . import _protocol as P
 from ._errors import (
@@ -34,14 +34,14 @@ log.addHandler(logging.NullHandler())
 EXIT_FLUSH = 0.5
 
 # Every client of this process (both flavours), for the flush at exit.
-EXIT_CLIENTS = weakref.WeakSet()
+EXIT_CLIENTS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 # Closed clients that still have releases or clean-ups for the flush at
 # exit (only it sends them): kept alive until then, as the program may
 # drop them first.
-KEPT_FOR_EXIT = set()
+KEPT_FOR_EXIT: Set[Any] = set()
 
-_exit_started = []
+_exit_started: List[bool] = []
 
 
 def exiting():
@@ -89,7 +89,7 @@ def plaintext_secret_refusal(address, context):
             "allow_plaintext_secret=True or KUNCI_ALLOW_PLAINTEXT_SECRET=1"
             % P.format_address(address))
 
-class KeyStatus(collections.namedtuple("KeyStatus", "token owner lease_ms waiters")):
+class KeyStatus(NamedTuple):
     """What ``query`` returns for a key that is not free: the key's state as
     the server answered ``Q``: the active grant's ``token`` (0 when no
     grant is known, e.g. during the grace after an unclean restart), the
@@ -99,7 +99,10 @@ class KeyStatus(collections.namedtuple("KeyStatus", "token owner lease_ms waiter
     the number of queued ``waiters``. It is out of date as soon as it
     arrives: never use it as a lock."""
 
-    __slots__ = ()
+    token: int
+    owner: int
+    lease_ms: int
+    waiters: int
 
     @property
     def lease_left(self) -> float:
@@ -107,37 +110,72 @@ class KeyStatus(collections.namedtuple("KeyStatus", "token owner lease_ms waiter
         :attr:`Grant.lease_left`."""
         return self.lease_ms / 1000.0
 
-Grant = collections.namedtuple("Grant", "token owner take lease_left held_for label")
-Grant.__doc__ = """One grant of a key (a ``G`` frame): its fencing ``token`` (0 is the
-unknown grant of a crash grace), the ``owner`` id of the request that was
-granted, the permits it holds (``take``; 0 is all of them), the time left
-on its lease and the time it has been held (``lease_left``, ``held_for``:
-seconds as floats) and its ``label`` (``""`` when none)."""
 
-Waiter = collections.namedtuple("Waiter", "owner take wait_left label")
-Waiter.__doc__ = """One waiter of a key (a ``W`` frame): its ``owner`` id, the permits
-it asks for (``take``; 0 is all), the seconds left until its wait runs out
-(``wait_left``, a float) and its ``label``."""
+class Grant(NamedTuple):
+    """One grant of a key (a ``G`` frame): its fencing ``token`` (0 is the
+    unknown grant of a crash grace), the ``owner`` id of the request that
+    was granted, the permits it holds (``take``; 0 is all of them), the
+    time left on its lease and the time it has been held (``lease_left``,
+    ``held_for``: seconds as floats) and its ``label`` (``""`` when
+    none)."""
 
-Holders = collections.namedtuple("Holders", "grants waiters left_out")
-Holders.__doc__ = """What ``holders(key)`` found: the key's ``grants`` in token order and
-its ``waiters`` in queue order (lists), and how many the server left out
-(``left_out``; it lists at most 1000 of each). A snapshot: out of date as
-soon as it arrives; never use it as a lock."""
-
-KeyInfo = collections.namedtuple("KeyInfo", "key grants waiters limit")
-KeyInfo.__doc__ = """One key of the server's table (a ``K`` frame): the ``key`` (str),
-its numbers of ``grants`` and ``waiters``, and its ``limit`` of permits
-(0 when no request named one)."""
-
-KeyState = collections.namedtuple("KeyState", "token lease_ms held_ms grants waiters label")
-KeyState.__doc__ = """A key's state as one ``O`` answers it (spec §13.2): its current
-``token`` (the smallest among its grants, 0 when it has none or during a
-crash grace), that grant's ``lease_ms`` left and ``held_ms`` held, the
-number of ``grants`` and ``waiters``, and that grant's ``label``."""
+    token: int
+    owner: int
+    take: int
+    lease_left: float
+    held_for: float
+    label: str
 
 
-class Leader(collections.namedtuple("Leader", "value term held_for")):
+class Waiter(NamedTuple):
+    """One waiter of a key (a ``W`` frame): its ``owner`` id, the permits
+    it asks for (``take``; 0 is all), the seconds left until its wait runs
+    out (``wait_left``, a float) and its ``label``."""
+
+    owner: int
+    take: int
+    wait_left: float
+    label: str
+
+
+class Holders(NamedTuple):
+    """What ``holders(key)`` found: the key's ``grants`` in token order and
+    its ``waiters`` in queue order (lists), and how many the server left
+    out (``left_out``; it lists at most 1000 of each). A snapshot: out of
+    date as soon as it arrives; never use it as a lock."""
+
+    grants: List[Grant]
+    waiters: List[Waiter]
+    left_out: int
+
+
+class KeyInfo(NamedTuple):
+    """One key of the server's table (a ``K`` frame): the ``key`` (str),
+    its numbers of ``grants`` and ``waiters``, and its ``limit`` of permits
+    (0 when no request named one)."""
+
+    key: str
+    grants: int
+    waiters: int
+    limit: int
+
+
+class KeyState(NamedTuple):
+    """A key's state as one ``O`` answers it (spec §13.2): its current
+    ``token`` (the smallest among its grants, 0 when it has none or during
+    a crash grace), that grant's ``lease_ms`` left and ``held_ms`` held
+    (``None`` where unknown), the number of ``grants`` and ``waiters``, and
+    that grant's ``label``."""
+
+    token: int
+    lease_ms: int
+    held_ms: Optional[int]
+    grants: int
+    waiters: int
+    label: str
+
+
+class Leader(NamedTuple):
     """Who leads an election (spec §13.6): the ``value`` it campaigned
     with (str), its ``term`` (the grant's token: a fencing token for what
     it writes) and how long it has led (``held_for``, seconds as a float,
@@ -145,7 +183,9 @@ class Leader(collections.namedtuple("Leader", "value term held_for")):
     into its entry, by the wall clocks of both machines, and ``None``
     where it wrote none)."""
 
-    __slots__ = ()
+    value: str
+    term: int
+    held_for: Optional[float]
 
 
 def leader_of(state):
@@ -199,7 +239,7 @@ class Call(object):
         self.ident = ident
         self.cursor = cursor
         self.count = count
-        self.gathered = ([], []) if op == "H" else []
+        self.gathered: Any = ([], []) if op == "H" else []
         # An ``H`` sent to clean up after an acquire by this owner ended
         # indeterminate (spec §8 rule 11): its grants are released.
         self.clean_up_for = clean_up_for
@@ -215,7 +255,7 @@ class Call(object):
         self.lease = lease
         self.wait_until = wait_until
         self.deadline = deadline
-        self.result = None
+        self.result: Any = None
         self.sent_at = None
         self.writing = False
         # Nobody waits for the outcome (a compensating or dropped ticket's
@@ -299,8 +339,8 @@ class Pending(object):
     __slots__ = ("acquires", "others")
 
     def __init__(self):
-        self.acquires = {}
-        self.others = collections.deque()
+        self.acquires: Dict[int, Any] = {}
+        self.others: Deque[Any] = collections.deque()
 
     def add(self, call):
         if call.op == "A":
@@ -310,8 +350,9 @@ class Pending(object):
 
     def remove(self, call):
         if call.op == "A":
-            if self.acquires.get(call.owner) is call:
-                del self.acquires[call.owner]
+            owner = call.owner
+            if self.acquires.get(owner) is call:
+                del self.acquires[owner]
         else:
             try:
                 self.others.remove(call)
@@ -1077,11 +1118,14 @@ class Follow(object):
     it differs from the last one reported, and never with a term older
     than the last reported."""
 
+    #: What :meth:`answered` returns when there is nothing to report.
+    NOTHING: ClassVar[object]
+
     def __init__(self, key, transport=P.TRANSPORT_DEADLINE):
         self.key = key
         self.transport = transport
         self.since = None
-        self.reported = _NOTHING
+        self.reported: Any = _NOTHING
         self.pause = RETRY_PAUSE_FIRST
 
     def call(self, ident, now):
@@ -1286,7 +1330,13 @@ class TicketBase(object):
 
     # What guards the ticket's state against another thread (the sync
     # ticket's lock); nothing in an event loop.
-    _state_lock = contextlib.nullcontext()
+    _state_lock: Any = contextlib.nullcontext()
+    # The flavour's keep-alive (a ``kunci._engine.KeepAlive``).
+    _keep_alive_type: Any
+
+    def _report_lost(self, on_lost):
+        """Hands the ticket to ``on_lost`` as the flavour does."""
+        raise NotImplementedError
 
     def __init__(self, client, key, key_bytes, token, lease, sent_at, limit=0, take=0):
         self._client = client

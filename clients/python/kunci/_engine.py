@@ -24,7 +24,7 @@ its own timers. :class:`ClientBase` is what a client is before any I/O.
 
 import ssl
 import time
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from . import _protocol as P
 from ._common import (
@@ -524,6 +524,13 @@ class ClientBase(object):
     ``_pause``, ``_shutdown_seen``, ``_clean_up_after``,
     ``_release_background`` and ``_ticket_type``."""
 
+    # The flavour's ticket class.
+    _ticket_type: Any
+
+    def _init_client(self):
+        """The flavour's own state."""
+        raise NotImplementedError
+
     def __init__(self, servers: Union[str, Sequence[str], None] = None,
                  connect_timeout: float = CONNECT_TIMEOUT, *, secret: Union[str, bytes, None] = None,
                  tls: Union[None, bool, ssl.SSLContext] = None,
@@ -541,7 +548,7 @@ class ClientBase(object):
         self._ids = OwnerIds()
         self._closed = False
         # This client's tickets (weakly), to release them at exit.
-        self._tickets = {}
+        self._tickets: Dict[int, Any] = {}
         self._init_client()
         EXIT_CLIENTS.add(self)
 

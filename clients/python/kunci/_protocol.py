@@ -8,6 +8,7 @@ import math
 import os
 import re
 import struct
+from typing import Any, List, Tuple
 
 #: How long past its wait (or past its start, for calls that do not wait)
 #: a call may take: the transport deadline of spec §8 rule 2. It is part
@@ -367,7 +368,7 @@ def decode_frames(buf):
     (texts decoded as UTF-8, an invalid byte replaced).
     Raises :class:`ProtocolError` on bytes that cannot be a frame; the
     frames decoded before them are lost with the session anyway."""
-    frames = []
+    frames: List[Tuple[Any, ...]] = []
     pos = 0
     end = len(buf)
     while pos < end:
@@ -443,11 +444,13 @@ ETCD_KINDS = ("etcd", "etcds")
 ETCD_LAYOUTS = ("kunci", "etcd")
 
 
-class EtcdMember(tuple):
+class EtcdMember(Tuple[str, int]):
     """``(host, port)`` of an etcd member, with the ``layout`` its address
     named (``?layout=etcd``; else ``"kunci"``)."""
 
-    def __new__(cls, host, port, layout="kunci"):
+    layout: str
+
+    def __new__(cls, host: str, port: int, layout: str = "kunci") -> "EtcdMember":
         member = super().__new__(cls, (host, port))
         member.layout = layout
         return member
@@ -491,7 +494,7 @@ def parse_address(text):
             layout = _etcd_layout(query, text) if has_query else "kunci"
             members = rest.split(",")
             try:
-                return [(scheme, EtcdMember(*_etcd_endpoint(member), layout=layout))
+                return [(scheme, EtcdMember(*_etcd_endpoint(member), layout))
                         for member in members]
             except ValueError as error:
                 raise ValueError("address %r: %s" % (text, error))
@@ -509,7 +512,7 @@ def _host_port(text, address):
     return (host, int(port))
 
 
-def _etcd_endpoint(text):
+def _etcd_endpoint(text: str) -> Tuple[str, int]:
     """``(host, port)`` of an etcd member ``HOST:PORT``, or ``ValueError``."""
     text = text.strip()
     host, sep, port = text.rpartition(":")

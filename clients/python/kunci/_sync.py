@@ -34,7 +34,7 @@ import time
 import weakref
 from types import TracebackType
 from typing import (
-    Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Type, Union,
+    Any, Callable, ContextManager, Deque, Dict, Iterator, List, Optional, Tuple, Type, Union,
 )
 
 from . import _engine as E
@@ -67,7 +67,7 @@ _WITHDRAW_WAIT = 1.0
 # How long the maintenance thread stays with nothing to do before it ends.
 _MAINTENANCE_IDLE_EXIT = 5.0
 
-_CLIENTS = weakref.WeakSet()
+_CLIENTS: "weakref.WeakSet[Client]" = weakref.WeakSet()
 
 # The socket took nothing by the deadline: the server is not reading. Not a
 # reason to close the session by itself.
@@ -312,7 +312,7 @@ class Client(E.ClientBase):
         # (key, token) to release, appended and taken without a lock (a
         # deque's ends are atomic): by the maintenance thread, or, once the
         # client is closed, by the flush at exit.
-        self._background = collections.deque()
+        self._background: Deque[Tuple[bytes, int]] = collections.deque()
         self._timers = []
         self._timer_seq = 0
 

@@ -56,7 +56,7 @@ class _Session(asyncio.Protocol):
     def __init__(self, client, index, auth_frame):
         self.client = client
         self.index = index
-        self.transport = None
+        self.transport: Any = None
         self.pending = Pending()
         self.buf = bytearray()
         self.frames = 0
@@ -121,7 +121,7 @@ class Client(E.ClientBase):
         self._etcd = _etcd.cluster_for(
             self._addresses, self._connect_timeout, self._access.etcd_tls,
             self._access.etcd_credentials)
-        self._loop = None
+        self._loop: Any = None
         self._loop_end = None
         # The clean-ups after an indeterminate acquire not done yet (owner:
         # key), for the flush at exit.
@@ -364,7 +364,7 @@ class Client(E.ClientBase):
         self._forget_loop_end()
         if getattr(loop, "_asyncgens_shutdown_called", False):
             return
-        quiet = []
+        quiet: List[bool] = []
         watcher = _loop_end(weakref.ref(self), loop, quiet)
         try:
             watcher.asend(None).send(None)
@@ -768,10 +768,10 @@ class Client(E.ClientBase):
         if self._closed or loop is None or loop.is_closed():
             return
         try:
-            running = asyncio.get_running_loop()
+            in_loop = asyncio.get_running_loop() is loop
         except RuntimeError:
-            running = None
-        if running is loop:
+            in_loop = False
+        if in_loop:
             # Not at once: this may run inside a finalizer or in the middle
             # of handling an answer.
             loop.call_soon(self._start_background, key, token)
@@ -878,7 +878,7 @@ async def _closing_seen():
 # Transports inherited from the parent by a forked child. They are kept
 # referenced and never used: closing or collecting one would go through the
 # parent's event loop, and the parent's connections must stay intact.
-_INHERITED = []
+_INHERITED: List[Any] = []
 
 
 def _forget_transport(transport):
