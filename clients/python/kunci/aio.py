@@ -360,10 +360,10 @@ class Client(E.ClientBase):
         cancelled its tasks and before it closes the loop. A generator of
         the client's, started here, lets it finish there what the cancelled
         tasks started (a Ctrl-C during a waiting acquire), while the loop
-        still runs: see :meth:`_finish_at_loop_end`."""
+        still runs: see :meth:`_finish_at_loop_end`. (Started during the
+        loop's own shutdown of generators, which is rare, it is not closed
+        by the loop, only when the client moves on or is freed.)"""
         self._forget_loop_end()
-        if getattr(loop, "_asyncgens_shutdown_called", False):
-            return
         quiet: List[bool] = []
         watcher = _loop_end(weakref.ref(self), loop, quiet)
         try:
@@ -820,8 +820,9 @@ class Client(E.ClientBase):
 def _drop_transport(transport):
     """Closes the transport of a loop the client left. On a loop that is
     closed, nothing runs its callbacks (``abort`` raises): the socket is
-    shut down at once (the server ends the session and its waits) and
-    closed as the transport would have done."""
+    shut down at once (the server ends the session and its waits), and its
+    descriptor is closed when the transport is freed, which the client
+    makes happen by forgetting it (the closed loop holds it no longer)."""
     if transport is None:
         return
     try:
@@ -834,14 +835,6 @@ def _drop_transport(transport):
         sock.shutdown(socket.SHUT_RDWR)
     except (AttributeError, OSError):
         pass
-    # Selector transports close their socket in this step, which the
-    # closed loop will never run.
-    lost = getattr(transport, "_call_connection_lost", None)
-    if lost is not None:
-        try:
-            lost(None)
-        except Exception:
-            pass
 
 
 async def _within(awaitable, timeout):
