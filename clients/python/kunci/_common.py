@@ -532,14 +532,14 @@ def _secret_of(secret, secret_file):
             with open(secret_file, "rb") as file:
                 return file.read()
         except (OSError, TypeError, ValueError) as error:
-            raise InvalidArgument("secret_file %r: %s" % (secret_file, error))
+            raise InvalidArgument("secret_file %r: %s" % (secret_file, error)) from None
     secret = os.environ.get("KUNCI_SECRET")
     if not secret:
         return None
     try:
         P.check_secret(secret)
     except ValueError as error:
-        raise InvalidArgument("KUNCI_SECRET: %s" % error)
+        raise InvalidArgument("KUNCI_SECRET: %s" % error) from None
     return secret
 
 
@@ -553,7 +553,7 @@ def _default_context():
     try:
         return ssl.create_default_context(cafile=cafile)
     except (OSError, ssl.SSLError) as error:
-        raise InvalidArgument("KUNCI_TLS_CA %r: %s" % (cafile, error))
+        raise InvalidArgument("KUNCI_TLS_CA %r: %s" % (cafile, error)) from None
 
 
 def _etcd_credentials_from_env():
