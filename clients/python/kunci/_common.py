@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import os
+import random
 import ssl
 import sys
 import time
@@ -181,17 +182,30 @@ class Leader(NamedTuple):
     it writes) and how long it has led (``held_for``, seconds as a float,
     as the server answered; on etcd from the grant time the leader wrote
     into its entry, by the wall clocks of both machines, and ``None``
-    where it wrote none)."""
+    where it wrote none). During a server's crash grace (spec §7.2) the
+    key is still held by the previous run's grant, whose value and term
+    the server does not know: the *unknown leader*, ``value`` ``None``,
+    ``term`` 0, ``held_for`` ``None`` (:attr:`known` is false)."""
 
-    value: str
+    value: Optional[str]
     term: int
     held_for: Optional[float]
 
+    @property
+    def known(self) -> bool:
+        """Whether the value and term are known (not a crash grace's)."""
+        return self.term != 0
+
+
+#: The leader during a crash grace (spec §13.6): one leads, unknown.
+UNKNOWN_LEADER = Leader(None, 0, None)
+
 
 def leader_of(state):
-    """The :class:`Leader` a :class:`KeyState` shows, or ``None``."""
+    """The :class:`Leader` a :class:`KeyState` shows, or ``None``. A key
+    with a grant but no token is in a crash grace: the unknown leader."""
     if state.token == 0:
-        return None
+        return UNKNOWN_LEADER if state.grants > 0 else None
     held_ms = state.held_ms
     return Leader(state.label, state.token, None if held_ms is None else held_ms / 1000.0)
 
@@ -1138,8 +1152,8 @@ class Follow(object):
         is one that asking again cannot change."""
         if isinstance(error, (InvalidArgument, PermissionDenied)):
             raise error
-        pause = self.pause
-        self.pause = min(pause * 2, RETRY_PAUSE_MAX)
+        pause = jittered(self.pause)
+        self.pause = min(self.pause * 2, RETRY_PAUSE_MAX)
         return pause
 
     def answered(self, state):
@@ -1185,8 +1199,17 @@ def waits_forever(wait):
 WAIT_FOREVER_SLICE = float(P.WAIT_MAX)
 #: The first pause before ``acquire(wait=None)`` asks again after a
 #: restart, an outage or an unknown outcome; it doubles up to the second.
+#: Each pause taken is ``jittered``.
 RETRY_PAUSE_FIRST = 0.1
 RETRY_PAUSE_MAX = 2.0
+#: The jitter of a retry pause: ±25 % (spec §13.6), so that the clients of
+#: a server that restarts do not all come back in the same millisecond.
+RETRY_JITTER = 0.25
+
+
+def jittered(pause):
+    """``pause`` seconds ± ``RETRY_JITTER``, uniformly."""
+    return pause * random.uniform(1.0 - RETRY_JITTER, 1.0 + RETRY_JITTER)
 #: How long after a ``Busy`` the ``X 8`` of a shutting-down server may
 #: still come (the server sends the two back to back).
 SHUTDOWN_NOTICE_WAIT = 0.2
@@ -1211,10 +1234,14 @@ class WaitForever(object):
       the call."""
 
     def __init__(self, key, lease, limit=None, take=None, shared=False, label=None,
-                 stamp=False, transport=P.TRANSPORT_DEADLINE):
+                 stamp=False, transport=P.TRANSPORT_DEADLINE, wait=None):
         self.args = (key, lease, limit, take, shared, label)
         self.stamp = stamp
         self.transport = transport
+        # A bounded wait (``campaign(..., wait=S)``): the instant the last
+        # attempt's wait ends, ``None`` for ever.
+        self.until = None if waits_forever(wait) else (
+            time.monotonic() + check_args(P.check_wait, wait))
         self.pause = RETRY_PAUSE_FIRST
         # Checked once, before anything is sent.
         self.call(0, time.monotonic())
@@ -1222,7 +1249,10 @@ class WaitForever(object):
     def call(self, owner, now):
         """The next attempt's call."""
         key, lease, limit, take, shared, label = self.args
-        return acquire_call(key, WAIT_FOREVER_SLICE, lease, owner, now, limit, take, shared, label,
+        wait = WAIT_FOREVER_SLICE
+        if self.until is not None:
+            wait = max(0.0, min(wait, self.until - now))
+        return acquire_call(key, wait, lease, owner, now, limit, take, shared, label,
                             self.stamp, self.transport)
 
     def after(self, error, shut_down):
@@ -1230,6 +1260,9 @@ class WaitForever(object):
         it is shutting down since the attempt began): the seconds to pause
         before the next attempt, or ``None`` when ``error`` ends the call.
         The caller cleans up first after ``Indeterminate``."""
+        left = None if self.until is None else self.until - time.monotonic()
+        if left is not None and left <= 0:
+            return None  # a bounded wait ran out: the last outcome stands
         if isinstance(error, Timeout):
             self.pause = RETRY_PAUSE_FIRST
             return 0.0
@@ -1239,9 +1272,9 @@ class WaitForever(object):
             return None  # a certificate does not change by waiting
         if not isinstance(error, (Busy, Unavailable, Indeterminate)):
             return None
-        pause = self.pause
-        self.pause = min(pause * 2, RETRY_PAUSE_MAX)
-        return pause
+        pause = jittered(self.pause)
+        self.pause = min(self.pause * 2, RETRY_PAUSE_MAX)
+        return pause if left is None else min(pause, left)
 
 
 def own_grants(holders, owner):
@@ -1333,6 +1366,8 @@ class TicketBase(object):
     _state_lock: Any = contextlib.nullcontext()
     # The flavour's keep-alive (a ``kunci._engine.KeepAlive``).
     _keep_alive_type: Any
+    # A campaign's ticket: resigning a lead already lost returns quietly.
+    _resign_quietly = False
 
     def _report_lost(self, on_lost):
         """Hands the ticket to ``on_lost`` as the flavour does."""

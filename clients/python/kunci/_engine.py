@@ -31,7 +31,7 @@ from ._common import (
     Call,
     EXIT_CLIENTS, MOVED, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, Access, Follow, OwnerIds,
     WaitForever, acquire_call, check_args, check_connect_timeout, check_transport_timeout,
-    client_repr, granted_token,
+    client_repr, granted_token, jittered,
     holders_call, key_text, log, needs_clean_up, outcome_of, own_grants, release_call,
     renew_call, waits_forever,
 )
@@ -227,15 +227,18 @@ def release_own_grant(client, call):
             if client._closed:
                 raise error
             log.debug("asking who holds %r: %s", key_text(call.key), error)
-        yield Pause(pause)
+        yield Pause(jittered(pause))
         pause = min(pause * 2, RETRY_PAUSE_MAX)
 
 
-def campaign(client, forever):
+def campaign(client, forever, on_lost=None):
     """A campaign (spec §13.6): waits as ``acquire(wait=None)`` until
-    granted, then hands the ticket over kept alive."""
+    granted (or its bounded wait runs out: ``Timeout``), then hands the
+    ticket over kept alive, ``on_lost`` called once if the lead is lost.
+    Resigning a lead already lost returns quietly (as etcd's ``Resign``)."""
     ticket = yield from acquire_until_granted(client, forever)
-    return (yield from hand_over(ticket, None))
+    ticket._resign_quietly = True
+    return (yield from hand_over(ticket, on_lost))
 
 
 def observe(client, name):
@@ -284,14 +287,22 @@ def renewal(ticket, lease):
 
 
 def release(ticket):
-    """A ticket's ``release()`` (a course of its one call)."""
+    """A ticket's ``release()`` (a course of its one call). A campaign's
+    ticket resigns quietly when the lead is already lost: nothing is sent
+    after a known loss, and an ``N`` says the same."""
+    if ticket._resign_quietly and ticket.lost and not ticket._foreign():
+        return
     call, before = release_of(ticket)
     try:
         result = yield Run(call)
     except BaseException as error:
         release_failed(ticket, call, before, error)
         raise
-    released(ticket, call, before, result)
+    try:
+        released(ticket, call, before, result)
+    except NotHeld:
+        if not ticket._resign_quietly:
+            raise
 
 
 def clean_up_call(client, call):

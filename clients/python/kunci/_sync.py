@@ -401,17 +401,24 @@ class Client(E.ClientBase):
         return _LockContext(self, (key, wait, lease),
                             dict(limit=limit, take=take, shared=shared, label=label), on_lost)
 
-    def campaign(self, name: str, value: Union[str, bytes], lease: int = 30) -> "Ticket":
-        """Campaigns in the election ``name`` with ``value`` (1..=128 UTF-8
-        bytes, no newline; spec §13.6): an exclusive acquire of ``name``
-        labelled ``value`` that waits as ``acquire(wait=None)`` does,
-        kept alive as :meth:`lock` keeps its lock. It returns once this
+    def campaign(self, name: str, value: Union[str, bytes], lease: int = 30,
+                 wait: Optional[float] = None,
+                 on_lost: Optional[Callable[["Ticket"], object]] = None) -> "Ticket":
+        """Campaigns in the election ``name`` with ``value`` (1 to 128
+        UTF-8 bytes, no newline; spec §13.6): an exclusive acquire of
+        ``name`` labelled ``value`` that waits as ``acquire(wait=None)``
+        does (``wait=S``: at most S seconds, then ``Timeout``), kept alive
+        as :meth:`lock` keeps its lock (``on_lost(t)`` runs once, on a
+        thread of its own, if the lead is lost). It returns once this
         candidate leads: a :class:`Ticket` whose ``token`` is the term.
-        ``release()`` — or leaving its ``with`` block — resigns; a
-        candidate whose process dies loses the lead at its lease's end."""
+        ``release()`` — or leaving its ``with`` block — resigns; resigning
+        a lead already lost returns quietly. A candidate whose process
+        dies loses the lead at its lease's end."""
         check_campaign_value(value)
-        return self._drive(E.campaign(self, WaitForever(name, lease, label=value, stamp=True,
-                                                        transport=self._transport)))
+        check_on_lost(on_lost)
+        forever = WaitForever(name, lease, label=value, stamp=True, transport=self._transport,
+                              wait=wait)
+        return self._drive(E.campaign(self, forever, on_lost))
 
     def leader(self, name: str) -> Optional[Leader]:
         """Who leads the election ``name`` now (one ``O`` with wait 0): a

@@ -156,18 +156,22 @@ class Client(E.ClientBase):
             return E.granted(self, work, await self._run(work))
         return await self._drive(work)
 
-    def campaign(self, name: str, value: Union[str, bytes], lease: int = 30) -> "_Campaign":
-        """As :meth:`kunci.Client.campaign`: ``t = await
-        client.campaign(...)`` returns the :class:`Ticket` once this
-        candidate leads (``t.token`` is the term; ``await t.release()``
-        resigns), and ``async with client.campaign(...) as t:`` resigns
-        when the block ends."""
+    def campaign(self, name: str, value: Union[str, bytes], lease: int = 30,
+                 wait: Optional[float] = None,
+                 on_lost: Optional[Callable[["Ticket"], object]] = None) -> "_Campaign":
+        """As :meth:`kunci.Client.campaign` (``wait``, ``on_lost`` too):
+        ``t = await client.campaign(...)`` returns the :class:`Ticket`
+        once this candidate leads (``t.token`` is the term; ``await
+        t.release()`` resigns), and ``async with client.campaign(...) as
+        t:`` resigns when the block ends."""
         check_campaign_value(value)
-        forever = WaitForever(name, lease, label=value, stamp=True, transport=self._transport)
-        return _Campaign(self, forever)
+        check_on_lost(on_lost)
+        forever = WaitForever(name, lease, label=value, stamp=True, transport=self._transport,
+                              wait=wait)
+        return _Campaign(self, forever, on_lost)
 
-    async def _campaign(self, forever):
-        return await self._drive(E.campaign(self, forever))
+    async def _campaign(self, forever, on_lost):
+        return await self._drive(E.campaign(self, forever, on_lost))
 
     async def leader(self, name: str) -> Optional[Leader]:
         """As :meth:`kunci.Client.leader`: a :class:`kunci.Leader` or ``None``."""
@@ -986,16 +990,17 @@ class _Campaign(object):
     :class:`Ticket`; as an ``async with``, the same, resigned at the
     block's end."""
 
-    def __init__(self, client, forever):
+    def __init__(self, client, forever, on_lost):
         self._client = client
         self._forever = forever
+        self._on_lost = on_lost
         self._ticket = None
 
     def __await__(self) -> Generator[Any, None, Ticket]:
-        return self._client._campaign(self._forever).__await__()
+        return self._client._campaign(self._forever, self._on_lost).__await__()
 
     async def __aenter__(self) -> Ticket:
-        ticket: Ticket = await self._client._campaign(self._forever)
+        ticket: Ticket = await self._client._campaign(self._forever, self._on_lost)
         self._ticket = ticket
         return ticket
 
