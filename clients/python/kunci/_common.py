@@ -12,11 +12,12 @@ import itertools
 import logging
 import math
 import os
+import random
 import ssl
 import sys
 import time
 import weakref
-from typing import Optional
+from typing import Any, ClassVar, Deque, Dict, List, NamedTuple, Optional, Set
 
 from . import _protocol as P
 from ._errors import (
@@ -34,9 +35,14 @@ log.addHandler(logging.NullHandler())
 EXIT_FLUSH = 0.5
 
 # Every client of this process (both flavours), for the flush at exit.
-EXIT_CLIENTS = weakref.WeakSet()
+EXIT_CLIENTS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
-_exit_started = []
+# Closed clients that still have releases or clean-ups for the flush at
+# exit (only it sends them): kept alive until then, as the program may
+# drop them first.
+KEPT_FOR_EXIT: Set[Any] = set()
+
+_exit_started: List[bool] = []
 
 
 def exiting():
@@ -84,7 +90,7 @@ def plaintext_secret_refusal(address, context):
             "allow_plaintext_secret=True or KUNCI_ALLOW_PLAINTEXT_SECRET=1"
             % P.format_address(address))
 
-class KeyStatus(collections.namedtuple("KeyStatus", "token owner lease_ms waiters")):
+class KeyStatus(NamedTuple):
     """What ``query`` returns for a key that is not free: the key's state as
     the server answered ``Q``: the active grant's ``token`` (0 when no
     grant is known, e.g. during the grace after an unclean restart), the
@@ -94,7 +100,10 @@ class KeyStatus(collections.namedtuple("KeyStatus", "token owner lease_ms waiter
     the number of queued ``waiters``. It is out of date as soon as it
     arrives: never use it as a lock."""
 
-    __slots__ = ()
+    token: int
+    owner: int
+    lease_ms: int
+    waiters: int
 
     @property
     def lease_left(self) -> float:
@@ -102,51 +111,101 @@ class KeyStatus(collections.namedtuple("KeyStatus", "token owner lease_ms waiter
         :attr:`Grant.lease_left`."""
         return self.lease_ms / 1000.0
 
-Grant = collections.namedtuple("Grant", "token owner take lease_left held_for label")
-Grant.__doc__ = """One grant of a key (a ``G`` frame): its fencing ``token`` (0 is the
-unknown grant of a crash grace), the ``owner`` id of the request that was
-granted, the permits it holds (``take``; 0 is all of them), the time left
-on its lease and the time it has been held (``lease_left``, ``held_for``:
-seconds as floats) and its ``label`` (``""`` when none)."""
 
-Waiter = collections.namedtuple("Waiter", "owner take wait_left label")
-Waiter.__doc__ = """One waiter of a key (a ``W`` frame): its ``owner`` id, the permits
-it asks for (``take``; 0 is all), the seconds left until its wait runs out
-(``wait_left``, a float) and its ``label``."""
+class Grant(NamedTuple):
+    """One grant of a key (a ``G`` frame): its fencing ``token`` (0 is the
+    unknown grant of a crash grace), the ``owner`` id of the request that
+    was granted, the permits it holds (``take``; 0 is all of them), the
+    time left on its lease and the time it has been held (``lease_left``,
+    ``held_for``: seconds as floats) and its ``label`` (``""`` when
+    none)."""
 
-Holders = collections.namedtuple("Holders", "grants waiters left_out")
-Holders.__doc__ = """What ``holders(key)`` found: the key's ``grants`` in token order and
-its ``waiters`` in queue order (lists), and how many the server left out
-(``left_out``; it lists at most 1000 of each). A snapshot: out of date as
-soon as it arrives; never use it as a lock."""
-
-KeyInfo = collections.namedtuple("KeyInfo", "key grants waiters limit")
-KeyInfo.__doc__ = """One key of the server's table (a ``K`` frame): the ``key`` (str),
-its numbers of ``grants`` and ``waiters``, and its ``limit`` of permits
-(0 when no request named one)."""
-
-KeyState = collections.namedtuple("KeyState", "token lease_ms held_ms grants waiters label")
-KeyState.__doc__ = """A key's state as one ``O`` answers it (spec §13.2): its current
-``token`` (the smallest among its grants, 0 when it has none or during a
-crash grace), that grant's ``lease_ms`` left and ``held_ms`` held, the
-number of ``grants`` and ``waiters``, and that grant's ``label``."""
+    token: int
+    owner: int
+    take: int
+    lease_left: float
+    held_for: float
+    label: str
 
 
-class Leader(collections.namedtuple("Leader", "value term held_for")):
+class Waiter(NamedTuple):
+    """One waiter of a key (a ``W`` frame): its ``owner`` id, the permits
+    it asks for (``take``; 0 is all), the seconds left until its wait runs
+    out (``wait_left``, a float) and its ``label``."""
+
+    owner: int
+    take: int
+    wait_left: float
+    label: str
+
+
+class Holders(NamedTuple):
+    """What ``holders(key)`` found: the key's ``grants`` in token order and
+    its ``waiters`` in queue order (lists), and how many the server left
+    out (``left_out``; it lists at most 1000 of each). A snapshot: out of
+    date as soon as it arrives; never use it as a lock."""
+
+    grants: List[Grant]
+    waiters: List[Waiter]
+    left_out: int
+
+
+class KeyInfo(NamedTuple):
+    """One key of the server's table (a ``K`` frame): the ``key`` (str),
+    its numbers of ``grants`` and ``waiters``, and its ``limit`` of permits
+    (0 when no request named one)."""
+
+    key: str
+    grants: int
+    waiters: int
+    limit: int
+
+
+class KeyState(NamedTuple):
+    """A key's state as one ``O`` answers it (spec §13.2): its current
+    ``token`` (the smallest among its grants, 0 when it has none or during
+    a crash grace), that grant's ``lease_ms`` left and ``held_ms`` held
+    (``None`` where unknown), the number of ``grants`` and ``waiters``, and
+    that grant's ``label``."""
+
+    token: int
+    lease_ms: int
+    held_ms: Optional[int]
+    grants: int
+    waiters: int
+    label: str
+
+
+class Leader(NamedTuple):
     """Who leads an election (spec §13.6): the ``value`` it campaigned
     with (str), its ``term`` (the grant's token: a fencing token for what
     it writes) and how long it has led (``held_for``, seconds as a float,
     as the server answered; on etcd from the grant time the leader wrote
     into its entry, by the wall clocks of both machines, and ``None``
-    where it wrote none)."""
+    where it wrote none). During a server's crash grace (spec §7.2) the
+    key is still held by the previous run's grant, whose value and term
+    the server does not know: the *unknown leader*, ``value`` ``None``,
+    ``term`` 0, ``held_for`` ``None`` (:attr:`known` is false)."""
 
-    __slots__ = ()
+    value: Optional[str]
+    term: int
+    held_for: Optional[float]
+
+    @property
+    def known(self) -> bool:
+        """Whether the value and term are known (not a crash grace's)."""
+        return self.term != 0
+
+
+#: The leader during a crash grace (spec §13.6): one leads, unknown.
+UNKNOWN_LEADER = Leader(None, 0, None)
 
 
 def leader_of(state):
-    """The :class:`Leader` a :class:`KeyState` shows, or ``None``."""
+    """The :class:`Leader` a :class:`KeyState` shows, or ``None``. A key
+    with a grant but no token is in a crash grace: the unknown leader."""
     if state.token == 0:
-        return None
+        return UNKNOWN_LEADER if state.grants > 0 else None
     held_ms = state.held_ms
     return Leader(state.label, state.token, None if held_ms is None else held_ms / 1000.0)
 
@@ -173,13 +232,17 @@ class Call(object):
         "reason", "refusals", "tried", "waiter", "signalled", "future", "timer",
         "session", "answered_at", "limit", "take", "label",
         "ident", "cursor", "count", "gathered", "clean_up_for", "denials", "wait_s",
-        "stamp",
+        "stamp", "transport",
     )
 
     def __init__(self, op, key, deadline, owner=0, token=0, nonce=0, lease=0,
                  wait_until=None, background=False, limit=0, take=0, label=b"",
-                 ident=0, cursor=0, count=0, clean_up_for=None, wait_s=0, stamp=False):
+                 ident=0, cursor=0, count=0, clean_up_for=None, wait_s=0, stamp=False,
+                 transport=P.TRANSPORT_DEADLINE):
         self.op = op
+        # The seconds past its work (the wait of an acquire or an ``O``)
+        # that the call gives the transport: ``D − Dw`` of rule 2.
+        self.transport = transport
         # A campaign's acquire (spec §13.6): on etcd its entry stores the
         # wall-clock grant time, for ``leader``'s ``held_for``.
         self.stamp = stamp
@@ -190,7 +253,7 @@ class Call(object):
         self.ident = ident
         self.cursor = cursor
         self.count = count
-        self.gathered = ([], []) if op == "H" else []
+        self.gathered: Any = ([], []) if op == "H" else []
         # An ``H`` sent to clean up after an acquire by this owner ended
         # indeterminate (spec §8 rule 11): its grants are released.
         self.clean_up_for = clean_up_for
@@ -206,7 +269,7 @@ class Call(object):
         self.lease = lease
         self.wait_until = wait_until
         self.deadline = deadline
-        self.result = None
+        self.result: Any = None
         self.sent_at = None
         self.writing = False
         # Nobody waits for the outcome (a compensating or dropped ticket's
@@ -290,8 +353,8 @@ class Pending(object):
     __slots__ = ("acquires", "others")
 
     def __init__(self):
-        self.acquires = {}
-        self.others = collections.deque()
+        self.acquires: Dict[int, Any] = {}
+        self.others: Deque[Any] = collections.deque()
 
     def add(self, call):
         if call.op == "A":
@@ -301,8 +364,9 @@ class Pending(object):
 
     def remove(self, call):
         if call.op == "A":
-            if self.acquires.get(call.owner) is call:
-                del self.acquires[call.owner]
+            owner = call.owner
+            if self.acquires.get(owner) is call:
+                del self.acquires[owner]
         else:
             try:
                 self.others.remove(call)
@@ -482,14 +546,14 @@ def _secret_of(secret, secret_file):
             with open(secret_file, "rb") as file:
                 return file.read()
         except (OSError, TypeError, ValueError) as error:
-            raise InvalidArgument("secret_file %r: %s" % (secret_file, error))
+            raise InvalidArgument("secret_file %r: %s" % (secret_file, error)) from None
     secret = os.environ.get("KUNCI_SECRET")
     if not secret:
         return None
     try:
         P.check_secret(secret)
     except ValueError as error:
-        raise InvalidArgument("KUNCI_SECRET: %s" % error)
+        raise InvalidArgument("KUNCI_SECRET: %s" % error) from None
     return secret
 
 
@@ -503,7 +567,7 @@ def _default_context():
     try:
         return ssl.create_default_context(cafile=cafile)
     except (OSError, ssl.SSLError) as error:
-        raise InvalidArgument("KUNCI_TLS_CA %r: %s" % (cafile, error))
+        raise InvalidArgument("KUNCI_TLS_CA %r: %s" % (cafile, error)) from None
 
 
 def _etcd_credentials_from_env():
@@ -540,6 +604,26 @@ def tls_refusal(error):
 
 
 _UNTRUSTED = "the server's certificate is not trusted"
+
+# What OpenSSL says when the peer's first bytes are no TLS record: the
+# port speaks something else (a plain kunci port addressed as tls://).
+_NOT_TLS_REASONS = (
+    "WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNKNOWN_PROTOCOL",
+    "HTTP_REQUEST",
+)
+
+
+def tls_not_spoken(error):
+    """Why, when ``error`` says the server answered the TLS handshake with
+    bytes that are no TLS record (as the ``kunci`` command says it); else
+    ``None``."""
+    if not isinstance(error, ssl.SSLError) or isinstance(error, ssl.SSLCertVerificationError):
+        return None
+    reason = getattr(error, "reason", None) or ""
+    if reason not in _NOT_TLS_REASONS:
+        return None
+    return ("the server does not speak TLS on that port (a plain kunci port?): address it "
+            "without tls:// (TLS: %s)" % reason.lower().replace("_", " "))
 
 
 def tls_untrusted(error):
@@ -660,12 +744,12 @@ class AddressBook(object):
     def connect_failed(self, index, call, error, now):
         """A connection (or its TLS handshake) failed. A server whose
         certificate is not trusted is not tried again by this call: the
-        certificate and the trust do not change within a call; another
-        address may still serve it. A server that refused the client's
+        certificate and the trust do not change within a call (nor does a
+        port that does not speak TLS); another address may still serve it. A server that refused the client's
         certificate refuses it everywhere: the call ends PermissionDenied."""
         address = P.format_address(self.addresses[index])
         refused = tls_refusal(error)
-        untrusted = tls_untrusted(error)
+        untrusted = tls_untrusted(error) or tls_not_spoken(error)
         if refused is not None:
             reason = "%s: %s" % (address, refused)
             self.deny(reason)
@@ -793,12 +877,22 @@ def _gather(pending, frame):
 def closed_result(session):
     """The result of a possibly-sent call whose session ended unanswered:
     denied when the server refused the client's credentials, moved when it
-    refused the session before reading anything, else indeterminate."""
+    refused the session before reading anything, else indeterminate, with
+    why the session ended (``session.ended_by``) when it is known."""
     if session.denied is not None:
         return (DENIED, session.denied)
     if session.refused is not None:
         return (MOVED,) + session.refused
-    return INDETERMINATE
+    return indeterminate(getattr(session, "ended_by", None))
+
+
+def indeterminate(why):
+    """An indeterminate result that says ``why`` (``None``: not known)."""
+    return INDETERMINATE if why is None else ("?", why)
+
+
+#: Why a grant noticed at or after the call's deadline ends it indeterminate.
+LATE_GRANT = "its grant came after the call's deadline (the client releases it)"
 
 
 def result_of(call, frame, now, compensate):
@@ -814,7 +908,7 @@ def result_of(call, frame, now, compensate):
             return None
         if now >= call.deadline:
             compensate(call.key, token)
-            return INDETERMINATE
+            return indeterminate(LATE_GRANT)
         return ("A", token)
     if kind in ("G", "W", "K"):
         return None  # kept with the call until its ``Z``
@@ -852,7 +946,11 @@ def raise_for(call, result):
     """Raises the exception for a result that is not the call's answer."""
     kind = result[0]
     if kind == "T":
-        raise Timeout("timeout: the key stayed held for the whole wait")
+        if call.wait_until is None:
+            raise Timeout("timeout: key %r was held at the one attempt (wait 0); nothing was "
+                          "acquired" % key_text(call.key))
+        raise Timeout("timeout: key %r stayed held for the whole wait; nothing was acquired"
+                      % key_text(call.key))
     if kind == "B":
         raise Busy("busy: the server has no capacity for the request, or is shutting down")
     if kind == "N":
@@ -879,10 +977,36 @@ def raise_for(call, result):
     if kind == DENIED:
         raise PermissionDenied("permission denied: %s; nothing was executed" % result[1])
     if kind == "?":
-        raise Indeterminate(
-            "indeterminate: the request may have reached the server but no answer "
-            "came in time; do not assume the lock is held")
+        why = result[1] if len(result) > 1 else "no answer came in time"
+        raise Indeterminate("indeterminate: %s may have reached the server, but %s; %s"
+                            % (_request_text(call), why, _UNKNOWN_EFFECT.get(call.op, "")))
     raise Indeterminate("unexpected answer %r" % (result,))
+
+
+def _request_text(call):
+    """The request of ``call`` in words, for a message."""
+    op = call.op
+    key = key_text(call.key) if op not in ("I", "P", "L") else ""
+    if op == "A":
+        return "the acquire of %r" % key
+    if op == "R":
+        return "the release of %r (token %d)" % (key, call.token)
+    if op == "E":
+        return "the renewal of %r (token %d)" % (key, call.token)
+    return {"Q": "the query of %r" % key, "H": "the holders request for %r" % key,
+            "O": "the observe request for %r" % key, "L": "the listing request",
+            "I": "the info request", "P": "the ping"}.get(op, "the request")
+
+
+# What an indeterminate outcome leaves unknown, by op.
+_UNKNOWN_EFFECT = {
+    "A": "do not assume the lock is held (a grant that comes late is released by the client)",
+    "R": "the lock may or may not be released (releasing again is harmless)",
+    "E": "the lease may or may not have been renewed",
+}
+for _op in "QHOLIP":
+    _UNKNOWN_EFFECT[_op] = "it changed nothing; ask again"
+del _op
 
 
 def check_connect_timeout(value):
@@ -891,6 +1015,17 @@ def check_connect_timeout(value):
             or value <= 0):
         raise InvalidArgument(
             "connect_timeout must be a number of seconds > 0, got %r" % (value,))
+    return float(value)
+
+
+def check_transport_timeout(value):
+    """``transport_timeout`` as a float: a number of seconds > 0 and at
+    most 3600."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or not 0 < value <= 3600):
+        raise InvalidArgument(
+            "transport_timeout must be a number of seconds above 0 and at most 3600, got %r"
+            % (value,))
     return float(value)
 
 
@@ -912,7 +1047,7 @@ def check_args(check, *values):
     try:
         return check(*values)
     except ValueError as error:
-        raise InvalidArgument(str(error))
+        raise InvalidArgument(str(error)) from None
 
 
 def key_text(key):
@@ -923,62 +1058,68 @@ def key_text(key):
 # starts (its deadline counts from there, rule 2).
 
 def acquire_call(key, wait, lease, owner, now, limit=None, take=None, shared=False, label=None,
-                 stamp=False):
+                 stamp=False, transport=P.TRANSPORT_DEADLINE):
     key_bytes = check_args(P.check_key, key)
     wait = check_args(P.check_wait, wait)
     lease = check_args(P.check_lease, lease)
     limit, take = check_args(P.check_permits, limit, take, shared)
     label = check_args(P.check_label, label)
     wait_until = now + wait
-    return Call("A", key_bytes, wait_until + P.TRANSPORT_DEADLINE, owner=owner, lease=lease,
+    return Call("A", key_bytes, wait_until + transport, owner=owner, lease=lease,
                 wait_until=wait_until if wait > 0 else None, limit=limit, take=take,
-                label=label, stamp=stamp)
+                label=label, stamp=stamp, transport=transport)
 
 
-def release_call(key, token, now):
+def release_call(key, token, now, transport=P.TRANSPORT_DEADLINE):
     key_bytes = check_args(P.check_key, key)
     token = check_args(P.check_token, token)
-    return Call("R", key_bytes, now + P.TRANSPORT_DEADLINE, token=token)
+    return Call("R", key_bytes, now + transport, token=token, transport=transport)
 
 
-def renew_call(key, token, lease, now):
+def renew_call(key, token, lease, now, transport=P.TRANSPORT_DEADLINE):
     # A ticket passes its key as bytes, already checked.
     key_bytes = key if isinstance(key, bytes) else check_args(P.check_key, key)
     token = check_args(P.check_token, token)
     lease = check_args(P.check_lease, lease)
-    return Call("E", key_bytes, now + P.TRANSPORT_DEADLINE, token=token, lease=lease)
+    return Call("E", key_bytes, now + transport, token=token, lease=lease, transport=transport)
 
 
-def query_call(key, now):
-    return Call("Q", check_args(P.check_key, key), now + P.TRANSPORT_DEADLINE)
+def query_call(key, now, transport=P.TRANSPORT_DEADLINE):
+    return Call("Q", check_args(P.check_key, key), now + transport, transport=transport)
 
 
-def holders_call(key, ident, now, clean_up_for=None):
-    return Call("H", check_args(P.check_key, key), now + P.TRANSPORT_DEADLINE, ident=ident,
-                clean_up_for=clean_up_for)
+def holders_call(key, ident, now, clean_up_for=None, transport=P.TRANSPORT_DEADLINE):
+    return Call("H", check_args(P.check_key, key), now + transport, ident=ident,
+                clean_up_for=clean_up_for, transport=transport)
 
 
-def list_call(prefix, cursor, count, ident, now):
+def list_call(prefix, cursor, count, ident, now, transport=P.TRANSPORT_DEADLINE):
     prefix = check_args(P.check_prefix, prefix)
     if not _is_u64(cursor):
         raise InvalidArgument("cursor must be an unsigned 64-bit integer")
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= P.LIST_COUNT_MAX:
-        raise InvalidArgument("count must be 1..=%d" % P.LIST_COUNT_MAX)
-    return Call("L", prefix, now + P.TRANSPORT_DEADLINE, ident=ident, cursor=cursor, count=count)
+        raise InvalidArgument("count must be a whole number from 1 to %d" % P.LIST_COUNT_MAX)
+    return Call("L", prefix, now + transport, ident=ident, cursor=cursor, count=count,
+                transport=transport)
 
 
-def observe_call(key, since, wait_s, ident, now):
-    """One ``O`` (spec §13.1): ``wait_s`` whole seconds (0..=255); its
-    deadline is ``start + wait + 5 s`` (rule 5, as a query's)."""
-    return Call("O", check_args(P.check_key, key), now + wait_s + P.TRANSPORT_DEADLINE,
-                token=since, ident=ident, wait_s=wait_s)
+def observe_call(key, since, wait_s, ident, now, transport=P.TRANSPORT_DEADLINE):
+    """One ``O`` (spec §13.1): ``wait_s`` whole seconds (0 to 255); its
+    deadline is ``start + wait + 5 s`` (rule 5, as a query's; 5 s is the
+    client's ``transport_timeout``)."""
+    return Call("O", check_args(P.check_key, key), now + wait_s + transport,
+                token=since, ident=ident, wait_s=wait_s, transport=transport)
 
 
 def check_campaign_value(value):
-    """A candidate's value as label bytes: 1..=128 UTF-8 bytes, no newline."""
-    label = check_args(P.check_label, value)
+    """A candidate's value as label bytes: 1 to 128 UTF-8 bytes, no newline."""
+    try:
+        label = P.check_label(value)
+    except ValueError as error:
+        # The candidate's value travels as the grant's label: say value.
+        raise InvalidArgument(str(error).replace("label", "value")) from None
     if not label:
-        raise InvalidArgument("value is empty (a candidate's value is 1..=128 bytes)")
+        raise InvalidArgument("value is empty (a candidate's value is 1 to 128 bytes)")
     return label
 
 
@@ -991,24 +1132,28 @@ class Follow(object):
     it differs from the last one reported, and never with a term older
     than the last reported."""
 
-    def __init__(self, key):
+    #: What :meth:`answered` returns when there is nothing to report.
+    NOTHING: ClassVar[object]
+
+    def __init__(self, key, transport=P.TRANSPORT_DEADLINE):
         self.key = key
+        self.transport = transport
         self.since = None
-        self.reported = _NOTHING
+        self.reported: Any = _NOTHING
         self.pause = RETRY_PAUSE_FIRST
 
     def call(self, ident, now):
         if self.since is None:
-            return observe_call(self.key, 0, 0, ident, now)
-        return observe_call(self.key, self.since, P.WAIT_MAX, ident, now)
+            return observe_call(self.key, 0, 0, ident, now, self.transport)
+        return observe_call(self.key, self.since, P.WAIT_MAX, ident, now, self.transport)
 
     def failed(self, error):
         """The pause before asking again after ``error``; raises it if it
         is one that asking again cannot change."""
         if isinstance(error, (InvalidArgument, PermissionDenied)):
             raise error
-        pause = self.pause
-        self.pause = min(pause * 2, RETRY_PAUSE_MAX)
+        pause = jittered(self.pause)
+        self.pause = min(self.pause * 2, RETRY_PAUSE_MAX)
         return pause
 
     def answered(self, state):
@@ -1036,12 +1181,12 @@ def _is_u64(value):
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _U64
 
 
-def info_call(now):
-    return Call("I", b"", now + P.TRANSPORT_DEADLINE)
+def info_call(now, transport=P.TRANSPORT_DEADLINE):
+    return Call("I", b"", now + transport, transport=transport)
 
 
-def ping_call(nonce, now):
-    return Call("P", b"", now + P.TRANSPORT_DEADLINE, nonce=nonce)
+def ping_call(nonce, now, transport=P.TRANSPORT_DEADLINE):
+    return Call("P", b"", now + transport, nonce=nonce, transport=transport)
 
 
 def waits_forever(wait):
@@ -1054,8 +1199,17 @@ def waits_forever(wait):
 WAIT_FOREVER_SLICE = float(P.WAIT_MAX)
 #: The first pause before ``acquire(wait=None)`` asks again after a
 #: restart, an outage or an unknown outcome; it doubles up to the second.
+#: Each pause taken is ``jittered``.
 RETRY_PAUSE_FIRST = 0.1
 RETRY_PAUSE_MAX = 2.0
+#: The jitter of a retry pause: ±25 % (spec §13.6), so that the clients of
+#: a server that restarts do not all come back in the same millisecond.
+RETRY_JITTER = 0.25
+
+
+def jittered(pause):
+    """``pause`` seconds ± ``RETRY_JITTER``, uniformly."""
+    return pause * random.uniform(1.0 - RETRY_JITTER, 1.0 + RETRY_JITTER)
 #: How long after a ``Busy`` the ``X 8`` of a shutting-down server may
 #: still come (the server sends the two back to back).
 SHUTDOWN_NOTICE_WAIT = 0.2
@@ -1080,9 +1234,14 @@ class WaitForever(object):
       the call."""
 
     def __init__(self, key, lease, limit=None, take=None, shared=False, label=None,
-                 stamp=False):
+                 stamp=False, transport=P.TRANSPORT_DEADLINE, wait=None):
         self.args = (key, lease, limit, take, shared, label)
         self.stamp = stamp
+        self.transport = transport
+        # A bounded wait (``campaign(..., wait=S)``): the instant the last
+        # attempt's wait ends, ``None`` for ever.
+        self.until = None if waits_forever(wait) else (
+            time.monotonic() + check_args(P.check_wait, wait))
         self.pause = RETRY_PAUSE_FIRST
         # Checked once, before anything is sent.
         self.call(0, time.monotonic())
@@ -1090,14 +1249,20 @@ class WaitForever(object):
     def call(self, owner, now):
         """The next attempt's call."""
         key, lease, limit, take, shared, label = self.args
-        return acquire_call(key, WAIT_FOREVER_SLICE, lease, owner, now, limit, take, shared, label,
-                            self.stamp)
+        wait = WAIT_FOREVER_SLICE
+        if self.until is not None:
+            wait = max(0.0, min(wait, self.until - now))
+        return acquire_call(key, wait, lease, owner, now, limit, take, shared, label,
+                            self.stamp, self.transport)
 
     def after(self, error, shut_down):
         """After an attempt raised ``error`` (``shut_down``: a server said
         it is shutting down since the attempt began): the seconds to pause
         before the next attempt, or ``None`` when ``error`` ends the call.
         The caller cleans up first after ``Indeterminate``."""
+        left = None if self.until is None else self.until - time.monotonic()
+        if left is not None and left <= 0:
+            return None  # a bounded wait ran out: the last outcome stands
         if isinstance(error, Timeout):
             self.pause = RETRY_PAUSE_FIRST
             return 0.0
@@ -1107,9 +1272,9 @@ class WaitForever(object):
             return None  # a certificate does not change by waiting
         if not isinstance(error, (Busy, Unavailable, Indeterminate)):
             return None
-        pause = self.pause
-        self.pause = min(pause * 2, RETRY_PAUSE_MAX)
-        return pause
+        pause = jittered(self.pause)
+        self.pause = min(self.pause * 2, RETRY_PAUSE_MAX)
+        return pause if left is None else min(pause, left)
 
 
 def own_grants(holders, owner):
@@ -1126,7 +1291,7 @@ def granted_token(call, result, now, compensate):
     token = result[1]
     if now >= call.deadline:
         compensate(call.key, token)
-        raise_for(call, INDETERMINATE)
+        raise_for(call, indeterminate(LATE_GRANT))
     return token
 
 
@@ -1155,7 +1320,7 @@ def needs_clean_up(call, result):
     """Whether an acquire that ended with ``result`` may have been
     granted without the grant reaching the caller, so that the client
     should look for it with ``H`` and release it (spec §8 rule 11)."""
-    return call.op == "A" and result == INDETERMINATE and call.sent_at is not None
+    return call.op == "A" and result[0] == "?" and call.sent_at is not None
 
 
 class OwnerIds(object):
@@ -1198,7 +1363,15 @@ class TicketBase(object):
 
     # What guards the ticket's state against another thread (the sync
     # ticket's lock); nothing in an event loop.
-    _state_lock = contextlib.nullcontext()
+    _state_lock: Any = contextlib.nullcontext()
+    # The flavour's keep-alive (a ``kunci._engine.KeepAlive``).
+    _keep_alive_type: Any
+    # A campaign's ticket: resigning a lead already lost returns quietly.
+    _resign_quietly = False
+
+    def _report_lost(self, on_lost):
+        """Hands the ticket to ``on_lost`` as the flavour does."""
+        raise NotImplementedError
 
     def __init__(self, client, key, key_bytes, token, lease, sent_at, limit=0, take=0):
         self._client = client
@@ -1217,6 +1390,11 @@ class TicketBase(object):
         self._done = False  # released or detached: the drop does nothing
         self._released = False  # given back on purpose: no longer valid
         self._lost = False
+        # A release of it ended Indeterminate: it may be released already,
+        # so it is not valid, but a release may be tried again (a second
+        # ``R`` finds nothing: ``N``), and the drop and the flush at exit
+        # still release it.
+        self._release_unsure = False
         self._keepalive = None
         self._on_lost = None
         # The client knows its tickets (weakly) to release them at exit.
@@ -1250,7 +1428,8 @@ class TicketBase(object):
     def is_valid(self) -> bool:
         """Whether ``valid_until`` is still ahead, the ticket was not
         released, and no loss is known."""
-        return not self.lost and not self._released and time.monotonic() < self.valid_until
+        return (not self.lost and not self._released and not self._release_unsure
+                and time.monotonic() < self.valid_until)
 
     def check(self) -> None:
         """Raises :class:`LockLost` unless the lock is still held
@@ -1261,6 +1440,7 @@ class TicketBase(object):
         if self._released:
             raise LockLost("lock on %r (token %d) was released" % (self.key, self.token))
         self._raise_if_lost()
+        self._raise_if_release_unsure()
         if self._declare_lost_if_expired():
             raise LockLost("lock on %r (token %d): valid_until has passed" % (self.key, self.token))
 
@@ -1300,6 +1480,11 @@ class TicketBase(object):
         if self._foreign():
             raise Error("this ticket belongs to process %d; a forked child never "
                         "renews or releases its parent's locks" % self._pid)
+
+    def _raise_if_release_unsure(self):
+        if self._release_unsure:
+            raise LockLost("lock on %r (token %d) may be released: a release of it ended "
+                           "Indeterminate (release it again to be sure)" % (self.key, self.token))
 
     def _raise_if_lost(self):
         if self._released:
@@ -1345,6 +1530,7 @@ class TicketBase(object):
         when this ticket may not renew."""
         self._check_owned()
         self._raise_if_lost()
+        self._raise_if_release_unsure()
         return self.lease if lease is None else check_args(P.check_lease, lease)
 
     def _needs_renewal_before_handover(self):
@@ -1401,25 +1587,62 @@ class TicketBase(object):
             self.valid_until = valid_until
 
     def _begin_release(self):
-        """Stops the keep-alive and marks the ticket done before a release;
-        raises when there is nothing this process may release."""
+        """Before a release: raises when there is nothing this process may
+        release; else marks the ticket released while its ``R`` is under
+        way (no second release, no flush at exit, no loss reported) and
+        stops its keep-alive. Returns what :meth:`_release_ended` needs to
+        put the ticket back as it was if the release sent nothing."""
         self._check_owned()
+        with self._state_lock:
+            if self._released:
+                raise LockLost(
+                    "lock on %r (token %d) was released already" % (self.key, self.token))
+            if self._lost:
+                self._done = True
+                self._raise_if_lost()
+            before = (self._done, self._release_unsure, self._keepalive is not None)
+            self._done = True
+            self._released = True
         self._stop_keepalive()
-        if self._released:
-            raise LockLost("lock on %r (token %d) was released already" % (self.key, self.token))
-        self._done = True
-        self._raise_if_lost()
-        self._released = True
+        return before
 
     def _release_at_block_end(self):
-        """Leaving a ``with`` block: stops the keep-alive; whether to send
-        a release (not after a known loss, not for a parent's ticket, not
-        twice)."""
+        """Leaving a ``with`` block: stops the keep-alive; ``None`` when no
+        release is sent (after a known loss, for a parent's ticket, or a
+        second time), else as :meth:`_begin_release`. The keep-alive is not
+        started again whatever the release's outcome: the block that wanted
+        the lock is over."""
         self._stop_keepalive()
-        if self._foreign() or self._done:
-            return False
-        self._done = True
-        if self._lost:
-            return False
-        self._released = True
-        return True
+        with self._state_lock:
+            if self._foreign() or self._done:
+                return None
+            self._done = True
+            if self._lost:
+                return None
+            self._released = True
+            return (False, self._release_unsure, False)
+
+    def _release_ended(self, before, sent):
+        """A release begun by :meth:`_begin_release` (which returned
+        ``before``) did not end with the server's answer. ``sent`` is
+        ``False`` when its ``R`` certainly reached no server (``Unavailable``,
+        a closed client, a refusal that executed nothing, an interruption
+        before the write): the ticket is put back exactly as it was, its
+        keep-alive started again. Else (``Indeterminate``) the release may
+        or may not have happened: the ticket is no longer valid, but may be
+        released again, and the drop and the flush at exit still release
+        it."""
+        done, unsure, kept_alive = before
+        with self._state_lock:
+            self._released = False
+            if sent:
+                self._done = False
+                self._release_unsure = True
+                return
+            self._done = done
+            self._release_unsure = unsure
+            restart = kept_alive and not self._lost and not self._done and self._keepalive is None
+        if restart:
+            keepalive = self._keep_alive_type(self)
+            self._keepalive = keepalive
+            keepalive.start()

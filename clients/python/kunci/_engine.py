@@ -24,12 +24,14 @@ its own timers. :class:`ClientBase` is what a client is before any I/O.
 
 import ssl
 import time
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from . import _protocol as P
 from ._common import (
+    Call,
     EXIT_CLIENTS, MOVED, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, Access, Follow, OwnerIds,
-    WaitForever, acquire_call, check_args, check_connect_timeout, client_repr, granted_token,
+    WaitForever, acquire_call, check_args, check_connect_timeout, check_transport_timeout,
+    client_repr, granted_token, jittered,
     holders_call, key_text, log, needs_clean_up, outcome_of, own_grants, release_call,
     renew_call, waits_forever,
 )
@@ -157,10 +159,11 @@ def acquisition(client, key, wait, lease, limit, take, shared, label):
     through nothing); or, when ``wait`` is ``None`` or infinite, the
     course that waits until granted."""
     if waits_forever(wait):
-        forever = WaitForever(key, lease, limit, take, shared, label)
+        forever = WaitForever(key, lease, limit, take, shared, label,
+                              transport=client._transport)
         return acquire_until_granted(client, forever)
     return acquire_call(key, wait, lease, client._ids.next(), monotonic(), limit, take, shared,
-                        label)
+                        label, transport=client._transport)
 
 
 def granted(client, call, result, clean_up=True):
@@ -205,11 +208,12 @@ def release_own_grant(client, call):
     pause = RETRY_PAUSE_FIRST
     while True:
         try:
-            holders = yield from ask(holders_call(call.key, client._ids.next(), monotonic()))
+            holders = yield from ask(holders_call(call.key, client._ids.next(), monotonic(),
+                                                  transport=client._transport))
             released = True
             for token in own_grants(holders, call.owner):
                 try:
-                    yield from ask(release_call(call.key, token, monotonic()))
+                    yield from ask(release_call(call.key, token, monotonic(), client._transport))
                 except NotHeld:
                     pass
                 except Error as error:
@@ -223,29 +227,34 @@ def release_own_grant(client, call):
             if client._closed:
                 raise error
             log.debug("asking who holds %r: %s", key_text(call.key), error)
-        yield Pause(pause)
+        yield Pause(jittered(pause))
         pause = min(pause * 2, RETRY_PAUSE_MAX)
 
 
-def campaign(client, forever):
+def campaign(client, forever, on_lost=None):
     """A campaign (spec §13.6): waits as ``acquire(wait=None)`` until
-    granted, then hands the ticket over kept alive."""
+    granted (or its bounded wait runs out: ``Timeout``), then hands the
+    ticket over kept alive, ``on_lost`` called once if the lead is lost.
+    Resigning a lead already lost returns quietly (as etcd's ``Resign``)."""
     ticket = yield from acquire_until_granted(client, forever)
-    return (yield from hand_over(ticket, None))
+    ticket._resign_quietly = True
+    return (yield from hand_over(ticket, on_lost))
 
 
 def observe(client, name):
     """Follows the election ``name`` (a :class:`kunci._common.Follow`),
     an item per leader to report, for ever; asks again quietly after a
     failure that asking again may change."""
-    follow = Follow(name)
+    follow = Follow(name, client._transport)
     while True:
         call = follow.call(client._ids.next(), monotonic())
         try:
             state = yield from ask(call)
         except Error as error:
             if client._closed:
-                raise  # the client was closed under it: nothing to follow with
+                # Closed under it: nothing to follow with (as every call of
+                # a closed client, not the Indeterminate of the cut ``O``).
+                raise Error("the client is closed") from None
             pause = follow.failed(error)
             log.debug("%s: %s; asking again in %.1f s", name, error, pause)
             yield Pause(pause)
@@ -261,7 +270,8 @@ def renewal(ticket, lease):
     ``Indeterminate`` keeps the earlier of the two bounds."""
     lease = ticket._renewal_lease(lease)
     started = monotonic()
-    call = renew_call(ticket._key_bytes, ticket.token, lease, monotonic())
+    call = renew_call(ticket._key_bytes, ticket.token, lease, monotonic(),
+                      ticket._client._transport)
     try:
         new_valid_until, sent_at = yield from ask(call)
     except NotHeld:
@@ -276,39 +286,119 @@ def renewal(ticket, lease):
     return ticket.valid_until
 
 
-def _release_token(ticket):
-    return (yield from ask(release_call(ticket._key_bytes, ticket.token, monotonic())))
+def release(ticket):
+    """A ticket's ``release()`` (a course of its one call). A campaign's
+    ticket resigns quietly when the lead is already lost: nothing is sent
+    after a known loss, and an ``N`` says the same."""
+    if ticket._resign_quietly and ticket.lost and not ticket._foreign():
+        return
+    call, before = release_of(ticket)
+    try:
+        result = yield Run(call)
+    except BaseException as error:
+        release_failed(ticket, call, before, error)
+        raise
+    try:
+        released(ticket, call, before, result)
+    except NotHeld:
+        if not ticket._resign_quietly:
+            raise
+
+
+def clean_up_call(client, call):
+    """The ``H`` that looks for a grant of the acquire ``call`` (ended
+    Indeterminate), noted until :func:`cleaned_up` for the flush at exit
+    (spec §8 rule 11). Its id is that owner, which no other request uses;
+    the grants of that owner it finds are released."""
+    client._cleanups[call.owner] = call.key
+    return holders_call(call.key, call.owner, monotonic(), call.owner, client._transport)
+
+
+def clean_up(client, call, looking):
+    """Runs the clean-up ``H`` ``looking`` (:func:`clean_up_call`) of the
+    acquire ``call``: answered, the clean-up is done; else the flush at
+    exit does it."""
+    try:
+        yield Run(looking)
+    except Error as error:
+        log.debug("clean-up after an indeterminate acquire: %s", error)
+        return
+    client._cleanups.pop(call.owner, None)
+
+
+def background_release_call(client, key, token):
+    """The ``R`` of a release nobody waits for (a late grant's, a dropped
+    ticket's)."""
+    return Call("R", key, monotonic() + client._transport, token=token, background=True,
+                transport=client._transport)
 
 
 def release_of(ticket):
-    """The call that releases ``ticket`` (``R`` for exactly its token),
-    its keep-alive stopped and the ticket marked released; raises, sending
-    nothing, after a known loss (``LockLost``). A call, not a course, as
-    an acquire: :func:`released` takes its result."""
-    ticket._begin_release()
-    return release_call(ticket._key_bytes, ticket.token, monotonic())
+    """The release of ``ticket`` (``R`` for exactly its token): the call
+    and what :func:`released` or :func:`release_failed` needs, its
+    keep-alive stopped and the ticket marked released while it is under
+    way; raises, sending nothing, after a known loss or a release
+    (``LockLost``). A call, not a course, as an acquire."""
+    before = ticket._begin_release()
+    # The key and token were checked when the ticket was made.
+    return release_call(ticket._key_bytes, ticket.token, monotonic(),
+                        ticket._client._transport), before
 
 
-def released(ticket, call, result):
+def released(ticket, call, before, result):
     """After the release ``call`` of ``ticket`` got ``result``: raises
-    as ``release`` does; ``NotHeld`` declares the loss."""
+    as ``release`` does. ``N``: the grant is gone (its lease ran out), and
+    the ticket stays released. An outcome that executed nothing puts the
+    ticket back as it was; ``Indeterminate`` leaves it to be released
+    again (:meth:`TicketBase._release_ended`)."""
     try:
         outcome_of(call, result)
     except NotHeld:
-        ticket._declare_lost("the release was answered N")
         raise
+    except BaseException as error:
+        release_failed(ticket, call, before, error)
+        raise
+
+
+def release_failed(ticket, call, before, error):
+    """The release ``call`` of ``ticket`` raised ``error`` instead of an
+    answer: ``Indeterminate`` (or an interruption once its ``R`` may have
+    been written) may have released it; any other outcome (``Unavailable``,
+    a closed client, a refusal, an interruption before the write) certainly
+    did not."""
+    if isinstance(error, NotHeld):
+        return
+    if isinstance(error, Indeterminate):
+        sent = True
+    elif isinstance(error, Error):
+        sent = False
+    else:
+        sent = call.sent_at is not None
+    ticket._release_ended(before, sent)
 
 
 def exit_release(ticket, exc_type):
     """Leaving a ``with`` block: release, unless the lock was lost (then
     nothing is sent and nothing raised) or the ticket is a parent's. A
-    failed release raises only if the block itself did not."""
-    if not ticket._release_at_block_end():
+    failed release raises only if the block itself did not; one that sent
+    nothing, or may not have, leaves the ticket to the drop and the flush
+    at exit, which release it."""
+    before = ticket._release_at_block_end()
+    if before is None:
         return
+    # The key and token were checked when the ticket was made.
+    call = release_call(ticket._key_bytes, ticket.token, monotonic(), ticket._client._transport)
     try:
-        yield from _release_token(ticket)
+        result = yield Run(call)
+    except BaseException as error:
+        release_failed(ticket, call, before, error)
+        if isinstance(error, Error) and exc_type is not None:
+            return
+        raise
+    try:
+        released(ticket, call, before, result)
     except NotHeld:
-        ticket._declare_lost("the release at the end of the block was answered N")
+        pass  # the lease had run out: nothing is held
     except Error:
         if exc_type is None:
             raise
@@ -371,6 +461,10 @@ class KeepAlive(object):
         trying again, or ``None`` to stop renewing (the loss is declared
         where it is one)."""
         ticket = self.ticket
+        if ticket._client._closed:
+            # Not a loss: the client was closed under the lock, which the
+            # flush at the program's end releases (or its lease ends).
+            return None
         if isinstance(error, (Unavailable, Indeterminate)):
             if self.stopped:
                 return None
@@ -441,19 +535,31 @@ class ClientBase(object):
     ``_pause``, ``_shutdown_seen``, ``_clean_up_after``,
     ``_release_background`` and ``_ticket_type``."""
 
+    # The flavour's ticket class.
+    _ticket_type: Any
+
+    def _init_client(self):
+        """The flavour's own state."""
+        raise NotImplementedError
+
     def __init__(self, servers: Union[str, Sequence[str], None] = None,
                  connect_timeout: float = CONNECT_TIMEOUT, *, secret: Union[str, bytes, None] = None,
                  tls: Union[None, bool, ssl.SSLContext] = None,
                  etcd_credentials: Optional[Tuple[str, str]] = None,
-                 secret_file: Optional[str] = None, allow_plaintext_secret: bool = False) -> None:
+                 secret_file: Optional[str] = None, allow_plaintext_secret: bool = False,
+                 transport_timeout: Optional[float] = None) -> None:
         self._addresses = check_args(P.resolve_servers, servers)
+        # Rule 2's ``D − Dw``: how long past its wait each call gives the
+        # transport before it ends Indeterminate (default 5 s).
+        self._transport = check_transport_timeout(
+            P.TRANSPORT_DEADLINE if transport_timeout is None else transport_timeout)
         self._access = Access(self._addresses, secret, tls, etcd_credentials, secret_file,
                               allow_plaintext_secret)
         self._connect_timeout = check_connect_timeout(connect_timeout)
         self._ids = OwnerIds()
         self._closed = False
         # This client's tickets (weakly), to release them at exit.
-        self._tickets = {}
+        self._tickets: Dict[int, Any] = {}
         self._init_client()
         EXIT_CLIENTS.add(self)
 

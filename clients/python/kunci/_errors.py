@@ -10,7 +10,10 @@ class Timeout(Error, TimeoutError):
     """The server answered ``T``: the key stayed held for the whole wait
     (with ``wait=0``: it was held at the one attempt). Definitive: nothing
     was acquired and nothing is queued. Also a :class:`TimeoutError`, as
-    the standard library's lock waits say it."""
+    the standard library's lock waits say it: an ``except TimeoutError``
+    around ``asyncio.timeout()`` or ``asyncio.wait_for`` (whose timeouts
+    are ``TimeoutError`` from Python 3.11 on) catches it too; catch
+    :class:`kunci.Timeout` first to tell the two apart."""
 
 
 class Busy(Error):
@@ -24,9 +27,14 @@ class Unavailable(Error):
     ``X 7``/``X 9`` before it read anything). Definitive: nothing changed.
     ``reason`` names the last failure."""
 
-    def __init__(self, reason="no server could be reached"):
+    def __init__(self, reason: str = "no server could be reached") -> None:
         super().__init__("unavailable: %s; nothing was sent" % reason)
         self.reason = reason
+
+    def __reduce__(self) -> "tuple[type, tuple[str]]":
+        # Made again from its reason (a pickle through a process pool), not
+        # from its message, which would say it twice.
+        return (type(self), (self.reason,))
 
 
 class Indeterminate(Error):
@@ -56,9 +64,12 @@ class LimitMismatch(Error):
     ``limit`` is the key's limit as the server said it (``None`` if its
     text did not say)."""
 
-    def __init__(self, message, limit=None):
+    def __init__(self, message: str, limit: "int | None" = None) -> None:
         super().__init__(message)
         self.limit = limit
+
+    def __reduce__(self) -> "tuple[type, tuple[str, int | None]]":
+        return (type(self), (str(self), self.limit))
 
 
 class PermissionDenied(Error):

@@ -25,6 +25,7 @@ import json
 import re
 import threading
 import time
+from typing import Any, List, Optional
 
 from . import _protocol as P
 from ._common import (
@@ -554,7 +555,7 @@ class Cluster(object):
 
     def acquire(self, call):
         """``A``, and ``S`` with permits: docs/ETCD.md, "The mapping"."""
-        granted = []
+        granted: List[Any] = []
         try:
             return self._acquire(call, granted)
         except BaseException:
@@ -914,7 +915,7 @@ class Cluster(object):
         key's on a put under its prefix. A watch that breaks or cannot be
         opened (an outage) only sends it back to the read, which is retried
         until the call's deadline."""
-        since, wait_until = call.token, call.deadline - P.TRANSPORT_DEADLINE
+        since, wait_until = call.token, call.deadline - call.transport
         prefix = self._prefix(call.key)
         while True:
             try:
@@ -1004,7 +1005,7 @@ class Cluster(object):
         cursor is a number this client keeps for the etcd key to go on
         from."""
         if cursor == 0:
-            start = ROOT
+            start: Optional[bytes] = ROOT
         else:
             with self._lock:
                 start = self._cursors.get(cursor)
@@ -1025,7 +1026,7 @@ class Cluster(object):
         last_key = key_of(page[-1].name) if page else None
         if last_key is not None:
             resume_at = max(resume_at, prefix_end(self._prefix(last_key)))
-        groups = []
+        groups: List[Any] = []
         for entry in page:
             name = key_of(entry.name)
             if name is None:

@@ -12,6 +12,7 @@ import socket
 import ssl
 import threading
 import time
+from typing import Any, List, Union
 
 from ._common import log
 
@@ -177,7 +178,7 @@ class _Reader(object):
         """``(status, body, reusable)``."""
         status, chunked, length, keep_alive = self.head(deadline)
         if chunked:
-            body = bytearray()
+            body: Union[bytes, bytearray] = bytearray()
             while True:
                 size = self.chunk_size(deadline)
                 if size == 0:
@@ -265,7 +266,7 @@ class Members(object):
         # ``etcds://``: the ``ssl.SSLContext`` of every member; else ``None``.
         self.tls = tls
         self.credentials = credentials
-        self._idle = [[] for _ in endpoints]
+        self._idle: List[List[Any]] = [[] for _ in endpoints]
         self._lock = threading.Lock()
         # The member that answered last: tried first.
         self.preferred = 0

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import struct
+from typing import Any, List, Tuple
 
 #: How long past its wait (or past its start, for calls that do not wait)
 #: a call may take: the transport deadline of spec §8 rule 2. It is part
@@ -228,11 +229,11 @@ def check_permits(limit, take, shared):
             raise ValueError("take needs a limit (take permits out of how many?)")
         return 0, 0
     if not _is_count(limit) or not 1 <= limit <= PERMITS_MAX:
-        raise ValueError("limit must be a whole number in 1..=%d, got %r" % (PERMITS_MAX, limit))
+        raise ValueError("limit must be a whole number from 1 to %d, got %r" % (PERMITS_MAX, limit))
     if take is None:
         return limit, 1
     if not _is_count(take) or not 1 <= take <= PERMITS_MAX:
-        raise ValueError("take must be a whole number in 1..=%d, got %r" % (PERMITS_MAX, take))
+        raise ValueError("take must be a whole number from 1 to %d, got %r" % (PERMITS_MAX, take))
     if take > limit:
         raise ValueError("take %d is more than the limit %d" % (take, limit))
     return limit, take
@@ -275,7 +276,7 @@ def check_lease(lease):
             raise ValueError("lease must be a whole number of seconds")
         lease = int(lease)
     if not 1 <= lease <= LEASE_MAX:
-        raise ValueError("lease must be 1..=255 seconds")
+        raise ValueError("lease must be a whole number of seconds from 1 to 255")
     return lease
 
 
@@ -367,7 +368,7 @@ def decode_frames(buf):
     (texts decoded as UTF-8, an invalid byte replaced).
     Raises :class:`ProtocolError` on bytes that cannot be a frame; the
     frames decoded before them are lost with the session anyway."""
-    frames = []
+    frames: List[Tuple[Any, ...]] = []
     pos = 0
     end = len(buf)
     while pos < end:
@@ -443,11 +444,13 @@ ETCD_KINDS = ("etcd", "etcds")
 ETCD_LAYOUTS = ("kunci", "etcd")
 
 
-class EtcdMember(tuple):
+class EtcdMember(Tuple[str, int]):
     """``(host, port)`` of an etcd member, with the ``layout`` its address
     named (``?layout=etcd``; else ``"kunci"``)."""
 
-    def __new__(cls, host, port, layout="kunci"):
+    layout: str
+
+    def __new__(cls, host: str, port: int, layout: str = "kunci") -> "EtcdMember":
         member = super().__new__(cls, (host, port))
         member.layout = layout
         return member
@@ -491,7 +494,7 @@ def parse_address(text):
             layout = _etcd_layout(query, text) if has_query else "kunci"
             members = rest.split(",")
             try:
-                return [(scheme, EtcdMember(*_etcd_endpoint(member), layout=layout))
+                return [(scheme, EtcdMember(*_etcd_endpoint(member), layout))
                         for member in members]
             except ValueError as error:
                 raise ValueError("address %r: %s" % (text, error))
@@ -509,7 +512,7 @@ def _host_port(text, address):
     return (host, int(port))
 
 
-def _etcd_endpoint(text):
+def _etcd_endpoint(text: str) -> Tuple[str, int]:
     """``(host, port)`` of an etcd member ``HOST:PORT``, or ``ValueError``."""
     text = text.strip()
     host, sep, port = text.rpartition(":")

@@ -21,6 +21,7 @@ the keep-alive timers.
 
 import _thread
 import atexit
+import collections
 import heapq
 import math
 import os
@@ -31,15 +32,18 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
+from types import TracebackType
+from typing import (
+    Any, Callable, ContextManager, Deque, Dict, Iterator, List, Optional, Tuple, Type, Union,
+)
 
 from . import _engine as E
 from . import _etcd
 from . import _protocol as P
 from ._common import (
-    EXIT_CLIENTS, EXIT_FLUSH, INDETERMINATE, MOVED, SENT, UNSENT, AddressBook, Call, Pending,
+    EXIT_CLIENTS, EXIT_FLUSH, INDETERMINATE, KEPT_FOR_EXIT, MOVED, SENT, UNSENT, AddressBook, Call, Pending,
     TicketBase, answered_call, answers, begin_exit, check_args, check_on_lost, closed_result,
-    exiting, holders_call, info_call, list_call, log, observe_call, ping_call, query_call,
+    exiting, holders_call, indeterminate, info_call, list_call, log, observe_call, ping_call, query_call,
     release_call, renew_call, result_of, tls_refusal,
 )
 from ._common import SHUTDOWN_NOTICE_WAIT, WaitForever, check_campaign_value
@@ -63,7 +67,7 @@ _WITHDRAW_WAIT = 1.0
 # How long the maintenance thread stays with nothing to do before it ends.
 _MAINTENANCE_IDLE_EXIT = 5.0
 
-_CLIENTS = weakref.WeakSet()
+_CLIENTS: "weakref.WeakSet[Client]" = weakref.WeakSet()
 
 # The socket took nothing by the deadline: the server is not reading. Not a
 # reason to close the session by itself.
@@ -305,7 +309,10 @@ class Client(E.ClientBase):
         self._maint_lock = threading.RLock()
         self._maint_thread = None
         self._maint_wake = None
-        self._background = []  # (key, token) appended without a lock
+        # (key, token) to release, appended and taken without a lock (a
+        # deque's ends are atomic): by the maintenance thread, or, once the
+        # client is closed, by the flush at exit.
+        self._background: Deque[Tuple[bytes, int]] = collections.deque()
         self._timers = []
         self._timer_seq = 0
 
@@ -359,18 +366,14 @@ class Client(E.ClientBase):
         of its own, asks who holds the key and releases the grant of the
         call's owner, if the server granted it after all (spec §8 rule
         11), so that the key is free long before the lease would end.
-        The ``H``'s id is that owner, which no other request uses."""
-        # Until it is done, the flush at exit does it if the program ends.
-        self._cleanups[call.owner] = call.key
-
-        def clean_up():
-            try:
-                self._run(holders_call(call.key, call.owner, monotonic(), call.owner))
-            except Error as error:
-                log.debug("clean-up after an indeterminate acquire: %s", error)
-            finally:
-                self._cleanups.pop(call.owner, None)
-        if not _start_thread(clean_up, "kunci-clean-up"):
+        The ``H``'s id is that owner, which no other request uses. Until
+        the server has answered it, the flush at exit does it if the
+        program ends (on a closed client, only the flush does it)."""
+        looking = E.clean_up_call(self, call)
+        if self._closed:
+            KEPT_FOR_EXIT.add(self)
+            return
+        if not _start_thread(self._drive, "kunci-clean-up", E.clean_up(self, call, looking)):
             # The program ends (no thread may start then): done here, on
             # a connection of its own, bounded as the flush at exit.
             self._cleanups.pop(call.owner, None)
@@ -398,22 +401,30 @@ class Client(E.ClientBase):
         return _LockContext(self, (key, wait, lease),
                             dict(limit=limit, take=take, shared=shared, label=label), on_lost)
 
-    def campaign(self, name: str, value: Union[str, bytes], lease: int = 30) -> "Ticket":
-        """Campaigns in the election ``name`` with ``value`` (1..=128 UTF-8
-        bytes, no newline; spec §13.6): an exclusive acquire of ``name``
-        labelled ``value`` that waits as ``acquire(wait=None)`` does,
-        kept alive as :meth:`lock` keeps its lock. It returns once this
+    def campaign(self, name: str, value: Union[str, bytes], lease: int = 30,
+                 wait: Optional[float] = None,
+                 on_lost: Optional[Callable[["Ticket"], object]] = None) -> "Ticket":
+        """Campaigns in the election ``name`` with ``value`` (1 to 128
+        UTF-8 bytes, no newline; spec §13.6): an exclusive acquire of
+        ``name`` labelled ``value`` that waits as ``acquire(wait=None)``
+        does (``wait=S``: at most S seconds, then ``Timeout``), kept alive
+        as :meth:`lock` keeps its lock (``on_lost(t)`` runs once, on a
+        thread of its own, if the lead is lost). It returns once this
         candidate leads: a :class:`Ticket` whose ``token`` is the term.
-        ``release()`` — or leaving its ``with`` block — resigns; a
-        candidate whose process dies loses the lead at its lease's end."""
+        ``release()`` — or leaving its ``with`` block — resigns; resigning
+        a lead already lost returns quietly. A candidate whose process
+        dies loses the lead at its lease's end."""
         check_campaign_value(value)
-        return self._drive(E.campaign(self, WaitForever(name, lease, label=value, stamp=True)))
+        check_on_lost(on_lost)
+        forever = WaitForever(name, lease, label=value, stamp=True, transport=self._transport,
+                              wait=wait)
+        return self._drive(E.campaign(self, forever, on_lost))
 
     def leader(self, name: str) -> Optional[Leader]:
         """Who leads the election ``name`` now (one ``O`` with wait 0): a
         :class:`kunci.Leader` (``.value``, ``.term``, ``.held_for``) or
         ``None`` while nobody does. Ends by start + 5 s."""
-        call = observe_call(name, 0, 0, self._ids.next(), monotonic())
+        call = observe_call(name, 0, 0, self._ids.next(), monotonic(), self._transport)
         return leader_of(outcome_of(call, self._run(call)))
 
     def observe(self, name: str) -> Iterator[Optional[Leader]]:
@@ -430,18 +441,18 @@ class Client(E.ClientBase):
     def release(self, key: str, token: int) -> None:
         """Releases grant ``token`` of ``key``. Raises ``NotHeld`` if that
         token is not the key's active grant."""
-        call = release_call(key, token, monotonic())
+        call = release_call(key, token, monotonic(), self._transport)
         outcome_of(call, self._run(call))
 
     def renew(self, key: str, token: int, lease: int = 30) -> float:
         """Resets grant ``token``'s lease to ``lease`` seconds from now.
         Returns the new conservative expiry (``time.monotonic()`` seconds)."""
-        call = renew_call(key, token, lease, monotonic())
+        call = renew_call(key, token, lease, monotonic(), self._transport)
         return outcome_of(call, self._run(call))[0]
 
     def query(self, key: str) -> Optional[KeyStatus]:
         """``None`` if ``key`` is free, else a :class:`KeyStatus`."""
-        call = query_call(key, monotonic())
+        call = query_call(key, monotonic(), self._transport)
         return outcome_of(call, self._run(call))
 
     def holders(self, key: str) -> Holders:
@@ -451,7 +462,7 @@ class Client(E.ClientBase):
         ``.waiters`` (queue order; ``.owner .take .wait_left .label``).
         Ends by start + 5 s; ``Unavailable``/``Indeterminate`` as every
         call."""
-        call = holders_call(key, self._ids.next(), monotonic())
+        call = holders_call(key, self._ids.next(), monotonic(), transport=self._transport)
         return outcome_of(call, self._run(call))
 
     def list_keys(self, prefix: str = "", cursor: int = 0,
@@ -459,7 +470,7 @@ class Client(E.ClientBase):
         """One page of the keys that start with ``prefix``: ``(keys,
         next)``, a list of :class:`KeyInfo` and the cursor to go on with
         (0 at the end). A page may be short, even empty, before the end."""
-        call = list_call(prefix, cursor, count, self._ids.next(), monotonic())
+        call = list_call(prefix, cursor, count, self._ids.next(), monotonic(), self._transport)
         return outcome_of(call, self._run(call))
 
     def keys(self, prefix: str = "") -> Iterator[KeyInfo]:
@@ -481,29 +492,38 @@ class Client(E.ClientBase):
 
     def info(self) -> Dict[str, Any]:
         """The server's counters (the ``I`` line) as a dict."""
-        call = info_call(monotonic())
+        call = info_call(monotonic(), self._transport)
         return outcome_of(call, self._run(call))
 
     def ping(self) -> float:
         """The round trip of one ``P``, in seconds."""
-        call = ping_call(self._ids.next(), monotonic())
+        call = ping_call(self._ids.next(), monotonic(), self._transport)
         return outcome_of(call, self._run(call))
 
     def close(self) -> None:
         """Closes every connection. Calls in progress end ``Indeterminate``
         (or ``Unavailable`` if nothing was sent); tickets are not released
-        (their leases end them, or the flush at the program's end)."""
+        (their leases end them, or the flush at the program's end, which
+        also releases what the calls cut short may have been granted). It
+        may be called from a signal handler: it then ends the call the
+        signal interrupted too."""
         if getattr(self._depth, "calls", 0):
             # From a signal handler that interrupted a call of this client,
-            # which may hold its locks: no new call starts, and the
-            # connections close when the program ends.
+            # which may hold its locks: no new call starts, and the thread
+            # waiting on each session is woken (a write to a pipe is safe
+            # here), sees the client closed and closes its session.
             self._closed = True
+            for session in list(self._book.sessions):
+                if session is not None:
+                    session.wake()
             self._poke_maintenance()
             return
         with self._mu:
             if self._closed:
                 return
             self._closed = True
+            if self._cleanups or self._background:
+                KEPT_FOR_EXIT.add(self)
             if self._etcd is not None:
                 self._etcd.close()
             if self._pid != os.getpid():
@@ -516,9 +536,9 @@ class Client(E.ClientBase):
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
         self.close()
-        return False
 
     # ------------------------------------------------------------- a call
 
@@ -738,6 +758,7 @@ class Client(E.ClientBase):
                 call.writing = False
                 session.writers -= 1
                 if sent == 0:
+                    call.sent_at = None  # certainly not sent
                     session.pending.remove(call)
                     if failure is not None and failure is not _NO_ROOM and session.alive:
                         self._close_session(session, failure)
@@ -755,7 +776,7 @@ class Client(E.ClientBase):
                     # be closed.
                     self._close_session(session, failure or "write cut short")
                     if call.result is None:
-                        call.result = INDETERMINATE
+                        call.result = indeterminate(failure or "its write was cut short")
                 self._maybe_close_fds(session)
         finally:
             session.write_lock.release()
@@ -885,6 +906,11 @@ class Client(E.ClientBase):
                 with self._mu:
                     if call.result is not None or not session.alive:
                         return
+                    if self._closed:
+                        # Closed from a signal handler, which could only
+                        # wake this thread.
+                        self._close_session(session, "the client was closed")
+                        return
                     deadline = call.deadline
                     for other in session.pending.calls():
                         if other.deadline < deadline and other.waiting():
@@ -986,6 +1012,7 @@ class Client(E.ClientBase):
         if not session.alive:
             return
         session.alive = False
+        session.ended_by = reason
         self._book.session_ended(session, reason, monotonic())
         for call in session.pending.take_all():
             if call.writing or not call.waiting():
@@ -1012,9 +1039,12 @@ class Client(E.ClientBase):
         """Schedules a release of exactly ``token`` that nobody waits for.
         Never blocks on the network (it runs from ``__del__`` too). While
         the program ends, the flush at exit sends it (no thread starts)."""
-        if self._closed or self._pid != os.getpid():
+        if self._pid != os.getpid():
             return
         self._background.append((key, token))
+        if self._closed:
+            KEPT_FOR_EXIT.add(self)  # the flush at exit sends it
+            return
         self._wake_maintenance()
 
     def _wake_maintenance(self):
@@ -1102,9 +1132,9 @@ class Client(E.ClientBase):
                     os.read(wake_r, 4096)
                 except OSError:
                     pass
-            while self._background:
+            while self._background and not self._closed:
                 try:
-                    key, token = self._background.pop(0)
+                    key, token = self._background.popleft()
                 except IndexError:  # taken by the flush at exit
                     break
                 self._send_background(key, token)
@@ -1126,7 +1156,7 @@ class Client(E.ClientBase):
         if self._etcd is not None:
             self._etcd.release_in_background(key, token)
             return
-        call = Call("R", key, monotonic() + P.TRANSPORT_DEADLINE, token=token, background=True)
+        call = E.background_release_call(self, key, token)
         try:
             while not self._closed:
                 session = self._session_for(call)
@@ -1137,7 +1167,10 @@ class Client(E.ClientBase):
                 if self._write(session, call) == SENT:
                     return
         except Error:
-            return
+            pass
+        # Closed before it was sent: the flush at exit sends it.
+        self._background.append((key, token))
+        KEPT_FOR_EXIT.add(self)
 
     def _exit_leftovers(self):
         """The background releases not sent yet, taken for the flush at
@@ -1145,7 +1178,7 @@ class Client(E.ClientBase):
         leftovers = []
         while self._background:
             try:
-                leftovers.append(self._background.pop(0))
+                leftovers.append(self._background.popleft())
             except IndexError:
                 break
         return leftovers
@@ -1218,7 +1251,7 @@ def flush_client(client, deadline):
         if ticket is not None and ticket._take_for_exit():
             releases.append((ticket._key_bytes, ticket.token))
     releases.extend(client._exit_leftovers())
-    cleanups = list(getattr(client, "_cleanups", {}).items())
+    cleanups = list(client._cleanups.items()) if client._pid == os.getpid() else []
     release_found(client, releases, cleanups, deadline)
 
 
@@ -1281,17 +1314,19 @@ class Ticket(TicketBase):
 
     def release(self) -> None:
         """Releases the lock (``R`` for exactly this token). ``NotHeld``:
-        the lease had already run out. After a known loss it sends nothing
-        and raises :class:`LockLost`."""
-        call = E.release_of(self)
-        E.released(self, call, self._client._run(call))
+        the lease had already run out. After a known loss or a release it
+        sends nothing and raises :class:`LockLost`. A release that sent
+        nothing (``Unavailable``, a closed client, ``PermissionDenied``)
+        leaves the ticket as it was; after ``Indeterminate`` the ticket is
+        no longer valid but may be released again."""
+        self._client._drive(E.release(self))
 
-    def __enter__(self):
+    def __enter__(self) -> "Ticket":
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
         self._client._drive(E.exit_release(self, exc_type))
-        return False
 
     def _report_lost(self, on_lost):
         # On a thread of its own: never on the thread that runs every
@@ -1349,16 +1384,16 @@ class _LockContext(E.LockContextBase):
     """What ``client.lock(...)`` returns: each entry, by a thread, takes
     a ticket of its own (:class:`kunci._engine.LockContextBase`)."""
 
-    def __enter__(self):
+    def __enter__(self) -> Ticket:
         client = self._client
         ticket = client._drive(E.hand_over(client.acquire(*self._args, **self._permits),
                                            self._on_lost))
         return self._entered(threading.get_ident(), ticket)
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
         ticket = self._leaving(threading.get_ident())
         self._client._drive(E.exit_release(ticket, exc_type))
-        return False
 
 
 def _call_on_lost(on_lost, ticket):

@@ -24,15 +24,17 @@ import socket
 import threading
 import time
 import weakref
+from types import TracebackType
 from typing import (
-    Any, AsyncContextManager, AsyncIterator, Callable, Dict, List, Optional, Tuple, Union,
+    Any, AsyncContextManager, AsyncIterator, Callable, Dict, Generator, List, Optional, Tuple,
+    Type, Union,
 )
 
 from . import _engine as E
 from . import _etcd
 from . import _protocol as P
 from ._common import (
-    EXIT_FLUSH, SENT, UNSENT, Call, Pending, TicketBase, WaitForever, answers,
+    EXIT_FLUSH, KEPT_FOR_EXIT, SENT, UNSENT, Call, Pending, TicketBase, WaitForever, answers,
     check_args, check_campaign_value, check_on_lost, closed_result, exiting, holders_call,
     info_call, list_call, log, observe_call, ping_call, query_call, release_call, renew_call,
     result_of, tls_refusal,
@@ -54,7 +56,7 @@ class _Session(asyncio.Protocol):
     def __init__(self, client, index, auth_frame):
         self.client = client
         self.index = index
-        self.transport = None
+        self.transport: Any = None
         self.pending = Pending()
         self.buf = bytearray()
         self.frames = 0
@@ -119,8 +121,11 @@ class Client(E.ClientBase):
         self._etcd = _etcd.cluster_for(
             self._addresses, self._connect_timeout, self._access.etcd_tls,
             self._access.etcd_credentials)
-        self._loop = None
+        self._loop: Any = None
         self._loop_end = None
+        # The clean-ups after an indeterminate acquire not done yet (owner:
+        # key), for the flush at exit.
+        self._cleanups = {}
         # Background releases not yet answered: a loop that ends may take
         # them along unsent, and the next loop sends them again.
         self._unreleased = set()
@@ -151,22 +156,26 @@ class Client(E.ClientBase):
             return E.granted(self, work, await self._run(work))
         return await self._drive(work)
 
-    def campaign(self, name: str, value: Union[str, bytes], lease: int = 30) -> "_Campaign":
-        """As :meth:`kunci.Client.campaign`: ``t = await
-        client.campaign(...)`` returns the :class:`Ticket` once this
-        candidate leads (``t.token`` is the term; ``await t.release()``
-        resigns), and ``async with client.campaign(...) as t:`` resigns
-        when the block ends."""
+    def campaign(self, name: str, value: Union[str, bytes], lease: int = 30,
+                 wait: Optional[float] = None,
+                 on_lost: Optional[Callable[["Ticket"], object]] = None) -> "_Campaign":
+        """As :meth:`kunci.Client.campaign` (``wait``, ``on_lost`` too):
+        ``t = await client.campaign(...)`` returns the :class:`Ticket`
+        once this candidate leads (``t.token`` is the term; ``await
+        t.release()`` resigns), and ``async with client.campaign(...) as
+        t:`` resigns when the block ends."""
         check_campaign_value(value)
-        forever = WaitForever(name, lease, label=value, stamp=True)
-        return _Campaign(self, forever)
+        check_on_lost(on_lost)
+        forever = WaitForever(name, lease, label=value, stamp=True, transport=self._transport,
+                              wait=wait)
+        return _Campaign(self, forever, on_lost)
 
-    async def _campaign(self, forever):
-        return await self._drive(E.campaign(self, forever))
+    async def _campaign(self, forever, on_lost):
+        return await self._drive(E.campaign(self, forever, on_lost))
 
     async def leader(self, name: str) -> Optional[Leader]:
         """As :meth:`kunci.Client.leader`: a :class:`kunci.Leader` or ``None``."""
-        call = observe_call(name, 0, 0, self._ids.next(), monotonic())
+        call = observe_call(name, 0, 0, self._ids.next(), monotonic(), self._transport)
         return leader_of(outcome_of(call, await self._run(call)))
 
     def observe(self, name: str) -> AsyncIterator[Optional[Leader]]:
@@ -186,15 +195,13 @@ class Client(E.ClientBase):
         return True
 
     def _clean_up_after(self, call):
-        """As :meth:`kunci.Client._clean_up_after`, as a task."""
-        async def clean_up():
-            try:
-                await self._run(holders_call(call.key, call.owner, monotonic(), call.owner))
-            except Error as error:
-                log.debug("clean-up after an indeterminate acquire: %s", error)
+        """As :meth:`kunci.Client._clean_up_after`, as a task; until the
+        server answered its ``H``, the flush at exit does it too."""
+        looking = E.clean_up_call(self, call)
         if self._closed:
+            KEPT_FOR_EXIT.add(self)
             return
-        task = self._loop.create_task(clean_up())
+        task = self._loop.create_task(self._drive(E.clean_up(self, call, looking)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -214,30 +221,30 @@ class Client(E.ClientBase):
         """Releases grant ``token`` of ``key`` (as
         :meth:`kunci.Client.release`). ``NotHeld`` if that token is not the
         key's active grant."""
-        call = release_call(key, token, monotonic())
+        call = release_call(key, token, monotonic(), self._transport)
         outcome_of(call, await self._run(call))
 
     async def renew(self, key: str, token: int, lease: int = 30) -> float:
         """Resets grant ``token``'s lease to ``lease`` seconds from now;
         returns the new conservative expiry (``time.monotonic()``
         seconds), as :meth:`kunci.Client.renew`."""
-        call = renew_call(key, token, lease, monotonic())
+        call = renew_call(key, token, lease, monotonic(), self._transport)
         return outcome_of(call, await self._run(call))[0]
 
     async def query(self, key: str) -> Optional[KeyStatus]:
         """``None`` if ``key`` is free, else a :class:`kunci.KeyStatus`."""
-        call = query_call(key, monotonic())
+        call = query_call(key, monotonic(), self._transport)
         return outcome_of(call, await self._run(call))
 
     async def holders(self, key: str) -> Holders:
         """As :meth:`kunci.Client.holders`."""
-        call = holders_call(key, self._ids.next(), monotonic())
+        call = holders_call(key, self._ids.next(), monotonic(), transport=self._transport)
         return outcome_of(call, await self._run(call))
 
     async def list_keys(self, prefix: str = "", cursor: int = 0,
                         count: int = 1000) -> Tuple[List[KeyInfo], int]:
         """As :meth:`kunci.Client.list_keys`."""
-        call = list_call(prefix, cursor, count, self._ids.next(), monotonic())
+        call = list_call(prefix, cursor, count, self._ids.next(), monotonic(), self._transport)
         return outcome_of(call, await self._run(call))
 
     async def keys(self, prefix: str = "") -> AsyncIterator[KeyInfo]:
@@ -254,12 +261,12 @@ class Client(E.ClientBase):
 
     async def info(self) -> Dict[str, Any]:
         """As :meth:`kunci.Client.info`: the server's counters."""
-        call = info_call(monotonic())
+        call = info_call(monotonic(), self._transport)
         return outcome_of(call, await self._run(call))
 
     async def ping(self) -> float:
         """As :meth:`kunci.Client.ping`: one round trip, in seconds."""
-        call = ping_call(self._ids.next(), monotonic())
+        call = ping_call(self._ids.next(), monotonic(), self._transport)
         return outcome_of(call, await self._run(call))
 
     async def close(self) -> None:
@@ -288,13 +295,15 @@ class Client(E.ClientBase):
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self._cleanups or self._unreleased:
+            KEPT_FOR_EXIT.add(self)  # only the flush at exit sends them now
 
     async def __aenter__(self) -> "Client":
         return self
 
-    async def __aexit__(self, *exc) -> bool:
+    async def __aexit__(self, exc_type: Optional[Type[BaseException]],
+                        exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         await self.close()
-        return False
 
     # ------------------------------------------------------------- a call
 
@@ -355,11 +364,11 @@ class Client(E.ClientBase):
         cancelled its tasks and before it closes the loop. A generator of
         the client's, started here, lets it finish there what the cancelled
         tasks started (a Ctrl-C during a waiting acquire), while the loop
-        still runs: see :meth:`_finish_at_loop_end`."""
+        still runs: see :meth:`_finish_at_loop_end`. (Started during the
+        loop's own shutdown of generators, which is rare, it is not closed
+        by the loop, only when the client moves on or is freed.)"""
         self._forget_loop_end()
-        if getattr(loop, "_asyncgens_shutdown_called", False):
-            return
-        quiet = []
+        quiet: List[bool] = []
         watcher = _loop_end(weakref.ref(self), loop, quiet)
         try:
             watcher.asend(None).send(None)
@@ -560,12 +569,18 @@ class Client(E.ClientBase):
             else:
                 connect = loop.create_connection(lambda: session, where[0], where[1])
             try:
-                await asyncio.wait_for(connect, timeout)
+                await _within(connect, timeout)
             except (OSError, asyncio.TimeoutError, ValueError) as error:
                 if session.transport is not None:
                     session.transport.abort()
                 self._book.connect_failed(index, call, error or "timed out", monotonic())
                 return
+            except asyncio.CancelledError:
+                # The caller gave up while connecting: a connection that
+                # came meanwhile carries nothing yet, and is closed.
+                if session.transport is not None:
+                    session.transport.abort()
+                raise
             if self._closed:
                 session.transport.abort()
                 raise Error("the client is closed")
@@ -729,6 +744,7 @@ class Client(E.ClientBase):
         if not session.alive:
             return
         session.alive = False
+        session.ended_by = reason
         self._private.discard(session)
         if not session.retiring:
             self._book.session_ended(session, reason, monotonic())
@@ -745,18 +761,21 @@ class Client(E.ClientBase):
         the event loop is closed (``asyncio.run`` returned), the flush at
         exit sends it."""
         loop = self._loop
-        if self._closed or self._pid != os.getpid():
+        if self._pid != os.getpid():
             return
         # Until answered; a loop that ends takes it along unsent, and the
-        # next loop, or the flush at exit, sends it again.
+        # next loop, or the flush at exit, sends it again (also all that a
+        # closed client could not send).
         self._unreleased.add((key, token))
-        if loop is None or loop.is_closed():
+        if self._closed:
+            KEPT_FOR_EXIT.add(self)
+        if self._closed or loop is None or loop.is_closed():
             return
         try:
-            running = asyncio.get_running_loop()
+            in_loop = asyncio.get_running_loop() is loop
         except RuntimeError:
-            running = None
-        if running is loop:
+            in_loop = False
+        if in_loop:
             # Not at once: this may run inside a finalizer or in the middle
             # of handling an answer.
             loop.call_soon(self._start_background, key, token)
@@ -776,7 +795,7 @@ class Client(E.ClientBase):
             self._unreleased.discard((key, token))
             self._etcd.release_in_background(key, token)
             return
-        call = Call("R", key, monotonic() + P.TRANSPORT_DEADLINE, token=token, background=True)
+        call = E.background_release_call(self, key, token)
         try:
             while not self._closed:
                 session = await self._session_for(call, self._loop)
@@ -789,8 +808,9 @@ class Client(E.ClientBase):
                     return
                 await _closing_seen()
         except Error:
-            self._unreleased.discard((key, token))
-            return
+            if not self._closed:
+                self._unreleased.discard((key, token))
+            # Else left for the flush at exit.
 
     def _exit_leftovers(self):
         """The releases not answered yet (a closed event loop could not
@@ -804,8 +824,9 @@ class Client(E.ClientBase):
 def _drop_transport(transport):
     """Closes the transport of a loop the client left. On a loop that is
     closed, nothing runs its callbacks (``abort`` raises): the socket is
-    shut down at once (the server ends the session and its waits) and
-    closed as the transport would have done."""
+    shut down at once (the server ends the session and its waits), and its
+    descriptor is closed when the transport is freed, which the client
+    makes happen by forgetting it (the closed loop holds it no longer)."""
     if transport is None:
         return
     try:
@@ -818,14 +839,30 @@ def _drop_transport(transport):
         sock.shutdown(socket.SHUT_RDWR)
     except (AttributeError, OSError):
         pass
-    # Selector transports close their socket in this step, which the
-    # closed loop will never run.
-    lost = getattr(transport, "_call_connection_lost", None)
-    if lost is not None:
-        try:
-            lost(None)
-        except Exception:
-            pass
+
+
+async def _within(awaitable, timeout):
+    """Awaits ``awaitable`` for at most ``timeout`` seconds (then
+    ``asyncio.TimeoutError``), cancelled with its caller. Unlike
+    ``asyncio.wait_for`` before Python 3.12, it never swallows the caller's
+    cancellation when the awaitable completes at the same moment."""
+    task = asyncio.ensure_future(awaitable)
+    task.add_done_callback(_retrieve)
+    try:
+        done, _ = await asyncio.wait((task,), timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise asyncio.TimeoutError()
+    return task.result()
+
+
+def _retrieve(task):
+    # A connect given up on may still fail: its error is not news.
+    if not task.cancelled():
+        task.exception()
 
 
 async def _closing_seen():
@@ -838,7 +875,7 @@ async def _closing_seen():
 # Transports inherited from the parent by a forked child. They are kept
 # referenced and never used: closing or collecting one would go through the
 # parent's event loop, and the parent's connections must stay intact.
-_INHERITED = []
+_INHERITED: List[Any] = []
 
 
 def _forget_transport(transport):
@@ -855,16 +892,17 @@ class Ticket(TicketBase):
         return await self._client._drive(E.renewal(self, lease))
 
     async def release(self) -> None:
-        """As :meth:`kunci.Ticket.release`: ``R`` for exactly this token."""
-        call = E.release_of(self)
-        E.released(self, call, await self._client._run(call))
+        """As :meth:`kunci.Ticket.release`: ``R`` for exactly this token.
+        Cancelled before its ``R`` reached a connection, it leaves the
+        ticket as it was."""
+        await self._client._drive(E.release(self))
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> "Ticket":
         return self
 
-    async def __aexit__(self, exc_type, exc, tb):
+    async def __aexit__(self, exc_type: Optional[Type[BaseException]],
+                        exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         await self._client._drive(E.exit_release(self, exc_type))
-        return False
 
     def _report_lost(self, on_lost):
         # On the event loop; an awaitable it returns runs as a task.
@@ -952,35 +990,38 @@ class _Campaign(object):
     :class:`Ticket`; as an ``async with``, the same, resigned at the
     block's end."""
 
-    def __init__(self, client, forever):
+    def __init__(self, client, forever, on_lost):
         self._client = client
         self._forever = forever
+        self._on_lost = on_lost
         self._ticket = None
 
-    def __await__(self):
-        return self._client._campaign(self._forever).__await__()
+    def __await__(self) -> Generator[Any, None, Ticket]:
+        return self._client._campaign(self._forever, self._on_lost).__await__()
 
-    async def __aenter__(self):
-        self._ticket = await self._client._campaign(self._forever)
-        return self._ticket
+    async def __aenter__(self) -> Ticket:
+        ticket: Ticket = await self._client._campaign(self._forever, self._on_lost)
+        self._ticket = ticket
+        return ticket
 
-    async def __aexit__(self, exc_type, exc, tb):
+    async def __aexit__(self, exc_type: Optional[Type[BaseException]],
+                        exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         ticket, self._ticket = self._ticket, None
         await self._client._drive(E.exit_release(ticket, exc_type))
-        return False
 
 
 class _LockContext(E.LockContextBase):
     """As :class:`kunci._sync._LockContext`: each entry, by a task (or the
     same task again), takes a ticket of its own."""
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Ticket:
         client = self._client
         ticket = await client._drive(E.hand_over(
             await client.acquire(*self._args, **self._permits), self._on_lost))
-        return self._entered(_current_task(), ticket)
+        entered: Ticket = self._entered(_current_task(), ticket)
+        return entered
 
-    async def __aexit__(self, exc_type, exc, tb):
+    async def __aexit__(self, exc_type: Optional[Type[BaseException]],
+                        exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         ticket = self._leaving(_current_task())
         await self._client._drive(E.exit_release(ticket, exc_type))
-        return False

@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -39,13 +40,20 @@ def kunci_bin():
 
 
 class Server(object):
-    """One `kunci serve` on a free port (or the given listen addresses)."""
+    """One `kunci serve` on a free port (or the given listen addresses).
+    Its restart state goes to the ``--state-dir`` the test gives, else to a
+    fresh temporary directory of its own (never under the user's home): a
+    server started again without one starts with nothing restored."""
 
     def __init__(self, *args, listen=("127.0.0.1:0",)):
         command = [kunci_bin(), "serve"]
         for address in listen:
             command += ["--listen", address]
         command += list(args)
+        self._state_dir = None
+        if "--state-dir" not in args:
+            self._state_dir = tempfile.mkdtemp(prefix="kunci-state-")
+            command += ["--state-dir", self._state_dir]
         env = dict(os.environ, RUST_LOG="info")
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
         self.log = []
@@ -83,6 +91,8 @@ class Server(object):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._state_dir is not None:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
 
 
 @pytest.fixture

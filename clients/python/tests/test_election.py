@@ -78,7 +78,8 @@ def test_observe_call_deadline_and_correlation():
     assert pending.correlate(("X", 14, 77, "too many watches")) is call
 
 
-def test_follow_decisions():
+def test_follow_decisions(monkeypatch):
+    monkeypatch.setattr(C, "RETRY_JITTER", 0.0)  # the pauses before their jitter
     follow = C.Follow("e")
     first = follow.call(1, 0.0)
     assert (first.wait_s, first.token) == (0, 0)

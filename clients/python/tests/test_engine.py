@@ -16,6 +16,12 @@ from kunci import _engine as E
 from kunci import _protocol as P
 
 
+@pytest.fixture(autouse=True)
+def no_jitter(monkeypatch):
+    """The courses' pauses before their jitter (tested apart)."""
+    monkeypatch.setattr(C, "RETRY_JITTER", 0.0)
+
+
 class Scripted(object):
     """What a course needs of a client; ``_run`` answers each request with
     the next entry of ``script`` (a result tuple) and notes it in ``log``
@@ -31,6 +37,7 @@ class Scripted(object):
         self.cleaned = []
         self.background = []
         self._closed = False
+        self._transport = P.TRANSPORT_DEADLINE
         self._tickets = {}
         self._ids = C.OwnerIds()
         self._book = C.AddressBook([("tcp", ("127.0.0.1", 1))])
@@ -218,3 +225,30 @@ def test_lock_context_entries():
     with pytest.raises(RuntimeError, match="not entered by the thread or task"):
         context._leaving("c")
     assert context._entries == {"a": [4], "b": [5]}
+
+
+def test_retry_pauses_are_jittered_by_a_quarter(monkeypatch):
+    monkeypatch.undo()  # with the jitter
+    forever = C.WaitForever("k", 30)
+    follow = C.Follow("k")
+    firsts = [C.WaitForever("k", 30).after(kunci.Unavailable("down"), False) for _ in range(200)]
+    firsts += [C.Follow("k").failed(kunci.Unavailable("down")) for _ in range(200)]
+    assert all(0.075 <= pause <= 0.125 for pause in firsts)
+    assert len(set(firsts)) > 100  # not one instant for every client
+    assert min(firsts) < 0.085 and max(firsts) > 0.115
+    capped = [forever.after(kunci.Unavailable("down"), False) for _ in range(12)][6:]
+    capped += [follow.failed(kunci.Unavailable("down")) for _ in range(12)][6:]
+    assert all(1.5 <= pause <= 2.5 for pause in capped)
+
+
+def test_a_bounded_campaign_wait_ends_with_its_last_outcome(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(C.time, "monotonic", lambda: now[0])
+    forever = C.WaitForever("k", 30, wait=3)
+    assert forever.call(1, 100.0).wait_until == 103.0
+    assert forever.after(kunci.Timeout("held"), False) == 0.0
+    now[0] = 102.95
+    assert forever.call(2, 102.95).wait_until == 103.0  # what is left, not 255 s
+    assert forever.after(kunci.Unavailable("down"), False) == pytest.approx(0.05)
+    now[0] = 103.0
+    assert forever.after(kunci.Timeout("held"), False) is None

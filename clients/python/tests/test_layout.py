@@ -123,3 +123,13 @@ def test_no_module_of_the_package_imports_one_that_imports_it_back():
     for targets in graph.values():
         targets.discard("__init__")
     assert cycle_in(graph) is None, " -> ".join(cycle_in(graph))
+
+
+def test_no_private_asyncio_internals():
+    # A loop's or a transport's underscore attributes change between
+    # CPython releases and differ in other loops (uvloop): the asyncio
+    # client names none of them, not even through getattr.
+    private = re.compile(r"\b(?:loop|transport)\._[a-z]|getattr\((?:loop|transport), \"_")
+    with open(os.path.join(KUNCI, "aio.py"), encoding="utf-8") as file:
+        found = [text.strip() for text in file if private.search(text)]
+    assert found == []

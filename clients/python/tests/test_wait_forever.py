@@ -147,7 +147,8 @@ def test_invalid_input_is_refused_before_anything_is_sent(make_client):
     assert os.environ.get("KUNCI_NEVER_SET") is None
 
 
-def test_wait_forever_decisions():
+def test_wait_forever_decisions(monkeypatch):
+    monkeypatch.setattr(kunci._common, "RETRY_JITTER", 0.0)  # the pauses before their jitter
     # The policy alone, without I/O: pauses double from 0.1 s to 2 s, a
     # Timeout asks again at once and starts the pauses over.
     forever = kunci._common.WaitForever("k", 30)

@@ -1,0 +1,118 @@
+"""Elections as spec v5 §13.6 has them (issues 36 and 39): the unknown
+leader of a crash grace, a bounded campaign, ``on_lost`` for a campaign,
+and resigning a lead already lost, quietly. Both flavours."""
+
+import signal
+import threading
+import time
+
+import pytest
+
+import kunci
+from test_election import Follower
+
+
+def campaign(client, name, value, **kwargs):
+    """``client.campaign(...)`` of either flavour, the ticket with a
+    blocking ``release``."""
+    if client.flavour == "sync":
+        return client.campaign(name, value, **kwargs)
+    inner = client.client
+
+    async def run():
+        return await inner.campaign(name, value, **kwargs)
+    ticket = client._runner.run(run())
+
+    class Blocking(object):
+        def __getattr__(self, attribute):
+            return getattr(ticket, attribute)
+
+        def release(self):
+            return client._runner.run(ticket.release())
+    return Blocking()
+
+
+def crashed_with_a_leader(start_server, make_client, tmp_path):
+    """A server with a state dir whose leader of ``svc`` was kill -9'd with
+    it, started again: in its crash grace (the lease + 5 s)."""
+    path = str(tmp_path / "kunci.sock")
+    state = str(tmp_path / "state")
+    first = start_server("--state-dir", state, listen=("unix:" + path,))
+    with kunci.Client("unix:" + path) as leader:
+        leader.campaign("svc", "a", lease=20).detach()
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(5)
+    start_server("--state-dir", state, listen=("unix:" + path,))
+    return "unix:" + path
+
+
+def test_leader_during_a_crash_grace_is_the_unknown_leader(start_server, make_client, tmp_path):
+    address = crashed_with_a_leader(start_server, make_client, tmp_path)
+    leader = make_client(address).leader("svc")
+    assert leader == kunci.Leader(None, 0, None)
+    assert not leader.known
+
+
+def test_observe_reports_the_unknown_leader_not_none_during_a_grace(
+        start_server, make_client, tmp_path):
+    address = crashed_with_a_leader(start_server, make_client, tmp_path)
+    follower = Follower(make_client(address), "svc")
+    at, item = follower.wait_count(1)
+    assert item == kunci.Leader(None, 0, None)
+    time.sleep(1.0)
+    assert len(follower.items) == 1 and follower.error is None
+
+
+def test_a_campaign_with_a_wait_ends_timeout(server, make_client):
+    leader = campaign(make_client(server.address), "bounded", "a")
+    candidate = make_client(server.address)
+    start = time.monotonic()
+    with pytest.raises(kunci.Timeout, match="'bounded'"):
+        campaign(candidate, "bounded", "b", wait=0.5)
+    assert 0.5 <= time.monotonic() - start < 2.0
+    assert candidate.holders("bounded").waiters == []
+    leader.release()
+    # The key free, a bounded campaign leads at once.
+    ticket = campaign(candidate, "bounded", "b", wait=0.5)
+    assert candidate.leader("bounded").term == ticket.token
+    ticket.release()
+
+
+def test_on_lost_of_a_campaign_runs_once_and_resigning_after_is_quiet(server, make_client):
+    client = make_client(server.address)
+    lost = []
+    called = threading.Event()
+
+    def on_lost(ticket):
+        lost.append(ticket.token)
+        called.set()
+    ticket = campaign(client, "ousted", "a", lease=3, on_lost=on_lost)
+    # Another process takes the lead from it: the next renewal is answered N.
+    with kunci.Client(server.address) as other:
+        other.release("ousted", ticket.token)
+    assert called.wait(5)
+    time.sleep(1.5)
+    assert lost == [ticket.token] and ticket.lost
+    ticket.release()  # quietly: the lead is lost already (no LockLost)
+
+
+def test_resigning_a_lead_lost_unnoticed_is_quiet(server, make_client):
+    client = make_client(server.address)
+    ticket = campaign(client, "unnoticed", "a", lease=60)
+    with kunci.Client(server.address) as other:
+        other.release("unnoticed", ticket.token)
+    ticket.release()  # answered N: quietly, as etcd's Resign
+    # A plain lock's release after the same says NotHeld.
+    plain = client.acquire("plain", lease=60)
+    with kunci.Client(server.address) as other:
+        other.release("plain", plain.token)
+    with pytest.raises(kunci.NotHeld):
+        plain.release()
+
+
+def test_campaign_arguments_are_checked(make_client):
+    client = make_client("127.0.0.1:1")
+    with pytest.raises(kunci.InvalidArgument, match="on_lost"):
+        campaign(client, "e", "v", on_lost=3)
+    with pytest.raises(kunci.InvalidArgument, match="wait"):
+        campaign(client, "e", "v", wait=-1)
