@@ -389,3 +389,49 @@ fn one_peer_address_holds_at_most_half_of_the_metrics_slots() {
     }
     assert_eq!(closed, 4);
 }
+
+/// Issue 38, finding 1: a held watch costs at most 64 bytes plus its key's
+/// bytes once per watched key (spec §13.3); on distinct 200-byte keys that
+/// is at most 350 bytes of the server's RSS per watch (695 on 240-byte keys
+/// when the key was kept twice).
+#[test]
+fn a_held_watch_on_a_distinct_200_byte_key_costs_at_most_350_bytes() {
+    const CONNECTIONS: usize = 5;
+    const PER_CONNECTION: usize = 4_000;
+    let server = TestServer::start(&[]);
+    let mut peers: Vec<Peer> = (0..CONNECTIONS).map(|_| server.peer()).collect();
+    for (nonce, peer) in peers.iter_mut().enumerate() {
+        peer.send(&ping(nonce as u64));
+        assert_eq!(
+            peer.recv(),
+            Response::Pong {
+                nonce: nonce as u64
+            }
+        );
+    }
+    let before = server.rss_kib();
+    for (index, peer) in peers.iter_mut().enumerate() {
+        let mut frames = Vec::new();
+        for n in 0..PER_CONNECTION {
+            let key = format!("{index}/{n:08}/{}", "k".repeat(189));
+            assert_eq!(key.len(), 200);
+            frames.extend_from_slice(&encode(&Request::Observe {
+                wait_s: 255,
+                id: n as u64,
+                since: 0,
+                key: &key,
+            }));
+        }
+        frames.extend_from_slice(&ping(7));
+        peer.send(&frames);
+        // The ping's answer comes after every `O` was read and held.
+        assert_eq!(peer.recv(), Response::Pong { nonce: 7 });
+    }
+    assert_eq!(
+        server.info()["watches"],
+        (CONNECTIONS * PER_CONNECTION).to_string()
+    );
+    let after = server.rss_kib();
+    let per_watch = after.saturating_sub(before) * 1024 / (CONNECTIONS * PER_CONNECTION) as u64;
+    assert!(per_watch <= 350, "{per_watch} B of RSS per watch");
+}

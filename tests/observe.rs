@@ -1,6 +1,6 @@
 //! `O` and `V` (spec §13) byte for byte through the sans-IO endpoint on a
 //! fake clock: answered at once or held as a watch, woken after the whole
-//! event, never early, `X 14` over the shared limits, dropped with its
+//! event, never early, `X 14` over their own limits, dropped with its
 //! connection, answered on a clean stop, within scopes, during a grace.
 
 use kunci::core::access::AccessList;
@@ -9,6 +9,9 @@ use kunci::core::{ConnId, Core, Limits};
 use kunci::protocol::{self, Request, Response};
 
 use crate::access::{LOCKER, READER, auth_file, authenticate};
+
+/// The secret of an identity with `max-watches=3`.
+const CAPPED: &[u8] = b"capped-secret-0123456789abcdef-01234";
 use crate::util::fake::{FIRST_TOKEN, MS, S};
 use crate::util::wire::Wire;
 use crate::util::{acquire, extend, ping, query, release, s_frame};
@@ -263,10 +266,12 @@ fn wait_ends_exactly_at_its_deadline_with_the_unchanged_state() {
 }
 
 #[test]
-fn watches_share_the_wait_limits_and_get_x14_over_them() {
+fn watches_have_their_own_limits_and_never_turn_a_wait_away() {
     let limits = Limits {
         max_waits_per_conn: 2,
         max_waiters: 3,
+        max_watches_per_conn: 2,
+        max_watches: 3,
         ..Limits::default()
     };
     let mut wire = Wire::with(limits);
@@ -275,31 +280,107 @@ fn watches_share_the_wait_limits_and_get_x14_over_them() {
     }
     wire.send(0, &acquire(0, 30, 1, "k"));
     assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
-    // Connection 1: one wait and one watch fill its two.
-    wire.send(1, &acquire(60, 30, 2, "k"));
+    // Connection 1: two watches fill its --max-watches-per-conn...
     assert_eq!(wire.exchange(1, &observe(60, 3, FIRST_TOKEN, "k")), b"");
+    assert_eq!(wire.exchange(1, &observe(60, 4, FIRST_TOKEN, "k")), b"");
     assert_eq!(
-        wire.exchange(1, &observe(60, 4, FIRST_TOKEN, "k")),
-        x(14, 4, "too many watches")
+        wire.exchange(1, &observe(60, 5, FIRST_TOKEN, "k")),
+        x(14, 5, "too many watches")
     );
+    // ...and leave its two waits free (spec §13.3, v5).
+    assert_eq!(wire.exchange(1, &acquire(60, 30, 6, "k")), b"");
+    assert_eq!(wire.exchange(1, &acquire(60, 30, 7, "k")), b"");
+    assert_eq!(wire.exchange(1, &acquire(60, 30, 8, "k")), op_u64(b'B', 8));
     // An `O` answered at once is never refused.
     assert_eq!(
-        wire.exchange(1, &observe(60, 5, 1, "k")),
-        v(5, FIRST_TOKEN, 30_000, 0, 1, 1, "")
+        wire.exchange(1, &observe(60, 9, 1, "k")),
+        v(9, FIRST_TOKEN, 30_000, 0, 1, 2, "")
     );
-    // An acquire wait over the connection's limit gets `B` as before.
-    assert_eq!(wire.exchange(1, &acquire(60, 30, 6, "k")), op_u64(b'B', 6));
-    // Connection 2: the total (--max-waiters 3) has room for one more.
-    assert_eq!(wire.exchange(2, &observe(60, 7, FIRST_TOKEN, "k")), b"");
+    // Connection 2: --max-watches 3 has room for one more watch, and
+    // --max-waiters 3 for one more wait, each apart from the other.
+    assert_eq!(wire.exchange(2, &observe(60, 10, FIRST_TOKEN, "k")), b"");
     assert_eq!(
-        wire.exchange(2, &observe(60, 8, FIRST_TOKEN, "k")),
-        x(14, 8, "too many watches")
+        wire.exchange(2, &observe(60, 11, FIRST_TOKEN, "k")),
+        x(14, 11, "too many watches")
     );
-    assert_eq!(wire.exchange(2, &acquire(60, 30, 9, "k")), op_u64(b'B', 9));
-    assert_eq!(wire.info(2, "watches"), "2");
-    assert_eq!(wire.info(2, "waiters"), "1");
+    assert_eq!(wire.exchange(2, &acquire(60, 30, 12, "k")), b"");
+    assert_eq!(
+        wire.exchange(2, &acquire(60, 30, 13, "k")),
+        op_u64(b'B', 13)
+    );
+    assert_eq!(wire.info(2, "watches"), "3");
+    assert_eq!(wire.info(2, "waiters"), "3");
     // X 14 is not fatal: the connection goes on.
     assert_eq!(wire.exchange(2, &ping(1)), op_u64(b'P', 1));
+}
+
+#[test]
+fn a_thousand_watches_leave_a_waiting_acquire_its_timeout() {
+    let limits = Limits {
+        max_waiters: 1000,
+        ..Limits::default()
+    };
+    let mut wire = Wire::with(limits);
+    wire.connect(0);
+    wire.connect(1);
+    wire.send(0, &acquire(0, 30, 1, "held"));
+    assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
+    for id in 0..1000 {
+        let frame = observe(60, id, 0, &format!("absent/{id}"));
+        assert_eq!(wire.exchange(1, &frame), b"");
+    }
+    assert_eq!(wire.endpoint.core().watch_count(), 1000);
+    assert_eq!(wire.exchange(0, &acquire(1, 30, 2, "held")), b"");
+    wire.at(S - 1);
+    assert_eq!(wire.recv(0), b"");
+    wire.at(S);
+    assert_eq!(wire.recv(0), op_u64(b'T', 2));
+}
+
+#[test]
+fn an_identity_max_watches_caps_its_sessions_and_no_one_else() {
+    let text = format!(
+        "{}capped {} read:app/ max-watches=3\n",
+        auth_file(),
+        kunci::core::access::hash_hex(CAPPED)
+    );
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
+    endpoint.require_authentication(AccessList::parse(&text).unwrap());
+    let mut wire = Wire { endpoint, now: 0 };
+    for (id, secret) in [(0, CAPPED), (1, CAPPED), (2, READER), (3, LOCKER)] {
+        wire.connect(id);
+        let answer = wire.exchange(id, &authenticate(secret));
+        assert_eq!(answer[0], b'U');
+    }
+    // Two sessions of `capped` share its three.
+    assert_eq!(wire.exchange(0, &observe(60, 1, 0, "app/a")), b"");
+    assert_eq!(wire.exchange(0, &observe(60, 2, 0, "app/b")), b"");
+    assert_eq!(wire.exchange(1, &observe(60, 3, 0, "app/a")), b"");
+    assert_eq!(
+        wire.exchange(1, &observe(60, 4, 0, "app/c")),
+        x(14, 4, "too many watches")
+    );
+    // Answered at once: never refused.
+    assert_eq!(wire.exchange(1, &observe(0, 5, 0, "app/c")), v_free(5));
+    // Others are not affected.
+    for id in 6..10 {
+        assert_eq!(wire.exchange(2, &observe(60, id, 0, "app/a")), b"");
+    }
+    // A watch answered gives its charge back.
+    assert_eq!(
+        wire.exchange(3, &acquire(0, 30, 10, "app/b")),
+        a(10, FIRST_TOKEN)
+    );
+    assert_eq!(wire.recv(0), v(2, FIRST_TOKEN, 30_000, 0, 1, 0, ""));
+    assert_eq!(wire.exchange(1, &observe(60, 11, 0, "app/c")), b"");
+    assert_eq!(
+        wire.exchange(0, &observe(60, 12, 0, "app/d")),
+        x(14, 12, "too many watches")
+    );
+    // So does a watch dropped with its connection.
+    wire.endpoint.handle_eof(1, wire.now);
+    assert_eq!(wire.exchange(0, &observe(60, 13, 0, "app/d")), b"");
+    assert_eq!(wire.endpoint.core().watch_count(), 6);
 }
 
 #[test]
@@ -440,7 +521,7 @@ fn every_watch_of_a_connection_answered_at_once_stays_within_the_output_bound() 
     let label = "l".repeat(128);
     wire.send(0, &s_frame(0, 30, 1, 0, 0, b"k", label.as_bytes()));
     assert_eq!(wire.recv(0), a(1, FIRST_TOKEN));
-    let per_conn = Limits::default().max_waits_per_conn as u64;
+    let per_conn = Limits::default().max_watches_per_conn as u64;
     let mut bytes = Vec::new();
     for id in 0..per_conn {
         bytes.extend_from_slice(&observe(60, id, FIRST_TOKEN, "k"));

@@ -28,6 +28,7 @@ Every authenticated client may ping.
 Quotas (optional, after the scopes; each at most once):
   max-keys=N    keys this identity's requests may bring into the table
   max-grants=N  grants plus queued waiters its sessions may hold at once
+  max-watches=N watches (held O: followed keys) its sessions may hold at once
 
 Example: kunci secret ci lock:ci/ read:* info
 ";

@@ -36,6 +36,12 @@ Options:
   --max-waiters-per-key N     queued waiters on one key (default {per_key})
   --max-waits-per-conn N      queued waits one connection may have
                               (default {per_conn})
+  --max-watches N             held watches (O, followed keys) in total, apart
+                              from the waiters; one more gets `X 14` (default
+                              {max_watches}; ~56 B each, plus the key's bytes
+                              and ~60 B once per watched key)
+  --max-watches-per-conn N    held watches one connection may have (default
+                              {watches_per_conn})
   --max-grants N              grants plus queued waiters across all keys
                               (semaphores and shared locks hold several
                               grants per key); one more gets `B` (default
@@ -90,6 +96,8 @@ saved in the state directory, then exit 0.
         max_waiters = limits.max_waiters,
         per_key = limits.max_waiters_per_key,
         per_conn = limits.max_waits_per_conn,
+        max_watches = limits.max_watches,
+        watches_per_conn = limits.max_watches_per_conn,
         max_connections = limits.max_connections,
         unix_mode = defaults.unix_mode,
     )
@@ -128,6 +136,13 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Parsed>, String> {
             }
             Long("max-waits-per-conn") => {
                 limits.max_waits_per_conn = args::number("--max-waits-per-conn", parser.value())?
+            }
+            Long("max-watches") => {
+                limits.max_watches = args::number("--max-watches", parser.value())?
+            }
+            Long("max-watches-per-conn") => {
+                limits.max_watches_per_conn =
+                    args::number("--max-watches-per-conn", parser.value())?
             }
             Long("max-connections") => {
                 limits.max_connections = positive("--max-connections", parser.value())?
@@ -340,7 +355,8 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     }
     info!(
         "kunci {} listening on {}; limits: max_keys={} max_waiters={} \
-         max_waiters_per_key={} max_waits_per_conn={} max_grants={} max_connections={}{options}",
+         max_waiters_per_key={} max_waits_per_conn={} max_grants={} max_connections={} \
+         max_watches={} max_watches_per_conn={}{options}",
         env!("CARGO_PKG_VERSION"),
         addresses.join(" "),
         limits.max_keys,
@@ -349,6 +365,8 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
         limits.max_waits_per_conn,
         limits.max_grants,
         limits.max_connections,
+        limits.max_watches,
+        limits.max_watches_per_conn,
     );
     if server.state_dir().is_none() {
         warn!(

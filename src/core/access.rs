@@ -62,7 +62,8 @@ fn covers(prefixes: &[Box<str>], key: &str) -> bool {
 }
 
 /// What one identity's sessions may hold at once (issue 27): written
-/// `max-keys=N` and `max-grants=N` after the scopes of its line. `None` is
+/// `max-keys=N`, `max-grants=N` and `max-watches=N` after the scopes of its
+/// line. `None` is
 /// no quota (only the server's limits apply). A word starting `max-` was
 /// never a scope, so a file without these words parses as before.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -71,11 +72,13 @@ pub struct Quota {
     pub max_keys: Option<u32>,
     /// Grants plus queued waiters the identity's sessions asked for.
     pub max_grants: Option<u32>,
+    /// Watches (held `O`) the identity's sessions hold (spec §13.3).
+    pub max_watches: Option<u32>,
 }
 
 impl Quota {
     pub fn is_none(&self) -> bool {
-        self.max_keys.is_none() && self.max_grants.is_none()
+        self.max_keys.is_none() && self.max_grants.is_none() && self.max_watches.is_none()
     }
 }
 
@@ -313,8 +316,8 @@ pub fn parse_scopes(words: &[&str]) -> Result<Scopes, String> {
     Ok(scopes)
 }
 
-/// Parses the quota words of one line: `max-keys=N` and `max-grants=N`
-/// (decimal, 0..=[`QUOTA_MAX`]), each at most once.
+/// Parses the quota words of one line: `max-keys=N`, `max-grants=N` and
+/// `max-watches=N` (decimal, 0..=[`QUOTA_MAX`]), each at most once.
 pub fn parse_quota(words: &[&str]) -> Result<Quota, String> {
     let mut quota = Quota::default();
     for &word in words {
@@ -322,9 +325,10 @@ pub fn parse_quota(words: &[&str]) -> Result<Quota, String> {
         let slot = match name {
             "max-keys" => &mut quota.max_keys,
             "max-grants" => &mut quota.max_grants,
+            "max-watches" => &mut quota.max_watches,
             _ => {
                 return Err(format!(
-                    "unknown quota {word:?} (max-keys=N or max-grants=N)"
+                    "unknown quota {word:?} (max-keys=N, max-grants=N or max-watches=N)"
                 ));
             }
         };
@@ -490,7 +494,8 @@ mod tests {
             new.quota,
             Quota {
                 max_keys: Some(100),
-                max_grants: Some(0)
+                max_grants: Some(0),
+                max_watches: None,
             }
         );
         assert_eq!(new.scopes, parse_scopes(&["lock:t/", "info"]).unwrap());

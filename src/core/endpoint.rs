@@ -206,6 +206,7 @@ impl Endpoint {
     /// wake-up, before it reads.
     pub fn begin_turn(&mut self, now: Micros) {
         self.turn = self.turn.wrapping_add(1);
+        self.core.begin_turn();
         #[cfg(feature = "tls")]
         {
             self.handshakes_this_turn = 0;
@@ -340,13 +341,15 @@ impl Endpoint {
     /// answers to the frame that passed it (a hand-over to itself
     /// included, or an `H`/`L` answer of at most
     /// [`ANSWER_BYTES_MAX`](super::ANSWER_BYTES_MAX) and its `Z`), plus one
-    /// deferred answer per wait it may queue (the largest: a watch's `V`
+    /// deferred answer per wait or watch it may hold (the largest: a `V`
     /// with a 128-byte label), plus the `X 8` of a shutdown.
     pub fn output_bound(&self) -> usize {
         let per_wait = 1 + 30 + crate::protocol::LABEL_LEN_MAX + 1;
         OUTPUT_HIGH_WATER
             + (2 * RESPONSE_FRAME_MAX).max(super::ANSWER_BYTES_MAX + RESPONSE_FRAME_MAX)
-            + self.core.limits().max_waits_per_conn as usize * per_wait
+            + (self.core.limits().max_waits_per_conn as usize
+                + self.core.limits().max_watches_per_conn as usize)
+                * per_wait
             + RESPONSE_FRAME_MAX
     }
 

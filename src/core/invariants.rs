@@ -288,7 +288,7 @@ impl Core {
 
     /// Watches: indexed consistently, each on an open connection, each
     /// key's record waiting on the key's current token (a change that
-    /// answered nobody would show here), within the shared limits.
+    /// answered nobody would show here), within their limits.
     fn check_watches(&self) {
         self.watches.check();
         let mut by_conn = 0;
@@ -298,13 +298,21 @@ impl Core {
                 assert!(state.open, "watches on closed connection {conn}");
             }
             assert!(
-                state.waiters.len as usize + watches <= self.limits.max_waits_per_conn as usize,
+                state.waiters.len <= self.limits.max_waits_per_conn,
                 "connection {conn} over --max-waits-per-conn"
+            );
+            assert!(
+                watches <= self.limits.max_watches_per_conn as usize,
+                "connection {conn} over --max-watches-per-conn"
             );
             by_conn += watches;
         }
         assert_eq!(by_conn, self.watches.len());
-        assert!(self.waiters.len() + self.watches.len() <= self.limits.max_waiters);
+        assert!(self.waiters.len() <= self.limits.max_waiters);
+        assert!(self.watches.len() <= self.limits.max_watches);
+        let (charged, charged_watches) = self.quotas.watch_totals();
+        assert_eq!(charged, charged_watches as u64, "watch charges");
+        assert!(charged_watches <= self.watches.len());
         let now = self.grace_until; // the state's token does not depend on it
         for slot in self.watches.slots() {
             let record = self.watches.key(slot);

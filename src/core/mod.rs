@@ -32,7 +32,7 @@ pub mod wait_histogram;
 pub mod waiters;
 pub mod watches;
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 
 use crate::protocol::{ErrorCode, Request, RequestError, Response};
 use crate::timer_wheel::{
@@ -58,6 +58,11 @@ pub type Micros = u64;
 
 const MICROS_PER_S: u64 = 1_000_000;
 
+/// Work one turn of the event loop may spend on what timers and the
+/// changes of a key set off (spec §4, v5), in timers fired plus watches
+/// answered; the rest goes on in the next turns.
+pub const TURN_WORK: u32 = 4096;
+
 /// Timer ids with this bit are waiters; with [`GRANT_TIMER`], grants of
 /// permit keys; with neither, lock-table entries.
 const WAITER_TIMER: TimerId = 1 << 30;
@@ -80,6 +85,12 @@ pub struct Limits {
     pub max_grants: usize,
     /// Open connections (enforced by the shell).
     pub max_connections: usize,
+    /// Held watches (`O`, spec §13.3) in total: apart from the waits, so
+    /// that no number of watches turns a waiting `A`/`S` away (~56 B each,
+    /// plus ~60 B and the key's bytes once per watched key).
+    pub max_watches: usize,
+    /// Held watches one connection may have.
+    pub max_watches_per_conn: u32,
 }
 
 impl Default for Limits {
@@ -91,6 +102,8 @@ impl Default for Limits {
             max_waits_per_conn: 1 << 12,
             max_grants: (1 << 20) + (1 << 18),
             max_connections: 1 << 14,
+            max_watches: 1 << 18,
+            max_watches_per_conn: 1 << 12,
         }
     }
 }
@@ -236,6 +249,11 @@ pub struct Core {
     labels: Labels,
     /// Held observe requests (spec §13).
     watches: Watches,
+    /// Records of watches whose key's token changed, to be answered with
+    /// that state, oldest first (spec §4: over several turns if need be).
+    waking: VecDeque<Waking>,
+    /// What is left of this turn's [`TURN_WORK`].
+    turn_work: u32,
     /// Per-identity quotas' charges (empty without quotas).
     quotas: quota::Quotas,
     /// What [`can_grant`](Self::can_grant) compares grants plus waiters
@@ -250,6 +268,14 @@ pub struct Core {
     /// or waiter walked (by `L` and `H`): the endpoint charges it to the
     /// connection whose request did it (spec §4, fairness).
     work: u64,
+}
+
+/// A detached record of watches (see [`Watches::detach`]) and the state
+/// its watches are answered with.
+struct Waking {
+    slot: u32,
+    generation: u32,
+    state: request::KeyState,
 }
 
 /// Gives the timer wheel the links embedded in entries, waiters and
@@ -326,6 +352,8 @@ impl Core {
             grants_held: 0,
             labels: Labels::default(),
             watches: Watches::default(),
+            waking: VecDeque::new(),
+            turn_work: TURN_WORK,
             quotas: quota::Quotas::default(),
             grant_cap: limits.max_grants,
             next_token: first_token.max(1),
@@ -405,6 +433,10 @@ impl Core {
     /// When [`handle_timeout`](Self::handle_timeout) next has work, or
     /// `None` when no timer is armed.
     pub fn poll_timeout(&self) -> Option<Micros> {
+        if !self.waking.is_empty() {
+            // Watches to answer from an earlier turn: at once.
+            return Some(0);
+        }
         let next = self.wheel.next_tick();
         if self.watch_wheel.is_empty() {
             return next.map(tick_start);
@@ -413,6 +445,12 @@ impl Core {
             .chain(self.watch_wheel.next_tick())
             .min()
             .map(tick_start)
+    }
+
+    /// Starts a turn of the event loop: a fresh share of [`TURN_WORK`] for
+    /// what requests and timers set off (spec §4, v5).
+    pub fn begin_turn(&mut self) {
+        self.turn_work = TURN_WORK;
     }
 
     /// A connection opened.
@@ -643,6 +681,7 @@ impl Core {
         self.quotas.current = Some(quota::Current {
             identity: index,
             max_keys: quota.max_keys.unwrap_or(quota::NO_QUOTA),
+            max_watches: quota.max_watches.unwrap_or(quota::NO_QUOTA),
         });
         let max_grants = match *request {
             Request::Acquire { key, .. } => quota.max_grants.map(|max| (key, max)),
@@ -714,6 +753,10 @@ impl Core {
     /// Fires every timer due at `now`: lease expiries hand keys on, wait
     /// deadlines answer `T`.
     pub fn handle_timeout(&mut self, now: Micros) {
+        self.turn_work = TURN_WORK;
+        if !self.waking.is_empty() {
+            self.answer_waking();
+        }
         self.forget_freed_after_grace(now);
         let now_tick = tick_reached(now);
         if self.watch_wheel.is_empty() {
@@ -739,13 +782,15 @@ impl Core {
                 .min()
                 .map_or(now_tick, |tick| tick.min(now_tick));
             self.fire_timers(tick, now);
-            while let Some(watch) = self
-                .watch_wheel
-                .poll(&mut WatchTimers(&mut self.watches), tick)
+            while self.turn_work > 0
+                && let Some(watch) = self
+                    .watch_wheel
+                    .poll(&mut WatchTimers(&mut self.watches), tick)
             {
+                self.turn_work -= 1;
                 self.watch_deadline(watch, now);
             }
-            if tick == now_tick {
+            if tick == now_tick || self.turn_work == 0 {
                 return;
             }
         }
@@ -753,7 +798,10 @@ impl Core {
 
     /// Fires the leases' and waiters' timers due by `until` (a tick).
     fn fire_timers(&mut self, until: u64, now: Micros) {
-        loop {
+        // Past this turn's work the rest stays due: the wheel's next tick
+        // is then in the past and the shell comes back at once.
+        while self.turn_work > 0 {
+            self.turn_work -= 1;
             let mut nodes = TimerNodes {
                 table: &mut self.table,
                 waiters: &mut self.waiters,
@@ -832,6 +880,8 @@ impl Core {
                 self.answer_watches_of(conn as ConnId, now);
             }
         }
+        // Every watch is answered: what was left to wake names nothing.
+        self.waking.clear();
         for conn in 0..self.conns.len() {
             if self.conns[conn].open {
                 self.send_error(conn as ConnId, ErrorCode::ShuttingDown, 0);

@@ -15,6 +15,10 @@
 //! adopted from an earlier run are charged to nobody: the identity is not
 //! persisted.
 //!
+//! `max-watches=N` bounds the watches (held `O`, spec §13.3) of an
+//! identity's sessions: a held watch is charged to it, by watch id, and
+//! returned when the watch is answered or dropped.
+//!
 //! A server without quotas keeps all of this empty: no request pays for
 //! it but the release of an inline grant (one test, shared with the
 //! labels').
@@ -29,6 +33,8 @@ pub(in crate::core) struct Current {
     pub identity: u32,
     /// Its `max-keys`, or [`NO_QUOTA`].
     pub max_keys: u32,
+    /// Its `max-watches`, or [`NO_QUOTA`].
+    pub max_watches: u32,
 }
 
 /// A quota that is not set: above any count (quotas are at most
@@ -52,6 +58,10 @@ pub(in crate::core) struct Quotas {
     /// The identity each charged grant or waiter is charged to, by
     /// [`LabelOf`] id.
     grant_of: HashMap<u64, u32, foldhash::fast::RandomState>,
+    /// Watches charged, by identity index.
+    watches: Vec<u32>,
+    /// The identity each charged watch is charged to, by watch id.
+    watch_of: HashMap<u32, u32, foldhash::fast::RandomState>,
 }
 
 impl Quotas {
@@ -193,5 +203,60 @@ impl Quotas {
             .zip(&self.grant_max)
             .enumerate()
             .map(|(identity, (&count, &max))| (identity as u32, count, max))
+    }
+
+    /// Whether the current request may hold one more watch.
+    #[inline]
+    pub fn watch_fits(&self) -> bool {
+        self.current
+            .is_none_or(|current| self.watches_of(current.identity) < current.max_watches)
+    }
+
+    /// Charges the held `watch` to the current request's identity, if it
+    /// has a watch quota.
+    #[inline]
+    pub fn charge_watch(&mut self, watch: u32) {
+        if let Some(current) = self
+            .current
+            .filter(|current| current.max_watches != NO_QUOTA)
+        {
+            let index = current.identity as usize;
+            if self.watches.len() <= index {
+                self.watches.resize(index + 1, 0);
+            }
+            self.watches[index] += 1;
+            self.watch_of.insert(watch, current.identity);
+        }
+    }
+
+    /// `watch` ended (answered or dropped): its identity, if charged, gets
+    /// it back.
+    #[inline]
+    pub fn uncharge_watch(&mut self, watch: u32) {
+        if self.watch_of.is_empty() {
+            return;
+        }
+        if let Some(identity) = self.watch_of.remove(&watch) {
+            if let Some(count) = self.watches.get_mut(identity as usize) {
+                *count -= 1;
+            }
+            if self.watch_of.is_empty() && self.watch_of.capacity() > 64 {
+                self.watch_of = HashMap::default();
+            }
+        }
+    }
+
+    /// Watches charged to `identity`.
+    pub fn watches_of(&self, identity: u32) -> u32 {
+        self.watches.get(identity as usize).copied().unwrap_or(0)
+    }
+
+    /// The sum of the per-identity watch counters and the number of
+    /// charged watches (for the invariants: they agree).
+    pub fn watch_totals(&self) -> (u64, usize) {
+        (
+            self.watches.iter().map(|&count| u64::from(count)).sum(),
+            self.watch_of.len(),
+        )
     }
 }

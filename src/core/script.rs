@@ -72,6 +72,8 @@ pub fn run(data: &[u8]) {
         max_waits_per_conn: 3,
         max_grants: 16,
         max_connections: 3,
+        max_watches: 6,
+        max_watches_per_conn: 3,
     };
     let allow: Vec<Network> = vec!["10.0.0.0/8".parse().expect("a network")];
     let mut endpoint = Endpoint::new(Core::new(limits, 1), allow);

@@ -195,19 +195,20 @@ struct Shell {
 #[derive(Default)]
 struct LimitLog {
     /// The core's counters as last seen: `busy`, `X 7` at the connection
-    /// limit, `X 7` for lack of descriptors.
-    seen: [u64; 3],
+    /// limit, `X 7` for lack of descriptors, `X 14`.
+    seen: [u64; 4],
     /// When each limit was last logged.
     logged_at: [Option<Micros>; LIMIT_NAMES.len()],
 }
 
 /// The limits [`LimitLog`] tells apart, by what a user changes.
-const LIMIT_NAMES: [&str; 5] = [
+const LIMIT_NAMES: [&str; 6] = [
     "--max-keys",
     "--max-waiters",
     "--max-waiters-per-key or --max-waits-per-conn",
     "--max-connections",
     "the file descriptor limit (ulimit -n)",
+    "--max-watches, --max-watches-per-conn or an identity's max-watches",
 ];
 
 /// How often one limit is logged at most.
@@ -224,6 +225,7 @@ impl LimitLog {
             stats.busy,
             stats.refused_max_connections,
             stats.refused_fd_limit,
+            stats.errors_by_code[crate::protocol::ErrorCode::TooManyWatches as usize],
         ];
         if counters == self.seen {
             return;
@@ -254,13 +256,22 @@ impl LimitLog {
                 "no descriptor left".to_owned(),
             ));
         }
+        if counters[3] > self.seen[3] {
+            let held = match core.watch_count() {
+                1 => "1 watch held".to_owned(),
+                count => format!("{count} watches held"),
+            };
+            hit.push((5, counters[3] - self.seen[3], held));
+        }
         self.seen = counters;
         for (limit, refused, state) in hit {
             if self.logged_at[limit].is_some_and(|at| now < at + LIMIT_LOG_EVERY) {
                 continue;
             }
             self.logged_at[limit] = Some(now);
-            let (what, answer) = if limit >= 3 {
+            let (what, answer) = if limit == 5 {
+                ("request", "refused with X 14")
+            } else if limit >= 3 {
                 ("connection", "refused with X 7")
             } else {
                 ("request", "answered busy (B)")

@@ -162,6 +162,8 @@ impl Simulation for Sim {
                 max_waiters: rng.range(0, 6) as usize,
                 max_waiters_per_key: rng.range(0, 4) as u32,
                 max_waits_per_conn: rng.range(0, 3) as u32,
+                max_watches: rng.range(0, 6) as usize,
+                max_watches_per_conn: rng.range(0, 3) as u32,
                 ..Limits::default()
             }
         } else {
@@ -498,7 +500,7 @@ impl Sim {
                 _ => return Err(format!("O at once: {out:?}, token {current} expected")),
             }
             self.counts.observed_at_once += 1;
-        } else if self.model.wait_fits(conn) {
+        } else if self.model.watch_fits(conn) {
             if !out.is_empty() {
                 return Err(format!("a watch on {key:?} since {since} answered {out:?}"));
             }
@@ -514,7 +516,7 @@ impl Sim {
             *self.model.watches.entry(conn).or_insert(0) += 1;
         } else {
             if out != [(conn, ErrorCode::TooManyWatches.response(id))] {
-                return Err(format!("O over the wait limits: {out:?}, X 14 expected"));
+                return Err(format!("O over the watch limits: {out:?}, X 14 expected"));
             }
             self.model.counters.errors += 1;
             self.counts.watches_refused += 1;

@@ -49,9 +49,17 @@ impl Fake {
     }
 
     /// Moves the clock to `now` and fires what is due.
+    /// Fires what is due at `now`, in as many turns as the core's budget
+    /// per turn takes (as the shell comes back at once while
+    /// `poll_timeout` is due).
     pub fn run_until(&mut self, now: Micros) -> Vec<Output> {
         self.set_now(now);
-        self.core.handle_timeout(now);
+        loop {
+            self.core.handle_timeout(now);
+            if self.core.poll_timeout().is_none_or(|due| due > now) {
+                break;
+            }
+        }
         self.drain()
     }
 

@@ -93,13 +93,19 @@ impl Model {
         self.watches.values().map(|&n| n as usize).sum()
     }
 
-    /// Whether one more wait (a queued acquire or a watch) of `conn` fits
-    /// within `--max-waiters` and `--max-waits-per-conn`, which both share.
+    /// Whether one more queued acquire of `conn` fits within
+    /// `--max-waiters` and `--max-waits-per-conn` (watches count in
+    /// neither, spec §13.3 v5).
     pub fn wait_fits(&self, conn: ConnId) -> bool {
-        let of_conn = self.conns.get(&conn).copied().unwrap_or(0)
-            + self.watches.get(&conn).copied().unwrap_or(0);
-        self.waiters() + self.watch_count() < self.limits.max_waiters
-            && of_conn < self.limits.max_waits_per_conn
+        let of_conn = self.conns.get(&conn).copied().unwrap_or(0);
+        self.waiters() < self.limits.max_waiters && of_conn < self.limits.max_waits_per_conn
+    }
+
+    /// Whether one more watch of `conn` fits within `--max-watches` and
+    /// `--max-watches-per-conn`.
+    pub fn watch_fits(&self, conn: ConnId) -> bool {
+        let of_conn = self.watches.get(&conn).copied().unwrap_or(0);
+        self.watch_count() < self.limits.max_watches && of_conn < self.limits.max_watches_per_conn
     }
 
     pub fn disconnect(&mut self, conn: ConnId) {

@@ -36,8 +36,20 @@ impl Wire {
     pub fn at(&mut self, now: Micros) {
         assert!(now >= self.now);
         self.now = now;
-        self.endpoint.handle_timeout(now);
-        self.endpoint.check_invariants();
+        // As the shell: again at once while the core has work due (its
+        // budget per turn may leave some).
+        loop {
+            self.endpoint.handle_timeout(now);
+            self.endpoint.check_invariants();
+            if self
+                .endpoint
+                .core()
+                .poll_timeout()
+                .is_none_or(|due| due > now)
+            {
+                break;
+            }
+        }
     }
 
     /// Everything `id` has to send, the socket taking it all.

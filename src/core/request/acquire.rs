@@ -162,11 +162,10 @@ impl Core {
         let Some(state) = self.conns.get(conn as usize).filter(|state| state.open) else {
             return false;
         };
-        // Watches share the total and the connection's limits (spec §13.3).
-        self.waiters.len() + self.watches.len() < self.limits.max_waiters
+        // Watches have limits of their own (spec §13.3, v5).
+        self.waiters.len() < self.limits.max_waiters
             && self.waiters.queue_len(queue) < self.limits.max_waiters_per_key
-            && (state.waiters.len as usize + self.watches.of_conn(conn))
-                < self.limits.max_waits_per_conn as usize
+            && state.waiters.len < self.limits.max_waits_per_conn
             && self.can_grant()
     }
 

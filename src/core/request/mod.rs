@@ -13,6 +13,7 @@ mod query;
 mod release;
 
 pub(super) use acquire::Ask;
+pub(super) use observe::KeyState;
 
 /// The most bytes of `G`/`W`/`K` frames one `H` or `L` answer carries
 /// (spec §4): an answer never takes a connection far past its output

@@ -5,7 +5,7 @@
 use crate::core::labels::LabelOf;
 use crate::core::permits::PERMITS;
 use crate::core::waiters::held_ms;
-use crate::core::{ConnId, Core, MICROS_PER_S, Micros, WatchTimers, millis_left};
+use crate::core::{ConnId, Core, MICROS_PER_S, Micros, Waking, WatchTimers, millis_left};
 use crate::protocol::{ErrorCode, Response};
 use crate::timer_wheel::{tick_at_or_after, tick_reached};
 
@@ -50,13 +50,11 @@ impl Core {
             self.outbox.push((conn, state.response(id)));
             return;
         }
-        let conn_waits = self
-            .conns
-            .get(conn as usize)
-            .map_or(u32::MAX, |state| state.waiters.len) as usize
-            + self.watches.of_conn(conn);
-        if self.waiters.len() + self.watches.len() >= self.limits.max_waiters
-            || conn_waits >= self.limits.max_waits_per_conn as usize
+        // Watches have limits of their own, apart from the waits' (spec
+        // §13.3): no number of them turns a waiting `A`/`S` away.
+        if self.watches.len() >= self.limits.max_watches
+            || self.watches.of_conn(conn) >= self.limits.max_watches_per_conn as usize
+            || !self.quotas.watch_fits()
         {
             self.send_error(conn, ErrorCode::TooManyWatches, id);
             return;
@@ -69,6 +67,7 @@ impl Core {
             self.wake_watch_slot(slot, now);
         }
         let watch = self.watches.insert(conn, id, key, since);
+        self.quotas.charge_watch(watch);
         let deadline = now + u64::from(wait_s) * MICROS_PER_S;
         if self.watch_wheel.is_empty() {
             // Nothing polls an empty wheel: bring it up to `now` first (as
@@ -168,7 +167,10 @@ impl Core {
     }
 
     /// Answers every watch of the record `slot` if its key's token is no
-    /// longer the one they wait on.
+    /// longer the one they wait on: the record leaves the index (a new `O`
+    /// on the key starts a new one) and its watches are answered with the
+    /// state of this moment, within this turn's work and the rest in the
+    /// next turns (spec §4, v5).
     #[inline(never)]
     pub(in crate::core) fn wake_watch_slot(&mut self, slot: u32, now: Micros) {
         if !self.watches.key_is_live(slot) {
@@ -179,10 +181,47 @@ impl Core {
         if state.token == record.since {
             return;
         }
-        let watches = record.watches.clone();
-        for watch in watches {
-            self.answer_watch(watch, state.clone());
+        let generation = record.generation;
+        self.watches.detach(slot);
+        self.waking.push_back(Waking {
+            slot,
+            generation,
+            state,
+        });
+        self.answer_waking();
+    }
+
+    /// Answers the watches of detached records, oldest first, while this
+    /// turn's work lasts.
+    pub(in crate::core) fn answer_waking(&mut self) {
+        while self.turn_work > 0 {
+            let Some(front) = self.waking.front() else {
+                return;
+            };
+            match self.watches.first_of(front.slot, front.generation) {
+                Some(watch) => {
+                    let state = front.state.clone();
+                    self.turn_work -= 1;
+                    self.answer_watch(watch, state);
+                }
+                None => {
+                    self.waking.pop_front();
+                }
+            }
         }
+        // Records answered in full leave no entry behind.
+        while self.waking.front().is_some_and(|front| {
+            self.watches
+                .first_of(front.slot, front.generation)
+                .is_none()
+        }) {
+            self.waking.pop_front();
+        }
+    }
+
+    /// Whether watches wait to be answered in a later turn.
+    pub fn has_waking(&self) -> bool {
+        !self.waking.is_empty()
     }
 
     /// A watch's `wait` ended: it is answered with the unchanged state.
@@ -202,6 +241,7 @@ impl Core {
     pub(in crate::core) fn drop_watch(&mut self, watch: u32) -> crate::core::watches::Watch {
         self.watch_wheel
             .cancel(&mut WatchTimers(&mut self.watches), watch);
+        self.quotas.uncharge_watch(watch);
         self.watches.remove(watch)
     }
 
