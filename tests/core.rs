@@ -1009,6 +1009,7 @@ fn restart_after_clean_stop(grants: &[(&str, u64, u64, u32)], downtime_ms: u64) 
                 take: 0,
                 limit: 0,
                 label: "",
+                held_ms: 0,
             }),
     );
     // The wall clock stepped back an hour meanwhile: it must not matter.
@@ -1089,6 +1090,7 @@ fn earlier(key: &str, token: u64, take: u16, limit: u16) -> EarlierGrant<'_> {
         take,
         limit,
         label: "",
+        granted_at: 0,
     }
 }
 
@@ -2651,6 +2653,57 @@ fn holders_sends_at_most_1000_grants_and_1000_waiters_and_counts_the_rest() {
     );
     assert_eq!(frames[1_000], waiter_frame(5_000, 60_000, 0, ""));
     assert_eq!(frames[1_999], waiter_frame(6_998, 60_000, 1, ""));
+}
+
+/// Spec §7.5: a grant restored after a clean stop keeps its label and
+/// its grant time: `H` counts `held_ms` from the original grant (the time
+/// held at the stop plus the downtime, given to `restore_grant`), and
+/// `grants()` reports it again for the next stop.
+#[test]
+fn a_restored_grant_keeps_its_label_and_counts_its_time_held_from_the_original_grant() {
+    let mut fake = Fake::with_conns(1);
+    let restored = [
+        ("plain", 7, 0, 0, "leader@a", 90_000u64),
+        ("shared", 8, 1, 3, "reader@b", 4_000_000),
+    ];
+    for (key, token, take, limit, label, held_ms) in restored {
+        let earlier = EarlierGrant {
+            label,
+            granted_at: 0u64.wrapping_sub(held_ms * MS),
+            deadline: 10 * S,
+            ..earlier(key, token, take, limit)
+        };
+        fake.core.restore_grant(&earlier).unwrap();
+    }
+    fake.core.check_invariants();
+    fake.set_now(2 * S + 500 * MS);
+    fake.core.handle_timeout(fake.now);
+    let frames = holders(&mut fake, 9, "plain");
+    assert_eq!(
+        frames[0],
+        grant_frame(7, 1, 7_500, 92_500, 0, "leader@a"),
+        "{frames:?}"
+    );
+    let frames = holders(&mut fake, 9, "shared");
+    assert_eq!(
+        frames[0],
+        grant_frame(8, 1, 7_500, 4_002_500, 1, "reader@b")
+    );
+    let listed: Vec<(&str, u64, &str)> = fake
+        .core
+        .grants()
+        .map(|grant| {
+            let held_ms = fake.now.wrapping_sub(grant.granted_at) / MS;
+            (grant.key, held_ms, grant.label)
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("plain", 92_500, "leader@a"),
+            ("shared", 4_002_500, "reader@b")
+        ]
+    );
 }
 
 #[test]

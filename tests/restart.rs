@@ -135,8 +135,13 @@ fn a_clean_stop_with_a_lease_outstanding_keeps_it_until_it_ends() {
 fn the_high_water_mark_wins_over_a_clock_that_stepped_back() {
     let dir = TempDir::new("hwm");
     // A mark far above what the clock gives, as a run under a clock that
-    // was ahead would have left it.
-    let mark = u64::MAX / 2;
+    // was ahead would have left it (within spec §7.6's 2^52 of plausible).
+    let clock = (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64)
+        << 20;
+    let mark = clock + (1 << 50);
     std::fs::write(
         dir.join("kunci.state"),
         format!("kunci-state 1 token_high_water={mark} lease_horizon_ms=0\n"),
@@ -628,6 +633,49 @@ fn a_damaged_state_file_stops_the_start_with_what_is_wrong() {
     assert!(!stderr.contains("cannot listen"), "{stderr}");
 }
 
+/// Spec §7.6: a high-water mark no earlier run can have left (within 2^32
+/// of `u64::MAX`, or more than 2^52 above the clock's first token) stops
+/// the start with a message naming the file; one just below is accepted.
+#[test]
+fn an_implausible_high_water_mark_is_refused_at_start_naming_the_file() {
+    use kunci::server::state::{Promise, StateDir};
+    let dir = TempDir::new("implausible");
+    let file = dir.join("kunci.state");
+    let clock = (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64)
+        << 20;
+    let write = |token_high_water: u64| {
+        // Open refuses the file an earlier case left: start afresh.
+        let _ = std::fs::remove_file(&file);
+        let mut state = StateDir::open(&dir.0).unwrap();
+        let promise = Promise {
+            token_high_water,
+            horizon: 0,
+            counted_grants: false,
+        };
+        state.write_running(promise, 0).unwrap();
+    };
+    for high_water in [u64::MAX, u64::MAX - (1 << 32) + 1, clock + (1 << 53)] {
+        write(high_water);
+        let stderr = failed_start(&dir.0);
+        assert!(
+            stderr.contains(&format!(
+                "cannot start: state dir {}: {}: implausible token high-water mark {high_water}",
+                dir.0.display(),
+                file.display()
+            )),
+            "{stderr}"
+        );
+    }
+    // Ahead of the clock by less than 2^52: an earlier run's, accepted.
+    write(clock + (1 << 40));
+    let server = start(&state_args(&dir));
+    let next: u64 = server.info()["next_token"].parse().unwrap();
+    assert!(next >= clock + (1 << 40));
+}
+
 /// Runs `kunci run survive --lease 4` whose command writes its token, then
 /// runs for 7 s. While it runs, `interrupt` stops the server and a new one
 /// starts on the same port and state directory; a second client probes the
@@ -869,6 +917,68 @@ fn the_crash_grace_is_named_by_query_and_timeout() {
         log.iter()
             .any(|line| line.contains("state: restored 1 grant of the previous run (0 expired")),
         "{log:?}"
+    );
+}
+
+/// Spec §7.5: after a clean restart a grant keeps its label, and `H`
+/// counts `held_ms` from the original grant, not from the restart.
+#[test]
+fn a_clean_restart_keeps_the_label_and_the_time_held() {
+    let dir = TempDir::new("held-time");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    let before_grant = Instant::now();
+    peer.send(&permits(0, 60, 1, 0, "leader@host-a", "elected"));
+    let token = granted(peer.recv(), 1);
+    let after_grant = Instant::now();
+    std::thread::sleep(Duration::from_millis(1_500));
+    let port = port_of(&server);
+    assert!(server.stop().success());
+    let server = start_on(&dir, port);
+    let mut peer = server.peer();
+    let least = after_grant.elapsed();
+    let mut holders = Vec::new();
+    kunci::protocol::encode_request(
+        &kunci::protocol::Request::Holders {
+            id: 5,
+            key: "elected",
+        },
+        &mut holders,
+    );
+    peer.send(&holders);
+    let answer = peer.recv();
+    let most = before_grant.elapsed();
+    let Response::Grant {
+        id: 5,
+        token: listed,
+        owner: 1,
+        held_ms,
+        take: 0,
+        label,
+        ..
+    } = answer
+    else {
+        panic!("expected the grant, got {answer:?}");
+    };
+    assert_eq!((listed, label.as_str()), (token, "leader@host-a"));
+    // Whole ms at the stop, the write and the restart: a few ms of
+    // rounding, never more.
+    let least_ms = least.as_millis() as u32;
+    assert!(
+        held_ms + 3 >= least_ms,
+        "held {held_ms} ms, at least {least:?}"
+    );
+    assert!(
+        u128::from(held_ms) <= most.as_millis(),
+        "held {held_ms} ms, at most {most:?}"
+    );
+    assert_eq!(
+        peer.recv(),
+        Response::End {
+            id: 5,
+            count: 1,
+            next: 0
+        }
     );
 }
 

@@ -32,6 +32,31 @@ pub const LOWER_GAIN_MIN: Duration = Duration::from_secs(1);
 
 const MS: Micros = 1_000;
 
+/// A state file's high-water mark this close to `u64::MAX` is refused at
+/// start (spec §7.6): the run would have next to no tokens left.
+pub const HIGH_WATER_ROOM_MIN: u64 = 1 << 32;
+/// Nor one more than this above `unix_time_ms × 2^20`: 2^52 tokens is
+/// more than a century of grants at a million a second ahead of the
+/// clock, so such a mark is damage or forgery, not an earlier run.
+pub const HIGH_WATER_AHEAD_MAX: u64 = 1 << 52;
+
+/// Why a persisted token high-water mark cannot be an earlier run's, with
+/// the wall clock at `wall_ms` (spec §7.6); `None` when it can.
+pub fn implausible_high_water(high_water: u64, wall_ms: u64) -> Option<String> {
+    if high_water > u64::MAX - HIGH_WATER_ROOM_MIN {
+        return Some(format!(
+            "implausible token high-water mark {high_water}: within 2^32 of the largest token"
+        ));
+    }
+    let clock = wall_ms.saturating_mul(1 << 20);
+    (high_water.saturating_sub(clock) > HIGH_WATER_AHEAD_MAX).then(|| {
+        format!(
+            "implausible token high-water mark {high_water}: more than 2^52 above the \
+             clock's first token {clock} (unix time ms × 2^20)"
+        )
+    })
+}
+
 fn micros(duration: Duration) -> Micros {
     duration.as_micros() as Micros
 }
@@ -327,6 +352,9 @@ pub struct SavedGrant<'a> {
     pub limit: u16,
     /// Its label (spec §11.1), often empty.
     pub label: &'a str,
+    /// How long it had been held at the stop, ms (spec §7.5); the
+    /// downtime is added when it comes back.
+    pub held_ms: u32,
 }
 
 /// What a clean stop at `now` persists (spec §7.1).
@@ -382,6 +410,7 @@ impl<'c> CleanStop<'c> {
                 take: grant.take,
                 limit: grant.limit,
                 label: grant.label,
+                held_ms: u32::try_from(now.wrapping_sub(grant.granted_at) / MS).unwrap_or(u32::MAX),
             })
     }
 }
@@ -438,6 +467,13 @@ impl Restart {
         (left > 0).then(|| Duration::from_millis(left))
     }
 
+    /// How long a grant held `held_ms` at the write has been held now:
+    /// the downtime counts (spec §7.5: `held_ms` counts from the original
+    /// grant), measured on the clock the lease left is measured on.
+    pub fn held_ms(&self, held_ms: u32) -> u32 {
+        u32::try_from(u64::from(held_ms) + self.since_ms).unwrap_or(u32::MAX)
+    }
+
     /// Until when (core µs) keys count as held by the earlier run's
     /// unknown grants, if at all. The clocks are read in whole ms after
     /// the core's instant 0: one more ms keeps the grace from ending early.
@@ -476,6 +512,7 @@ impl Restart {
                 take: grant.take,
                 limit: grant.limit,
                 label: grant.label,
+                granted_at: 0u64.wrapping_sub(u64::from(self.held_ms(grant.held_ms)) * MS),
             };
             core.restore_grant(&earlier)
                 .map_err(|error| RestoreFailure {
@@ -580,6 +617,33 @@ mod tests {
         ledger.add(far + 200_050);
         assert_eq!(ledger.latest(far, 2), (far + 200_100) * MS);
         assert_eq!(ledger.len(), 4);
+    }
+
+    #[test]
+    fn a_high_water_mark_near_the_end_or_far_ahead_of_the_clock_is_implausible() {
+        let wall_ms = 1_800_000_000_000;
+        let clock = wall_ms << 20;
+        for plausible in [0, 1, clock, clock + HIGH_WATER_AHEAD_MAX] {
+            assert_eq!(
+                implausible_high_water(plausible, wall_ms),
+                None,
+                "{plausible}"
+            );
+        }
+        for implausible in [
+            clock + HIGH_WATER_AHEAD_MAX + 1,
+            u64::MAX - HIGH_WATER_ROOM_MIN + 1,
+            u64::MAX,
+        ] {
+            let why = implausible_high_water(implausible, wall_ms).unwrap();
+            assert!(
+                why.starts_with("implausible token high-water mark"),
+                "{why}"
+            );
+        }
+        // A clock at 0 (unset) still leaves 2^52 of room.
+        assert_eq!(implausible_high_water(HIGH_WATER_AHEAD_MAX, 0), None);
+        assert!(implausible_high_water(HIGH_WATER_AHEAD_MAX + 1, 0).is_some());
     }
 
     #[test]
