@@ -982,6 +982,113 @@ fn a_clean_restart_keeps_the_label_and_the_time_held() {
     );
 }
 
+/// Unmounts a tmpfs when dropped.
+struct Mounted(std::path::PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// A fresh 256 KiB tmpfs at `dir`, or `None` (a skip, or a failure under
+/// CI=true) where this process may not mount one.
+fn small_tmpfs(dir: &std::path::Path) -> Option<Mounted> {
+    std::fs::create_dir_all(dir).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs"])
+        .arg(dir)
+        .status()
+        .is_ok_and(|status| status.success());
+    if mounted {
+        return Some(Mounted(dir.to_owned()));
+    }
+    let ci = std::env::var("CI").unwrap_or_default();
+    if !matches!(ci.as_str(), "" | "false" | "0") {
+        panic!("cannot mount a tmpfs (run as root): under CI=true this test must run");
+    }
+    eprintln!("SKIPPED: cannot mount a tmpfs (not root)");
+    None
+}
+
+/// Spec §7.6 end to end: with the state directory's filesystem full the
+/// server does not exit. The answer that needed the failed write waits
+/// for the disk; other peers are served, and what needs a promise the
+/// file does not hold gets `B` (`E`: `B` with its token); `I` counts the
+/// failures, the log says it once; once space is back the held answer
+/// goes out and long leases are granted again.
+#[test]
+fn a_full_disk_leaves_the_server_serving_and_answering_b_until_space_is_back() {
+    let base = TempDir::new("full-disk");
+    let Some(mounted) = small_tmpfs(&base.join("fs")) else {
+        return;
+    };
+    let state = mounted.0.join("state");
+    let server = start(&["--state-dir".into(), state.display().to_string()]);
+    let mut holder = server.peer();
+    holder.send(&acquire(0, 2, 1, "short"));
+    let short = granted(holder.recv(), 1);
+    // The horizon is now about 7 s ahead. Fill the filesystem.
+    let filler = mounted.0.join("filler");
+    {
+        use std::io::Write as _;
+        let mut file = std::fs::File::create(&filler).unwrap();
+        let block = [0u8; 4096];
+        let full = loop {
+            if let Err(e) = file.write_all(&block).and_then(|()| file.sync_all()) {
+                break e;
+            }
+        };
+        assert_eq!(full.raw_os_error(), Some(libc::ENOSPC), "{full}");
+    }
+    // A 60 s lease needs a later horizon: the write fails, and this
+    // answer waits for the disk.
+    let mut first = server.peer();
+    first.send(&acquire(0, 60, 2, "long"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let errors = loop {
+        let errors: u64 = server.info()["state_errors"].parse().unwrap();
+        if errors > 0 || Instant::now() > deadline {
+            break errors;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(errors >= 1, "no failed write counted");
+    let mut other = server.peer();
+    other.send(&acquire(0, 60, 3, "other"));
+    assert_eq!(other.recv(), Response::Busy { owner: 3 });
+    other.send(&acquire(0, 1, 4, "brief"));
+    let brief = granted(other.recv(), 4);
+    assert!(brief > short);
+    other.send(&crate::util::extend(60, short, "short"));
+    assert_eq!(other.recv(), Response::Busy { owner: short });
+    assert_eq!(query_key(&mut other, "short").0, short);
+    other.send(&release(brief, "brief"));
+    assert_eq!(other.recv(), Response::Released { token: brief });
+    let logged = server.wait_log_line(|line| line.contains("cannot write the state file"));
+    assert!(logged.contains("No space left on device"), "{logged}");
+    // Space is back: within the next retry the held answer goes out, and
+    // long leases are granted again.
+    std::fs::remove_file(&filler).unwrap();
+    let long = granted(first.recv(), 2);
+    assert!(long > short);
+    other.send(&acquire(0, 60, 5, "other"));
+    assert!(granted(other.recv(), 5) > long);
+    server.wait_log_line(|line| line.contains("the state file is written again"));
+    let errors_logged = server
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|line| line.contains("cannot write the state file"))
+        .count();
+    assert_eq!(errors_logged, 1);
+    drop(server);
+}
+
 /// An `S` frame (spec §10): `take` 0 takes every permit.
 fn permits(wait_s: u8, lease_s: u8, owner: u64, take: u16, label: &str, key: &str) -> Vec<u8> {
     let mut bytes = Vec::new();

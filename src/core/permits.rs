@@ -374,7 +374,7 @@ impl Core {
             self.observe_wait(head, now);
             let charged = self.quotas.uncharge_grant(LabelOf::Waiter(head));
             let (_, label) = self.unlink_waiter(head);
-            if self.next_token == u64::MAX {
+            if !self.may_issue(lease_s, take != 0, now) {
                 self.busy(conn, owner);
                 continue;
             }

@@ -29,6 +29,11 @@ pub const LOWER_CHECK: Duration = Duration::from_secs(1);
 pub const LOWER_EVERY: Duration = Duration::from_secs(5);
 /// The least gain worth a write that brings the horizon down.
 pub const LOWER_GAIN_MIN: Duration = Duration::from_secs(1);
+/// While the state file cannot be written (spec §7.6), how long after a
+/// failed write the next one is tried.
+pub const RETRY_EVERY: Duration = Duration::from_secs(1);
+/// While it cannot, how often at most the failure is logged.
+pub const LOG_FAILURE_EVERY: Duration = Duration::from_secs(60);
 
 const MS: Micros = 1_000;
 
@@ -100,6 +105,19 @@ pub struct Durability {
     lowered_at: Option<Micros>,
     /// `plan` does nothing before then.
     next_plan: Micros,
+    /// The last write failed (spec §7.6, disk trouble).
+    failing: Option<Failing>,
+}
+
+/// Disk trouble: the writes fail since `since`.
+#[derive(Clone, Copy, Debug)]
+struct Failing {
+    /// Writes that failed since the last that succeeded.
+    failures: u64,
+    /// The next write is tried then, not before.
+    retry_at: Micros,
+    /// When the failure was last logged.
+    logged_at: Micros,
 }
 
 impl Durability {
@@ -216,6 +234,69 @@ impl Durability {
     /// What the file on disk promises, if this run wrote it yet.
     pub fn on_disk(&self) -> Option<Promise> {
         self.persisted
+    }
+
+    /// Writing `wanted` failed at `now` (spec §7.6): until a write
+    /// succeeds the run promises nothing beyond what is on disk (the core
+    /// answers `B` to what would need more: [`Core::set_ceiling`]), the
+    /// next write is tried [`RETRY_EVERY`] later, and the failure is
+    /// logged at most once per [`LOG_FAILURE_EVERY`]. Returns whether to
+    /// log it now.
+    pub fn failed(&mut self, now: Micros) -> bool {
+        let retry_at = now + micros(RETRY_EVERY);
+        match self.failing.as_mut() {
+            None => {
+                self.failing = Some(Failing {
+                    failures: 1,
+                    retry_at,
+                    logged_at: now,
+                });
+                true
+            }
+            Some(failing) => {
+                failing.failures += 1;
+                failing.retry_at = retry_at;
+                let log = now >= failing.logged_at + micros(LOG_FAILURE_EVERY);
+                if log {
+                    failing.logged_at = now;
+                }
+                log
+            }
+        }
+    }
+
+    /// Whether writes are failing (the last one did).
+    pub fn failing(&self) -> bool {
+        self.failing.is_some()
+    }
+
+    /// Whether a write may be tried at `now`: always, unless one failed
+    /// less than [`RETRY_EVERY`] ago.
+    pub fn write_due(&self, now: Micros) -> bool {
+        self.failing.is_none_or(|failing| now >= failing.retry_at)
+    }
+
+    /// When the next write is tried, while writes fail.
+    pub fn retry_at(&self) -> Option<Micros> {
+        self.failing.map(|failing| failing.retry_at)
+    }
+
+    /// Whether `wanted` promises more than the file does: more tokens, a
+    /// later horizon, or counted grants. (A promise that only brings the
+    /// horizon down promises less: nothing shown depends on it.)
+    pub fn raises(&self, wanted: Promise) -> bool {
+        let Some(on_disk) = self.persisted else {
+            return true;
+        };
+        wanted.token_high_water > on_disk.token_high_water
+            || wanted.horizon > on_disk.horizon
+            || (wanted.counted_grants && !on_disk.counted_grants)
+    }
+
+    /// A write succeeded after writes failed: how many had failed (the
+    /// trouble is over); `None` when none had.
+    pub fn recovered(&mut self) -> Option<u64> {
+        self.failing.take().map(|failing| failing.failures)
     }
 }
 
@@ -565,6 +646,46 @@ mod tests {
             .unwrap();
         assert_eq!(grace.horizon, 20 * S);
         assert_eq!(durability.on_disk(), Some(tokens));
+    }
+
+    #[test]
+    fn a_failing_write_is_retried_every_second_and_logged_once_a_minute() {
+        let mut durability = Durability::new();
+        let first = durability.needed_for(100, 0, 0, false).unwrap();
+        durability.persisted(first);
+        assert!(!durability.failing());
+        assert!(durability.write_due(0));
+        // A lease to 5 s needs a later horizon: that promise is a raise.
+        let wanted = durability.needed_for(100, 5 * S, 0, false).unwrap();
+        assert!(durability.raises(wanted));
+        assert!(durability.failed(2 * S), "the first failure is logged");
+        assert!(durability.failing());
+        assert_eq!(durability.retry_at(), Some(3 * S));
+        assert!(!durability.write_due(3 * S - 1));
+        assert!(durability.write_due(3 * S));
+        // Retried each second; logged again only a minute after the last log.
+        for second in 3..62 {
+            assert!(!durability.failed(second * S), "{second}");
+        }
+        assert!(durability.failed(62 * S));
+        assert!(!durability.failed(63 * S));
+        // The disk is back: what is on disk covers what was wanted.
+        assert_eq!(durability.recovered(), Some(62));
+        durability.persisted(wanted);
+        assert!(!durability.failing());
+        assert!(durability.write_due(63 * S));
+        assert_eq!(durability.recovered(), None);
+        // Bringing the horizon down promises less: not a raise.
+        let lowered = Promise {
+            horizon: S,
+            ..wanted
+        };
+        assert!(!durability.raises(lowered));
+        let counted = Promise {
+            counted_grants: true,
+            ..wanted
+        };
+        assert!(durability.raises(counted));
     }
 
     #[test]
