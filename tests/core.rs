@@ -1009,6 +1009,7 @@ fn restart_after_clean_stop(grants: &[(&str, u64, u64, u32)], downtime_ms: u64) 
                 take: 0,
                 limit: 0,
                 label: "",
+                held_ms: 0,
             }),
     );
     // The wall clock stepped back an hour meanwhile: it must not matter.
@@ -1089,6 +1090,7 @@ fn earlier(key: &str, token: u64, take: u16, limit: u16) -> EarlierGrant<'_> {
         take,
         limit,
         label: "",
+        granted_at: 0,
     }
 }
 
@@ -2651,6 +2653,111 @@ fn holders_sends_at_most_1000_grants_and_1000_waiters_and_counts_the_rest() {
     );
     assert_eq!(frames[1_000], waiter_frame(5_000, 60_000, 0, ""));
     assert_eq!(frames[1_999], waiter_frame(6_998, 60_000, 1, ""));
+}
+
+/// Spec §7.6, with a fake clock: while the state file cannot be written
+/// the core grants only what the file promises — a token below its
+/// high-water mark, a lease within its horizon, a counted grant only if
+/// it allows them — and answers `B` to the rest (an `E`: `B` with its
+/// token); everything else is served; without the ceiling all is as before.
+#[test]
+fn under_a_ceiling_what_the_state_file_does_not_promise_gets_b_and_the_rest_is_served() {
+    use kunci::core::restart::Promise;
+    let mut fake = Fake::with_conns(2);
+    fake.core.set_ceiling(Some(Promise {
+        token_high_water: FIRST_TOKEN + 2,
+        horizon: 10 * S,
+        counted_grants: false,
+    }));
+    // A lease within the horizon is granted; one past it is not.
+    let a = fake.grant(0, "a", 10, 1);
+    assert_eq!(fake.acquire(0, "b", 0, 11, 2), vec![(0, busy(2))]);
+    // Renewals: within the horizon `E`, past it `B` with the token.
+    fake.set_now(S);
+    assert_eq!(fake.extend(0, "a", 9, a), vec![(0, extended(a))]);
+    assert_eq!(fake.extend(0, "a", 10, a), vec![(0, busy(a))]);
+    assert_eq!(fake.query("a").0, a);
+    // A counted permit: the file does not allow one.
+    assert_eq!(
+        fake.permits(0, "sem", 0, 5, 3, 2, 1, ""),
+        vec![(0, busy(3))]
+    );
+    // Held keys still answer `T`; waiters queue and are handed the key
+    // only within the promise: the first waiter's lease would pass the
+    // horizon at the hand-over (`B`), the second's fits.
+    assert_eq!(fake.acquire(1, "a", 0, 1, 4), vec![(1, timeout(4))]);
+    fake.enqueue(1, "a", 30, 5, 5);
+    fake.enqueue(1, "a", 30, 1, 6);
+    fake.set_now(8 * S + 500 * MS);
+    let b = FIRST_TOKEN + 1;
+    assert_eq!(
+        fake.release(0, "a", a),
+        vec![
+            (0, Response::Released { token: a }),
+            (1, busy(5)),
+            (1, acquired(6, b))
+        ]
+    );
+    // The high-water mark: token FIRST_TOKEN + 2 is not promised.
+    assert_eq!(fake.acquire(0, "c", 0, 1, 7), vec![(0, busy(7))]);
+    // The disk is back.
+    fake.core.set_ceiling(None);
+    assert_eq!(
+        fake.acquire(0, "c", 0, 60, 8),
+        vec![(0, acquired(8, b + 1))]
+    );
+    fake.core.check_invariants();
+}
+
+/// Spec §7.5: a grant restored after a clean stop keeps its label and
+/// its grant time: `H` counts `held_ms` from the original grant (the time
+/// held at the stop plus the downtime, given to `restore_grant`), and
+/// `grants()` reports it again for the next stop.
+#[test]
+fn a_restored_grant_keeps_its_label_and_counts_its_time_held_from_the_original_grant() {
+    let mut fake = Fake::with_conns(1);
+    let restored = [
+        ("plain", 7, 0, 0, "leader@a", 90_000u64),
+        ("shared", 8, 1, 3, "reader@b", 4_000_000),
+    ];
+    for (key, token, take, limit, label, held_ms) in restored {
+        let earlier = EarlierGrant {
+            label,
+            granted_at: 0u64.wrapping_sub(held_ms * MS),
+            deadline: 10 * S,
+            ..earlier(key, token, take, limit)
+        };
+        fake.core.restore_grant(&earlier).unwrap();
+    }
+    fake.core.check_invariants();
+    fake.set_now(2 * S + 500 * MS);
+    fake.core.handle_timeout(fake.now);
+    let frames = holders(&mut fake, 9, "plain");
+    assert_eq!(
+        frames[0],
+        grant_frame(7, 1, 7_500, 92_500, 0, "leader@a"),
+        "{frames:?}"
+    );
+    let frames = holders(&mut fake, 9, "shared");
+    assert_eq!(
+        frames[0],
+        grant_frame(8, 1, 7_500, 4_002_500, 1, "reader@b")
+    );
+    let listed: Vec<(&str, u64, &str)> = fake
+        .core
+        .grants()
+        .map(|grant| {
+            let held_ms = fake.now.wrapping_sub(grant.granted_at) / MS;
+            (grant.key, held_ms, grant.label)
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("plain", 92_500, "leader@a"),
+            ("shared", 4_002_500, "reader@b")
+        ]
+    );
 }
 
 #[test]

@@ -386,6 +386,7 @@ fn grants_restored_from_an_earlier_run_are_charged_to_nobody() {
             take,
             limit,
             label: "",
+            granted_at: 0,
         };
         q.core.restore_grant(&earlier).unwrap();
     }

@@ -135,8 +135,13 @@ fn a_clean_stop_with_a_lease_outstanding_keeps_it_until_it_ends() {
 fn the_high_water_mark_wins_over_a_clock_that_stepped_back() {
     let dir = TempDir::new("hwm");
     // A mark far above what the clock gives, as a run under a clock that
-    // was ahead would have left it.
-    let mark = u64::MAX / 2;
+    // was ahead would have left it (within spec §7.6's 2^52 of plausible).
+    let clock = (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64)
+        << 20;
+    let mark = clock + (1 << 50);
     std::fs::write(
         dir.join("kunci.state"),
         format!("kunci-state 1 token_high_water={mark} lease_horizon_ms=0\n"),
@@ -628,6 +633,49 @@ fn a_damaged_state_file_stops_the_start_with_what_is_wrong() {
     assert!(!stderr.contains("cannot listen"), "{stderr}");
 }
 
+/// Spec §7.6: a high-water mark no earlier run can have left (within 2^32
+/// of `u64::MAX`, or more than 2^52 above the clock's first token) stops
+/// the start with a message naming the file; one just below is accepted.
+#[test]
+fn an_implausible_high_water_mark_is_refused_at_start_naming_the_file() {
+    use kunci::server::state::{Promise, StateDir};
+    let dir = TempDir::new("implausible");
+    let file = dir.join("kunci.state");
+    let clock = (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64)
+        << 20;
+    let write = |token_high_water: u64| {
+        // Open refuses the file an earlier case left: start afresh.
+        let _ = std::fs::remove_file(&file);
+        let mut state = StateDir::open(&dir.0).unwrap();
+        let promise = Promise {
+            token_high_water,
+            horizon: 0,
+            counted_grants: false,
+        };
+        state.write_running(promise, 0).unwrap();
+    };
+    for high_water in [u64::MAX, u64::MAX - (1 << 32) + 1, clock + (1 << 53)] {
+        write(high_water);
+        let stderr = failed_start(&dir.0);
+        assert!(
+            stderr.contains(&format!(
+                "cannot start: state dir {}: {}: implausible token high-water mark {high_water}",
+                dir.0.display(),
+                file.display()
+            )),
+            "{stderr}"
+        );
+    }
+    // Ahead of the clock by less than 2^52: an earlier run's, accepted.
+    write(clock + (1 << 40));
+    let server = start(&state_args(&dir));
+    let next: u64 = server.info()["next_token"].parse().unwrap();
+    assert!(next >= clock + (1 << 40));
+}
+
 /// Runs `kunci run survive --lease 4` whose command writes its token, then
 /// runs for 7 s. While it runs, `interrupt` stops the server and a new one
 /// starts on the same port and state directory; a second client probes the
@@ -870,6 +918,175 @@ fn the_crash_grace_is_named_by_query_and_timeout() {
             .any(|line| line.contains("state: restored 1 grant of the previous run (0 expired")),
         "{log:?}"
     );
+}
+
+/// Spec §7.5: after a clean restart a grant keeps its label, and `H`
+/// counts `held_ms` from the original grant, not from the restart.
+#[test]
+fn a_clean_restart_keeps_the_label_and_the_time_held() {
+    let dir = TempDir::new("held-time");
+    let server = start_on(&dir, 0);
+    let mut peer = server.peer();
+    let before_grant = Instant::now();
+    peer.send(&permits(0, 60, 1, 0, "leader@host-a", "elected"));
+    let token = granted(peer.recv(), 1);
+    let after_grant = Instant::now();
+    std::thread::sleep(Duration::from_millis(1_500));
+    let port = port_of(&server);
+    assert!(server.stop().success());
+    let server = start_on(&dir, port);
+    let mut peer = server.peer();
+    let least = after_grant.elapsed();
+    let mut holders = Vec::new();
+    kunci::protocol::encode_request(
+        &kunci::protocol::Request::Holders {
+            id: 5,
+            key: "elected",
+        },
+        &mut holders,
+    );
+    peer.send(&holders);
+    let answer = peer.recv();
+    let most = before_grant.elapsed();
+    let Response::Grant {
+        id: 5,
+        token: listed,
+        owner: 1,
+        held_ms,
+        take: 0,
+        label,
+        ..
+    } = answer
+    else {
+        panic!("expected the grant, got {answer:?}");
+    };
+    assert_eq!((listed, label.as_str()), (token, "leader@host-a"));
+    // Whole ms at the stop, the write and the restart: a few ms of
+    // rounding, never more.
+    let least_ms = least.as_millis() as u32;
+    assert!(
+        held_ms + 3 >= least_ms,
+        "held {held_ms} ms, at least {least:?}"
+    );
+    assert!(
+        u128::from(held_ms) <= most.as_millis(),
+        "held {held_ms} ms, at most {most:?}"
+    );
+    assert_eq!(
+        peer.recv(),
+        Response::End {
+            id: 5,
+            count: 1,
+            next: 0
+        }
+    );
+}
+
+/// Unmounts a tmpfs when dropped.
+struct Mounted(std::path::PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// A fresh 256 KiB tmpfs at `dir`, or `None` (a skip, or a failure under
+/// CI=true) where this process may not mount one.
+fn small_tmpfs(dir: &std::path::Path) -> Option<Mounted> {
+    std::fs::create_dir_all(dir).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs"])
+        .arg(dir)
+        .status()
+        .is_ok_and(|status| status.success());
+    if mounted {
+        return Some(Mounted(dir.to_owned()));
+    }
+    let ci = std::env::var("CI").unwrap_or_default();
+    if !matches!(ci.as_str(), "" | "false" | "0") {
+        panic!("cannot mount a tmpfs (run as root): under CI=true this test must run");
+    }
+    eprintln!("SKIPPED: cannot mount a tmpfs (not root)");
+    None
+}
+
+/// Spec §7.6 end to end: with the state directory's filesystem full the
+/// server does not exit. The answer that needed the failed write waits
+/// for the disk; other peers are served, and what needs a promise the
+/// file does not hold gets `B` (`E`: `B` with its token); `I` counts the
+/// failures, the log says it once; once space is back the held answer
+/// goes out and long leases are granted again.
+#[test]
+fn a_full_disk_leaves_the_server_serving_and_answering_b_until_space_is_back() {
+    let base = TempDir::new("full-disk");
+    let Some(mounted) = small_tmpfs(&base.join("fs")) else {
+        return;
+    };
+    let state = mounted.0.join("state");
+    let server = start(&["--state-dir".into(), state.display().to_string()]);
+    let mut holder = server.peer();
+    holder.send(&acquire(0, 2, 1, "short"));
+    let short = granted(holder.recv(), 1);
+    // The horizon is now about 7 s ahead. Fill the filesystem.
+    let filler = mounted.0.join("filler");
+    {
+        use std::io::Write as _;
+        let mut file = std::fs::File::create(&filler).unwrap();
+        let block = [0u8; 4096];
+        let full = loop {
+            if let Err(e) = file.write_all(&block).and_then(|()| file.sync_all()) {
+                break e;
+            }
+        };
+        assert_eq!(full.raw_os_error(), Some(libc::ENOSPC), "{full}");
+    }
+    // A 60 s lease needs a later horizon: the write fails, and this
+    // answer waits for the disk.
+    let mut first = server.peer();
+    first.send(&acquire(0, 60, 2, "long"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let errors = loop {
+        let errors: u64 = server.info()["state_errors"].parse().unwrap();
+        if errors > 0 || Instant::now() > deadline {
+            break errors;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(errors >= 1, "no failed write counted");
+    let mut other = server.peer();
+    other.send(&acquire(0, 60, 3, "other"));
+    assert_eq!(other.recv(), Response::Busy { owner: 3 });
+    other.send(&acquire(0, 1, 4, "brief"));
+    let brief = granted(other.recv(), 4);
+    assert!(brief > short);
+    other.send(&crate::util::extend(60, short, "short"));
+    assert_eq!(other.recv(), Response::Busy { owner: short });
+    assert_eq!(query_key(&mut other, "short").0, short);
+    other.send(&release(brief, "brief"));
+    assert_eq!(other.recv(), Response::Released { token: brief });
+    let logged = server.wait_log_line(|line| line.contains("cannot write the state file"));
+    assert!(logged.contains("No space left on device"), "{logged}");
+    // Space is back: within the next retry the held answer goes out, and
+    // long leases are granted again.
+    std::fs::remove_file(&filler).unwrap();
+    let long = granted(first.recv(), 2);
+    assert!(long > short);
+    other.send(&acquire(0, 60, 5, "other"));
+    assert!(granted(other.recv(), 5) > long);
+    server.wait_log_line(|line| line.contains("the state file is written again"));
+    let errors_logged = server
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|line| line.contains("cannot write the state file"))
+        .count();
+    assert_eq!(errors_logged, 1);
+    drop(server);
 }
 
 /// An `S` frame (spec §10): `take` 0 takes every permit.

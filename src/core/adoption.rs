@@ -8,6 +8,7 @@ use std::collections::HashSet;
 
 use super::labels::{self, LabelOf};
 use super::permits::PERMITS;
+use super::waiters;
 use super::{ConnId, Core, Micros, TimerNodes};
 use crate::protocol::Response;
 use crate::timer_wheel::{MICROS_PER_TICK, tick_at_or_after};
@@ -26,6 +27,11 @@ pub struct HeldGrant<'a> {
     pub limit: u16,
     /// Its label (spec §11.1), often empty.
     pub label: &'a str,
+    /// When it was granted, on this core's clock, to the ms (spec §7.5:
+    /// `held_ms` counts from the original grant). It wraps: a grant
+    /// restored from an earlier run was granted before instant 0, so the
+    /// time held at `now` is `now.wrapping_sub(granted_at)`.
+    pub granted_at: Micros,
 }
 
 /// A grant of an earlier run to restore (see [`Core::restore_grant`]): the
@@ -193,7 +199,9 @@ impl Core {
             take,
             limit,
             label,
+            granted_at,
         } = *grant;
+        let held_ms = u32::try_from(0u64.wrapping_sub(granted_at) / 1_000).unwrap_or(u32::MAX);
         if token == 0 || token >= self.first_token {
             return Err(RestoreError::TokenNotFromEarlierRun);
         }
@@ -222,14 +230,7 @@ impl Core {
                 if self.table.get(entry).token != PERMITS {
                     self.set_limit(entry, 0, 0);
                 }
-                self.restore_permits(
-                    entry,
-                    token,
-                    owner,
-                    0,
-                    labels::owned(label),
-                    deadline.max(1),
-                );
+                self.restore_permits(entry, grant);
                 self.grants_held += 1;
                 return Ok(());
             }
@@ -238,6 +239,9 @@ impl Core {
                 .insert(key, hash, token, owner)
                 .ok_or(RestoreError::TableFull)?;
             self.labels.put(LabelOf::Entry(entry), labels::owned(label));
+            let queue = &mut self.table.get_mut(entry).waiters;
+            self.waiters
+                .set_grant_time(queue, waiters::grant_time_before_start(held_ms));
             self.arm_lease_at(entry, deadline.max(1));
             self.grants_held += 1;
             return Ok(());
@@ -274,14 +278,7 @@ impl Core {
                 entry
             }
         };
-        self.restore_permits(
-            entry,
-            token,
-            owner,
-            take,
-            labels::owned(label),
-            deadline.max(1),
-        );
+        self.restore_permits(entry, grant);
         self.grants_held += 1;
         if take != 0 {
             self.counted_grants_made = true;
@@ -295,6 +292,7 @@ impl Core {
     /// order.
     pub fn grants(&self) -> impl Iterator<Item = HeldGrant<'_>> + '_ {
         static NONE: std::collections::VecDeque<u32> = std::collections::VecDeque::new();
+        let now = self.wheel.elapsed() * MICROS_PER_TICK;
         self.table.live_indices().flat_map(move |entry| {
             let held = self.table.get(entry);
             let key = self.table.key(entry);
@@ -306,6 +304,9 @@ impl Core {
                 take: 0,
                 limit: 0,
                 label: self.labels.get(LabelOf::Entry(entry)),
+                granted_at: now.wrapping_sub(
+                    u64::from(waiters::held_ms(self.waiters.grant_time(held.waiters), now)) * 1_000,
+                ),
             });
             let permits = (held.token == PERMITS).then(|| self.permit_key(entry));
             let limit = permits.map_or(0, |permits| permits.limit);
@@ -320,6 +321,7 @@ impl Core {
                     take: grant.take,
                     limit,
                     label: self.labels.get(LabelOf::Grant(index)),
+                    granted_at: grant.granted_at,
                 }
             }))
         })

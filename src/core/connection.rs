@@ -106,6 +106,10 @@ pub struct Connection {
     pub(super) transmit_queued: bool,
     /// Refused at accept (`X 7`, `X 9`): never known to the core.
     pub(super) refused: bool,
+    /// Its output was waiting when a write of the state file failed: it
+    /// may reveal what the file does not promise, so nothing of it is sent
+    /// until a write succeeds (spec §7.6).
+    pub(super) awaits_disk: bool,
     /// The turn of the event loop `work` counts for.
     pub(super) turn: u32,
     /// Work done in that turn (see [`TURN_WORK_MAX`]).
@@ -129,6 +133,7 @@ impl Connection {
             timer: TimerLinks::UNARMED,
             transmit_queued: false,
             refused: false,
+            awaits_disk: false,
             turn: 0,
             work: 0,
             peer: None,

@@ -296,11 +296,60 @@ impl Endpoint {
         self.durability.as_ref()?.needed(&self.core)
     }
 
-    /// The shell made `promise` durable.
-    pub fn handle_persisted(&mut self, promise: Promise) {
-        if let Some(durability) = self.durability.as_mut() {
-            durability.persisted(promise);
+    /// The shell made `promise` durable. Returns, when writes had been
+    /// failing, how many did (spec §7.6: the trouble is over; every answer
+    /// held for the disk goes out).
+    pub fn handle_persisted(&mut self, promise: Promise) -> Option<u64> {
+        let durability = self.durability.as_mut()?;
+        durability.persisted(promise);
+        let failures = durability.recovered()?;
+        self.core.set_ceiling(None);
+        for id in 0..self.conns.len() as ConnId {
+            if let Some(conn) = self.conn_mut(id)
+                && std::mem::take(&mut conn.awaits_disk)
+            {
+                self.queue_transmit(id);
+            }
         }
+        Some(failures)
+    }
+
+    /// Writing `wanted` (from [`poll_persist`](Self::poll_persist)) failed
+    /// at `now` (spec §7.6): the server goes on within what the file
+    /// holds — the core answers `B` to what needs more — the output
+    /// waiting now, which may reveal what the file does not hold, waits
+    /// for a write that succeeds, and the write is tried again later
+    /// ([`write_due`](Self::write_due)). Returns whether to log the
+    /// failure (at most once a minute).
+    pub fn handle_persist_failed(&mut self, wanted: Promise, now: Micros) -> bool {
+        let Some(durability) = self.durability.as_mut() else {
+            return false;
+        };
+        let raises = durability.raises(wanted);
+        let log = durability.failed(now);
+        self.core.set_ceiling(durability.on_disk());
+        self.core.stats_mut().state_errors += 1;
+        if raises {
+            for conn in self.conns.iter_mut().flatten() {
+                if !conn.output.is_empty() {
+                    conn.awaits_disk = true;
+                }
+            }
+        }
+        log
+    }
+
+    /// What the state file promises, as far as this run wrote it.
+    pub fn on_disk(&self) -> Option<Promise> {
+        self.durability.as_ref()?.on_disk()
+    }
+
+    /// Whether the shell may try to write the state file at `now`: always,
+    /// unless a write failed less than a second ago.
+    pub fn write_due(&self, now: Micros) -> bool {
+        self.durability
+            .as_ref()
+            .is_none_or(|durability| durability.write_due(now))
     }
 
     pub fn core(&self) -> &Core {
@@ -642,10 +691,16 @@ impl Endpoint {
     /// The bytes `id` has to send now, if any: none while a promise
     /// waits to be made durable ([`poll_persist`](Self::poll_persist)).
     pub fn transmit(&mut self, id: ConnId) -> Option<&[u8]> {
-        if self.poll_persist().is_some() {
+        // While writes fail (spec §7.6) the core promises nothing past the
+        // file: only the output that waited at the failure waits on.
+        let failing = self.durability.as_ref().is_some_and(Durability::failing);
+        if !failing && self.poll_persist().is_some() {
             return None;
         }
         let conn = self.conns.get_mut(id as usize)?.as_mut()?;
+        if conn.awaits_disk {
+            return None;
+        }
         #[cfg(feature = "tls")]
         if let Some(tls) = conn.tls.as_mut() {
             let records = tls.records(&conn.output, &mut self.spare_outputs);
@@ -730,6 +785,7 @@ impl Endpoint {
             self.durability
                 .as_ref()
                 .and_then(|durability| durability.poll_timeout(&self.core)),
+            self.durability.as_ref().and_then(Durability::retry_at),
         ]
         .into_iter()
         .flatten()
@@ -1219,7 +1275,6 @@ impl Endpoint {
     }
 
     /// Puts `id` in the list of connections with something to send.
-    #[cfg(feature = "tls")]
     fn queue_transmit(&mut self, id: ConnId) {
         if let Some(conn) = self.conn_mut(id) {
             if !conn.transmit_queued {

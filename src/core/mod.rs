@@ -179,6 +179,8 @@ pub struct Stats {
     pub lists: u64,
     /// Connections closed with `X 12` (spec §12.2).
     pub auth_failures: u64,
+    /// Writes of the state file that failed (spec §7.6).
+    pub state_errors: u64,
 }
 
 impl Stats {
@@ -262,6 +264,10 @@ pub struct Core {
     /// costs the plain path nothing.
     grant_cap: usize,
     next_token: u64,
+    /// While the state file cannot be written (spec §7.6): what it
+    /// promises, which no token or lease may pass (see
+    /// [`set_ceiling`](Self::set_ceiling)).
+    ceiling: Option<restart::Promise>,
     stats: Stats,
     outbox: Vec<Output>,
     /// Work done so far, in units of one table slot examined or one grant
@@ -357,6 +363,7 @@ impl Core {
             quotas: quota::Quotas::default(),
             grant_cap: limits.max_grants,
             next_token: first_token.max(1),
+            ceiling: None,
             stats: Stats::default(),
             outbox: Vec::new(),
             work: 0,
@@ -937,7 +944,7 @@ impl Core {
             self.observe_wait(head, now);
             let charged = self.quotas.uncharge_grant(LabelOf::Waiter(head));
             let (_, label) = self.unlink_waiter(head);
-            if self.next_token == u64::MAX {
+            if !self.may_issue(lease_s, false, now) {
                 self.busy(conn, owner);
                 continue;
             }
@@ -978,6 +985,40 @@ impl Core {
         self.stats.grants += 1;
         self.outbox
             .push((conn, Response::Acquired { owner, token }));
+    }
+
+    /// While the state file cannot be written (spec §7.6), `Some` of the
+    /// promise it holds: a grant whose token or lease deadline it does not
+    /// cover, or a counted grant it does not allow, gets `B`, and so does
+    /// an `E` whose lease would end past its horizon (`B` with the token);
+    /// everything else is served. `None` once a write succeeds.
+    pub fn set_ceiling(&mut self, ceiling: Option<restart::Promise>) {
+        self.ceiling = ceiling;
+    }
+
+    /// Whether a grant of `lease_s` (a counted one when `counted`) may be
+    /// made at `now`: a token is left, and the state file holds the
+    /// promise it needs (see [`set_ceiling`](Self::set_ceiling)).
+    #[inline(always)]
+    fn may_issue(&self, lease_s: u8, counted: bool, now: Micros) -> bool {
+        self.next_token != u64::MAX
+            && self.ceiling.is_none_or(|ceiling| {
+                Self::within(&ceiling, self.next_token, lease_s, counted, now)
+            })
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn within(
+        ceiling: &restart::Promise,
+        next_token: u64,
+        lease_s: u8,
+        counted: bool,
+        now: Micros,
+    ) -> bool {
+        next_token < ceiling.token_high_water
+            && now + u64::from(lease_s) * MICROS_PER_S <= ceiling.horizon
+            && (!counted || ceiling.counted_grants)
     }
 
     /// Records that `entry`'s inline grant was made (or adopted) at `now`,

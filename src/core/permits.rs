@@ -14,10 +14,10 @@
 
 use std::collections::VecDeque;
 
-use super::labels::LabelOf;
+use super::labels::{self, LabelOf};
 use super::memory::NIL;
 use super::waiters::held_ms;
-use super::{ConnId, Core, GRANT_TIMER, MICROS_PER_S, Micros};
+use super::{ConnId, Core, EarlierGrant, GRANT_TIMER, MICROS_PER_S, Micros};
 use crate::protocol::Response;
 use crate::timer_wheel::{TimerLinks, tick_at_or_after};
 
@@ -116,7 +116,9 @@ pub struct Grant {
     pub token: u64,
     /// The owner of the request that was granted.
     pub owner: u64,
-    /// When it was granted (for listing how long it has been held).
+    /// When it was granted (for listing how long it has been held): a
+    /// grant restored from an earlier run was granted before this run's
+    /// instant 0, so this wraps; the time held is `now.wrapping_sub(it)`.
     pub granted_at: Micros,
     /// The lease-expiry timer.
     pub lease: TimerLinks,
@@ -222,7 +224,7 @@ impl Core {
                 token: held.token,
                 owner: held.owner,
                 // The inline grant's moment, to the millisecond.
-                granted_at: now.saturating_sub(
+                granted_at: now.wrapping_sub(
                     u64::from(held_ms(self.waiters.grant_time(held.waiters), now)) * 1_000,
                 ),
                 lease: TimerLinks::UNARMED,
@@ -305,26 +307,22 @@ impl Core {
 
     /// Adds a grant of an earlier run to permit key `entry` (spec §7.4),
     /// after the ones it has (the caller checked the token order and the
-    /// fit), with its lease to `deadline`.
-    pub(super) fn restore_permits(
-        &mut self,
-        entry: u32,
-        token: u64,
-        owner: u64,
-        take: u16,
-        label: Option<Box<str>>,
-        deadline: Micros,
-    ) {
+    /// fit), with its lease to `deadline` (its own, at least 1).
+    pub(super) fn restore_permits(&mut self, entry: u32, earlier: &EarlierGrant<'_>) {
+        let take = earlier.take;
         let grant = self.grants.insert(Grant {
-            token,
-            owner,
-            granted_at: 0,
+            token: earlier.token,
+            owner: earlier.owner,
+            // Before this run's instant 0, wrapping (see the field).
+            granted_at: earlier.granted_at,
             lease: TimerLinks::UNARMED,
             entry,
             take,
         });
         self.permit_key_mut(entry).add(grant, take);
-        self.labels.put(LabelOf::Grant(grant), label);
+        self.labels
+            .put(LabelOf::Grant(grant), labels::owned(earlier.label));
+        let deadline = earlier.deadline.max(1);
         self.arm_grant_lease_at(grant, deadline);
     }
 
@@ -376,7 +374,7 @@ impl Core {
             self.observe_wait(head, now);
             let charged = self.quotas.uncharge_grant(LabelOf::Waiter(head));
             let (_, label) = self.unlink_waiter(head);
-            if self.next_token == u64::MAX {
+            if !self.may_issue(lease_s, take != 0, now) {
                 self.busy(conn, owner);
                 continue;
             }

@@ -29,8 +29,38 @@ pub const LOWER_CHECK: Duration = Duration::from_secs(1);
 pub const LOWER_EVERY: Duration = Duration::from_secs(5);
 /// The least gain worth a write that brings the horizon down.
 pub const LOWER_GAIN_MIN: Duration = Duration::from_secs(1);
+/// While the state file cannot be written (spec §7.6), how long after a
+/// failed write the next one is tried.
+pub const RETRY_EVERY: Duration = Duration::from_secs(1);
+/// While it cannot, how often at most the failure is logged.
+pub const LOG_FAILURE_EVERY: Duration = Duration::from_secs(60);
 
 const MS: Micros = 1_000;
+
+/// A state file's high-water mark this close to `u64::MAX` is refused at
+/// start (spec §7.6): the run would have next to no tokens left.
+pub const HIGH_WATER_ROOM_MIN: u64 = 1 << 32;
+/// Nor one more than this above `unix_time_ms × 2^20`: 2^52 tokens is
+/// more than a century of grants at a million a second ahead of the
+/// clock, so such a mark is damage or forgery, not an earlier run.
+pub const HIGH_WATER_AHEAD_MAX: u64 = 1 << 52;
+
+/// Why a persisted token high-water mark cannot be an earlier run's, with
+/// the wall clock at `wall_ms` (spec §7.6); `None` when it can.
+pub fn implausible_high_water(high_water: u64, wall_ms: u64) -> Option<String> {
+    if high_water > u64::MAX - HIGH_WATER_ROOM_MIN {
+        return Some(format!(
+            "implausible token high-water mark {high_water}: within 2^32 of the largest token"
+        ));
+    }
+    let clock = wall_ms.saturating_mul(1 << 20);
+    (high_water.saturating_sub(clock) > HIGH_WATER_AHEAD_MAX).then(|| {
+        format!(
+            "implausible token high-water mark {high_water}: more than 2^52 above the \
+             clock's first token {clock} (unix time ms × 2^20)"
+        )
+    })
+}
 
 fn micros(duration: Duration) -> Micros {
     duration.as_micros() as Micros
@@ -75,6 +105,19 @@ pub struct Durability {
     lowered_at: Option<Micros>,
     /// `plan` does nothing before then.
     next_plan: Micros,
+    /// The last write failed (spec §7.6, disk trouble).
+    failing: Option<Failing>,
+}
+
+/// Disk trouble: the writes fail since `since`.
+#[derive(Clone, Copy, Debug)]
+struct Failing {
+    /// Writes that failed since the last that succeeded.
+    failures: u64,
+    /// The next write is tried then, not before.
+    retry_at: Micros,
+    /// When the failure was last logged.
+    logged_at: Micros,
 }
 
 impl Durability {
@@ -191,6 +234,69 @@ impl Durability {
     /// What the file on disk promises, if this run wrote it yet.
     pub fn on_disk(&self) -> Option<Promise> {
         self.persisted
+    }
+
+    /// Writing `wanted` failed at `now` (spec §7.6): until a write
+    /// succeeds the run promises nothing beyond what is on disk (the core
+    /// answers `B` to what would need more: [`Core::set_ceiling`]), the
+    /// next write is tried [`RETRY_EVERY`] later, and the failure is
+    /// logged at most once per [`LOG_FAILURE_EVERY`]. Returns whether to
+    /// log it now.
+    pub fn failed(&mut self, now: Micros) -> bool {
+        let retry_at = now + micros(RETRY_EVERY);
+        match self.failing.as_mut() {
+            None => {
+                self.failing = Some(Failing {
+                    failures: 1,
+                    retry_at,
+                    logged_at: now,
+                });
+                true
+            }
+            Some(failing) => {
+                failing.failures += 1;
+                failing.retry_at = retry_at;
+                let log = now >= failing.logged_at + micros(LOG_FAILURE_EVERY);
+                if log {
+                    failing.logged_at = now;
+                }
+                log
+            }
+        }
+    }
+
+    /// Whether writes are failing (the last one did).
+    pub fn failing(&self) -> bool {
+        self.failing.is_some()
+    }
+
+    /// Whether a write may be tried at `now`: always, unless one failed
+    /// less than [`RETRY_EVERY`] ago.
+    pub fn write_due(&self, now: Micros) -> bool {
+        self.failing.is_none_or(|failing| now >= failing.retry_at)
+    }
+
+    /// When the next write is tried, while writes fail.
+    pub fn retry_at(&self) -> Option<Micros> {
+        self.failing.map(|failing| failing.retry_at)
+    }
+
+    /// Whether `wanted` promises more than the file does: more tokens, a
+    /// later horizon, or counted grants. (A promise that only brings the
+    /// horizon down promises less: nothing shown depends on it.)
+    pub fn raises(&self, wanted: Promise) -> bool {
+        let Some(on_disk) = self.persisted else {
+            return true;
+        };
+        wanted.token_high_water > on_disk.token_high_water
+            || wanted.horizon > on_disk.horizon
+            || (wanted.counted_grants && !on_disk.counted_grants)
+    }
+
+    /// A write succeeded after writes failed: how many had failed (the
+    /// trouble is over); `None` when none had.
+    pub fn recovered(&mut self) -> Option<u64> {
+        self.failing.take().map(|failing| failing.failures)
     }
 }
 
@@ -327,6 +433,9 @@ pub struct SavedGrant<'a> {
     pub limit: u16,
     /// Its label (spec §11.1), often empty.
     pub label: &'a str,
+    /// How long it had been held at the stop, ms (spec §7.5); the
+    /// downtime is added when it comes back.
+    pub held_ms: u32,
 }
 
 /// What a clean stop at `now` persists (spec §7.1).
@@ -382,6 +491,7 @@ impl<'c> CleanStop<'c> {
                 take: grant.take,
                 limit: grant.limit,
                 label: grant.label,
+                held_ms: u32::try_from(now.wrapping_sub(grant.granted_at) / MS).unwrap_or(u32::MAX),
             })
     }
 }
@@ -438,6 +548,13 @@ impl Restart {
         (left > 0).then(|| Duration::from_millis(left))
     }
 
+    /// How long a grant held `held_ms` at the write has been held now:
+    /// the downtime counts (spec §7.5: `held_ms` counts from the original
+    /// grant), measured on the clock the lease left is measured on.
+    pub fn held_ms(&self, held_ms: u32) -> u32 {
+        u32::try_from(u64::from(held_ms) + self.since_ms).unwrap_or(u32::MAX)
+    }
+
     /// Until when (core µs) keys count as held by the earlier run's
     /// unknown grants, if at all. The clocks are read in whole ms after
     /// the core's instant 0: one more ms keeps the grace from ending early.
@@ -476,6 +593,7 @@ impl Restart {
                 take: grant.take,
                 limit: grant.limit,
                 label: grant.label,
+                granted_at: 0u64.wrapping_sub(u64::from(self.held_ms(grant.held_ms)) * MS),
             };
             core.restore_grant(&earlier)
                 .map_err(|error| RestoreFailure {
@@ -531,6 +649,46 @@ mod tests {
     }
 
     #[test]
+    fn a_failing_write_is_retried_every_second_and_logged_once_a_minute() {
+        let mut durability = Durability::new();
+        let first = durability.needed_for(100, 0, 0, false).unwrap();
+        durability.persisted(first);
+        assert!(!durability.failing());
+        assert!(durability.write_due(0));
+        // A lease to 5 s needs a later horizon: that promise is a raise.
+        let wanted = durability.needed_for(100, 5 * S, 0, false).unwrap();
+        assert!(durability.raises(wanted));
+        assert!(durability.failed(2 * S), "the first failure is logged");
+        assert!(durability.failing());
+        assert_eq!(durability.retry_at(), Some(3 * S));
+        assert!(!durability.write_due(3 * S - 1));
+        assert!(durability.write_due(3 * S));
+        // Retried each second; logged again only a minute after the last log.
+        for second in 3..62 {
+            assert!(!durability.failed(second * S), "{second}");
+        }
+        assert!(durability.failed(62 * S));
+        assert!(!durability.failed(63 * S));
+        // The disk is back: what is on disk covers what was wanted.
+        assert_eq!(durability.recovered(), Some(62));
+        durability.persisted(wanted);
+        assert!(!durability.failing());
+        assert!(durability.write_due(63 * S));
+        assert_eq!(durability.recovered(), None);
+        // Bringing the horizon down promises less: not a raise.
+        let lowered = Promise {
+            horizon: S,
+            ..wanted
+        };
+        assert!(!durability.raises(lowered));
+        let counted = Promise {
+            counted_grants: true,
+            ..wanted
+        };
+        assert!(durability.raises(counted));
+    }
+
+    #[test]
     fn counted_grants_are_recorded_before_anything_that_shows_one_and_stay() {
         let mut durability = Durability::new();
         let first = durability.needed_for(100, 0, 0, false).unwrap();
@@ -580,6 +738,33 @@ mod tests {
         ledger.add(far + 200_050);
         assert_eq!(ledger.latest(far, 2), (far + 200_100) * MS);
         assert_eq!(ledger.len(), 4);
+    }
+
+    #[test]
+    fn a_high_water_mark_near_the_end_or_far_ahead_of_the_clock_is_implausible() {
+        let wall_ms = 1_800_000_000_000;
+        let clock = wall_ms << 20;
+        for plausible in [0, 1, clock, clock + HIGH_WATER_AHEAD_MAX] {
+            assert_eq!(
+                implausible_high_water(plausible, wall_ms),
+                None,
+                "{plausible}"
+            );
+        }
+        for implausible in [
+            clock + HIGH_WATER_AHEAD_MAX + 1,
+            u64::MAX - HIGH_WATER_ROOM_MIN + 1,
+            u64::MAX,
+        ] {
+            let why = implausible_high_water(implausible, wall_ms).unwrap();
+            assert!(
+                why.starts_with("implausible token high-water mark"),
+                "{why}"
+            );
+        }
+        // A clock at 0 (unset) still leaves 2^52 of room.
+        assert_eq!(implausible_high_water(HIGH_WATER_AHEAD_MAX, 0), None);
+        assert!(implausible_high_water(HIGH_WATER_AHEAD_MAX + 1, 0).is_some());
     }
 
     #[test]

@@ -50,6 +50,12 @@ pub fn grant_time_ms(at: u64) -> u32 {
     at.div_ceil(1_000) as u32 & !EMPTY_TAG
 }
 
+/// The grant time ([`grant_time_ms`]) of a grant held `held_ms` at the
+/// core's instant 0: a restored grant (spec §7.5), modulo 2³¹ like any.
+pub fn grant_time_before_start(held_ms: u32) -> u32 {
+    0u32.wrapping_sub(held_ms) & !EMPTY_TAG
+}
+
 /// Whole milliseconds from `grant_time` ([`grant_time_ms`]) to `now`,
 /// rounded down: the clock rounded down minus the grant rounded up never
 /// exceeds the true time, and is at most one short of it. Within the same

@@ -180,6 +180,13 @@ pub fn render(snapshot: &Snapshot, process: Option<&ProcessStats>, out: &mut Str
          or a secret that is too short or unknown).",
         s.auth_failures,
     );
+    w.single(
+        "kunci_state_errors_total",
+        "counter",
+        "Writes of the state file that failed (disk full, I/O error, read-only): \
+         meanwhile what needs a promise the file does not hold gets B.",
+        s.state_errors,
+    );
     const CODES: [&str; 14] = [
         "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14",
     ];
@@ -370,6 +377,8 @@ mod tests {
             "kunci_watches 0",
             "# TYPE kunci_auth_failures_total counter",
             "kunci_auth_failures_total 0",
+            "# TYPE kunci_state_errors_total counter",
+            "kunci_state_errors_total 0",
             "kunci_limit{limit=\"keys\"} 1048576",
             "kunci_limit{limit=\"connections\"} 16384",
             "kunci_acquire_wait_seconds_bucket{le=\"0.001\"} 0",

@@ -467,9 +467,8 @@ impl Server {
 
     /// Runs until a [`ShutdownHandle`] asks it to stop, then shuts down
     /// gracefully (spec §4) and returns. An error is returned when the
-    /// poller fails or the state directory cannot be written (answering
-    /// without the promise on disk could, after a crash, hand a key to two
-    /// holders).
+    /// poller fails; a state file that cannot be written is survived
+    /// (spec §7.6, see `Shell::make_durable`).
     pub fn run(mut self) -> io::Result<()> {
         let mut events = Events::with_capacity(1024);
         loop {
@@ -741,6 +740,12 @@ impl Shell {
     /// the endpoint's promise durable (every token issued, every lease
     /// granted), so a crash can never show a token or lease twice; the
     /// endpoint transmits nothing until then. Without one this is nothing.
+    ///
+    /// A write that fails (disk full, I/O error, read-only) does not stop
+    /// the server (spec §7.6): the endpoint then serves within what the
+    /// file holds (`B` for what needs more), holds back the answers that
+    /// waited for this write, and the write is tried again each second
+    /// until one succeeds; the failure is logged at most once a minute.
     fn make_durable(&mut self) -> io::Result<()> {
         let Some(promise) = self.endpoint.poll_persist() else {
             return Ok(());
@@ -749,10 +754,35 @@ impl Shell {
             return Ok(());
         };
         let now = micros(self.clock_start.elapsed());
-        state.write_running(promise, now).map_err(|e| {
-            io::Error::new(e.kind(), format!("state directory: cannot persist: {e}"))
-        })?;
-        self.endpoint.handle_persisted(promise);
+        if !self.endpoint.write_due(now) {
+            return Ok(());
+        }
+        match state.write_running(promise, now) {
+            Ok(()) => {
+                if let Some(failures) = self.endpoint.handle_persisted(promise) {
+                    info!(
+                        "state: the state file is written again (after {}); \
+                         grants and renewals are served as before",
+                        counted(failures, "failed write")
+                    );
+                }
+            }
+            Err(e) => {
+                if self.endpoint.handle_persist_failed(promise, now) {
+                    log::error!(
+                        "state directory {}: cannot write the state file: {e}; serving on \
+                         without it: a grant or renewal that needs a promise the file does \
+                         not hold (a token from {} on, a lease past its horizon) gets B \
+                         until a write succeeds (tried every second; logged at most once \
+                         a minute; state_errors in I and metrics)",
+                        state.path().display(),
+                        self.endpoint
+                            .on_disk()
+                            .map_or(0, |promise| promise.token_high_water),
+                    );
+                }
+            }
+        }
         Ok(())
     }
 

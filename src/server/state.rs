@@ -34,9 +34,9 @@
 //! `LD_PRELOAD` (libfaketime) moves the C library's boot-time clock with the
 //! wall clock, which is exactly the step this must not see.
 //!
-//! # File format, version 3
+//! # File format, version 4
 //!
-//! The ASCII line `kunci-state 3\n`, then, big-endian:
+//! The ASCII line `kunci-state 4\n`, then, big-endian:
 //!
 //! | field | type | meaning |
 //! |---|---|---|
@@ -49,10 +49,13 @@
 //! | horizon | u32 | ms after the write; 0 = no lease outstanding |
 //! | flags | u8 | bit 0: a lease up to the horizon may be a counted grant (`take` ≥ 1, spec §7.4); other bits 0 |
 //! | grant count | u64 | 0 unless kind = 2 |
-//! | grants | … | each: token u64, owner u64, lease ms left u32, take u16, key's limit u16, key length u8, key, label length u8, label |
+//! | grants | … | each: token u64, owner u64, lease ms left u32, ms held u32, take u16, key's limit u16, key length u8, key, label length u8, label |
 //! | checksum | u64 | FNV-1a 64 of every byte before it |
 //!
-//! Version 2 is the same without the flags byte and with grants of token,
+//! Version 3 is the same without the ms held (spec §7.5): its grants come
+//! back held since the restart; it is still read.
+//!
+//! Version 2 is the same as 3 without the flags byte and with grants of token,
 //! owner, lease ms left, key length and key only (every grant exclusive,
 //! no limit, no label); it is still read.
 //!
@@ -73,7 +76,7 @@ pub use crate::core::restart::{
 };
 use crate::core::{Core, Micros};
 /// The format this build writes.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 
 /// The file name inside the state directory.
 pub const STATE_FILE: &str = "kunci.state";
@@ -287,6 +290,7 @@ fn encode_grant(out: &mut Vec<u8>, grant: &SavedGrant<'_>) {
     out.extend_from_slice(&grant.token.to_be_bytes());
     out.extend_from_slice(&grant.owner.to_be_bytes());
     out.extend_from_slice(&grant.left_ms.to_be_bytes());
+    out.extend_from_slice(&grant.held_ms.to_be_bytes());
     out.extend_from_slice(&grant.take.to_be_bytes());
     out.extend_from_slice(&grant.limit.to_be_bytes());
     out.push(grant.key.len() as u8);
@@ -297,7 +301,11 @@ fn encode_grant(out: &mut Vec<u8>, grant: &SavedGrant<'_>) {
 
 /// The fewest bytes a grant takes in `version` (a one-byte key, no label).
 fn grant_size_min(version: u32) -> usize {
-    if version >= 3 { 27 } else { 22 }
+    match version {
+        4.. => 31,
+        3 => 27,
+        _ => 22,
+    }
 }
 
 /// Reads grant number `index` in `version`, checking everything but its
@@ -310,6 +318,11 @@ fn decode_grant<'a>(
     let token = reader.u64("grant token")?;
     let owner = reader.u64("grant owner")?;
     let left_ms = reader.u32("grant lease")?;
+    let held_ms = if version >= 4 {
+        reader.u32("grant time held")?
+    } else {
+        0
+    };
     let (take, limit) = if version >= 3 {
         (reader.u16("grant take")?, reader.u16("grant limit")?)
     } else {
@@ -347,6 +360,7 @@ fn decode_grant<'a>(
         take,
         limit,
         label,
+        held_ms,
     })
 }
 
@@ -501,6 +515,16 @@ impl StateDir {
                 file.read_to_end(&mut bytes)
                     .map_err(|e| state_error(dir, format!("{}: {e}", path.display())))?;
                 parse(&bytes, &Clocks::now())
+                    .and_then(|recorded| {
+                        let high_water = recorded.token_high_water;
+                        match crate::core::restart::implausible_high_water(
+                            high_water,
+                            wall_clock_ms(),
+                        ) {
+                            Some(why) => Err(why),
+                            None => Ok(recorded),
+                        }
+                    })
                     .map_err(|what| state_error(dir, format!("{}: {what}", path.display())))?
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => Recorded::default(),
@@ -805,7 +829,7 @@ pub fn parse(bytes: &[u8], now: &Clocks) -> Result<Recorded, String> {
         .ok_or("unreadable format version")?;
     match version {
         1 => parse_v1(bytes, now),
-        2 | 3 => parse_binary(bytes, version),
+        2..=4 => parse_binary(bytes, version),
         _ => Err(format!(
             "format version {version} was written by a newer kunci; this build reads \
              versions 1 to {FORMAT_VERSION} (run the newer build, or remove the file \
@@ -967,7 +991,7 @@ mod tests {
         }
         let mut state = StateDir::open(&dir).unwrap();
         let recorded = state.take_recorded();
-        assert_eq!(recorded.version, 3);
+        assert_eq!(recorded.version, 4);
         assert!(!recorded.clean_stop);
         assert!(recorded.counted_grants);
         assert_eq!(recorded.token_high_water, 101 + 2 * TOKEN_BLOCK);
@@ -1047,6 +1071,7 @@ mod tests {
                     take: 0,
                     limit: 0,
                     label: "",
+                    held_ms: 0,
                 },
                 SavedGrant {
                     key: "lång/ключ",
@@ -1056,6 +1081,7 @@ mod tests {
                     take: 2,
                     limit: 3,
                     label: "backup@host pid=42 ünïcode",
+                    held_ms: 123_456,
                 },
             ];
             state
@@ -1076,19 +1102,22 @@ mod tests {
             .map(|grant| {
                 let left = restart.lease_left(grant.left_ms);
                 let permits = (grant.take, grant.limit, grant.label);
-                (grant.key, grant.token, grant.owner, left, permits)
+                let held = restart.held_ms(grant.held_ms);
+                (grant.key, grant.token, grant.owner, left, permits, held)
             })
             .collect();
         assert_eq!(
             restored,
             vec![
-                ("short", 7, 70, None, (0, 0, "")),
+                ("short", 7, 70, None, (0, 0, ""), 2_500),
                 (
                     "lång/ключ",
                     8,
                     80,
                     Some(Duration::from_millis(27_499)),
-                    (2, 3, "backup@host pid=42 ünïcode")
+                    (2, 3, "backup@host pid=42 ünïcode"),
+                    // Held 123.456 s at the stop, and the 2.5 s down.
+                    125_956
                 )
             ]
         );
@@ -1176,6 +1205,7 @@ mod tests {
                 take: 1,
                 limit: 2,
                 label: "l",
+                held_ms: 0,
             };
             state
                 .record_clean_stop(9, 7_000, true, 0, 1, &mut std::iter::once(grant))
@@ -1198,7 +1228,7 @@ mod tests {
             damaged[flip] ^= 0x40;
             assert!(parse(&damaged, &now).is_err(), "flip at {flip} accepted");
         }
-        let newer = b"kunci-state 4\nwhatever";
+        let newer = b"kunci-state 5\nwhatever";
         assert!(parse(newer, &now).unwrap_err().contains("newer kunci"));
         let junk = b"hello";
         assert!(
@@ -1238,6 +1268,74 @@ mod tests {
         body
     }
 
+    /// A version 3 file as the previous build wrote it (clean stop; grants
+    /// as token, owner, lease ms left, take, limit, key, label).
+    fn version_3_file(grants: &[(u64, u64, u32, u16, u16, &str, &str)]) -> Vec<u8> {
+        let mut body = b"kunci-state 3\n".to_vec();
+        body.push(KIND_CLEAN_STOP);
+        body.push(6);
+        body.extend_from_slice(b"boot-a");
+        body.extend_from_slice(&1_000_000u64.to_be_bytes());
+        body.extend_from_slice(&50_000_000u64.to_be_bytes());
+        body.extend_from_slice(&100u64.to_be_bytes());
+        body.extend_from_slice(&0u32.to_be_bytes());
+        body.push(0);
+        body.extend_from_slice(&(grants.len() as u64).to_be_bytes());
+        for &(token, owner, left_ms, take, limit, key, label) in grants {
+            body.extend_from_slice(&token.to_be_bytes());
+            body.extend_from_slice(&owner.to_be_bytes());
+            body.extend_from_slice(&left_ms.to_be_bytes());
+            body.extend_from_slice(&take.to_be_bytes());
+            body.extend_from_slice(&limit.to_be_bytes());
+            body.push(key.len() as u8);
+            body.extend_from_slice(key.as_bytes());
+            body.push(label.len() as u8);
+            body.extend_from_slice(label.as_bytes());
+        }
+        let checksum = fnv1a(FNV_OFFSET, &body);
+        body.extend_from_slice(&checksum.to_be_bytes());
+        body
+    }
+
+    #[test]
+    fn version_3_is_read_with_its_labels_and_no_time_held() {
+        let bytes = version_3_file(&[
+            (7, 70, 1_000, 0, 0, "a", "leader@host"),
+            (8, 80, 30_000, 1, 2, "b", ""),
+        ]);
+        let recorded = parse(&bytes, &Clocks::now()).unwrap();
+        assert_eq!(recorded.version, 3);
+        assert!(recorded.clean_stop);
+        let grants: Vec<_> = recorded.grants().collect();
+        assert_eq!(
+            grants,
+            vec![
+                SavedGrant {
+                    key: "a",
+                    token: 7,
+                    owner: 70,
+                    left_ms: 1_000,
+                    take: 0,
+                    limit: 0,
+                    label: "leader@host",
+                    held_ms: 0,
+                },
+                SavedGrant {
+                    key: "b",
+                    token: 8,
+                    owner: 80,
+                    left_ms: 30_000,
+                    take: 1,
+                    limit: 2,
+                    label: "",
+                    held_ms: 0,
+                },
+            ]
+        );
+        let cut = &bytes[..bytes.len() - 9];
+        assert!(parse(cut, &Clocks::now()).is_err());
+    }
+
     #[test]
     fn version_2_is_read_as_exclusive_grants_without_limit_or_label() {
         let bytes = version_2_file(4_000, &[(7, 70, 1_000, "a"), (8, 80, 30_000, "b")]);
@@ -1259,6 +1357,7 @@ mod tests {
                     take: 0,
                     limit: 0,
                     label: "",
+                    held_ms: 0,
                 },
                 SavedGrant {
                     key: "b",
@@ -1268,6 +1367,7 @@ mod tests {
                     take: 0,
                     limit: 0,
                     label: "",
+                    held_ms: 0,
                 },
             ]
         );
@@ -1289,6 +1389,7 @@ mod tests {
                     take,
                     limit,
                     label: "",
+                    held_ms: 0,
                 };
                 state
                     .record_clean_stop(9, 0, false, 0, 1, &mut std::iter::once(grant))
@@ -1312,7 +1413,7 @@ mod tests {
         drop(state);
         let mut bytes = fs::read(dir.join(STATE_FILE)).unwrap();
         let flags_at =
-            "kunci-state 3\n".len() + 2 + bytes["kunci-state 3\n".len() + 1] as usize + 28;
+            "kunci-state 4\n".len() + 2 + bytes["kunci-state 4\n".len() + 1] as usize + 28;
         assert_eq!(bytes[flags_at], 0);
         bytes[flags_at] = 2;
         let body = bytes.len() - 8;

@@ -45,7 +45,8 @@ impl Core {
                 entry
             }
             None if !self.held_by_unknown_grant(key, now) => {
-                if self.next_token == u64::MAX || !self.can_grant() {
+                let counted = ask.limit != 0 && ask.take != 0;
+                if !self.may_issue(ask.lease_s, counted, now) || !self.can_grant() {
                     return self.busy(conn, owner);
                 }
                 let Some(entry) = self.insert_key(key, hash, 0, owner) else {
@@ -102,7 +103,7 @@ impl Core {
         let queue = self.table.get(entry).waiters;
         // Ends at once: `B` (true) or `T` (false).
         let busy = if queue.is_empty() && permits.fits(ask.take) {
-            if self.next_token != u64::MAX && self.can_grant() {
+            if self.may_issue(ask.lease_s, ask.take != 0, now) && self.can_grant() {
                 let label = labels::owned(ask.label);
                 self.grant_permits(entry, conn, ask.owner, ask.take, ask.lease_s, label, now);
                 return;

@@ -13,6 +13,16 @@ impl Core {
         now: Micros,
     ) {
         let deadline = now + u64::from(lease_s) * MICROS_PER_S;
+        if self
+            .ceiling
+            .is_some_and(|ceiling| deadline > ceiling.horizon)
+        {
+            // Spec §7.6: a lease the state file cannot promise. `B`, with
+            // the token `E` is answered by; nothing changed.
+            self.stats.busy += 1;
+            self.outbox.push((conn, Response::Busy { owner: token }));
+            return;
+        }
         match self.find_grant(key, token) {
             Some(Held::Inline(entry)) => self.arm_lease_at(entry, deadline),
             Some(Held::Listed { grant, .. }) => self.arm_grant_lease_at(grant, deadline),

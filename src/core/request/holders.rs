@@ -63,7 +63,7 @@ impl Core {
                             continue;
                         }
                         bytes += size;
-                        let held_us = now.saturating_sub(node.granted_at);
+                        let held_us = now.wrapping_sub(node.granted_at);
                         grants.push(Response::Grant {
                             id,
                             token: node.token,

@@ -13,7 +13,7 @@ impl Core {
             text,
             "version={} uptime_s={} connections={} keys={} held={} waiters={} \
              grants={} timeouts={} busy={} expired={} released={} extended={} \
-             not_held={} errors={} refused={} grants_held={} next_token={} auth_failures={} watches={}",
+             not_held={} errors={} refused={} grants_held={} next_token={} auth_failures={} watches={} state_errors={}",
             env!("CARGO_PKG_VERSION"),
             now / MICROS_PER_S,
             self.connections,
@@ -33,6 +33,7 @@ impl Core {
             self.next_token,
             s.auth_failures,
             self.watches.len(),
+            s.state_errors,
         );
         text
     }

@@ -117,7 +117,7 @@ impl Core {
             KeyState {
                 token: node.token,
                 lease_ms: millis_left(self.lease_deadline(&node.lease), now),
-                held_ms: u32::try_from(now.saturating_sub(node.granted_at) / 1_000)
+                held_ms: u32::try_from(now.wrapping_sub(node.granted_at) / 1_000)
                     .unwrap_or(u32::MAX),
                 grants: u16::try_from(count).unwrap_or(u16::MAX),
                 waiters,
