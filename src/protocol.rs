@@ -27,13 +27,17 @@ pub const LABEL_LEN_MAX: usize = 128;
 /// terminator. `S` has its own bound, [`PERMITS_TAIL_MAX`] past its key.
 pub const REQUEST_TAIL_MAX: usize = KEY_LEN_MAX + 1;
 
-/// How many bytes after an `S` frame's key may pass without a `\n`: the
-/// label plus its terminator. The key itself is taken by its `klen`.
+/// How many bytes after an `S` (or `C`) frame's key may pass without a
+/// `\n`: the label plus its terminator. The key itself is taken by its
+/// `klen`.
 pub const PERMITS_TAIL_MAX: usize = LABEL_LEN_MAX + 1;
 
 /// The fixed header of an `S` frame:
 /// `wait:u8 lease:u8 owner:u64 limit:u16 take:u16 klen:u8`.
 const PERMITS_HEADER_LEN: usize = 15;
+
+/// The fixed header of a `C` frame: `token:u64 klen:u8`.
+const PROCLAIM_HEADER_LEN: usize = 9;
 
 /// The largest request frame: `S`, its 15-byte header, a 255-byte key, a
 /// 128-byte label, `\n` (400 bytes; the other ops stop at 267).
@@ -120,6 +124,13 @@ pub enum Request<'a> {
         since: u64,
         key: &'a str,
     },
+    /// `C token:u64 klen:u8 key label \n` — the label of the grant `token`
+    /// of `key` becomes `label` (spec §13.4a).
+    Proclaim {
+        token: u64,
+        key: &'a str,
+        label: &'a str,
+    },
 }
 
 /// A `Debug` for a secret that never shows it, only its length.
@@ -204,6 +215,12 @@ impl fmt::Debug for Request<'_> {
                 .field("since", &since)
                 .field("key", &key)
                 .finish(),
+            Request::Proclaim { token, key, label } => f
+                .debug_struct("Proclaim")
+                .field("token", &token)
+                .field("key", &key)
+                .field("label", &label)
+                .finish(),
         }
     }
 }
@@ -222,6 +239,7 @@ impl Request<'_> {
             Request::List { id, .. } => Correlation::List { id },
             Request::Authenticate { .. } => Correlation::Authenticate,
             Request::Observe { id, .. } => Correlation::Observe { id },
+            Request::Proclaim { token, .. } => Correlation::Proclaim { token },
         }
     }
 
@@ -250,7 +268,7 @@ impl Request<'_> {
 /// The part of a request its answer is recognised by (spec §2.3, §6): the
 /// op and the id the answer echoes. `A`, `T` and `B` answer an acquire
 /// (`A` or `S`) by `owner`; `R`, `E` and `N` a release or extend by
-/// `token`; `P` a ping by `nonce`; `Q`, `I` and `U` carry no id and answer
+/// `token`; `C` and `N` a proclaim by `token`; `P` a ping by `nonce`; `Q`, `I` and `U` carry no id and answer
 /// the oldest query, info or authenticate request, in order; `G` and `W`
 /// answer a holders request and `K` a list request by `id`, several frames
 /// per request, the last one always a `Z` with that `id`
@@ -270,6 +288,7 @@ pub enum Correlation {
     List { id: u64 },
     Authenticate,
     Observe { id: u64 },
+    Proclaim { token: u64 },
 }
 
 impl Correlation {
@@ -277,7 +296,9 @@ impl Correlation {
     pub fn error_id(self) -> u64 {
         match self {
             Correlation::Acquire { owner } => owner,
-            Correlation::Release { token } | Correlation::Extend { token } => token,
+            Correlation::Release { token }
+            | Correlation::Extend { token }
+            | Correlation::Proclaim { token } => token,
             Correlation::Ping { nonce } => nonce,
             Correlation::Holders { id }
             | Correlation::List { id }
@@ -300,9 +321,12 @@ impl Correlation {
             ) => *owner == sent,
             (Response::Released { token }, Correlation::Release { token: sent })
             | (Response::Extended { token }, Correlation::Extend { token: sent })
+            | (Response::Proclaimed { token }, Correlation::Proclaim { token: sent })
             | (
                 Response::NotHeld { token },
-                Correlation::Release { token: sent } | Correlation::Extend { token: sent },
+                Correlation::Release { token: sent }
+                | Correlation::Extend { token: sent }
+                | Correlation::Proclaim { token: sent },
             ) => *token == sent,
             (Response::Pong { nonce }, Correlation::Ping { nonce: sent }) => *nonce == sent,
             (Response::Query { .. }, Correlation::Query)
@@ -338,6 +362,9 @@ pub enum Response {
     Extended { token: u64 },
     /// `N token:u64 \n` — that token is not the key's active grant.
     NotHeld { token: u64 },
+    /// `C token:u64 \n` — the grant with this token has the proclaimed
+    /// label (spec §13.4a).
+    Proclaimed { token: u64 },
     /// `Q token:u64 owner:u64 lease_ms:u32 waiters:u32 \n` — token 0 = free.
     Query {
         token: u64,
@@ -421,6 +448,7 @@ impl fmt::Debug for Response {
             Response::Released { token } => write!(f, "Released {{ token: {token} }}"),
             Response::Extended { token } => write!(f, "Extended {{ token: {token} }}"),
             Response::NotHeld { token } => write!(f, "NotHeld {{ token: {token} }}"),
+            Response::Proclaimed { token } => write!(f, "Proclaimed {{ token: {token} }}"),
             Response::Query {
                 token,
                 owner,
@@ -529,15 +557,15 @@ pub fn parse_limit_mismatch(text: &str) -> Option<u16> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum ErrorCode {
-    /// The op byte is not one of `A R E Q P I S H L U O`: framing is lost.
+    /// The op byte is not one of `A R E Q P I S H L U O C`: framing is lost.
     UnknownOp = 1,
-    /// No `\n` within 256 bytes after the fixed header (`S`: within
+    /// No `\n` within 256 bytes after the fixed header (`S`, `C`: within
     /// `klen` + 129).
     FrameTooLong = 2,
     /// The key is empty.
     EmptyKey = 3,
-    /// The key (or an `S` label, or an `L` prefix) is not valid UTF-8, or
-    /// an `S` key contains `\n`.
+    /// The key (or an `S` or `C` label, or an `L` prefix) is not valid
+    /// UTF-8, or an `S` or `C` key contains `\n`.
     KeyNotUtf8 = 4,
     /// A lease of 0 seconds in `A` or `E`.
     ZeroLease = 5,
@@ -677,6 +705,7 @@ pub fn request_header_len(op: u8) -> Option<usize> {
         b'S' => Some(PERMITS_HEADER_LEN),
         b'L' => Some(18),
         b'O' => Some(17),
+        b'C' => Some(PROCLAIM_HEADER_LEN),
         _ => None,
     }
 }
@@ -712,10 +741,14 @@ fn decode_op(buf: &[u8], op: u8) -> Decoded<'_> {
         return Decoded::Incomplete;
     };
     let id = header_id(op, header);
-    // `S` takes its key by the count in its header, and only then looks
-    // for the `\n` after the label; every other op looks right away.
-    let (search_start, tail_max) = if op == b'S' {
-        (tail_start + usize::from(header[14]), PERMITS_TAIL_MAX)
+    // `S` and `C` take their key by the count in their header (its last
+    // byte), and only then look for the `\n` after the label; every other
+    // op looks right away.
+    let (search_start, tail_max) = if op == b'S' || op == b'C' {
+        (
+            tail_start + usize::from(header[header_len - 1]),
+            PERMITS_TAIL_MAX,
+        )
     } else {
         (tail_start, REQUEST_TAIL_MAX)
     };
@@ -748,7 +781,7 @@ fn decode_op(buf: &[u8], op: u8) -> Decoded<'_> {
 fn header_id(op: u8, header: &[u8]) -> u64 {
     match op {
         b'A' | b'S' => be_u64(header, 2),
-        b'R' | b'P' | b'H' | b'L' => be_u64(header, 0),
+        b'R' | b'P' | b'H' | b'L' | b'C' => be_u64(header, 0),
         b'O' => be_u64(header, 1),
         b'E' => be_u64(header, 1),
         _ => 0,
@@ -777,14 +810,7 @@ fn validate_request<'a>(
             })
         }
         b'S' => {
-            // The frame was found by `klen`, so the payload holds at least
-            // `klen` bytes: the key, then the label.
-            let (key, label) = payload.split_at(usize::from(header_byte(14)));
-            let key = validate_key(key)?;
-            if key.contains('\n') {
-                return Err(ErrorCode::KeyNotUtf8);
-            }
-            let label = std::str::from_utf8(label).map_err(|_| ErrorCode::KeyNotUtf8)?;
+            let (key, label) = key_and_label(payload, header_byte(14))?;
             let lease_s = nonzero_lease(header_byte(1))?;
             let limit = be_u16(header, 10);
             let take = be_u16(header, 12);
@@ -829,6 +855,14 @@ fn validate_request<'a>(
             token: be_u64(header, 0),
             key: validate_key(payload)?,
         }),
+        b'C' => {
+            let (key, label) = key_and_label(payload, header_byte(8))?;
+            Ok(Request::Proclaim {
+                token: be_u64(header, 0),
+                key,
+                label,
+            })
+        }
         b'E' => {
             let key = validate_key(payload)?;
             let lease_s = nonzero_lease(header_byte(0))?;
@@ -847,6 +881,19 @@ fn validate_request<'a>(
         b'I' if payload.is_empty() => Ok(Request::Info),
         _ => Err(ErrorCode::UnexpectedPayload),
     }
+}
+
+/// The key (`klen` bytes) and the label (the rest) of an `S` or `C`
+/// payload (spec §10, §13.4a: codes 3 and 4). The frame was found by
+/// `klen`, so the payload holds at least `klen` bytes.
+fn key_and_label(payload: &[u8], klen: u8) -> Result<(&str, &str), ErrorCode> {
+    let (key, label) = payload.split_at(usize::from(klen));
+    let key = validate_key(key)?;
+    if key.contains('\n') {
+        return Err(ErrorCode::KeyNotUtf8);
+    }
+    let label = std::str::from_utf8(label).map_err(|_| ErrorCode::KeyNotUtf8)?;
+    Ok((key, label))
 }
 
 #[inline(always)]
@@ -990,6 +1037,13 @@ pub fn encode_request(request: &Request<'_>, out: &mut Vec<u8>) {
             out.extend_from_slice(&since.to_be_bytes());
             out.extend_from_slice(key.as_bytes());
         }
+        Request::Proclaim { token, key, label } => {
+            out.push(b'C');
+            out.extend_from_slice(&token.to_be_bytes());
+            out.push(key.len() as u8);
+            out.extend_from_slice(key.as_bytes());
+            out.extend_from_slice(label.as_bytes());
+        }
     }
     out.push(b'\n');
 }
@@ -1017,6 +1071,7 @@ pub fn encode_response(response: &Response, out: &mut Vec<u8>) {
         Response::Released { token } => op_u64(out, b'R', token),
         Response::Extended { token } => op_u64(out, b'E', token),
         Response::NotHeld { token } => op_u64(out, b'N', token),
+        Response::Proclaimed { token } => op_u64(out, b'C', token),
         Response::Pong { nonce } => op_u64(out, b'P', nonce),
         Response::Query {
             token,
@@ -1166,7 +1221,7 @@ impl std::error::Error for ResponseError {}
 pub fn response_header_len(op: u8) -> Option<usize> {
     match op {
         b'A' => Some(16),
-        b'T' | b'B' | b'R' | b'E' | b'N' | b'P' => Some(8),
+        b'T' | b'B' | b'R' | b'E' | b'N' | b'P' | b'C' => Some(8),
         b'Q' => Some(24),
         b'I' | b'U' => Some(0),
         b'X' => Some(9),
@@ -1229,6 +1284,9 @@ pub fn decode_response(buf: &[u8]) -> Result<Option<(Response, usize)>, Response
             token: be_u64(header, 0),
         },
         b'N' => Response::NotHeld {
+            token: be_u64(header, 0),
+        },
+        b'C' => Response::Proclaimed {
             token: be_u64(header, 0),
         },
         b'P' => Response::Pong {

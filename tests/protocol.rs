@@ -546,7 +546,7 @@ fn error_codes_carry_the_right_id_and_consume_the_whole_frame() {
 
 #[test]
 fn unknown_op_is_fatal_error_1_with_id_0() {
-    for op in (0..=255u8).filter(|op| !b"AREQPISHLUO".contains(op)) {
+    for op in (0..=255u8).filter(|op| !b"AREQPISHLUOC".contains(op)) {
         let fatal = Decoded::Fatal(RequestError {
             code: ErrorCode::UnknownOp,
             id: 0,
@@ -1252,6 +1252,7 @@ enum OwnedRequest {
     Query(String),
     Ping(u64),
     Info,
+    Proclaim(u64, String, String),
 }
 
 impl OwnedRequest {
@@ -1294,6 +1295,11 @@ impl OwnedRequest {
             OwnedRequest::Query(key) => Request::Query { key },
             OwnedRequest::Ping(nonce) => Request::Ping { nonce: *nonce },
             OwnedRequest::Info => Request::Info,
+            OwnedRequest::Proclaim(token, key, label) => Request::Proclaim {
+                token: *token,
+                key,
+                label,
+            },
         }
     }
 }
@@ -1340,6 +1346,8 @@ fn request_strategy() -> impl Strategy<Value = OwnedRequest> {
             0..=255
         )
         .prop_map(OwnedRequest::Authenticate),
+        (any::<u64>(), key_strategy(), label_strategy())
+            .prop_map(|(t, k, label)| OwnedRequest::Proclaim(t, k, label)),
     ]
 }
 
@@ -1362,6 +1370,7 @@ fn response_strategy() -> impl Strategy<Value = Response> {
         any::<u64>().prop_map(|token| Response::Released { token }),
         any::<u64>().prop_map(|token| Response::Extended { token }),
         any::<u64>().prop_map(|token| Response::NotHeld { token }),
+        any::<u64>().prop_map(|token| Response::Proclaimed { token }),
         (any::<u64>(), any::<u64>(), any::<u32>(), any::<u32>()).prop_map(
             |(token, owner, lease_ms, waiters)| Response::Query {
                 token,
@@ -1546,6 +1555,7 @@ fn response_debug_is_the_derived_text() {
         (Response::Released { token: 5 }, "Released { token: 5 }"),
         (Response::Extended { token: 6 }, "Extended { token: 6 }"),
         (Response::NotHeld { token: 7 }, "NotHeld { token: 7 }"),
+        (Response::Proclaimed { token: 8 }, "Proclaimed { token: 8 }"),
         (
             Response::Query {
                 token: 1,

@@ -24,6 +24,7 @@ mod observe;
 mod operations;
 mod permit_options;
 mod permits_server;
+mod proclaim;
 mod protocol;
 mod regression;
 mod restart;

@@ -4,9 +4,10 @@
 //! invariants (`Core::check_invariants` after every command, which include
 //! spec §10's fit rule and that no head waiter that fits is left waiting),
 //! or make tokens go backwards. Besides raw bytes, a command may append a
-//! well-formed `S` (permits, spec §10) or `O` (a watch, spec §13) built
-//! from a few bytes, on a handful of keys, so that keys with limits and
-//! held watches are reached at once.
+//! well-formed `S` (permits, spec §10), `O` (a watch, spec §13) or `C` (a
+//! proclaim, spec §13.4a, of the latest token or one near it) built from a
+//! few bytes, on a handful of keys, so that keys with limits, held watches
+//! and label changes are reached at once.
 #![no_main]
 
 use kunci::core::{Core, Limits};
@@ -28,7 +29,7 @@ fuzz_target!(|data: &[u8]| {
     let mut buffers: [Vec<u8>; CONNECTIONS] = Default::default();
     let mut open = [false; CONNECTIONS];
     let mut now: u64 = 0;
-    let mut last_token = 0;
+    let mut last_token: u64 = 0;
     let mut bytes = data.iter().copied();
     while let Some(command) = bytes.next() {
         let conn = usize::from(command & 3);
@@ -44,7 +45,17 @@ fuzz_target!(|data: &[u8]| {
                     let mut field = || bytes.next().unwrap_or(0);
                     let (shape, wait_s, lease_s, owner) = (len, field(), field(), field());
                     let key = ["a", "b", "c"][usize::from(shape / 20 % 3)];
-                    if command & 8 != 0 {
+                    if command & 8 != 0 && shape & 128 != 0 {
+                        // A well-formed `C`: the latest grant's token, or
+                        // one next to it, with one of three labels.
+                        let token = last_token.wrapping_add(u64::from(owner % 3)).wrapping_sub(1);
+                        let request = Request::Proclaim {
+                            token,
+                            key,
+                            label: ["", "x", "leader"][usize::from(wait_s % 3)],
+                        };
+                        encode_request(&request, &mut buffers[conn]);
+                    } else if command & 8 != 0 {
                         // A well-formed `O` (spec §13): `since` the latest
                         // grant's token or 0, so that watches are held.
                         let since = if owner & 1 == 0 { 0 } else { last_token };

@@ -70,6 +70,7 @@ impl Op {
             Op::Holders { id, .. } => Correlation::Holders { id },
             Op::List { id, .. } => Correlation::List { id },
             Op::Observe { id, .. } => Correlation::Observe { id },
+            Op::Proclaim { token, .. } => Correlation::Proclaim { token },
         }
     }
 }
@@ -917,6 +918,7 @@ impl<R> Engine<R> {
                     Response::Released { .. } => Outcome::Released,
                     Response::Extended { .. } => Outcome::Extended { sent_at },
                     Response::NotHeld { .. } => Outcome::NotHeld,
+                    Response::Proclaimed { .. } => Outcome::Proclaimed,
                     Response::Query {
                         token,
                         owner,
@@ -1422,6 +1424,11 @@ fn encode<R>(req: &Req<R>, now: Instant, out: &mut Vec<u8>) {
             id,
             since,
             key,
+        },
+        Op::Proclaim { token, ref label } => Request::Proclaim {
+            token,
+            key,
+            label: label.as_str(),
         },
     };
     protocol::encode_request(&request, out);

@@ -291,6 +291,22 @@ impl Client {
         }
     }
 
+    /// Sets the label of grant `token` of `key` to `label` (spec §13.4a,
+    /// `C`): a leader's value changes without losing its term, and nothing
+    /// else of the grant changes. Asking again is always safe.
+    ///
+    /// `Ok` when the server set it; [`Error::NotHeld`] when that token is
+    /// not a grant of `key`; [`Error::InvalidArgument`] for a label over
+    /// 128 bytes or with a newline.
+    pub fn proclaim(&self, key: &str, token: u64, label: &str) -> Result<(), Error> {
+        let key = Key::new(key).map_err(Error::InvalidArgument)?;
+        let label = permits::Label::new(label).map_err(Error::InvalidArgument)?;
+        match self.call_now(Op::Proclaim { token, label }, key) {
+            Outcome::Proclaimed => Ok(()),
+            outcome => Err(outcome_error(outcome)),
+        }
+    }
+
     /// Who holds `key`, for how long, and how many wait for it.
     pub fn query(&self, key: &str) -> Result<KeyStatus, Error> {
         self.query_by(key, Instant::now() + TRANSPORT_DEADLINE)

@@ -157,6 +157,11 @@ enum Frame {
         since: u64,
         key: String,
     },
+    C {
+        token: u64,
+        key: String,
+        label: String,
+    },
 }
 
 fn frames(mut bytes: &[u8]) -> Vec<Frame> {
@@ -239,6 +244,11 @@ fn frames(mut bytes: &[u8]) -> Vec<Frame> {
                 id,
                 since,
                 key: key.into(),
+            },
+            Request::Proclaim { token, key, label } => Frame::C {
+                token,
+                key: key.into(),
+                label: label.into(),
             },
         });
         bytes = &bytes[len..];
@@ -949,6 +959,52 @@ fn a_connect_that_takes_too_long_fails_and_is_retried_with_backoff() {
     assert_eq!(h.timeout(), [Action::Connect(0)]);
     h.engine.connect_failed(0, h.now);
     assert_eq!(h.engine.poll_timeout(), Some(h.now + 20 * MS));
+}
+
+/// Spec §13.4a: a proclaim writes `C token klen key label` and ends with
+/// `Proclaimed` for its `C`, `NotHeld` for its `N`, matched by token.
+#[test]
+fn a_proclaim_is_a_c_frame_answered_c_or_n_by_its_token() {
+    let mut h = Harness::new(1);
+    let label = |text| Label::new(text).unwrap();
+    h.other(
+        1,
+        Op::Proclaim {
+            token: 5,
+            label: label("host-a"),
+        },
+    );
+    h.other(
+        2,
+        Op::Proclaim {
+            token: 6,
+            label: label(""),
+        },
+    );
+    h.actions();
+    h.engine.connected(0, h.now);
+    assert_eq!(
+        h.write(0),
+        [
+            Frame::C {
+                token: 5,
+                key: "k".into(),
+                label: "host-a".into()
+            },
+            Frame::C {
+                token: 6,
+                key: "k".into(),
+                label: String::new()
+            },
+        ]
+    );
+    let mut bytes = answer(Response::Proclaimed { token: 5 });
+    bytes.extend(answer(Response::NotHeld { token: 6 }));
+    h.engine.handle_input(0, &bytes, h.now);
+    assert_eq!(
+        h.completions(),
+        [(1, Outcome::Proclaimed), (2, Outcome::NotHeld)]
+    );
 }
 
 #[test]

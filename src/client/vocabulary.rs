@@ -127,6 +127,11 @@ pub(crate) enum Op {
         since: u64,
         wait_s: u8,
     },
+    /// `C`: the label of the grant `token` becomes `label` (spec §13.4a).
+    Proclaim {
+        token: u64,
+        label: Label,
+    },
 }
 
 /// One request as the caller hands it over: what to ask, about which key,
@@ -177,6 +182,8 @@ pub(crate) enum Outcome {
         sent_at: Instant,
     },
     NotHeld,
+    /// A `C`: the grant has the proclaimed label.
+    Proclaimed,
     Query(KeyStatus),
     Pong {
         round_trip: Duration,
@@ -447,6 +454,7 @@ impl Op {
             Op::Holders { .. } => "Holders".to_owned(),
             Op::List { .. } => "List".to_owned(),
             Op::Observe { .. } => "Observe".to_owned(),
+            Op::Proclaim { .. } => "Proclaim".to_owned(),
         }
     }
 }
@@ -473,6 +481,7 @@ impl Outcome {
             Outcome::Released => "Released".to_owned(),
             Outcome::Extended { .. } => "Extended".to_owned(),
             Outcome::NotHeld => "NotHeld".to_owned(),
+            Outcome::Proclaimed => "Proclaimed".to_owned(),
             Outcome::Query(_) => "Query".to_owned(),
             Outcome::Pong { .. } => "Pong".to_owned(),
             Outcome::Info(_) => "Info".to_owned(),

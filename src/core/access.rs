@@ -39,7 +39,8 @@ impl Scopes {
         match *request {
             Request::Acquire { key, .. }
             | Request::Release { key, .. }
-            | Request::Extend { key, .. } => covers(&self.lock, key),
+            | Request::Extend { key, .. }
+            | Request::Proclaim { key, .. } => covers(&self.lock, key),
             Request::Query { key }
             | Request::Holders { key, .. }
             | Request::Observe { key, .. } => covers(&self.lock, key) || covers(&self.read, key),

@@ -162,6 +162,10 @@ pub struct Stats {
     pub release_not_held: u64,
     /// ...and the part that answered an `E`.
     pub extend_not_held: u64,
+    /// `C` answered `C` (spec §13.4a)...
+    pub proclaimed: u64,
+    /// ...and answered `N` (also counted in `not_held`).
+    pub proclaim_not_held: u64,
     /// Connections accepted and served (refused ones are not counted).
     pub connections_accepted: u64,
     /// Connections refused at accept with `X 7` because
@@ -605,6 +609,7 @@ impl Core {
                 key,
             } => self.observe(conn, wait_s, id, since, key, now),
             Request::Query { key } => self.query(conn, key, now),
+            Request::Proclaim { token, key, label } => self.proclaim(conn, key, token, label, now),
             Request::Ping { nonce } => self.outbox.push((conn, Response::Pong { nonce })),
             Request::Info => {
                 let text = self.info_text(now);

@@ -143,6 +143,16 @@ pub fn render(snapshot: &Snapshot, process: Option<&ProcessStats>, out: &mut Str
         &[("extended", s.extended), ("not_held", s.extend_not_held)],
     );
     w.labelled(
+        "kunci_proclaims_total",
+        "counter",
+        "Label changes (C, spec 13.4a) answered, by result: proclaimed (C), not_held (N).",
+        "result",
+        &[
+            ("proclaimed", s.proclaimed),
+            ("not_held", s.proclaim_not_held),
+        ],
+    );
+    w.labelled(
         "kunci_listings_total",
         "counter",
         "Listing requests answered (spec 11): holders (H), keys (L, one page each).",

@@ -122,6 +122,9 @@ struct Counts {
     watches_woken: u64,
     watches_at_deadline: u64,
     watches_refused: u64,
+    /// `C` answered `C`, and the part of them that woke watches.
+    proclaimed: u64,
+    proclaims_woke: u64,
 }
 
 impl Tally for Counts {
@@ -147,6 +150,8 @@ impl Tally for Counts {
         self.watches_woken += other.watches_woken;
         self.watches_at_deadline += other.watches_at_deadline;
         self.watches_refused += other.watches_refused;
+        self.proclaimed += other.proclaimed;
+        self.proclaims_woke += other.proclaims_woke;
     }
 }
 
@@ -463,6 +468,7 @@ impl Sim {
             }
             67..=69 => self.reconnect(),
             70..=74 => self.observe_key(conn),
+            75..=77 => self.proclaim_key(conn),
             _ => self.advance(),
         }
     }
@@ -520,6 +526,105 @@ impl Sim {
             }
             self.model.counters.errors += 1;
             self.counts.watches_refused += 1;
+        }
+        self.check()
+    }
+
+    /// One `C` (spec §13.4a): of a holder's token (answered `C`) or a
+    /// wrong one (`N`). Nothing but the label changes; a new label on the
+    /// key's current grant answers every watch of the key at once, with
+    /// the same token and that label, and any other `C` wakes none.
+    fn proclaim_key(&mut self, conn: ConnId) -> Result<(), String> {
+        let (key, token) = match self.held_key() {
+            Some(held) if self.rng.chance(60) => held,
+            _ => {
+                let key = self.key();
+                let token = self.wrong_token(&key);
+                (key, token)
+            }
+        };
+        let proclaims = token != 0 && self.model.holder_token(&key) == Some(token);
+        // The grant's label now, read as a client would (a `V` at once
+        // changes no counter).
+        let read = Request::Observe {
+            wait_s: 0,
+            id: 0,
+            since: 0,
+            key: &key,
+        };
+        let before = match self.fake.request(conn, &read).as_slice() {
+            [
+                (
+                    _,
+                    Response::KeyState {
+                        token: current,
+                        label,
+                        ..
+                    },
+                ),
+            ] if *current == token => Some(label.clone()),
+            _ => None,
+        };
+        let label = *self.rng.pick(&["", "a", "leader b"]);
+        let request = Request::Proclaim {
+            token,
+            key: &key,
+            label,
+        };
+        let mut out = self.fake.request(conn, &request);
+        self.log(|| format!("{request:?} from {conn} → {out:?}"));
+        let expected = if proclaims {
+            Response::Proclaimed { token }
+        } else {
+            self.model.counters.not_held += 1;
+            Response::NotHeld { token }
+        };
+        if out.first() != Some(&(conn, expected.clone())) {
+            return Err(format!("{request:?}: {out:?}, {expected:?} first expected"));
+        }
+        let woken = out.split_off(1);
+        let wakes = proclaims && before.as_deref().is_some_and(|old| old != label);
+        let watching: Vec<u64> = self
+            .watches
+            .iter()
+            .filter(|(_, watch)| watch.key == key)
+            .map(|(&id, _)| id)
+            .collect();
+        if !wakes {
+            if !woken.is_empty() {
+                return Err(format!(
+                    "{request:?} changed no label but answered {woken:?}"
+                ));
+            }
+            return self.check();
+        }
+        self.counts.proclaimed += 1;
+        self.counts.proclaims_woke += u64::from(!watching.is_empty());
+        if woken.len() != watching.len() {
+            return Err(format!(
+                "{request:?} answered {woken:?}, watches {watching:?} expected"
+            ));
+        }
+        for (to, response) in woken {
+            let Response::KeyState {
+                id,
+                token: got,
+                label: ref now,
+                ..
+            } = response
+            else {
+                return Err(format!("{request:?} answered {response:?}"));
+            };
+            let watch = self.watches.remove(&id);
+            if watch
+                .as_ref()
+                .is_none_or(|watch| watch.conn != to || watch.key != key)
+                || got != token
+                || now != label
+            {
+                return Err(format!("{request:?} answered {response:?} on {to}"));
+            }
+            *self.model.watches.get_mut(&to).unwrap() -= 1;
         }
         self.check()
     }

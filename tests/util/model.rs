@@ -219,7 +219,9 @@ impl Model {
                 self.counters.errors += 1;
                 vec![(conn, ErrorCode::NotPermitted.response(id))]
             }
-            Request::Observe { .. } => unimplemented!("the model keeps no watches yet"),
+            Request::Observe { .. } | Request::Proclaim { .. } => {
+                unimplemented!("the model keeps no watches or labels yet")
+            }
             Request::Authenticate { .. } => vec![(
                 conn,
                 Response::Authenticated {

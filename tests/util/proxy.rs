@@ -279,6 +279,7 @@ fn record_frames(pending: &mut Vec<u8>, forwarded: bool, state: &State) {
                     Request::Observe {
                         wait_s, id, key, ..
                     } => (b'O', wait_s, 0, id, key),
+                    Request::Proclaim { token, key, .. } => (b'C', 0, 0, token, key),
                 };
                 let frame = Frame {
                     op,

@@ -142,6 +142,7 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: Key, deadline: Instant) -> Outco
         Op::Holders { .. } => cluster.holders(key, deadline),
         Op::List { cursor, count, .. } => cluster.list(key, cursor, count, deadline),
         Op::Observe { since, wait_s, .. } => cluster.observe(key, since, wait_s != 0, deadline),
+        Op::Proclaim { .. } => Outcome::Invalid("proclaim is not supported on etcd"),
     }
 }
 

@@ -9,6 +9,7 @@ mod holders;
 mod info;
 mod list;
 mod observe;
+mod proclaim;
 mod query;
 mod release;
 

@@ -224,6 +224,27 @@ impl Core {
         !self.waking.is_empty()
     }
 
+    /// After a `C` changed the label of `key`'s grant `token`: if that
+    /// grant is the key's current one, every watch of the key is answered
+    /// with the same token and the new label (spec §13.4a); a watcher that
+    /// asks again with the same `since` is held as before.
+    #[cold]
+    #[inline(never)]
+    pub(in crate::core) fn wake_watches_on_label(&mut self, key: &str, token: u64, now: Micros) {
+        let Some(slot) = self.watched(key) else {
+            return;
+        };
+        let record = self.watches.key(slot);
+        let state = self.key_state(&record.key, now);
+        if state.token != token {
+            return;
+        }
+        let watches = record.watches.clone();
+        for watch in watches {
+            self.answer_watch(watch, state.clone());
+        }
+    }
+
     /// A watch's `wait` ended: it is answered with the unchanged state.
     pub(in crate::core) fn watch_deadline(&mut self, watch: u32, now: Micros) {
         let slot = self.watches.get(watch).key;
