@@ -116,3 +116,22 @@ def test_campaign_arguments_are_checked(make_client):
         campaign(client, "e", "v", on_lost=3)
     with pytest.raises(kunci.InvalidArgument, match="wait"):
         campaign(client, "e", "v", wait=-1)
+
+
+def test_observers_never_make_a_campaign_busy(start_server, make_client):
+    # Held watches go on connections of their own: on one that carries a
+    # waiting acquire they would count toward --max-waits-per-conn.
+    server = start_server("--max-waits-per-conn", "3")
+    leader = campaign(make_client(server.address), "watched", "a")
+    client = make_client(server.address)
+    followers = [Follower(client, "watched-%d" % i) for i in range(3)]
+    for follower in followers:
+        assert follower.wait_count(1)[1] is None
+    time.sleep(0.5)  # each holds its watch
+    releaser = threading.Timer(1.0, leader.release)
+    releaser.start()
+    ticket = campaign(client, "watched", "b")  # waits behind the leader, not Busy
+    releaser.join()
+    assert client.leader("watched").term == ticket.token
+    assert all(follower.error is None for follower in followers)
+    ticket.release()
