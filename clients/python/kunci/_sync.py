@@ -1333,6 +1333,13 @@ class Ticket(TicketBase):
         no longer valid but may be released again."""
         self._client._drive(E.release(self))
 
+    def proclaim(self, value: Union[str, bytes]) -> None:
+        """Changes this grant's label to ``value`` (1 to 128 UTF-8 bytes,
+        no newline; spec §13.4a): a campaign's leader changes its value
+        and keeps its term, and observers see the change. ``LockLost`` if
+        the lock is lost (known, or the server answers ``N``)."""
+        self._client._drive(E.proclamation(self, value))
+
     def __enter__(self) -> "Ticket":
         return self
 

@@ -901,6 +901,11 @@ class Ticket(TicketBase):
         ticket as it was."""
         await self._client._drive(E.release(self))
 
+    async def proclaim(self, value: Union[str, bytes]) -> None:
+        """As :meth:`kunci.Ticket.proclaim`: the grant takes the label
+        ``value``; ``LockLost`` if the lock is lost."""
+        await self._client._drive(E.proclamation(self, value))
+
     async def __aenter__(self) -> "Ticket":
         return self
 
