@@ -180,3 +180,22 @@ def test_proclaim_sends_c_and_an_n_is_a_lost_lock(make_client, make_proxy):
     with pytest.raises(kunci.LockLost):
         proclaim("host-d:5432")  # nothing sent after a known loss
     assert len(proxy.upstream_bytes()) == sent
+
+
+@pytest.mark.parametrize("layout", ["", "?layout=etcd"])
+def test_proclaim_on_etcd_puts_the_leaders_own_entry(etcd_cluster, make_client, layout):
+    client = make_client(etcd_cluster.address + layout)
+    name = "proclaimed" + layout.replace("?layout=", "-")
+    follower = Follower(make_client(etcd_cluster.address + layout), name)
+    assert follower.wait_count(1)[1] is None
+    ticket = campaign(client, name, "host-a", lease=10)
+    assert follower.wait_count(2)[1].value == "host-a"
+    if client.flavour == "sync":
+        ticket.proclaim("host-b")
+    else:
+        client._runner.run(ticket.proclaim("host-b"))
+    leader = client.leader(name)
+    assert (leader.value, leader.term) == ("host-b", ticket.token)  # the same term
+    at, item = follower.wait_count(3)
+    assert (item.value, item.term) == ("host-b", ticket.token)
+    ticket.release()
