@@ -32,7 +32,7 @@ from ._common import (
     EXIT_CLIENTS, MOVED, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, Access, Follow, OwnerIds,
     WaitForever, acquire_call, check_args, check_connect_timeout, check_transport_timeout,
     client_repr, granted_token, jittered, check_campaign_value, proclaim_call,
-    holders_call, key_text, log, needs_clean_up, outcome_of, own_grants, release_call,
+    holders_call, key_text, log, observe_call, needs_clean_up, outcome_of, own_grants, release_call,
     renew_call, waits_forever,
 )
 from ._errors import Busy, Error, Indeterminate, InvalidArgument, LockLost, NotHeld, Unavailable
@@ -285,15 +285,21 @@ def proclamation(ticket, value):
 
 def proclaim_again(ticket):
     """After a renewal succeeded past an outage (a restarted server may
-    have adopted the grant, which it keeps without its label: spec §7.5):
-    the ticket's label again, once; failures are left to the next round
-    (``N`` is the renewals' to find)."""
+    have adopted the grant, which it keeps without its label after a
+    crash: spec §7.5): reads the key (one ``O``, wait 0) and, when its
+    grant shows another label, proclaims the ticket's again, once. (Only
+    then: a server without ``C`` ends the connection that carries one.)
+    Failures are left to the next round (``N`` is the renewals' to find)."""
     if not ticket._label:
         return
-    call = proclaim_call(ticket._key_bytes, ticket.token, ticket._label, monotonic(),
-                         ticket._client._transport)
+    client = ticket._client
     try:
-        yield from ask(call)
+        state = yield from ask(observe_call(ticket._key_bytes, 0, 0, client._ids.next(),
+                                            monotonic(), client._transport))
+        if state.token != ticket.token or state.label == ticket._label.decode("utf-8"):
+            return
+        yield from ask(proclaim_call(ticket._key_bytes, ticket.token, ticket._label, monotonic(),
+                                     client._transport))
     except Error as error:
         log.debug("proclaiming %r again: %s", ticket.key, error)
 

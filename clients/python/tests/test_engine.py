@@ -259,10 +259,18 @@ def test_a_bounded_campaign_wait_ends_with_its_last_outcome(monkeypatch):
 def test_a_renewal_after_an_outage_proclaims_the_label_again(flavour):
     # The renewal that comes through after an outage may have adopted the
     # grant on a restarted server, which keeps no label (spec §7.5).
-    client = flavour([("?",), ("E",), ("C",)])
+    adopted = C.KeyState(3, 30000, 0, 1, 0, "")
+    client = flavour([("?",), ("E",), ("O", adopted), ("C",)])
     ticket = FakeTicket(client, "k", b"k", 3, 30, time.monotonic(), 0, 0, b"host-a")
     assert client.drive(E.KeepAlive(ticket).round()) is True
-    assert client.log == ["E 3", "pause 0.05", "E 3", "C 3 host-a"]
+    assert client.log == ["E 3", "pause 0.05", "E 3", "O", "C 3 host-a"]
+    # The label kept (a clean restart), or another grant: no C, which a
+    # server without it would answer by ending the connection.
+    for state in (adopted._replace(label="host-a"), adopted._replace(token=4)):
+        client = flavour([("?",), ("E",), ("O", state)])
+        ticket = FakeTicket(client, "k", b"k", 3, 30, time.monotonic(), 0, 0, b"host-a")
+        assert client.drive(E.KeepAlive(ticket).round()) is True
+        assert client.log == ["E 3", "pause 0.05", "E 3", "O"]
     # Without an outage, or without a label, nothing is proclaimed.
     client = flavour([("E",)])
     ticket = FakeTicket(client, "k", b"k", 3, 30, time.monotonic(), 0, 0, b"host-a")
