@@ -319,6 +319,8 @@ class Call(object):
                 wait_s, self.lease, self.owner, self.limit, self.take, self.key, self.label)
         if op == "R":
             return P.encode_release(self.token, self.key)
+        if op == "C":
+            return P.encode_proclaim(self.token, self.key, self.label)
         if op == "E":
             return P.encode_extend(self.lease, self.token, self.key)
         if op == "Q":
@@ -337,7 +339,7 @@ class Call(object):
         """The id an ``X`` answer to this request carries (spec §6)."""
         if self.op == "A":
             return self.owner
-        if self.op in ("R", "E"):
+        if self.op in ("R", "E", "C"):
             return self.token
         if self.op == "P":
             return self.nonce
@@ -409,12 +411,13 @@ class Pending(object):
         kind = frame[0]
         if kind in ("A", "T", "B"):
             return self.acquires.pop(frame[1], None)
-        if kind == "R" or kind == "E":
+        if kind == "R" or kind == "E" or kind == "C":
             token = frame[1]
             return self._take_other(lambda call: call.op == kind and call.token == token)
         if kind == "N":
             token = frame[1]
-            return self._take_other(lambda call: call.op in ("R", "E") and call.token == token)
+            return self._take_other(
+                lambda call: call.op in ("R", "E", "C") and call.token == token)
         if kind == "Q" or kind == "I":
             return self._take_other(lambda call: call.op == kind)
         if kind == "P":
@@ -1084,6 +1087,11 @@ def renew_call(key, token, lease, now, transport=P.TRANSPORT_DEADLINE):
     return Call("E", key_bytes, now + transport, token=token, lease=lease, transport=transport)
 
 
+def proclaim_call(key, token, label, now, transport=P.TRANSPORT_DEADLINE):
+    """``C`` (spec §13.4a): the grant ``token`` of ``key`` takes ``label``."""
+    return Call("C", key, now + transport, token=token, label=label, transport=transport)
+
+
 def query_call(key, now, transport=P.TRANSPORT_DEADLINE):
     return Call("Q", check_args(P.check_key, key), now + transport, transport=transport)
 
@@ -1373,8 +1381,12 @@ class TicketBase(object):
         """Hands the ticket to ``on_lost`` as the flavour does."""
         raise NotImplementedError
 
-    def __init__(self, client, key, key_bytes, token, lease, sent_at, limit=0, take=0):
+    def __init__(self, client, key, key_bytes, token, lease, sent_at, limit=0, take=0,
+                 label=b""):
         self._client = client
+        # The grant's label (a campaign's value): proclaimed again after
+        # the grant was adopted by a restarted server (spec §7.5).
+        self._label = label
         self.key = key
         self._key_bytes = key_bytes
         self.token = token

@@ -31,8 +31,8 @@ from ._common import (
     Call,
     EXIT_CLIENTS, MOVED, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX, Access, Follow, OwnerIds,
     WaitForever, acquire_call, check_args, check_connect_timeout, check_transport_timeout,
-    client_repr, granted_token, jittered,
-    holders_call, key_text, log, needs_clean_up, outcome_of, own_grants, release_call,
+    client_repr, granted_token, jittered, check_campaign_value, proclaim_call,
+    holders_call, key_text, log, observe_call, needs_clean_up, outcome_of, own_grants, release_call,
     renew_call, waits_forever,
 )
 from ._errors import Busy, Error, Indeterminate, InvalidArgument, LockLost, NotHeld, Unavailable
@@ -176,7 +176,7 @@ def granted(client, call, result, clean_up=True):
         client._clean_up_after(call)
     token = granted_token(call, result, monotonic(), client._release_background)
     return client._ticket_type(client, key_text(call.key), call.key, token, call.lease,
-                               call.sent_at, call.limit, call.take)
+                               call.sent_at, call.limit, call.take, call.label)
 
 
 def acquire_until_granted(client, forever):
@@ -262,6 +262,46 @@ def observe(client, name):
         leader = follow.answered(state)
         if leader is not Follow.NOTHING:
             yield Item(leader)
+
+
+def proclamation(ticket, value):
+    """A ticket's ``proclaim(value)`` (spec §13.4a): its grant takes the
+    label ``value`` (a campaign: the leader's value, its term kept). ``N``:
+    the grant is gone, the loss is declared and ``LockLost`` raised;
+    after a known loss nothing is sent (``LockLost``)."""
+    label = check_campaign_value(value)
+    ticket._check_owned()
+    ticket._raise_if_lost()
+    call = proclaim_call(ticket._key_bytes, ticket.token, label, monotonic(),
+                         ticket._client._transport)
+    try:
+        yield from ask(call)
+    except NotHeld:
+        ticket._declare_lost("a proclaim was answered N")
+        raise LockLost("lock on %r (token %d) was lost: the proclaim was answered N"
+                       % (ticket.key, ticket.token)) from None
+    ticket._label = label
+
+
+def proclaim_again(ticket):
+    """After a renewal succeeded past an outage (a restarted server may
+    have adopted the grant, which it keeps without its label after a
+    crash: spec §7.5): reads the key (one ``O``, wait 0) and, when its
+    grant shows another label, proclaims the ticket's again, once. (Only
+    then: a server without ``C`` ends the connection that carries one.)
+    Failures are left to the next round (``N`` is the renewals' to find)."""
+    if not ticket._label:
+        return
+    client = ticket._client
+    try:
+        state = yield from ask(observe_call(ticket._key_bytes, 0, 0, client._ids.next(),
+                                            monotonic(), client._transport))
+        if state.token != ticket.token or state.label == ticket._label.decode("utf-8"):
+            return
+        yield from ask(proclaim_call(ticket._key_bytes, ticket.token, ticket._label, monotonic(),
+                                     client._transport))
+    except Error as error:
+        log.debug("proclaiming %r again: %s", ticket.key, error)
 
 
 def renewal(ticket, lease):
@@ -443,7 +483,11 @@ class KeepAlive(object):
     def round(self):
         """One renewal (a course), retried while its outcome is unknown or
         it reached no server and ``valid_until`` is ahead; whether it
-        succeeded (then the next round is due at :meth:`due_at`)."""
+        succeeded (then the next round is due at :meth:`due_at`). A
+        renewal that succeeds after such a failure may have adopted the
+        grant on a restarted server: the ticket's label is proclaimed
+        again at once."""
+        outage = False
         while not self.stopped:
             try:
                 yield from renewal(self.ticket, None)
@@ -451,8 +495,11 @@ class KeepAlive(object):
                 retry_in = self.retry_in(error, monotonic())
                 if retry_in is None:
                     return False
+                outage = True
                 yield Pause(retry_in)
                 continue
+            if outage and not self.stopped:
+                yield from proclaim_again(self.ticket)
             return True
         return False
 

@@ -389,6 +389,8 @@ class Cluster(object):
             return self.info(call.deadline)
         if op == "P":
             return self.ping(call.deadline)
+        if op == "C":
+            return self.proclaim(call.key, call.token, call.label, call.deadline)
         raise InvalidArgument("unknown request %r" % op)
 
     def release_in_background(self, key, token):
@@ -867,6 +869,38 @@ class Cluster(object):
         self.revoke_in_background(new_lease)
         return ("N",), None
 
+    def proclaim(self, key, token, label, deadline):
+        """``C`` (spec §13.4a): a put of the holder's own entry, guarded by
+        its create revision, on its lease (``ignore_lease``), with
+        ``label`` as its label: in kunci's layout the owner, limit, take
+        and grant time stay; in etcd's the value is the label alone (as
+        an ``Election``'s ``Proclaim``). ``N`` when ``token`` does not
+        hold ``key``."""
+        try:
+            entry = self._held_by(key, token, deadline)
+        except _Ends as end:
+            return end.result
+        if self.layout == "etcd":
+            value = label
+        else:
+            fields = _base(entry.value).split(b" ", 3)
+            owner, limit, take = (fields + [b"0", b"0"])[:3]
+            newline = entry.value.find(b"\n")
+            trailer = entry.value[newline:] if newline >= 0 else b""
+            value = b"%s %s %s %s%s" % (owner, limit, take, label, trailer)
+        name = _b64(entry.name)
+        txn = {"compare": [{"key": name, "target": "CREATE", "result": "EQUAL",
+                            "create_revision": str(token)}],
+               "success": [{"request_put": {"key": name, "value": _b64(value),
+                                            "ignore_lease": True}}]}
+        try:
+            _, answer = self._write("/v3/kv/txn", txn, deadline)
+        except Fault as fault:
+            return fault.result()
+        if not isinstance(answer.get("header"), dict):
+            return INDETERMINATE
+        return ("C",) if answer.get("succeeded") is True else ("N",)
+
     # ----------------------------------------------------------- reads
 
     def _key_entries(self, key, deadline):
@@ -909,14 +943,16 @@ class Cluster(object):
         is the create revision of its first entry (the earliest grant; 0
         when it has none), answered at once when that differs from the
         call's since or its wait is 0; else followed with an etcd watch
-        (not polling) until it differs or the wait ends. The first entry
-        can change only by its own deletion (later entries come after it),
-        so a held key's watch is on that entry's deletion alone, and a free
-        key's on a put under its prefix. A watch that breaks or cannot be
-        opened (an outage) only sends it back to the read, which is retried
-        until the call's deadline."""
+        (not polling) until it differs, the first entry's label changes (a
+        proclaim, spec §13.4a), or the wait ends. The first entry can be
+        replaced only by its own deletion (later entries come after it), so
+        a held key's watch is on that entry (its deletion, and its puts: a
+        proclaim), and a free key's on a put under its prefix. A watch that
+        breaks or cannot be opened (an outage) only sends it back to the
+        read, which is retried until the call's deadline."""
         since, wait_until = call.token, call.deadline - call.transport
         prefix = self._prefix(call.key)
+        label = None
         while True:
             try:
                 _, value = self._read(
@@ -927,12 +963,15 @@ class Cluster(object):
             if found is None or revision is None:
                 return INDETERMINATE
             state = _key_state(found)
-            if state.token != since or monotonic() >= wait_until or call.abandoned:
+            if label is None:
+                label = state.label
+            if (state.token != since or state.label != label or monotonic() >= wait_until
+                    or call.abandoned):
                 return ("O", state)
             if self.closed:
                 return (MOVED, "the client is closed", 0)
             if found:
-                request = {"key": _b64(found[0].name), "filters": ["NOPUT"]}
+                request = {"key": _b64(found[0].name)}
             else:
                 request = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
                            "filters": ["NODELETE"]}

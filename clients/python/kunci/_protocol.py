@@ -64,6 +64,7 @@ _HEADER_LEN = {
     0x5A: 20,  # Z id count next
     0x55: 0,  # U name
     0x56: 30,  # V id token lease_ms held_ms grants waiters label
+    0x43: 8,  # C token
 }
 
 # The ops whose frame carries text between the fixed header and ``\n``.
@@ -311,6 +312,11 @@ def key_limit_of_mismatch(text):
     """The key's limit named by the text of an ``X 10``, or ``None``."""
     found = _LIMIT_MISMATCH_TEXT.match(text)
     return int(found.group(1)) if found else None
+
+
+def encode_proclaim(token, key, label):
+    """``C token klen key label`` (spec §13.4a)."""
+    return b"C" + _PACK_Q64(token) + bytes((len(key),)) + key + label + b"\n"
 
 
 def encode_release(token, key):

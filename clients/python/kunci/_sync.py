@@ -80,8 +80,10 @@ _PROBE = object()
 class _Session(object):
     """One connection to one address."""
 
-    def __init__(self, index, sock, authenticating):
+    def __init__(self, index, sock, authenticating, book):
         self.index = index
+        # The address book that keeps it (the client's, or its watches').
+        self.book = book
         self.sock = sock
         self.fd = sock.fileno()
         # A U went first and its answer has not come yet; then the name it
@@ -302,7 +304,14 @@ class Client(E.ClientBase):
             self._access.etcd_credentials)
         self._mu = threading.Lock()
         self._book = AddressBook(self._addresses)
-        self._connect_locks = [threading.Lock() for _ in self._addresses]
+        # Held watches (an ``O`` that waits) go on connections of their
+        # own, so that they never count toward a connection's waits
+        # (spec §13.3): a campaign on the same client is never ``Busy``
+        # for its observers.
+        self._watch_book = AddressBook(self._addresses)
+        self._books = (self._book, self._watch_book)
+        self._connect_locks = {id(book): [threading.Lock() for _ in self._addresses]
+                               for book in self._books}
         # Maintenance thread: background releases and timers. Re-entrant:
         # a ticket's finalizer may start the thread while this thread holds
         # the lock (a collection during `_schedule`).
@@ -513,9 +522,10 @@ class Client(E.ClientBase):
             # waiting on each session is woken (a write to a pipe is safe
             # here), sees the client closed and closes its session.
             self._closed = True
-            for session in list(self._book.sessions):
-                if session is not None:
-                    session.wake()
+            for book in self._books:
+                for session in list(book.sessions):
+                    if session is not None:
+                        session.wake()
             self._poke_maintenance()
             return
         with self._mu:
@@ -528,9 +538,10 @@ class Client(E.ClientBase):
                 self._etcd.close()
             if self._pid != os.getpid():
                 return
-            for session in self._book.sessions:
-                if session is not None:
-                    self._close_session(session, "the client was closed")
+            for book in self._books:
+                for session in book.sessions:
+                    if session is not None:
+                        self._close_session(session, "the client was closed")
         self._poke_maintenance()  # the thread sees _closed and ends
 
     def __enter__(self) -> "Client":
@@ -667,7 +678,7 @@ class Client(E.ClientBase):
     def _session_for(self, call):
         """A connected session for ``call``, or ``None`` once its deadline
         has passed (or every address refused it with ``X 9``)."""
-        book = self._book
+        book = self._watch_book if call.op == "O" and call.wait_s > 0 else self._book
         while True:
             now = monotonic()
             with self._mu:
@@ -685,20 +696,20 @@ class Client(E.ClientBase):
                 time.sleep(max(0.0, min(next_try, call.deadline) - now))
                 continue
             for index in ready:
-                session = self._open(index, call)
+                session = self._open(index, call, book)
                 if session is not None:
                     return session
 
-    def _open(self, index, call):
-        lock = self._connect_locks[index]
+    def _open(self, index, call, book):
+        lock = self._connect_locks[id(book)][index]
         if not lock.acquire(True, max(0.0, call.deadline - monotonic())):
             return None
         try:
             with self._mu:
-                session = self._book.sessions[index]
+                session = book.sessions[index]
                 if session is not None and session.alive:
                     return session
-                if self._book.retry_at[index] > monotonic():
+                if book.retry_at[index] > monotonic():
                     return None
             timeout = min(self._connect_timeout, call.deadline - monotonic())
             if timeout <= 0:
@@ -709,22 +720,22 @@ class Client(E.ClientBase):
                 sock = _connect(address, timeout, self._access.tls_for(index), auth_frame)
             except (OSError, ValueError) as error:
                 with self._mu:
-                    self._book.connect_failed(index, call, error, monotonic())
+                    book.connect_failed(index, call, error, monotonic())
                 return None
             try:
-                session = _Session(index, sock, auth_frame is not None)
+                session = _Session(index, sock, auth_frame is not None, book)
             except OSError as error:
                 # No descriptor for its wake pipe (EMFILE): nothing was
                 # sent, as for a failed connect.
                 sock.close()
                 with self._mu:
-                    self._book.connect_failed(index, call, error, monotonic())
+                    book.connect_failed(index, call, error, monotonic())
                 return None
             with self._mu:
                 if self._closed:
                     session.close_fds()
                     raise Error("the client is closed")
-                self._book.connected(session)
+                book.connected(session)
             return session
         finally:
             lock.release()
@@ -996,7 +1007,7 @@ class Client(E.ClientBase):
                 return
             now = monotonic()
             compensate = lambda key, token: releases.append((key, token))
-            for call, frame in answers(self._book, session, frames, self._close_session):
+            for call, frame in answers(session.book, session, frames, self._close_session):
                 result = result_of(call, frame, now, compensate)
                 if result is not None and call.result is None:
                     call.result = result
@@ -1013,7 +1024,7 @@ class Client(E.ClientBase):
             return
         session.alive = False
         session.ended_by = reason
-        self._book.session_ended(session, reason, monotonic())
+        session.book.session_ended(session, reason, monotonic())
         for call in session.pending.take_all():
             if call.writing or not call.waiting():
                 continue
@@ -1189,9 +1200,10 @@ class Client(E.ClientBase):
         # Only this thread exists in the child. The parent's sockets are
         # closed here without a shutdown (which would end the parent's
         # connections too) and never written to.
-        for session in self._book.sessions:
-            if session is not None:
-                session.close_fds()
+        for book in self._books:
+            for session in book.sessions:
+                if session is not None:
+                    session.close_fds()
         if self._maint_wake is not None:
             for fd in self._maint_wake:
                 try:
@@ -1320,6 +1332,13 @@ class Ticket(TicketBase):
         leaves the ticket as it was; after ``Indeterminate`` the ticket is
         no longer valid but may be released again."""
         self._client._drive(E.release(self))
+
+    def proclaim(self, value: Union[str, bytes]) -> None:
+        """Changes this grant's label to ``value`` (1 to 128 UTF-8 bytes,
+        no newline; spec §13.4a): a campaign's leader changes its value
+        and keeps its term, and observers see the change. ``LockLost`` if
+        the lock is lost (known, or the server answers ``N``)."""
+        self._client._drive(E.proclamation(self, value))
 
     def __enter__(self) -> "Ticket":
         return self

@@ -444,10 +444,13 @@ class Client(E.ClientBase):
         # An acquire that may queue is the only one waiting on its session,
         # so that cancelling it can end that session, and with it the wait,
         # at once (``_withdraw``): the first goes on the shared session, any
-        # other at the same time on a private one.
+        # other at the same time on a private one. A held watch (an ``O``
+        # that waits) always goes on a private one: it never counts toward
+        # the waits of a connection that carries an acquire (spec §13.3).
         waits = call.op == "A" and call.wait_until is not None
+        apart = call.op == "O" and call.wait_s > 0
         while True:
-            session = await self._session_for(call, loop, waits)
+            session = await self._session_for(call, loop, waits, apart)
             if session is None:
                 return run_result(call)
             if waits and not session.private:
@@ -511,18 +514,19 @@ class Client(E.ClientBase):
             raise outcome
         return outcome
 
-    async def _session_for(self, call, loop, waits=False):
+    async def _session_for(self, call, loop, waits=False, apart=False):
         book = self._book
         while True:
             now = monotonic()
             if book.gives_up(call, now, self._closed):
                 return None
             session = book.live_session()
-            if session is not None and (not waits or session.waiting_acquire is None):
+            if session is not None and not apart and (
+                    not waits or session.waiting_acquire is None):
                 return session
-            # Another acquire waits on the shared session: this one gets a
-            # private session.
-            private = session is not None
+            # Another acquire waits on the shared session, or a watch goes
+            # apart: this one gets a private session.
+            private = session is not None or apart
             session = self._take_idle() if private else None
             if session is not None:
                 return session
@@ -667,7 +671,7 @@ class Client(E.ClientBase):
                                   "the server did not end a withdrawn wait")
         else:
             self._close_session(session, "a waiting acquire was cancelled")
-            if call is not None and call.sent_at is not None:
+            if call is not None and call.op == "A" and call.sent_at is not None:
                 self._clean_up_after(call)
 
     def _write(self, session, call, loop):
@@ -896,6 +900,11 @@ class Ticket(TicketBase):
         Cancelled before its ``R`` reached a connection, it leaves the
         ticket as it was."""
         await self._client._drive(E.release(self))
+
+    async def proclaim(self, value: Union[str, bytes]) -> None:
+        """As :meth:`kunci.Ticket.proclaim`: the grant takes the label
+        ``value``; ``LockLost`` if the lock is lost."""
+        await self._client._drive(E.proclamation(self, value))
 
     async def __aenter__(self) -> "Ticket":
         return self

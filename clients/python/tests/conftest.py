@@ -460,7 +460,7 @@ def make_client(flavour):
 
 # Fixed header length of each request op (spec §2.1), after the op byte.
 REQUEST_HEADER = {b"A": 10, b"R": 8, b"E": 9, b"Q": 0, b"P": 8, b"I": 0, b"S": 15,
-                  b"H": 8, b"L": 18, b"U": 0}
+                  b"H": 8, b"L": 18, b"U": 0, b"C": 9}
 
 
 def request_frames(data):

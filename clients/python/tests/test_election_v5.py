@@ -3,12 +3,14 @@ leader of a crash grace, a bounded campaign, ``on_lost`` for a campaign,
 and resigning a lead already lost, quietly. Both flavours."""
 
 import signal
+import struct
 import threading
 import time
 
 import pytest
 
 import kunci
+from conftest import free_port, request_frames
 from test_election import Follower
 
 
@@ -116,3 +118,84 @@ def test_campaign_arguments_are_checked(make_client):
         campaign(client, "e", "v", on_lost=3)
     with pytest.raises(kunci.InvalidArgument, match="wait"):
         campaign(client, "e", "v", wait=-1)
+
+
+def test_observers_never_make_a_campaign_busy(start_server, make_client):
+    # Held watches go on connections of their own: on one that carries a
+    # waiting acquire they would count toward --max-waits-per-conn.
+    server = start_server("--max-waits-per-conn", "3")
+    leader = campaign(make_client(server.address), "watched", "a")
+    client = make_client(server.address)
+    followers = [Follower(client, "watched-%d" % i) for i in range(3)]
+    for follower in followers:
+        assert follower.wait_count(1)[1] is None
+    time.sleep(0.5)  # each holds its watch
+    releaser = threading.Timer(1.0, leader.release)
+    releaser.start()
+    ticket = campaign(client, "watched", "b")  # waits behind the leader, not Busy
+    releaser.join()
+    assert client.leader("watched").term == ticket.token
+    assert all(follower.error is None for follower in followers)
+    ticket.release()
+
+
+def test_proclaim_sends_c_and_an_n_is_a_lost_lock(make_client, make_proxy):
+    # Against a scripted server: the bytes of C (spec §13.4a) and what
+    # each answer does.
+    proxy = make_proxy(free_port())
+    proxy.accept = "respond"
+    proclaimed = [b"C"]
+
+    def responder(data):
+        out = b""
+        for op, header, _ in request_frames(data):
+            if op == b"A":
+                owner = struct.unpack(">BBQ", header)[2]
+                out += b"A" + struct.pack(">QQ", owner, 77) + b"\n"
+            elif op == b"C":
+                token = struct.unpack(">QB", header)[0]
+                out += proclaimed[0] + struct.pack(">Q", token) + b"\n"
+        return out
+    proxy.responder = responder
+    client = make_client(proxy.address)
+    ticket = client.acquire("svc", lease=60)
+    assert ticket.token == 77
+    before = len(proxy.upstream_bytes())
+    if client.flavour == "sync":
+        proclaim = ticket.proclaim
+    else:
+        def proclaim(value):
+            return client._runner.run(ticket.ticket.proclaim(value))
+    proclaim("host-b:5432")
+    assert proxy.upstream_bytes()[before:] == (
+        b"C" + struct.pack(">QB", 77, 3) + b"svc" + b"host-b:5432\n")
+    assert not ticket.lost
+    with pytest.raises(kunci.InvalidArgument, match="value"):
+        proclaim("two\nlines")
+    proclaimed[0] = b"N"
+    with pytest.raises(kunci.LockLost, match="proclaim was answered N"):
+        proclaim("host-c:5432")
+    assert ticket.lost
+    sent = len(proxy.upstream_bytes())
+    with pytest.raises(kunci.LockLost):
+        proclaim("host-d:5432")  # nothing sent after a known loss
+    assert len(proxy.upstream_bytes()) == sent
+
+
+@pytest.mark.parametrize("layout", ["", "?layout=etcd"])
+def test_proclaim_on_etcd_puts_the_leaders_own_entry(etcd_cluster, make_client, layout):
+    client = make_client(etcd_cluster.address + layout)
+    name = "proclaimed" + layout.replace("?layout=", "-")
+    follower = Follower(make_client(etcd_cluster.address + layout), name)
+    assert follower.wait_count(1)[1] is None
+    ticket = campaign(client, name, "host-a", lease=10)
+    assert follower.wait_count(2)[1].value == "host-a"
+    if client.flavour == "sync":
+        ticket.proclaim("host-b")
+    else:
+        client._runner.run(ticket.proclaim("host-b"))
+    leader = client.leader(name)
+    assert (leader.value, leader.term) == ("host-b", ticket.token)  # the same term
+    at, item = follower.wait_count(3)
+    assert (item.value, item.term) == ("host-b", ticket.token)
+    ticket.release()

@@ -43,7 +43,8 @@ class Scripted(object):
         self._book = C.AddressBook([("tcp", ("127.0.0.1", 1))])
 
     def run(self, call):
-        self.log.append(call.op + (" %d" % call.token if call.op in "RE" else ""))
+        self.log.append(call.op + (" %d" % call.token if call.op in "REC" else "")
+                        + (" %s" % call.label.decode() if call.op == "C" else ""))
         call.sent_at = time.monotonic()
         result = self.script.pop(0)
         if result[0] == "H" and result[1] == "own":
@@ -252,3 +253,30 @@ def test_a_bounded_campaign_wait_ends_with_its_last_outcome(monkeypatch):
     assert forever.after(kunci.Unavailable("down"), False) == pytest.approx(0.05)
     now[0] = 103.0
     assert forever.after(kunci.Timeout("held"), False) is None
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_renewal_after_an_outage_proclaims_the_label_again(flavour):
+    # The renewal that comes through after an outage may have adopted the
+    # grant on a restarted server, which keeps no label (spec §7.5).
+    adopted = C.KeyState(3, 30000, 0, 1, 0, "")
+    client = flavour([("?",), ("E",), ("O", adopted), ("C",)])
+    ticket = FakeTicket(client, "k", b"k", 3, 30, time.monotonic(), 0, 0, b"host-a")
+    assert client.drive(E.KeepAlive(ticket).round()) is True
+    assert client.log == ["E 3", "pause 0.05", "E 3", "O", "C 3 host-a"]
+    # The label kept (a clean restart), or another grant: no C, which a
+    # server without it would answer by ending the connection.
+    for state in (adopted._replace(label="host-a"), adopted._replace(token=4)):
+        client = flavour([("?",), ("E",), ("O", state)])
+        ticket = FakeTicket(client, "k", b"k", 3, 30, time.monotonic(), 0, 0, b"host-a")
+        assert client.drive(E.KeepAlive(ticket).round()) is True
+        assert client.log == ["E 3", "pause 0.05", "E 3", "O"]
+    # Without an outage, or without a label, nothing is proclaimed.
+    client = flavour([("E",)])
+    ticket = FakeTicket(client, "k", b"k", 3, 30, time.monotonic(), 0, 0, b"host-a")
+    assert client.drive(E.KeepAlive(ticket).round()) is True
+    assert client.log == ["E 3"]
+    client = flavour([("?",), ("E",)])
+    ticket = FakeTicket(client, "k", b"k", 3, 30, time.monotonic())
+    assert client.drive(E.KeepAlive(ticket).round()) is True
+    assert client.log == ["E 3", "pause 0.05", "E 3"]
