@@ -552,3 +552,49 @@ fn every_watch_of_a_connection_answered_at_once_stays_within_the_output_bound() 
     let answers = wire.recv(1);
     assert_eq!(answers.len() as u64, per_conn * (1 + 30 + 128 + 1));
 }
+
+#[test]
+fn an_identity_max_connections_refuses_one_more_session_with_x7_and_no_one_else() {
+    let text = format!(
+        "{}capped {} read:app/ max-watches=10 max-connections=4\n",
+        auth_file(),
+        kunci::core::access::hash_hex(CAPPED)
+    );
+    let mut endpoint = Endpoint::new(Core::new(Limits::default(), FIRST_TOKEN), Vec::new());
+    endpoint.require_authentication(AccessList::parse(&text).unwrap());
+    let mut wire = Wire { endpoint, now: 0 };
+    let capped_u = b"Ucapped\n".to_vec();
+    for id in 0..4 {
+        wire.connect(id);
+        assert_eq!(wire.exchange(id, &authenticate(CAPPED)), capped_u);
+    }
+    // Its fifth session: `X 7` (id 0), then closed.
+    wire.connect(4);
+    assert_eq!(
+        wire.exchange(4, &authenticate(CAPPED)),
+        x(7, 0, "connection limit reached")
+    );
+    assert_eq!(wire.actions(), [(4, Action::ShutWrite)]);
+    wire.endpoint.handle_eof(4, wire.now);
+    assert_eq!(wire.actions(), [(4, Action::Close)]);
+    // Other identities are not affected.
+    for id in 5..10 {
+        wire.connect(id);
+        assert_eq!(wire.exchange(id, &authenticate(READER))[0], b'U');
+    }
+    // Its eleventh watch: `X 14`.
+    for n in 0..10 {
+        let frame = observe(60, n, 0, &format!("app/{n}"));
+        assert_eq!(wire.exchange((n % 4) as ConnId, &frame), b"");
+    }
+    assert_eq!(
+        wire.exchange(3, &observe(60, 10, 0, "app/10")),
+        x(14, 10, "too many watches")
+    );
+    assert_eq!(wire.exchange(5, &observe(60, 11, 0, "app/10")), b"");
+    // A session that closes makes room for another.
+    wire.endpoint.handle_eof(0, wire.now);
+    assert_eq!(wire.actions(), [(0, Action::Close)]);
+    wire.connect(4);
+    assert_eq!(wire.exchange(4, &authenticate(CAPPED)), capped_u);
+}

@@ -29,6 +29,8 @@ Quotas (optional, after the scopes; each at most once):
   max-keys=N    keys this identity's requests may bring into the table
   max-grants=N  grants plus queued waiters its sessions may hold at once
   max-watches=N watches (held O: followed keys) its sessions may hold at once
+  max-connections=N
+                sessions authenticated as it at once; one more is refused
 
 Example: kunci secret ci lock:ci/ read:* info
 ";

@@ -63,8 +63,8 @@ fn covers(prefixes: &[Box<str>], key: &str) -> bool {
 }
 
 /// What one identity's sessions may hold at once (issue 27): written
-/// `max-keys=N`, `max-grants=N` and `max-watches=N` after the scopes of its
-/// line. `None` is
+/// `max-keys=N`, `max-grants=N`, `max-watches=N` and `max-connections=N`
+/// after the scopes of its line. `None` is
 /// no quota (only the server's limits apply). A word starting `max-` was
 /// never a scope, so a file without these words parses as before.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -75,11 +75,16 @@ pub struct Quota {
     pub max_grants: Option<u32>,
     /// Watches (held `O`) the identity's sessions hold (spec §13.3).
     pub max_watches: Option<u32>,
+    /// Sessions that completed `U` as the identity (spec §12.1).
+    pub max_connections: Option<u32>,
 }
 
 impl Quota {
     pub fn is_none(&self) -> bool {
-        self.max_keys.is_none() && self.max_grants.is_none() && self.max_watches.is_none()
+        self.max_keys.is_none()
+            && self.max_grants.is_none()
+            && self.max_watches.is_none()
+            && self.max_connections.is_none()
     }
 }
 
@@ -317,8 +322,8 @@ pub fn parse_scopes(words: &[&str]) -> Result<Scopes, String> {
     Ok(scopes)
 }
 
-/// Parses the quota words of one line: `max-keys=N`, `max-grants=N` and
-/// `max-watches=N` (decimal, 0..=[`QUOTA_MAX`]), each at most once.
+/// Parses the quota words of one line: `max-keys=N`, `max-grants=N`,
+/// `max-watches=N` and `max-connections=N` (decimal, 0..=[`QUOTA_MAX`]), each at most once.
 pub fn parse_quota(words: &[&str]) -> Result<Quota, String> {
     let mut quota = Quota::default();
     for &word in words {
@@ -327,9 +332,11 @@ pub fn parse_quota(words: &[&str]) -> Result<Quota, String> {
             "max-keys" => &mut quota.max_keys,
             "max-grants" => &mut quota.max_grants,
             "max-watches" => &mut quota.max_watches,
+            "max-connections" => &mut quota.max_connections,
             _ => {
                 return Err(format!(
-                    "unknown quota {word:?} (max-keys=N, max-grants=N or max-watches=N)"
+                    "unknown quota {word:?} (max-keys=N, max-grants=N, max-watches=N \
+                     or max-connections=N)"
                 ));
             }
         };
@@ -481,7 +488,12 @@ mod tests {
     fn quotas_follow_the_scopes_and_old_lines_have_none() {
         let other = b"another secret of thirty-two bytes";
         let text = line("old", SECRET, "lock:t/ read:* info")
-            + &line("new", other, "lock:t/ max-keys=100 max-grants=0 info");
+            + &line("new", other, "lock:t/ max-keys=100 max-grants=0 info")
+            + &line(
+                "capped",
+                b"a third secret of thirty-two bytes",
+                "read:* max-watches=10 max-connections=4",
+            );
         let list = AccessList::parse(&text).unwrap();
         assert!(list.has_quotas());
         let old = list.identity(0).unwrap();
@@ -497,9 +509,18 @@ mod tests {
                 max_keys: Some(100),
                 max_grants: Some(0),
                 max_watches: None,
+                max_connections: None,
             }
         );
         assert_eq!(new.scopes, parse_scopes(&["lock:t/", "info"]).unwrap());
+        assert_eq!(
+            list.identity(2).unwrap().quota,
+            Quota {
+                max_watches: Some(10),
+                max_connections: Some(4),
+                ..Quota::default()
+            }
+        );
         let max = format!("info max-grants={QUOTA_MAX}");
         let list = AccessList::parse(&line("a", SECRET, &max)).unwrap();
         assert_eq!(list.identity(0).unwrap().quota.max_grants, Some(QUOTA_MAX));

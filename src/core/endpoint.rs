@@ -115,6 +115,9 @@ pub struct Endpoint {
     /// than in [`Connection`], which it would grow by 8 bytes on a server
     /// without `--auth` too.
     identities: Vec<u32>,
+    /// With `--auth`, by identity index: its open sessions (connections
+    /// that completed `U` as it), for its `max-connections` (spec §12.1).
+    sessions: Vec<u32>,
     /// With `--auth`: the peers of connections not yet authenticated, for
     /// the log line of a failure.
     unauthenticated_peers: HashMap<ConnId, Option<IpAddr>>,
@@ -171,6 +174,7 @@ impl Endpoint {
             durability: None,
             access: None,
             identities: Vec::new(),
+            sessions: Vec::new(),
             unauthenticated_peers: HashMap::new(),
             #[cfg(feature = "tls")]
             tls_plaintext: Vec::new(),
@@ -1031,6 +1035,20 @@ impl Endpoint {
                 self.fail_authentication(id, now);
                 return false;
             };
+            let max = access
+                .identity(index)
+                .and_then(|identity| identity.quota.max_connections);
+            if self.sessions.len() <= index as usize {
+                self.sessions.resize(index as usize + 1, 0);
+            }
+            let open = &mut self.sessions[index as usize];
+            if max.is_some_and(|max| *open >= max) {
+                // One session more than its `max-connections`: refused as
+                // at the connection limit, and closed (spec §12.1).
+                self.core.send_error(id, ErrorCode::ConnectionLimit, 0);
+                return false;
+            }
+            *open += 1;
             *session = index;
             self.unauthenticated_peers.remove(&id);
             let name = access.identity(index).map(|identity| &*identity.name);
@@ -1048,6 +1066,17 @@ impl Endpoint {
                 .handle_request_as(id, request, *session, identity, now);
         }
         true
+    }
+
+    /// `id` closes: its identity, if it authenticated, has one session less.
+    fn end_session(&mut self, id: ConnId) {
+        let Some(session) = self.identities.get_mut(id as usize) else {
+            return;
+        };
+        let index = std::mem::replace(session, UNAUTHENTICATED);
+        if let Some(open) = self.sessions.get_mut(index as usize) {
+            *open -= 1;
+        }
     }
 
     /// `id` sent something other than a good `U` first, or nothing in
@@ -1213,6 +1242,7 @@ impl Endpoint {
         self.count -= 1;
         if self.access.is_some() {
             self.unauthenticated_peers.remove(&id);
+            self.end_session(id);
         }
         if let Some(ip) = conn.peer {
             if let Some(held) = self.peer_connections.get_mut(&ip) {
