@@ -181,7 +181,13 @@ impl Core {
         if state.token == record.since {
             return;
         }
-        let generation = record.generation;
+        self.answer_record(slot, state);
+    }
+
+    /// Takes the record `slot` out of the index and answers its watches
+    /// with `state`, within this turn's work and the rest in the next turns.
+    fn answer_record(&mut self, slot: u32, state: KeyState) {
+        let generation = self.watches.key(slot).generation;
         self.watches.detach(slot);
         self.waking.push_back(Waking {
             slot,
@@ -234,15 +240,14 @@ impl Core {
         let Some(slot) = self.watched(key) else {
             return;
         };
-        let record = self.watches.key(slot);
-        let state = self.key_state(&record.key, now);
+        if !self.watches.key_is_live(slot) {
+            return;
+        }
+        let state = self.key_state(&self.watches.key(slot).key, now);
         if state.token != token {
             return;
         }
-        let watches = record.watches.clone();
-        for watch in watches {
-            self.answer_watch(watch, state.clone());
-        }
+        self.answer_record(slot, state);
     }
 
     /// A watch's `wait` ended: it is answered with the unchanged state.
