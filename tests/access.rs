@@ -145,7 +145,10 @@ fn a_session_must_authenticate_first() {
     assert_eq!(stats.auth_failures, cases.len() as u64);
     assert_eq!(stats.errors_by_code[12], cases.len() as u64);
     let info = wire.endpoint.core().info_text(0);
-    assert!(info.ends_with(" auth_failures=6 watches=0"), "{info}");
+    assert!(
+        info.ends_with(" auth_failures=6 watches=0 state_errors=0"),
+        "{info}"
+    );
 }
 
 #[test]

@@ -309,6 +309,66 @@ fn with_durability_nothing_is_transmitted_until_the_promise_covering_it_is_persi
     );
 }
 
+/// Spec §7.6 on the wire: when the write of a promise fails, the answer
+/// that needed it waits for the disk while other connections are served
+/// within what the file holds (`B` past it); a later failed retry holds
+/// nothing more back; the first write that succeeds lets the held answer
+/// out and lifts the ceiling.
+#[test]
+fn a_failed_write_holds_back_only_the_answers_that_needed_it_until_a_write_succeeds() {
+    let mut wire = Wire::new();
+    wire.endpoint.require_durability();
+    let first = wire.endpoint.poll_persist().unwrap();
+    wire.endpoint.handle_persisted(first);
+    wire.connect(1);
+    wire.connect(2);
+    wire.send(1, &acquire(0, 30, 7, "k"));
+    let wanted = wire
+        .endpoint
+        .poll_persist()
+        .expect("a promise for the lease");
+    assert!(wire.endpoint.handle_persist_failed(wanted, 0), "logged");
+    assert!(!wire.endpoint.write_due(S - 1));
+    // Held back: it shows a lease the file does not promise.
+    assert_eq!(wire.endpoint.transmit(1), None);
+    // Another connection is served; a lease past the horizon (0: none
+    // outstanding on disk) gets `B`.
+    wire.send(2, &ping(5));
+    assert_eq!(wire.recv(2), frame(Response::Pong { nonce: 5 }));
+    wire.send(2, &acquire(0, 1, 8, "other"));
+    assert_eq!(wire.recv(2), frame(Response::Busy { owner: 8 }));
+    // A retry that fails while connection 2 has output holds none of it.
+    wire.at(S);
+    assert!(wire.endpoint.write_due(S));
+    wire.send(2, &ping(6));
+    let wanted = wire.endpoint.poll_persist().unwrap();
+    assert!(
+        !wire.endpoint.handle_persist_failed(wanted, S),
+        "not logged again"
+    );
+    assert_eq!(wire.recv(2), frame(Response::Pong { nonce: 6 }));
+    assert_eq!(wire.endpoint.core().stats().state_errors, 2);
+    // The disk is back.
+    wire.at(2 * S);
+    let wanted = wire.endpoint.poll_persist().unwrap();
+    assert_eq!(wire.endpoint.handle_persisted(wanted), Some(2));
+    assert_eq!(
+        wire.recv(1),
+        frame(Response::Acquired {
+            owner: 7,
+            token: FIRST_TOKEN
+        })
+    );
+    wire.send(2, &acquire(0, 1, 9, "other"));
+    assert_eq!(
+        wire.recv(2),
+        frame(Response::Acquired {
+            owner: 9,
+            token: FIRST_TOKEN + 1
+        })
+    );
+}
+
 /// Spec §7.4 on the wire: the answer to the first counted grant (`take`
 /// ≥ 1) is held back until a promise recording it is durable, even when
 /// the token and the lease are covered already.

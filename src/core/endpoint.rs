@@ -329,11 +329,14 @@ impl Endpoint {
         let Some(durability) = self.durability.as_mut() else {
             return false;
         };
-        let raises = durability.raises(wanted);
+        // Only what was decided before the ceiling was set can pass the
+        // file: a failed retry later holds nothing back (the core has
+        // promised nothing new since).
+        let hold_back = !durability.failing() && durability.raises(wanted);
         let log = durability.failed(now);
         self.core.set_ceiling(durability.on_disk());
         self.core.stats_mut().state_errors += 1;
-        if raises {
+        if hold_back {
             for conn in self.conns.iter_mut().flatten() {
                 if !conn.output.is_empty() {
                     conn.awaits_disk = true;
