@@ -676,7 +676,7 @@ fn etcd_layout_kunci_leader_watch_follows_an_etcdctl_elect_leader_and_its_kunci_
     assert_eq!(
         leader,
         Some(kunci::client::Leader {
-            value: "go-primary:5432".into(),
+            value: Some("go-primary:5432".into()),
             term: go_term,
             held_for: None,
         })

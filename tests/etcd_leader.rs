@@ -38,7 +38,10 @@ fn follow(client: &Client, name: &str) -> mpsc::Receiver<Option<(String, u64)>> 
     std::thread::spawn(move || {
         for item in client.observe(&name) {
             let item = item.expect("observe yields no error here");
-            if sender.send(item.map(|l| (l.value, l.term))).is_err() {
+            if sender
+                .send(item.map(|l| (l.value.unwrap_or_default(), l.term)))
+                .is_err()
+            {
                 return;
             }
         }
@@ -79,7 +82,7 @@ fn etcd_leader_and_observe_follow_campaigns_resignations_and_a_dead_lease() {
     std::thread::sleep(1100 * MS);
     let leader = client.leader("db").unwrap().unwrap();
     assert_eq!(
-        (leader.value.as_str(), leader.term),
+        (leader.value.as_deref().unwrap_or_default(), leader.term),
         ("host a:5432", a_term)
     );
     // Wall clock, one machine: at least the time since the campaign ended.
@@ -103,7 +106,10 @@ fn etcd_leader_and_observe_follow_campaigns_resignations_and_a_dead_lease() {
     assert!(resigned.elapsed() < 2 * S, "{:?}", resigned.elapsed());
     // Its grant time is the grant's, not the enqueue's (1.5 s before).
     let leader = client.leader("db").unwrap().unwrap();
-    assert_eq!((leader.value.as_str(), leader.term), ("host-b", b_term));
+    assert_eq!(
+        (leader.value.as_deref().unwrap_or_default(), leader.term),
+        ("host-b", b_term)
+    );
     assert!(held_for(&leader) < S, "{leader:?}");
     b_lead.release().unwrap();
     assert_eq!(next_item(&items, 5 * S), None);

@@ -134,3 +134,70 @@ fn leader_watch_follows_an_election_across_a_clean_restart() {
     assert_eq!(status.code(), Some(0));
     server.stop();
 }
+
+/// Spec §13.6 (v5): during a crash grace the key is held by an earlier
+/// run's grant nobody has adopted yet: `leader()` is the unknown leader
+/// (not none), `observe()` starts with it, and `kunci leader` prints
+/// `unknown term=0 held_for=?` (or its JSON) and exits 0. Once the holder
+/// renews (adopts) and proclaims its value again, it is the leader again.
+#[test]
+fn during_a_crash_grace_the_leader_is_unknown_not_none() {
+    use kunci::client::{Client, Config, Leader};
+    use kunci::protocol::{Request, Response};
+
+    let dir = TempDir::new("leader-grace");
+    let state = dir.0.display().to_string();
+    let server = TestServer::start(&["--state-dir", &state]);
+    let mut peer = server.peer();
+    peer.request(&Request::Acquire {
+        wait_s: 0,
+        lease_s: 60,
+        owner: 1,
+        key: "svc",
+        limit: 0,
+        take: 0,
+        label: "host-a",
+    });
+    let Response::Acquired { token, .. } = peer.recv() else {
+        panic!("not granted");
+    };
+    server.kill();
+
+    let server = TestServer::start(&["--state-dir", &state]);
+    let addr = server.addr.clone();
+    let client = Client::new([addr.parse().unwrap()], Config::default()).unwrap();
+    assert_eq!(client.leader("svc"), Ok(Some(Leader::UNKNOWN)));
+    let first = client.observe("svc").next().expect("a first state");
+    assert_eq!(first, Ok(Some(Leader::UNKNOWN)));
+    let text = kunci(&addr, &["leader", "svc"]);
+    assert_eq!(
+        (text.status.code(), stdout_text(&text)),
+        (Some(0), "unknown term=0 held_for=?\n".into())
+    );
+    let json = kunci(&addr, &["leader", "svc", "--json"]);
+    assert_eq!(
+        (json.status.code(), stdout_text(&json)),
+        (
+            Some(0),
+            "{\"value\": null, \"term\": \"0\", \"held_for\": null}\n".into()
+        )
+    );
+    // The holder renews (adopting its grant) and proclaims its value.
+    let mut peer = server.peer();
+    peer.request(&Request::Extend {
+        lease_s: 60,
+        token,
+        key: "svc",
+    });
+    assert_eq!(peer.recv(), Response::Extended { token });
+    client.proclaim("svc", token, "host-a").unwrap();
+    let leader = client.leader("svc").unwrap().expect("a leader");
+    assert_eq!(
+        (leader.value.as_deref(), leader.term),
+        (Some("host-a"), token)
+    );
+    assert_eq!(
+        client.proclaim("svc", token + 1, "thief"),
+        Err(kunci::client::Error::NotHeld)
+    );
+}

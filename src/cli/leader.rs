@@ -203,13 +203,14 @@ pub fn leader(mut arguments: Vec<OsString>) -> u8 {
     exit::DONE
 }
 
-/// `VALUE term=TOKEN held_for=SECONDS`, or `none`.
+/// `VALUE term=TOKEN held_for=SECONDS`, `unknown term=0 held_for=?`
+/// during a crash grace (spec §13.6), or `none`.
 fn leader_text(leader: Option<&Leader>) -> String {
     match leader {
         None => "none".to_owned(),
         Some(leader) => format!(
             "{} term={} held_for={}",
-            leader.value,
+            leader.value.as_deref().unwrap_or("unknown"),
             leader.term,
             held_for_text(leader.held_for)
         ),
@@ -222,7 +223,10 @@ fn leader_json(leader: Option<&Leader>) -> String {
         None => "null".to_owned(),
         Some(leader) => format!(
             "{{\"value\": {}, \"term\": \"{}\", \"held_for\": {}}}",
-            json_string(&leader.value),
+            leader
+                .value
+                .as_deref()
+                .map_or_else(|| "null".to_owned(), json_string),
             leader.term,
             leader
                 .held_for
@@ -246,7 +250,7 @@ mod tests {
     #[test]
     fn lines_and_json_say_exactly_what_the_spec_wants() {
         let leader = Leader {
-            value: "host \"a\"".into(),
+            value: Some("host \"a\"".into()),
             term: u64::MAX,
             held_for: Some(Duration::from_millis(12_345)),
         };
@@ -266,5 +270,14 @@ mod tests {
         assert!(leader_json(Some(&unknown)).ends_with("\"held_for\": null}"));
         assert_eq!(leader_text(None), "none");
         assert_eq!(leader_json(None), "null");
+        // During a crash grace (spec §13.6): someone leads, unknown who.
+        assert_eq!(
+            leader_text(Some(&Leader::UNKNOWN)),
+            "unknown term=0 held_for=?"
+        );
+        assert_eq!(
+            leader_json(Some(&Leader::UNKNOWN)),
+            "{\"value\": null, \"term\": \"0\", \"held_for\": null}"
+        );
     }
 }

@@ -11,12 +11,17 @@ use super::vocabulary::{
 };
 use super::{AcquireOptions, Client, KeptLease};
 
-/// Who leads an election (spec §13.6).
+/// Who leads an election (spec §13.6). During a crash grace (the key
+/// held by an earlier run's grant nobody has adopted yet) someone may
+/// lead, but who is unknown: then `value` is `None`, `term` 0 and
+/// `held_for` `None` ([`is_unknown`](Self::is_unknown)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Leader {
-    /// The value the leader campaigned with.
-    pub value: String,
-    /// Its term: the grant's token, a fencing token for what it writes.
+    /// The value the leader campaigned with (or last proclaimed); `None`
+    /// for the unknown leader of a crash grace.
+    pub value: Option<String>,
+    /// Its term: the grant's token, a fencing token for what it writes;
+    /// 0 for the unknown leader.
     pub term: u64,
     /// How long it has led; `None` when unknown (on etcd, a leader that
     /// did not store its grant time: one that took the key without
@@ -25,13 +30,30 @@ pub struct Leader {
 }
 
 impl Leader {
-    /// The leader a state shows, if any.
+    /// The leader a state shows, if any: the key's current grant, or the
+    /// unknown leader when a crash grace holds the key (spec §7.2, §13.2:
+    /// token 0 with a grant).
     fn of(state: KeyState) -> Option<Leader> {
-        (state.token != 0).then(|| Leader {
-            value: state.label,
+        if state.token == 0 {
+            return (state.grants > 0).then_some(Leader::UNKNOWN);
+        }
+        Some(Leader {
+            value: Some(state.label),
             term: state.token,
             held_for: state.held_ms.map(|ms| Duration::from_millis(u64::from(ms))),
         })
+    }
+
+    /// The leader of a crash grace: someone may lead, nobody knows who.
+    pub const UNKNOWN: Leader = Leader {
+        value: None,
+        term: 0,
+        held_for: None,
+    };
+
+    /// Whether this is the unknown leader of a crash grace.
+    pub fn is_unknown(&self) -> bool {
+        self.term == 0
     }
 }
 
@@ -77,7 +99,12 @@ impl Client {
     /// leader. Across restarts and outages it asks again quietly, with a
     /// pause that doubles up to 2 s, and yields a state only when it
     /// differs from the last one yielded; a change shorter than one round
-    /// trip may be missed, and terms only ever increase. It yields an
+    /// trip may be missed, and terms only ever increase. A new value of
+    /// the same term (a proclaim) is a change. A crash grace is not
+    /// "nobody leads": an observer that was following a leader keeps it
+    /// (the grant adopted with the same term is no change, nor is its
+    /// value empty until the holder proclaims it again), and one with
+    /// nothing yielded yet yields [`Leader::UNKNOWN`]. It yields an
     /// error only for [`Error::InvalidArgument`] or
     /// [`Error::PermissionDenied`], and ends after it.
     ///
@@ -86,7 +113,8 @@ impl Client {
     /// # let client = Client::new(["127.0.0.1:5862".parse()?], Config::default())?;
     /// for leader in client.observe("db-primary") {
     ///     match leader? {
-    ///         Some(leader) => println!("{} leads, term {}", leader.value, leader.term),
+    ///         Some(leader) if leader.is_unknown() => println!("unknown leader (crash grace)"),
+    ///         Some(leader) => println!("{:?} leads, term {}", leader.value, leader.term),
     ///         None => println!("nobody leads"),
     ///     }
     /// }
@@ -126,7 +154,7 @@ pub struct Observe {
     /// The token of the last answer, `None` before the first.
     since: Option<u64>,
     /// The last state yielded (value and term), `None` before the first.
-    reported: Option<Option<(String, u64)>>,
+    reported: Option<Option<(Option<String>, u64)>>,
     ended: bool,
 }
 
@@ -154,7 +182,15 @@ impl Iterator for Observe {
                         .as_ref()
                         .and_then(|last| last.as_ref().map(|(_, term)| *term));
                     let older = matches!((&shown, last_term), (Some((_, term)), Some(last)) if *term < last);
-                    if self.reported.as_ref() != Some(&shown) && !older {
+                    // An adopted grant has no label until its holder
+                    // proclaims it again (spec §7.5); a campaign's value
+                    // is never empty, so an empty one of the same term is
+                    // the leader not yet restored, not a new value.
+                    let unproclaimed = matches!(
+                        (&shown, last_term),
+                        (Some((Some(value), term)), Some(last)) if value.is_empty() && *term == last
+                    );
+                    if self.reported.as_ref() != Some(&shown) && !older && !unproclaimed {
                         self.reported = Some(shown);
                         return Some(Ok(leader));
                     }
