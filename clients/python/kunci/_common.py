@@ -232,7 +232,7 @@ class Call(object):
         "reason", "refusals", "tried", "waiter", "signalled", "future", "timer",
         "session", "answered_at", "limit", "take", "label",
         "ident", "cursor", "count", "gathered", "clean_up_for", "denials", "wait_s",
-        "stamp", "transport",
+        "stamp", "transport", "seen",
     )
 
     def __init__(self, op, key, deadline, owner=0, token=0, nonce=0, lease=0,
@@ -243,6 +243,10 @@ class Call(object):
         # The seconds past its work (the wait of an acquire or an ``O``)
         # that the call gives the transport: ``D − Dw`` of rule 2.
         self.transport = transport
+        # An ``O`` of ``observe``: what it last reported, ``(value, term,
+        # time in office known)`` (on etcd, a change of these since then is
+        # answered at once, as one of the token).
+        self.seen = None
         # A campaign's acquire (spec §13.6): on etcd its entry stores the
         # wall-clock grant time, for ``leader``'s ``held_for``.
         self.stamp = stamp
@@ -1153,7 +1157,9 @@ class Follow(object):
     def call(self, ident, now):
         if self.since is None:
             return observe_call(self.key, 0, 0, ident, now, self.transport)
-        return observe_call(self.key, self.since, P.WAIT_MAX, ident, now, self.transport)
+        call = observe_call(self.key, self.since, P.WAIT_MAX, ident, now, self.transport)
+        call.seen = None if self.reported is _NOTHING else self.reported
+        return call
 
     def failed(self, error):
         """The pause before asking again after ``error``; raises it if it
@@ -1170,7 +1176,10 @@ class Follow(object):
         self.pause = RETRY_PAUSE_FIRST
         self.since = state.token
         leader = leader_of(state)
-        shown = None if leader is None else (leader.value, leader.term)
+        # On etcd a leader's time in office may become known after its
+        # grant (its campaign stamps it then): that is news too.
+        shown = None if leader is None else (
+            leader.value, leader.term, leader.held_for is not None)
         last = self.reported
         if last is not _NOTHING:
             if shown == last:

@@ -199,3 +199,39 @@ def test_proclaim_on_etcd_puts_the_leaders_own_entry(etcd_cluster, make_client, 
     at, item = follower.wait_count(3)
     assert (item.value, item.term) == ("host-b", ticket.token)
     ticket.release()
+
+
+def test_follow_reports_a_time_in_office_that_becomes_known():
+    # On etcd a new leader stamps its grant time after its grant: an
+    # observer that saw the hand-over first reports the time once it comes.
+    import kunci._common as C
+    follow = C.Follow("svc")
+    assert follow.answered(C.KeyState(7, 0, None, 1, 0, "b")) == kunci.Leader("b", 7, None)
+    assert follow.answered(C.KeyState(7, 0, None, 1, 0, "b")) is C.Follow.NOTHING
+    assert follow.answered(C.KeyState(7, 0, 250, 1, 0, "b")) == kunci.Leader("b", 7, 0.25)
+    assert follow.answered(C.KeyState(7, 0, 900, 1, 0, "b")) is C.Follow.NOTHING
+
+
+def test_an_observer_on_etcd_reports_the_stamp_that_comes_after_the_grant(
+        etcd_cluster, make_client):
+    client = make_client(etcd_cluster.address)
+    if client.flavour != "sync":
+        pytest.skip("the stamp is written through the sync client's etcd connection")
+    import base64
+    name = "stamped-late"
+    ticket = client.acquire(name, lease=10, label="b")  # a lock: no grant time
+    follower = Follower(make_client(etcd_cluster.address), name)
+    assert follower.wait_count(1)[1] == kunci.Leader("b", ticket.token, None)
+    # What a campaign does right after its grant: its entry again, stamped.
+    cluster = client._etcd
+    entry = cluster._held_by(name.encode(), ticket.token, time.monotonic() + 5)
+    stamped = entry.value + b"\ngranted_ms=%d" % int(time.time() * 1000)
+    key = base64.b64encode(entry.name).decode()
+    cluster._write("/v3/kv/txn", {
+        "compare": [{"key": key, "target": "CREATE", "result": "EQUAL",
+                     "create_revision": str(ticket.token)}],
+        "success": [{"request_put": {"key": key, "value": base64.b64encode(stamped).decode(),
+                                     "ignore_lease": True}}]}, time.monotonic() + 5)
+    at, item = follower.wait_count(2)
+    assert (item.value, item.term) == ("b", ticket.token) and item.held_for is not None
+    ticket.release()
