@@ -1000,6 +1000,8 @@ def _request_text(call):
         return "the release of %r (token %d)" % (key, call.token)
     if op == "E":
         return "the renewal of %r (token %d)" % (key, call.token)
+    if op == "C":
+        return "the proclaim of %r (token %d)" % (key, call.token)
     return {"Q": "the query of %r" % key, "H": "the holders request for %r" % key,
             "O": "the observe request for %r" % key, "L": "the listing request",
             "I": "the info request", "P": "the ping"}.get(op, "the request")
@@ -1010,6 +1012,7 @@ _UNKNOWN_EFFECT = {
     "A": "do not assume the lock is held (a grant that comes late is released by the client)",
     "R": "the lock may or may not be released (releasing again is harmless)",
     "E": "the lease may or may not have been renewed",
+    "C": "the label may or may not have changed",
 }
 for _op in "QHOLIP":
     _UNKNOWN_EFFECT[_op] = "it changed nothing; ask again"
