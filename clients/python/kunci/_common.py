@@ -667,8 +667,11 @@ class AddressBook(object):
         # last reason: calls under way then end PermissionDenied.
         self.denials = 0
         self.denial = None
-        # Sessions ended by the server's ``X 8`` (it is shutting down).
+        # Sessions ended by the server's ``X 8`` (it is shutting down), and
+        # sessions ended at all (a keep-alive that sees this change may be
+        # renewing on a restarted server).
         self.shutdowns = 0
+        self.ended = 0
 
     def live_session(self):
         """A live session, the preferred address's first; else ``None``."""
@@ -770,6 +773,7 @@ class AddressBook(object):
         call.tried.add(index)
 
     def session_ended(self, session, reason, now):
+        self.ended += 1
         if self.sessions[session.index] is session:
             self.sessions[session.index] = None
         if session.denied is not None:
