@@ -10,7 +10,7 @@ import time
 import pytest
 
 import kunci
-from conftest import free_port, request_frames
+from conftest import free_port, request_frames, wait_for
 from test_election import Follower
 
 
@@ -236,3 +236,42 @@ def test_an_observer_on_etcd_reports_the_stamp_that_comes_after_the_grant(
     assert (item.value, item.term) == ("b", ticket.token) and item.held_for is not None
     ticket.release()
     client.close()
+
+
+# ---------------------------------------------- against a server with C
+
+def test_proclaim_on_a_server_changes_the_value_and_keeps_the_term(server, make_client):
+    client = make_client(server.address)
+    follower = Follower(make_client(server.address), "proclaimed")
+    assert follower.wait_count(1)[1] is None
+    ticket = campaign(client, "proclaimed", "host-a", lease=10)
+    assert follower.wait_count(2)[1].value == "host-a"
+    if client.flavour == "sync":
+        ticket.proclaim("host-b")
+    else:
+        client._runner.run(ticket.proclaim("host-b"))
+    leader = client.leader("proclaimed")
+    assert (leader.value, leader.term) == ("host-b", ticket.token)
+    at, item = follower.wait_count(3)
+    assert (item.value, item.term) == ("host-b", ticket.token)
+    ticket.release()
+
+
+def test_a_campaign_proclaims_its_value_again_after_a_crash(start_server, make_client, tmp_path):
+    path = str(tmp_path / "kunci.sock")
+    state = str(tmp_path / "state")
+    first = start_server("--state-dir", state, listen=("unix:" + path,))
+    client = make_client("unix:" + path)
+    ticket = campaign(client, "crashed", "host-a", lease=6)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(5)
+    start_server("--state-dir", state, listen=("unix:" + path,))
+    with kunci.Client("unix:" + path) as observer:
+        # The keep-alive's renewal adopts the grant (no label after a
+        # crash), then the campaign proclaims its value again.
+        leader = wait_for(lambda: (lambda found: found if found is not None and found.known
+                                   and found.value == "host-a" else None)(
+                                       observer.leader("crashed")), 10)
+        assert leader.term == ticket.token
+    assert not ticket.lost
+    ticket.release()
