@@ -232,7 +232,7 @@ class Call(object):
         "reason", "refusals", "tried", "waiter", "signalled", "future", "timer",
         "session", "answered_at", "limit", "take", "label",
         "ident", "cursor", "count", "gathered", "clean_up_for", "denials", "wait_s",
-        "stamp", "transport",
+        "stamp", "transport", "seen",
     )
 
     def __init__(self, op, key, deadline, owner=0, token=0, nonce=0, lease=0,
@@ -243,6 +243,10 @@ class Call(object):
         # The seconds past its work (the wait of an acquire or an ``O``)
         # that the call gives the transport: ``D − Dw`` of rule 2.
         self.transport = transport
+        # An ``O`` of ``observe``: what it last reported, ``(value, term,
+        # time in office known)`` (on etcd, a change of these since then is
+        # answered at once, as one of the token).
+        self.seen = None
         # A campaign's acquire (spec §13.6): on etcd its entry stores the
         # wall-clock grant time, for ``leader``'s ``held_for``.
         self.stamp = stamp
@@ -663,8 +667,11 @@ class AddressBook(object):
         # last reason: calls under way then end PermissionDenied.
         self.denials = 0
         self.denial = None
-        # Sessions ended by the server's ``X 8`` (it is shutting down).
+        # Sessions ended by the server's ``X 8`` (it is shutting down), and
+        # sessions ended at all (a keep-alive that sees this change may be
+        # renewing on a restarted server).
         self.shutdowns = 0
+        self.ended = 0
 
     def live_session(self):
         """A live session, the preferred address's first; else ``None``."""
@@ -766,6 +773,7 @@ class AddressBook(object):
         call.tried.add(index)
 
     def session_ended(self, session, reason, now):
+        self.ended += 1
         if self.sessions[session.index] is session:
             self.sessions[session.index] = None
         if session.denied is not None:
@@ -996,6 +1004,8 @@ def _request_text(call):
         return "the release of %r (token %d)" % (key, call.token)
     if op == "E":
         return "the renewal of %r (token %d)" % (key, call.token)
+    if op == "C":
+        return "the proclaim of %r (token %d)" % (key, call.token)
     return {"Q": "the query of %r" % key, "H": "the holders request for %r" % key,
             "O": "the observe request for %r" % key, "L": "the listing request",
             "I": "the info request", "P": "the ping"}.get(op, "the request")
@@ -1006,6 +1016,7 @@ _UNKNOWN_EFFECT = {
     "A": "do not assume the lock is held (a grant that comes late is released by the client)",
     "R": "the lock may or may not be released (releasing again is harmless)",
     "E": "the lease may or may not have been renewed",
+    "C": "the label may or may not have changed",
 }
 for _op in "QHOLIP":
     _UNKNOWN_EFFECT[_op] = "it changed nothing; ask again"
@@ -1153,7 +1164,9 @@ class Follow(object):
     def call(self, ident, now):
         if self.since is None:
             return observe_call(self.key, 0, 0, ident, now, self.transport)
-        return observe_call(self.key, self.since, P.WAIT_MAX, ident, now, self.transport)
+        call = observe_call(self.key, self.since, P.WAIT_MAX, ident, now, self.transport)
+        call.seen = None if self.reported is _NOTHING else self.reported
+        return call
 
     def failed(self, error):
         """The pause before asking again after ``error``; raises it if it
@@ -1170,7 +1183,10 @@ class Follow(object):
         self.pause = RETRY_PAUSE_FIRST
         self.since = state.token
         leader = leader_of(state)
-        shown = None if leader is None else (leader.value, leader.term)
+        # On etcd a leader's time in office may become known after its
+        # grant (its campaign stamps it then): that is news too.
+        shown = None if leader is None else (
+            leader.value, leader.term, leader.held_for is not None)
         last = self.reported
         if last is not _NOTHING:
             if shown == last:

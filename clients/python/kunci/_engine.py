@@ -471,6 +471,21 @@ class KeepAlive(object):
     def __init__(self, ticket):
         self.ticket = ticket
         self.stopped = False
+        self._connections = self._connections_now()
+
+    def _connections_now(self):
+        """Which connections the client has had: its address book and how
+        many of its sessions ended (``None`` on etcd, which adopts
+        nothing)."""
+        book = getattr(self.ticket._client, "_book", None)
+        return None if book is None else (id(book), book.ended)
+
+    def _reconnected(self):
+        """Whether a connection of the client ended since the last time."""
+        now = self._connections_now()
+        changed = now != self._connections
+        self._connections = now
+        return changed
 
     def stop(self):
         """No round starts, and no check declares a loss, from now on."""
@@ -484,9 +499,10 @@ class KeepAlive(object):
         """One renewal (a course), retried while its outcome is unknown or
         it reached no server and ``valid_until`` is ahead; whether it
         succeeded (then the next round is due at :meth:`due_at`). A
-        renewal that succeeds after such a failure may have adopted the
-        grant on a restarted server: the ticket's label is proclaimed
-        again at once."""
+        renewal that succeeds after such a failure, or after a connection
+        of the client ended, may have adopted the grant on a restarted
+        server: the ticket's label is proclaimed again at once, if it is
+        gone."""
         outage = False
         while not self.stopped:
             try:
@@ -498,7 +514,7 @@ class KeepAlive(object):
                 outage = True
                 yield Pause(retry_in)
                 continue
-            if outage and not self.stopped:
+            if (self._reconnected() or outage) and not self.stopped:
                 yield from proclaim_again(self.ticket)
             return True
         return False

@@ -952,7 +952,11 @@ class Cluster(object):
         read, which is retried until the call's deadline."""
         since, wait_until = call.token, call.deadline - call.transport
         prefix = self._prefix(call.key)
-        label = None
+        # What this watch reports a change of besides the token: the label
+        # (a proclaim), and the grant time the new leader stamps into its
+        # entry after its grant; as the observer last reported them.
+        seen = call.seen
+        label, stamped = (seen[0], seen[2]) if seen else (None, None)
         while True:
             try:
                 _, value = self._read(
@@ -964,8 +968,9 @@ class Cluster(object):
                 return INDETERMINATE
             state = _key_state(found)
             if label is None:
-                label = state.label
-            if (state.token != since or state.label != label or monotonic() >= wait_until
+                label, stamped = state.label, state.held_ms is not None
+            if (state.token != since or state.label != label
+                    or (state.held_ms is not None) != stamped or monotonic() >= wait_until
                     or call.abandoned):
                 return ("O", state)
             if self.closed:

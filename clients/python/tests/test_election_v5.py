@@ -10,7 +10,7 @@ import time
 import pytest
 
 import kunci
-from conftest import free_port, request_frames
+from conftest import free_port, request_frames, wait_for
 from test_election import Follower
 
 
@@ -198,4 +198,80 @@ def test_proclaim_on_etcd_puts_the_leaders_own_entry(etcd_cluster, make_client, 
     assert (leader.value, leader.term) == ("host-b", ticket.token)  # the same term
     at, item = follower.wait_count(3)
     assert (item.value, item.term) == ("host-b", ticket.token)
+    ticket.release()
+
+
+def test_follow_reports_a_time_in_office_that_becomes_known():
+    # On etcd a new leader stamps its grant time after its grant: an
+    # observer that saw the hand-over first reports the time once it comes.
+    import kunci._common as C
+    follow = C.Follow("svc")
+    assert follow.answered(C.KeyState(7, 0, None, 1, 0, "b")) == kunci.Leader("b", 7, None)
+    assert follow.answered(C.KeyState(7, 0, None, 1, 0, "b")) is C.Follow.NOTHING
+    assert follow.answered(C.KeyState(7, 0, 250, 1, 0, "b")) == kunci.Leader("b", 7, 0.25)
+    assert follow.answered(C.KeyState(7, 0, 900, 1, 0, "b")) is C.Follow.NOTHING
+
+
+def test_an_observer_on_etcd_reports_the_stamp_that_comes_after_the_grant(
+        etcd_cluster, make_client):
+    # The stamp is written through a sync client's etcd connection; the
+    # observer is of either flavour.
+    client = kunci.Client(etcd_cluster.address)
+    import base64
+    name = "stamped-late"
+    ticket = client.acquire(name, lease=10, label="b")  # a lock: no grant time
+    follower = Follower(make_client(etcd_cluster.address), name)
+    assert follower.wait_count(1)[1] == kunci.Leader("b", ticket.token, None)
+    # What a campaign does right after its grant: its entry again, stamped.
+    cluster = client._etcd
+    entry = cluster._held_by(name.encode(), ticket.token, time.monotonic() + 5)
+    stamped = entry.value + b"\ngranted_ms=%d" % int(time.time() * 1000)
+    key = base64.b64encode(entry.name).decode()
+    cluster._write("/v3/kv/txn", {
+        "compare": [{"key": key, "target": "CREATE", "result": "EQUAL",
+                     "create_revision": str(ticket.token)}],
+        "success": [{"request_put": {"key": key, "value": base64.b64encode(stamped).decode(),
+                                     "ignore_lease": True}}]}, time.monotonic() + 5)
+    at, item = follower.wait_count(2)
+    assert (item.value, item.term) == ("b", ticket.token) and item.held_for is not None
+    ticket.release()
+    client.close()
+
+
+# ---------------------------------------------- against a server with C
+
+def test_proclaim_on_a_server_changes_the_value_and_keeps_the_term(server, make_client):
+    client = make_client(server.address)
+    follower = Follower(make_client(server.address), "proclaimed")
+    assert follower.wait_count(1)[1] is None
+    ticket = campaign(client, "proclaimed", "host-a", lease=10)
+    assert follower.wait_count(2)[1].value == "host-a"
+    if client.flavour == "sync":
+        ticket.proclaim("host-b")
+    else:
+        client._runner.run(ticket.proclaim("host-b"))
+    leader = client.leader("proclaimed")
+    assert (leader.value, leader.term) == ("host-b", ticket.token)
+    at, item = follower.wait_count(3)
+    assert (item.value, item.term) == ("host-b", ticket.token)
+    ticket.release()
+
+
+def test_a_campaign_proclaims_its_value_again_after_a_crash(start_server, make_client, tmp_path):
+    path = str(tmp_path / "kunci.sock")
+    state = str(tmp_path / "state")
+    first = start_server("--state-dir", state, listen=("unix:" + path,))
+    client = make_client("unix:" + path)
+    ticket = campaign(client, "crashed", "host-a", lease=6)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(5)
+    start_server("--state-dir", state, listen=("unix:" + path,))
+    with kunci.Client("unix:" + path) as observer:
+        # The keep-alive's renewal adopts the grant (no label after a
+        # crash), then the campaign proclaims its value again.
+        leader = wait_for(lambda: (lambda found: found if found is not None and found.known
+                                   and found.value == "host-a" else None)(
+                                       observer.leader("crashed")), 10)
+        assert leader.term == ticket.token
+    assert not ticket.lost
     ticket.release()

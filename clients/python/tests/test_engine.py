@@ -280,3 +280,19 @@ def test_a_renewal_after_an_outage_proclaims_the_label_again(flavour):
     ticket = FakeTicket(client, "k", b"k", 3, 30, time.monotonic())
     assert client.drive(E.KeepAlive(ticket).round()) is True
     assert client.log == ["E 3", "pause 0.05", "E 3"]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_renewal_after_a_reconnect_looks_for_its_label(flavour):
+    # The renewal went through at once, but on a new connection: the
+    # server may have restarted (and adopted the grant without its label).
+    adopted = C.KeyState(3, 30000, 0, 1, 0, "")
+    client = flavour([("E",), ("O", adopted), ("C",)])
+    ticket = FakeTicket(client, "k", b"k", 3, 30, time.monotonic(), 0, 0, b"host-a")
+    keepalive = E.KeepAlive(ticket)
+    client._book.ended += 1  # a session of the client ended
+    assert client.drive(keepalive.round()) is True
+    assert client.log == ["E 3", "O", "C 3 host-a"]
+    client.script = [("E",)]
+    assert client.drive(keepalive.round()) is True  # no news: no read
+    assert client.log == ["E 3", "O", "C 3 host-a", "E 3"]

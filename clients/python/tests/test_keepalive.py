@@ -108,9 +108,10 @@ def test_a_late_grant_is_renewed_before_it_is_handed_over(server, make_client):
         released.append(time.monotonic())
         first.release()
 
+    # Read before the timer starts: the release comes 1.6 s after that.
+    sent_before = time.monotonic()
     timer = threading.Timer(1.6, release_first)
     timer.start()
-    sent_before = time.monotonic()
     try:
         with waiter.lock("late", wait=10, lease=1) as ticket:
             entered = time.monotonic()
