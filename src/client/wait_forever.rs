@@ -134,10 +134,12 @@ fn say_unheard(silence: &mut Silence, client: &Client, key: &str) {
 /// released first (rule 11), then the key is asked for again. Every other
 /// outcome, a `Busy` at a capacity limit included, ends the wait.
 ///
-/// Before the first attempt, and after one that reached no server, a `P`
-/// checks that a server answers: an attempt of a whole slice would
-/// otherwise stay silent for 255 s + 5 s. While none answers, the
-/// [`Silence`] rule says so in the log.
+/// The first attempt, and each after one that reached no server, has a
+/// wait of 0 (it ends by 5 s even when no server answers; one of a whole
+/// slice would stay silent for 255 s + 5 s); once a server has answered,
+/// attempts wait a whole slice. A wait of 0 takes no place in the queue,
+/// so none is lost. While no server answers, the [`Silence`] rule says so
+/// in the log.
 pub(crate) fn acquire_until_granted(
     client: &Client,
     key: &str,
@@ -147,41 +149,20 @@ pub(crate) fn acquire_until_granted(
 ) -> Result<Ticket, Error> {
     let mut pause = RETRY_PAUSE_FIRST;
     let mut silence = Silence::new(Instant::now());
+    // Whether a server answered the latest attempt.
     let mut answering = false;
     loop {
-        if !answering {
-            match client.ping() {
-                // Any answer, a refusal too (the acquire then ends with it).
-                Ok(_)
-                | Err(
-                    Error::PermissionDenied(_)
-                    | Error::InvalidArgument(_)
-                    | Error::Unavailable(Unavailable::ConnectionLimit | Unavailable::NotAllowed),
-                ) => {
-                    silence.heard(Instant::now());
-                    answering = true;
-                }
-                Err(Error::Unavailable(
-                    why @ (Unavailable::Untrusted(_) | Unavailable::WrongProtocol(_)),
-                )) => return Err(Error::Unavailable(why)),
-                Err(error) => {
-                    log::debug!("{key}: no server answers ({error}); asking again");
-                    say_unheard(&mut silence, client, key);
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(RETRY_PAUSE_MAX);
-                    continue;
-                }
-            }
-        }
         let owner = client.fresh_owner();
         let notices = client.shutdown_notices();
-        match client.acquire_as(owner, key, slice, lease, acquire.clone()) {
+        let wait = if answering { slice } else { Duration::ZERO };
+        match client.acquire_as(owner, key, wait, lease, acquire.clone()) {
             Err(Error::Timeout) => {
                 log::debug!(
                     "{key}: still held after {} s; queueing again",
-                    crate::decimal::seconds_shortest(slice)
+                    crate::decimal::seconds_shortest(wait)
                 );
                 silence.heard(Instant::now());
+                answering = true;
                 pause = RETRY_PAUSE_FIRST;
                 continue;
             }
@@ -189,6 +170,7 @@ pub(crate) fn acquire_until_granted(
             Err(Error::Busy) => {
                 log::debug!("{key}: the server is shutting down; asking again");
                 silence.heard(Instant::now());
+                answering = false;
             }
             // A certificate problem does not go away by waiting, nor does a
             // peer that speaks another protocol.
@@ -301,8 +283,9 @@ mod tests {
             std::thread::sleep(Duration::from_millis(2500));
             holder.release().unwrap();
         });
-        // A one-second slice stands in for 255 s: two waits run out (two
-        // `T`), the third attempt is granted when the holder lets go.
+        // A one-second slice stands in for 255 s: the first attempt, with
+        // a wait of 0 (no server has answered yet), and two waits run out
+        // (three `T`); the next attempt is granted when the holder lets go.
         let ticket = acquire_until_granted(
             &client,
             "forever",
@@ -316,7 +299,7 @@ mod tests {
         assert!(waited >= Duration::from_millis(2500), "{waited:?}");
         assert!(waited < Duration::from_secs(4), "{waited:?}");
         let info = client.info().unwrap();
-        for counter in ["timeouts=2", "grants=2", "released=1"] {
+        for counter in ["timeouts=3", "grants=2", "released=1"] {
             assert!(
                 info.split(' ').any(|pair| pair == counter),
                 "{counter}: {info}"
@@ -357,8 +340,7 @@ mod tests {
         (address, stop, std::thread::spawn(move || server.run()))
     }
 
-    /// A TCP relay to `upstream`: requests pass, answers other than a
-    /// pong (`P`, the check that a server answers) are dropped while
+    /// A TCP relay to `upstream`: requests pass, answers are dropped while
     /// `swallow` is set. Returns its address.
     fn relay(upstream: String, swallow: Arc<AtomicBool>) -> Address {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -379,9 +361,7 @@ mod tests {
                     loop {
                         match std::io::Read::read(&mut from_server, &mut buf) {
                             Ok(0) | Err(_) => return,
-                            Ok(n)
-                                if swallow.load(AtomicOrdering::SeqCst)
-                                    && !buf[..n].starts_with(b"P") => {}
+                            Ok(_) if swallow.load(AtomicOrdering::SeqCst) => {}
                             Ok(n) => {
                                 if std::io::Write::write_all(&mut to_client, &buf[..n]).is_err() {
                                     return;
@@ -409,9 +389,10 @@ mod tests {
         let unswallow = {
             let swallow = swallow.clone();
             std::thread::spawn(move || {
-                // Before the first attempt's deadline (1 s wait + 5 s):
-                // its answer is gone by then, later ones pass.
-                std::thread::sleep(Duration::from_millis(5500));
+                // Before the first attempt's deadline (a wait of 0, the
+                // first attempt's, + 5 s): its answer is gone by then,
+                // later ones pass.
+                std::thread::sleep(Duration::from_millis(4500));
                 swallow.store(false, AtomicOrdering::SeqCst);
             })
         };
@@ -425,7 +406,7 @@ mod tests {
         .unwrap();
         let waited = started.elapsed();
         unswallow.join().unwrap();
-        assert!(waited >= Duration::from_secs(6), "{waited:?}");
+        assert!(waited >= Duration::from_secs(5), "{waited:?}");
         assert!(waited < Duration::from_secs(8), "{waited:?}");
         let info = client.info().unwrap();
         for counter in ["grants=2", "released=1", "timeouts=0"] {
