@@ -598,3 +598,124 @@ fn an_identity_max_connections_refuses_one_more_session_with_x7_and_no_one_else(
     wire.connect(4);
     assert_eq!(wire.exchange(4, &authenticate(CAPPED)), capped_u);
 }
+
+/// Spec §4 (v5): the watches one grant wakes are answered within a turn's
+/// work, the rest in the next turns, each bounded, all with the new grant.
+#[test]
+fn one_grant_waking_260000_watches_answers_them_over_bounded_turns() {
+    const CONNS: u32 = 52;
+    const PER_CONN: u64 = 5_000;
+    let limits = Limits {
+        max_watches: 260_000,
+        max_watches_per_conn: PER_CONN as u32,
+        ..Limits::default()
+    };
+    let mut core = Core::new(limits, FIRST_TOKEN);
+    for conn in 0..=CONNS {
+        core.connect(conn);
+    }
+    for conn in 0..CONNS {
+        for id in 0..PER_CONN {
+            let request = Request::Observe {
+                wait_s: 60,
+                id,
+                since: 0,
+                key: "k",
+            };
+            core.handle_request(conn, &request, 0);
+        }
+    }
+    assert_eq!(core.drain_outbox().count(), 0);
+    assert_eq!(core.watch_count(), 260_000);
+    let label = "l".repeat(128);
+    core.begin_turn();
+    let acquire = Request::Acquire {
+        wait_s: 0,
+        lease_s: 30,
+        owner: 1,
+        key: "k",
+        limit: 0,
+        take: 0,
+        label: &label,
+    };
+    core.handle_request(CONNS, &acquire, MS);
+    let first: Vec<_> = core.drain_outbox().collect();
+    assert_eq!(
+        first[0],
+        (
+            CONNS,
+            Response::Acquired {
+                owner: 1,
+                token: FIRST_TOKEN
+            }
+        )
+    );
+    let budget = kunci::core::TURN_WORK as usize;
+    assert_eq!(first.len(), 1 + budget);
+    let mut answered = 0;
+    let mut check = |out: &[(ConnId, Response)]| {
+        for (_, response) in out {
+            match response {
+                Response::KeyState {
+                    token,
+                    grants: 1,
+                    label: got,
+                    ..
+                } if *token == FIRST_TOKEN && *got == label => answered += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    check(&first[1..]);
+    let mut turns = 1;
+    while core.watch_count() > 0 {
+        assert_eq!(core.poll_timeout(), Some(0), "watches left for later");
+        core.begin_turn();
+        core.handle_timeout(MS);
+        let out: Vec<_> = core.drain_outbox().collect();
+        assert!(!out.is_empty() && out.len() <= budget, "{}", out.len());
+        check(&out);
+        turns += 1;
+    }
+    core.check_invariants();
+    assert_eq!(answered, 260_000);
+    assert_eq!(turns, 260_000usize.div_ceil(budget));
+    // Nothing is left to do before the lease's end.
+    assert!(core.poll_timeout().is_some_and(|next| next > MS));
+}
+
+/// Spec §4 (v5): leases ending together end over several turns, none
+/// before its deadline.
+#[test]
+fn leases_ending_together_end_over_bounded_turns_never_early() {
+    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
+    core.connect(0);
+    for n in 0..10_000 {
+        let key = format!("k{n}");
+        let acquire = Request::Acquire {
+            wait_s: 0,
+            lease_s: 1,
+            owner: n,
+            key: &key,
+            limit: 0,
+            take: 0,
+            label: "",
+        };
+        core.handle_request(0, &acquire, 0);
+    }
+    assert_eq!(core.drain_outbox().count(), 10_000);
+    core.handle_timeout(S - 1);
+    assert_eq!(core.keys(), 10_000, "a lease ended early");
+    let budget = kunci::core::TURN_WORK as usize;
+    let mut turns = 0;
+    while core.keys() > 0 {
+        let before = core.keys();
+        core.begin_turn();
+        core.handle_timeout(S);
+        assert!(before - core.keys() <= budget, "{}", before - core.keys());
+        turns += 1;
+        assert!(turns <= 10, "leases never ended");
+    }
+    assert_eq!(turns, 10_000usize.div_ceil(budget));
+    assert_eq!(core.stats().expired, 10_000);
+}

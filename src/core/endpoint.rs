@@ -54,13 +54,7 @@ const SPARE_OUTPUTS_MAX: usize = 64;
 /// established sessions' answers by a few milliseconds a turn at most
 /// (spec §4, fairness). Connections beyond it wait for the next turn.
 pub const HANDSHAKES_PER_TURN: u32 = 4;
-/// At most one `authentication failed` line per peer address per this
-/// long; the next line says how many were not logged (the `auth_failures`
-/// counter stays exact).
-pub const AUTH_FAILURE_LOG_EVERY_US: Micros = 60_000_000;
-/// Peers whose failures are remembered for [`AUTH_FAILURE_LOG_EVERY_US`]
-/// before the quiet ones are forgotten.
-const AUTH_FAILURE_PEERS_MAX: usize = 1024;
+pub use super::auth_log::AUTH_FAILURE_LOG_EVERY_US;
 
 /// What the shell must do to a connection's socket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,9 +130,8 @@ pub struct Endpoint {
     /// The most connections one peer address may hold; `None`: half of
     /// `max_connections`.
     max_connections_per_peer: Option<usize>,
-    /// With `--auth`: when failures from each peer were last logged, and
-    /// how many came since.
-    auth_failure_log: HashMap<Option<IpAddr>, (Micros, u64)>,
+    /// With `--auth`: which failures to log.
+    auth_failure_log: super::auth_log::AuthFailureLog,
 }
 
 /// A session that has not sent a good `U` (yet).
@@ -184,7 +177,7 @@ impl Endpoint {
             handshakes_this_turn: 0,
             peer_connections: HashMap::new(),
             max_connections_per_peer: None,
-            auth_failure_log: HashMap::new(),
+            auth_failure_log: Default::default(),
         }
     }
 
@@ -1090,36 +1083,8 @@ impl Endpoint {
         self.core.send_error(id, ErrorCode::NotAuthenticated, 0);
         self.core.stats_mut().auth_failures += 1;
         let peer = self.unauthenticated_peers.remove(&id).flatten();
-        if self.auth_failure_log.len() >= AUTH_FAILURE_PEERS_MAX
-            && !self.auth_failure_log.contains_key(&peer)
-        {
-            self.auth_failure_log
-                .retain(|_, &mut (logged_at, _)| now < logged_at + AUTH_FAILURE_LOG_EVERY_US);
-        }
-        let (logged_at, since) = self
-            .auth_failure_log
-            .entry(peer)
-            .or_insert((Micros::MAX, 0));
-        if *logged_at != Micros::MAX && now < *logged_at + AUTH_FAILURE_LOG_EVERY_US {
-            *since += 1;
-            return;
-        }
-        let unlogged = std::mem::take(since);
-        *logged_at = now;
-        let peer = match peer {
-            Some(ip) => format!("peer {ip}"),
-            None => "peer on a unix socket".to_owned(),
-        };
-        if unlogged == 0 {
-            warn!(
-                "authentication failed: {peer}; connection closed \
-                 (the next failure from this peer within a minute is not logged)"
-            );
-        } else {
-            warn!(
-                "authentication failed: {peer}; connection closed; \
-                 {unlogged} more from this peer since the last line were not logged"
-            );
+        for line in self.auth_failure_log.record(peer, now) {
+            warn!("{line}");
         }
     }
 

@@ -13,6 +13,7 @@
 
 pub mod access;
 mod adoption;
+mod auth_log;
 pub mod connection;
 pub mod endpoint;
 mod invariants;
