@@ -361,13 +361,13 @@ def test_observe_through_an_outage(start_server, make_client, tmp_path):
 
 
 def test_x14_ends_one_observe_busy_and_observe_retries_quietly(start_server, make_client):
-    server = start_server("--max-waiters", "1")
+    server = start_server("--max-watches", "1")
     watcher = make_client(server.address)
     holding = Follower(watcher, "first")
     assert holding.wait_count(1)[1] is None
     assert wait_for(lambda: server.info().get("watches") == 1, 3)
     client = make_client(server.address)
-    # One O that would be held over --max-waiters: X 14, Busy, nothing held.
+    # One O that would be held over --max-watches: X 14, Busy, nothing held.
     if client.flavour == "sync":
         call = C.observe_call("second", 0, 255, 99, time.monotonic())
         with pytest.raises(kunci.Busy, match="X 14"):
