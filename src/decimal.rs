@@ -50,6 +50,7 @@ pub(crate) fn seconds_shortest(duration: Duration) -> String {
 
 /// `count` events in `window` as a rate per second: the numerator and
 /// denominator for [`fixed`].
+#[cfg(feature = "cli")]
 pub(crate) fn per_second(count: u64, window: Duration) -> (u128, u128) {
     (u128::from(count) * 1_000_000_000, window.as_nanos())
 }

@@ -24,6 +24,8 @@ fuzz_target!(|data: &[u8]| {
         max_waits_per_conn: 3,
         max_grants: 12,
         max_connections: CONNECTIONS,
+        max_watches: 8,
+        max_watches_per_conn: 4,
     };
     let mut core = Core::new(limits, 1);
     let mut buffers: [Vec<u8>; CONNECTIONS] = Default::default();
