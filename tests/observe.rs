@@ -13,69 +13,13 @@ use crate::access::{LOCKER, READER, auth_file, authenticate};
 /// The secret of an identity with `max-watches=3`.
 const CAPPED: &[u8] = b"capped-secret-0123456789abcdef-01234";
 use crate::util::fake::{FIRST_TOKEN, MS, S};
+use crate::util::frames::{a, observe, op_u64, v, x};
 use crate::util::wire::Wire;
 use crate::util::{acquire, extend, ping, query, release, s_frame};
-
-/// An `O` frame written out as §2.1 lays it out:
-/// `O wait:u8 id:u64 since:u64 key \n`.
-fn observe(wait_s: u8, id: u64, since: u64, key: &str) -> Vec<u8> {
-    let mut frame = vec![b'O', wait_s];
-    frame.extend_from_slice(&id.to_be_bytes());
-    frame.extend_from_slice(&since.to_be_bytes());
-    frame.extend_from_slice(key.as_bytes());
-    frame.push(b'\n');
-    frame
-}
-
-/// A `V` frame written out as §2.2 lays it out: `V id:u64 token:u64
-/// lease_ms:u32 held_ms:u32 grants:u16 waiters:u32 label \n`.
-fn v(
-    id: u64,
-    token: u64,
-    lease_ms: u32,
-    held_ms: u32,
-    grants: u16,
-    waiters: u32,
-    label: &str,
-) -> Vec<u8> {
-    let mut frame = vec![b'V'];
-    frame.extend_from_slice(&id.to_be_bytes());
-    frame.extend_from_slice(&token.to_be_bytes());
-    frame.extend_from_slice(&lease_ms.to_be_bytes());
-    frame.extend_from_slice(&held_ms.to_be_bytes());
-    frame.extend_from_slice(&grants.to_be_bytes());
-    frame.extend_from_slice(&waiters.to_be_bytes());
-    frame.extend_from_slice(label.as_bytes());
-    frame.push(b'\n');
-    frame
-}
 
 /// `V` of a free key.
 fn v_free(id: u64) -> Vec<u8> {
     v(id, 0, 0, 0, 0, 0, "")
-}
-
-fn x(code: u8, id: u64, text: &str) -> Vec<u8> {
-    let mut frame = vec![b'X', code];
-    frame.extend_from_slice(&id.to_be_bytes());
-    frame.extend_from_slice(text.as_bytes());
-    frame.push(b'\n');
-    frame
-}
-
-fn a(owner: u64, token: u64) -> Vec<u8> {
-    let mut frame = vec![b'A'];
-    frame.extend_from_slice(&owner.to_be_bytes());
-    frame.extend_from_slice(&token.to_be_bytes());
-    frame.push(b'\n');
-    frame
-}
-
-fn op_u64(op: u8, value: u64) -> Vec<u8> {
-    let mut frame = vec![op];
-    frame.extend_from_slice(&value.to_be_bytes());
-    frame.push(b'\n');
-    frame
 }
 
 fn cat(frames: &[Vec<u8>]) -> Vec<u8> {

@@ -10,8 +10,14 @@ use kunci::protocol::{self, Decoded, ErrorCode, Request, RequestError, Response}
 
 use crate::access::{LOCKER, READER, auth_file, authenticate};
 use crate::util::fake::{FIRST_TOKEN, S};
+use crate::util::frames::{a, holders, observe, op_u64, x};
 use crate::util::wire::Wire;
 use crate::util::{acquire, extend, ping, release, s_frame};
+
+/// A `V` with an empty queue.
+fn v(id: u64, token: u64, lease_ms: u32, held_ms: u32, grants: u16, label: &str) -> Vec<u8> {
+    crate::util::frames::v(id, token, lease_ms, held_ms, grants, 0, label)
+}
 
 /// A `C` frame written out as §2.1 lays it out:
 /// `C token:u64 klen:u8 key label \n`.
@@ -21,59 +27,6 @@ fn proclaim(token: u64, key: &[u8], label: &[u8]) -> Vec<u8> {
     frame.push(key.len() as u8);
     frame.extend_from_slice(key);
     frame.extend_from_slice(label);
-    frame.push(b'\n');
-    frame
-}
-
-fn observe(wait_s: u8, id: u64, since: u64, key: &str) -> Vec<u8> {
-    let mut frame = vec![b'O', wait_s];
-    frame.extend_from_slice(&id.to_be_bytes());
-    frame.extend_from_slice(&since.to_be_bytes());
-    frame.extend_from_slice(key.as_bytes());
-    frame.push(b'\n');
-    frame
-}
-
-fn holders(id: u64, key: &str) -> Vec<u8> {
-    let mut frame = vec![b'H'];
-    frame.extend_from_slice(&id.to_be_bytes());
-    frame.extend_from_slice(key.as_bytes());
-    frame.push(b'\n');
-    frame
-}
-
-fn v(id: u64, token: u64, lease_ms: u32, held_ms: u32, grants: u16, label: &str) -> Vec<u8> {
-    let mut frame = vec![b'V'];
-    frame.extend_from_slice(&id.to_be_bytes());
-    frame.extend_from_slice(&token.to_be_bytes());
-    frame.extend_from_slice(&lease_ms.to_be_bytes());
-    frame.extend_from_slice(&held_ms.to_be_bytes());
-    frame.extend_from_slice(&grants.to_be_bytes());
-    frame.extend_from_slice(&0u32.to_be_bytes());
-    frame.extend_from_slice(label.as_bytes());
-    frame.push(b'\n');
-    frame
-}
-
-fn a(owner: u64, token: u64) -> Vec<u8> {
-    let mut frame = vec![b'A'];
-    frame.extend_from_slice(&owner.to_be_bytes());
-    frame.extend_from_slice(&token.to_be_bytes());
-    frame.push(b'\n');
-    frame
-}
-
-fn op_u64(op: u8, value: u64) -> Vec<u8> {
-    let mut frame = vec![op];
-    frame.extend_from_slice(&value.to_be_bytes());
-    frame.push(b'\n');
-    frame
-}
-
-fn x(code: u8, id: u64, text: &str) -> Vec<u8> {
-    let mut frame = vec![b'X', code];
-    frame.extend_from_slice(&id.to_be_bytes());
-    frame.extend_from_slice(text.as_bytes());
     frame.push(b'\n');
     frame
 }

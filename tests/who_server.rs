@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use kunci::protocol::Response;
 
+use crate::util::frames::holders;
 use crate::util::{Peer, TestServer, granted, s_frame};
 
 /// An `S` frame with a 30 s lease (spec §2.1).
@@ -19,15 +20,6 @@ fn permits(wait_s: u8, owner: u64, limit: u16, take: u16, key: &str, label: &str
         key.as_bytes(),
         label.as_bytes(),
     )
-}
-
-/// `H id key \n`.
-fn holders(id: u64, key: &str) -> Vec<u8> {
-    let mut frame = vec![b'H'];
-    frame.extend_from_slice(&id.to_be_bytes());
-    frame.extend_from_slice(key.as_bytes());
-    frame.push(b'\n');
-    frame
 }
 
 /// `L id cursor count prefix \n`.

@@ -14,6 +14,7 @@ use kunci::protocol::{self, Request, Response};
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod frames;
 pub mod proxy;
 pub mod scripted;
 mod temp;
