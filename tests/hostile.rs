@@ -349,21 +349,68 @@ fn a_fifo_or_a_symbolic_link_for_the_state_file_stops_the_start() {
     assert!(stderr.contains("is a FIFO, not a regular file"), "{stderr}");
 }
 
+/// A connection from `ip` to the metrics listener at `metrics`.
+fn metrics_from(ip: &str, metrics: &str) -> TcpStream {
+    let addr: SocketAddr = metrics.parse().unwrap();
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    let from: SocketAddr = format!("{ip}:0").parse().unwrap();
+    socket.bind(&from.into()).unwrap();
+    socket.connect(&addr.into()).unwrap();
+    socket.into()
+}
+
+/// Issue 38, finding 2: eight half-sent `GET`s from two addresses held
+/// every metrics slot for 5 s at a time. Now three hosts' half-sent
+/// requests (4 each, the most one address may hold) leave a fourth host's
+/// scrape served at once, and each is closed at its 2 s deadline, not
+/// before.
+#[test]
+fn half_sent_scrapes_keep_no_other_host_out_and_end_at_2_s() {
+    let (_server, metrics) = crate::metrics::server_with_metrics(&[]);
+    let started = Instant::now();
+    let mut held: Vec<TcpStream> = Vec::new();
+    for host in 1..=3 {
+        for _ in 0..4 {
+            let mut stream = metrics_from(&format!("127.0.0.{host}"), &metrics);
+            stream.write_all(b"GET /metr").unwrap();
+            held.push(stream);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut other = metrics_from("127.0.0.4", &metrics);
+    other
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .unwrap();
+    other
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: kunci\r\n\r\n")
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = other.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer:?}");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    for mut stream in held {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut rest = Vec::new();
+        let _ = stream.read_to_end(&mut rest);
+        assert!(rest.is_empty(), "a half-sent request was answered");
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_secs(2) && waited < Duration::from_millis(3_500),
+            "closed after {waited:?}"
+        );
+    }
+}
+
 /// Finding 9: one host could hold every metrics slot (8) open. Now one
 /// peer address holds at most 4 and a scrape from another (127.0.0.2)
 /// is served while they stay open.
 #[test]
 fn one_peer_address_holds_at_most_half_of_the_metrics_slots() {
     let (_server, metrics) = crate::metrics::server_with_metrics(&[]);
-    let connect = |ip: &str| -> TcpStream {
-        let addr: SocketAddr = metrics.parse().unwrap();
-        let socket =
-            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-        let from: SocketAddr = format!("{ip}:0").parse().unwrap();
-        socket.bind(&from.into()).unwrap();
-        socket.connect(&addr.into()).unwrap();
-        socket.into()
-    };
+    let connect = |ip: &str| metrics_from(ip, &metrics);
     let held: Vec<TcpStream> = (0..8).map(|_| connect("127.0.0.1")).collect();
     let mut other = connect("127.0.0.2");
     other

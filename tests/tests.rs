@@ -17,6 +17,7 @@ mod etcd_interop;
 mod etcd_leader;
 mod fencing;
 mod grant_quota;
+mod hand_over;
 mod hostile;
 mod leader;
 mod metrics;

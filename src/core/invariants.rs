@@ -100,7 +100,12 @@ impl Core {
                     exclusive == 0 || permits.grants.len() == 1 || earlier,
                     "{key:?}: an exclusive grant with others"
                 );
-                if let Some(head) = held.waiters.head() {
+                if permits.handing {
+                    assert!(
+                        self.handing.contains(&entry),
+                        "{key:?}: handing on, but not in the queue of hand-overs"
+                    );
+                } else if let Some(head) = held.waiters.head() {
                     let head = self.waiters.get(head);
                     assert!(
                         !permits.fits(head.take),

@@ -60,8 +60,8 @@ pub type Micros = u64;
 const MICROS_PER_S: u64 = 1_000_000;
 
 /// Work one turn of the event loop may spend on what timers and the
-/// changes of a key set off (spec §4, v5), in timers fired plus watches
-/// answered; the rest goes on in the next turns.
+/// changes of a key set off (spec §4, v5), in timers fired, watches
+/// answered and waiters handed a key; the rest goes on in the next turns.
 pub const TURN_WORK: u32 = 4096;
 
 /// Timer ids with this bit are waiters; with [`GRANT_TIMER`], grants of
@@ -259,6 +259,10 @@ pub struct Core {
     /// Records of watches whose key's token changed, to be answered with
     /// that state, oldest first (spec §4: over several turns if need be).
     waking: VecDeque<Waking>,
+    /// Permit keys whose head waiter fits but waits for a later turn
+    /// (spec §4, v5: a hand-over to many waiters goes on over turns), by
+    /// entry, oldest first; see [`PermitKey::handing`](permits::PermitKey).
+    handing: VecDeque<u32>,
     /// What is left of this turn's [`TURN_WORK`].
     turn_work: u32,
     /// Per-identity quotas' charges (empty without quotas).
@@ -364,6 +368,7 @@ impl Core {
             labels: Labels::default(),
             watches: Watches::default(),
             waking: VecDeque::new(),
+            handing: VecDeque::new(),
             turn_work: TURN_WORK,
             quotas: quota::Quotas::default(),
             grant_cap: limits.max_grants,
@@ -445,8 +450,9 @@ impl Core {
     /// When [`handle_timeout`](Self::handle_timeout) next has work, or
     /// `None` when no timer is armed.
     pub fn poll_timeout(&self) -> Option<Micros> {
-        if !self.waking.is_empty() {
-            // Watches to answer from an earlier turn: at once.
+        if !self.waking.is_empty() || !self.handing.is_empty() {
+            // Watches to answer or keys to hand on from an earlier turn:
+            // at once.
             return Some(0);
         }
         let next = self.wheel.next_tick();
@@ -770,6 +776,9 @@ impl Core {
         if !self.waking.is_empty() {
             self.answer_waking();
         }
+        if !self.handing.is_empty() {
+            self.continue_hand_overs(now);
+        }
         self.forget_freed_after_grace(now);
         let now_tick = tick_reached(now);
         if self.watch_wheel.is_empty() {
@@ -895,6 +904,7 @@ impl Core {
         }
         // Every watch is answered: what was left to wake names nothing.
         self.waking.clear();
+        self.forget_hand_overs();
         for conn in 0..self.conns.len() {
             if self.conns[conn].open {
                 self.send_error(conn as ConnId, ErrorCode::ShuttingDown, 0);

@@ -44,6 +44,10 @@ pub struct PermitKey {
     /// meanwhile, and the key then has no grant of this run, only adopted
     /// ones (§7.4).
     pub unknown: bool,
+    /// Its queue's head fits but waits for a later turn: the scan that
+    /// hands it on spent the turn's work (spec §4, v5), and the key is in
+    /// the core's `handing` queue.
+    pub handing: bool,
 }
 
 impl PermitKey {
@@ -66,6 +70,12 @@ impl PermitKey {
         } else {
             self.exclusive == 0 && u32::from(self.used) + u32::from(take) <= u32::from(self.limit)
         }
+    }
+
+    /// Whether a scan of this key goes on in a later turn while it has a
+    /// grant (its current token is set).
+    pub fn handing_on(&self) -> bool {
+        self.handing && !self.grants.is_empty()
     }
 
     /// Counts a new grant of `take` permits at the back (the largest token).
@@ -359,9 +369,20 @@ impl Core {
     /// Grants made here get increasing tokens in queue order. A key left
     /// with no grant and no waiter leaves the table (and its limit with
     /// it).
+    ///
+    /// Each waiter answered costs one unit of the turn's work: past it the
+    /// key waits in `handing` for the next turns (spec §4, v5), after the
+    /// first waiter at least, so that the event that freed the permits
+    /// has answered its watches with the new grant (§13.1) and every scan
+    /// makes progress — unless the key is already handing on with a grant
+    /// (a connection that leaves with thousands of waiters must not grant
+    /// one per waiter). A waiter that leaves meanwhile (its deadline, its
+    /// connection) leaves the queue, so it is never granted.
     pub(super) fn scan_permits(&mut self, entry: u32, now: Micros) {
+        let mut answered = false;
         loop {
             let Some(head) = self.table.get(entry).waiters.head() else {
+                self.done_handing(entry);
                 return self.drop_if_idle(entry, now);
             };
             let (conn, owner, lease_s, take) = {
@@ -369,8 +390,13 @@ impl Core {
                 (waiter.conn, waiter.owner, waiter.lease_s, waiter.take)
             };
             if !self.permit_key(entry).fits(take) {
-                return;
+                return self.done_handing(entry);
             }
+            if self.turn_work == 0 && (answered || self.permit_key(entry).handing_on()) {
+                return self.hand_on_later(entry);
+            }
+            answered = true;
+            self.turn_work = self.turn_work.saturating_sub(1);
             self.observe_wait(head, now);
             let charged = self.quotas.uncharge_grant(LabelOf::Waiter(head));
             let (_, label) = self.unlink_waiter(head);
@@ -382,6 +408,70 @@ impl Core {
             // The waiter's charge follows it into its grant.
             self.quotas.recharge(LabelOf::Grant(grant), charged);
         }
+    }
+
+    /// The scan of `entry` ended: its head does not fit, or nobody waits.
+    #[inline(always)]
+    fn done_handing(&mut self, entry: u32) {
+        let permits = self.permit_key_mut(entry);
+        if permits.handing {
+            permits.handing = false;
+        }
+    }
+
+    /// The turn's work is spent and `entry`'s head still fits: the scan
+    /// goes on in a later turn (see [`continue_hand_overs`]
+    /// (Self::continue_hand_overs)).
+    #[cold]
+    #[inline(never)]
+    fn hand_on_later(&mut self, entry: u32) {
+        let permits = self.permit_key_mut(entry);
+        if !permits.handing {
+            permits.handing = true;
+            self.handing.push_back(entry);
+        }
+    }
+
+    /// Goes on with the scans that an earlier turn's work could not
+    /// finish, oldest first, while this turn's work lasts; a key not
+    /// finished goes to the back. The watches of a key whose token this
+    /// changes (a scan that only answered `B` before) are answered.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn continue_hand_overs(&mut self, now: Micros) {
+        while self.turn_work > 0 {
+            let Some(entry) = self.handing.pop_front() else {
+                return;
+            };
+            // The key may have left the table meanwhile (every waiter
+            // gone, no grant), its entry even reused by another key.
+            let live = self.table.is_live(entry)
+                && self.table.get(entry).token == PERMITS
+                && self.permit_key(entry).handing;
+            if !live {
+                continue;
+            }
+            self.permit_key_mut(entry).handing = false;
+            let watched = self.watched_entry(entry);
+            self.scan_permits(entry, now);
+            if let Some(slot) = watched {
+                self.wake_watch_slot(slot, now);
+            }
+        }
+    }
+
+    /// At a shutdown (no waiter is left): no scan goes on.
+    pub(super) fn forget_hand_overs(&mut self) {
+        for entry in std::mem::take(&mut self.handing) {
+            if self.table.is_live(entry) && self.table.get(entry).token == PERMITS {
+                self.permit_key_mut(entry).handing = false;
+            }
+        }
+    }
+
+    /// Keys whose hand-over goes on in a later turn.
+    pub fn hand_overs_pending(&self) -> usize {
+        self.handing.len()
     }
 
     /// Removes permit key `entry` if it has no grant and no waiter: freed

@@ -16,8 +16,10 @@ use crate::core::Micros;
 pub const REQUEST_MAX: usize = 4096;
 /// The most headers a request may carry.
 pub const HEADERS_MAX: usize = 32;
-/// How long one exchange may take, from accept to the last byte written.
-pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one exchange may take, from accept to the last byte written:
+/// a scrape on loopback or a LAN takes milliseconds, and a peer that
+/// half-sends its request holds a slot no longer than this (issue 38).
+pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The path the metrics are served on.
 pub const METRICS_PATH: &str = "/metrics";
 
@@ -323,7 +325,7 @@ mod tests {
     }
 
     #[test]
-    fn the_deadline_is_five_seconds_after_accept() {
-        assert_eq!(Exchange::new(1_000).deadline(), 5_001_000);
+    fn the_deadline_is_two_seconds_after_accept() {
+        assert_eq!(Exchange::new(1_000).deadline(), 2_001_000);
     }
 }

@@ -18,7 +18,7 @@ use std::fmt::Write as _;
 
 use crate::core::wait_histogram::BUCKET_BOUNDS_TEXT;
 use crate::core::{Core, Limits, Stats};
-pub use process::ProcessStats;
+pub use process::{ProcessSample, ProcessStats};
 
 /// The `Content-Type` of the text exposition format 0.0.4.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";

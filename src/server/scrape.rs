@@ -4,7 +4,9 @@
 //! server's own event loop.
 //!
 //! Nobody scraping costs nothing: the listener sits in the poller, and a
-//! deadline exists only while a scrape is open.
+//! deadline exists only while a scrape is open. A scrape costs the loop
+//! O(1) in the number of connections (spec §4, v5): the core's own counts,
+//! and process figures read from `/proc` at most once a second.
 
 use std::io::{self, Read, Write};
 
@@ -16,16 +18,18 @@ use super::listener::{Listener, Peer};
 use crate::addr::Address;
 use crate::core::{Core, Micros};
 use crate::metrics::http::Exchange;
-use crate::metrics::{ProcessStats, Snapshot, render};
+use crate::metrics::{ProcessSample, Snapshot, render};
 use crate::stream::Stream;
 
 /// Scrapes served at once; more are closed at accept. Prometheus sends one
-/// at a time per target.
-pub const SCRAPES_MAX: usize = 8;
+/// at a time per target; the slots are there for hosts that half-send a
+/// request, each held at most [`EXCHANGE_TIMEOUT`](crate::metrics::http::EXCHANGE_TIMEOUT).
+pub const SCRAPES_MAX: usize = 32;
 /// Scrapes one peer address may hold at once (every unix-socket peer
-/// counts as one), so that one host holding its share open leaves the
-/// others room (issue 27).
-pub const SCRAPES_PER_PEER_MAX: usize = SCRAPES_MAX / 2;
+/// counts as one), so that filling the slots takes eight hosts, and one
+/// host's half-sent requests never keep another's scrape out (issues 27,
+/// 38).
+pub const SCRAPES_PER_PEER_MAX: usize = 4;
 
 /// The listener's token; scrape `slot` has `SCRAPE_TOKEN_BASE + slot`.
 /// Far above any client connection's id and below the listeners' tokens.
@@ -49,6 +53,7 @@ pub struct MetricsEndpoint {
     listener: Listener,
     address: Address,
     scrapes: Slab<Scrape>,
+    process: ProcessSample,
 }
 
 impl MetricsEndpoint {
@@ -62,6 +67,7 @@ impl MetricsEndpoint {
             listener,
             address,
             scrapes: Slab::with_capacity(SCRAPES_MAX),
+            process: ProcessSample::default(),
         })
     }
 
@@ -84,7 +90,7 @@ impl MetricsEndpoint {
             self.accept_all(registry, now);
         } else {
             let slot = token.0 - SCRAPE_TOKEN_BASE;
-            self.serve(slot, registry, core);
+            self.serve(slot, registry, core, now);
         }
     }
 
@@ -163,7 +169,8 @@ impl MetricsEndpoint {
 
     /// Reads what the scraper sent, answers once the request is whole,
     /// writes as much as the socket takes, and closes when done.
-    fn serve(&mut self, slot: usize, registry: &Registry, core: &Core) {
+    fn serve(&mut self, slot: usize, registry: &Registry, core: &Core, now: Micros) {
+        let process = &mut self.process;
         let Some(scrape) = self.scrapes.get_mut(slot) else {
             return;
         };
@@ -173,7 +180,7 @@ impl MetricsEndpoint {
             match scrape.stream.read(&mut buffer) {
                 Ok(0) => scrape.exchange.peer_closed(),
                 Ok(n) => scrape.exchange.receive(&buffer[..n], |out| {
-                    render(&Snapshot::of(core), ProcessStats::read().as_ref(), out)
+                    render(&Snapshot::of(core), process.get(now), out)
                 }),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
