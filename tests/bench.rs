@@ -205,6 +205,72 @@ fn idle_connections_each_answer_one_ping() {
     }
 }
 
+/// `watches N` (issue 38): every event wakes all N watches, and the run
+/// leaves no watch, key or grant behind; the innocent client's pings are
+/// reported, also those during the events.
+#[test]
+fn watches_wake_all_n_each_event_and_leave_nothing_behind() {
+    let server = TestServer::start(&[]);
+    let output = bench(
+        &server,
+        &["watches", "5000", "--duration", "1", "--warmup", "0.2"],
+    );
+    let json = report(&output);
+    assert!(output.status.success(), "{json}");
+    let events = field(&json, "events");
+    assert!(events >= 1, "{json}");
+    assert_eq!(field(&json, "wakes"), events * 5_000, "{json}");
+    for series in ["\"wake\":", "\"wake_all\":", "\"innocent_ping\":"] {
+        assert!(json.contains(series), "{series} missing: {json}");
+    }
+    assert_clean(&server);
+    assert_eq!(server.info()["watches"], "0");
+}
+
+/// `handover N` (issue 38): the releases hand all N readers their grants
+/// each round, and the run leaves nothing behind.
+#[test]
+fn handover_grants_all_n_readers_each_round_and_leaves_nothing_behind() {
+    let server = TestServer::start(&[]);
+    let output = bench(
+        &server,
+        &["handover", "20000", "--duration", "1", "--warmup", "0.2"],
+    );
+    let json = report(&output);
+    assert!(output.status.success(), "{json}");
+    let events = field(&json, "events");
+    assert!(events >= 1, "{json}");
+    assert_eq!(field(&json, "grants"), events * 20_000, "{json}");
+    for series in ["\"handover\":", "\"handover_all\":", "\"innocent_ping\":"] {
+        assert!(json.contains(series), "{series} missing: {json}");
+    }
+    assert_clean(&server);
+}
+
+/// `--scrapers` (issue 38): threads scrape the metrics listener in a loop
+/// beside any workload, with an innocent client pinging.
+#[test]
+fn scrapers_scrape_in_a_loop_beside_idle_connections() {
+    let (server, metrics) = crate::metrics::server_with_metrics(&[]);
+    let output = bench(
+        &server,
+        &[
+            "idle",
+            "100",
+            "--scrapers",
+            "2",
+            "--metrics",
+            &metrics,
+            "--duration",
+            "0.5",
+        ],
+    );
+    let json = report(&output);
+    assert!(output.status.success(), "{json}");
+    assert!(field(&json, "scrapes") >= 2, "{json}");
+    assert!(json.contains("\"innocent_ping\":"), "{json}");
+}
+
 #[test]
 fn timers_measure_timeouts_and_expiries_never_early() {
     let server = TestServer::start(&[]);
@@ -275,6 +341,10 @@ fn bad_options_are_usage_errors() {
         &["semaphore", "--writers", "10"],
         &["contended", "--write-hold", "5"],
         &["pairs", "--exclusive-only"],
+        &["watches", "10", "--connections", "3"],
+        &["watches", "10", "--keys", "3"],
+        &["handover", "100000", "--keys", "2"],
+        &["idle", "10", "--scrapers", "2"],
     ] {
         let output = Command::new(kunci_bin())
             .arg("bench")

@@ -37,6 +37,7 @@ impl Pending {
             Kind::Release => Correlation::Release { token: self.id },
             Kind::Extend => Correlation::Extend { token: self.id },
             Kind::Ping => Correlation::Ping { nonce: self.id },
+            Kind::Observe => Correlation::Observe { id: self.id },
         }
     }
 }
@@ -125,6 +126,45 @@ impl Wire {
         self.queued(conn, Kind::Acquire, owner, key, tag);
     }
 
+    /// Queues an exclusive `S` with a label (spec §11.1) and a fresh
+    /// owner.
+    pub fn acquire_labelled(
+        &mut self,
+        conn: usize,
+        key: u64,
+        (wait_s, lease_s): (u8, u8),
+        label: &str,
+        tag: u32,
+    ) {
+        self.next_id += 1;
+        let owner = self.next_id;
+        let request = Request::Acquire {
+            wait_s,
+            lease_s,
+            owner,
+            key: self.keys.name(key),
+            limit: 0,
+            take: 0,
+            label,
+        };
+        encode_request(&request, &mut self.out[conn]);
+        self.queued(conn, Kind::Acquire, owner, key, tag);
+    }
+
+    /// Queues `O wait id since key` (spec §13.1) with a fresh id.
+    pub fn observe(&mut self, conn: usize, key: u64, since: u64, wait_s: u8, tag: u32) {
+        self.next_id += 1;
+        let id = self.next_id;
+        let request = Request::Observe {
+            wait_s,
+            id,
+            since,
+            key: self.keys.name(key),
+        };
+        encode_request(&request, &mut self.out[conn]);
+        self.queued(conn, Kind::Observe, id, key, tag);
+    }
+
     /// Queues `R token key`.
     pub fn release(&mut self, conn: usize, token: u64, key: u64, tag: u32) {
         let request = Request::Release {
@@ -202,6 +242,12 @@ pub trait Workload {
     }
     /// Final figures, added to the stats before the report.
     fn finish(&mut self, _stats: &mut Stats) {}
+    /// The spans from each event's send to its last answer (one still
+    /// running ends at `now`), for telling other clients' latency during
+    /// them apart.
+    fn windows(&self, _now: Instant) -> Vec<(Instant, Instant)> {
+        Vec::new()
+    }
 }
 
 /// The TLS configuration of `tls://` connections (`None` for others).

@@ -2,12 +2,14 @@
 //!
 //! - [`fleet`] — the connections, the mio loop, request/reply correlation;
 //! - [`workloads`] — what each workload sends next;
+//! - [`events`] — workloads where one event sets off much work;
 //! - [`stats`] — counts, latency histograms, the report;
 //! - `closed_loop` — pairs and contended through the client, for
 //!   `etcd://` (the fleet speaks only kunci's protocol).
 
 #[cfg(feature = "etcd")]
 mod closed_loop;
+mod events;
 mod fleet;
 pub(super) mod stats;
 mod workloads;
@@ -52,6 +54,21 @@ Workloads:
   idle N         N connections, one ping each, then silence
   timers         lateness of wait timeouts and lease expiries (1 s timers):
                  --connections probes of each kind
+  watches N      N watches (O) of one key on N/4000 connections; once all
+                 are held, one grant with a 128-byte label (then a release)
+                 wakes them all, and they are armed again: wake latency
+                 (each, and the last) and an innocent client's ping
+  handover N     one connection holds N/16384 shared keys exclusively, N
+                 readers queue behind them; the keys are released at once,
+                 pipelined, and handed to all N: grant latency (each, and
+                 the last), the readers give them back, and again; with an
+                 innocent client's ping
+
+With --scrapers S and --metrics ADDR, S threads scrape ADDR/metrics in a
+loop during the run (scrape latency). With watches, handover, or
+--scrapers, an innocent client pings the server from a thread and a
+connection of its own, 1 ms between a pong and the next ping
+(innocent_ping: what the event or the scrapes cost everyone else).
 
 Options (defaults: pairs / contended / hold / waiters / idle / timers;
 semaphore and rw as contended, with 1 key and --hold 1):
@@ -82,6 +99,8 @@ semaphore and rw as contended, with 1 key and --hold 1):
   --key-prefix TEXT    key names are TEXT + 12 digits (pair- / cont- / hold-
                        / wait- / - / timr-: 17-byte keys)
   --seed N             seed of the random key choice (1)
+  --scrapers S         threads that scrape --metrics in a loop (0)
+  --metrics HOST:PORT  the server's --metrics listener, for --scrapers
   --json               print the report as one JSON object
 ";
 
@@ -107,6 +126,8 @@ enum Which {
     Waiters(u64),
     Idle(u64),
     Timers,
+    Watches(u64),
+    HandOver(u64),
 }
 
 /// What was asked on the command line; unset options take the workload's
@@ -133,6 +154,8 @@ struct Options {
     exclusive_only: bool,
     key_prefix: Option<String>,
     seed: Option<u64>,
+    scrapers: Option<usize>,
+    metrics: Option<String>,
     json: bool,
 }
 
@@ -234,6 +257,8 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
                 o.key_prefix = Some(prefix);
             }
             Long("seed") => o.seed = Some(args::number("--seed", parser.value())?),
+            Long("scrapers") => o.scrapers = Some(args::number("--scrapers", parser.value())?),
+            Long("metrics") => o.metrics = Some(args::text(parser.value())?),
             Long("json") => o.json = true,
             Long(name) if name.starts_with("tls-") => {
                 let name = name.to_owned();
@@ -254,6 +279,8 @@ fn parse(arguments: Vec<OsString>) -> Result<Option<Options>, String> {
                     "hold" => Which::Hold(n()?),
                     "waiters" => Which::Waiters(n()?),
                     "idle" => Which::Idle(n()?),
+                    "watches" => Which::Watches(n()?),
+                    "handover" => Which::HandOver(n()?),
                     other => return Err(format!("unknown workload {other:?}")),
                 });
             }
@@ -293,6 +320,9 @@ struct Run {
     warmup: Duration,
     /// `None`: until SIGINT/SIGTERM.
     duration: Option<Duration>,
+    /// Threads scraping `metrics` in a loop.
+    scrapers: usize,
+    metrics: Option<String>,
     json: bool,
 }
 
@@ -312,6 +342,11 @@ impl Run {
             }
             Which::Idle(n) => (n as usize, 1, 1, 1, 0, 0, 0, "idle-"),
             Which::Timers => (8, 1, 1, 1, 1, 30, 2, "timr-"),
+            Which::Watches(n) => (events::connections(n), 1, 1, 255, 255, 10, 2, "wtch-"),
+            Which::HandOver(n) => {
+                let keys = n.div_ceil(events::WAITERS_PER_KEY);
+                (events::connections(n), 1, keys, 255, 255, 10, 2, "hand-")
+            }
         };
         let mut plan = Plan {
             connections: o.connections.unwrap_or(connections),
@@ -356,6 +391,23 @@ impl Run {
             Which::Idle(n) if o.connections.is_some_and(|c| c as u64 != n) => {
                 return Err("idle: N is the number of connections".into());
             }
+            Which::Watches(_) | Which::HandOver(_)
+                if o.connections.is_some() || o.pipeline.is_some() =>
+            {
+                return Err("watches, handover: N sets the connections".into());
+            }
+            Which::HandOver(n)
+                if o.keys
+                    .is_some_and(|k| n.div_ceil(k) > events::WAITERS_PER_KEY) =>
+            {
+                return Err(format!(
+                    "handover: at most {} waiters a key",
+                    events::WAITERS_PER_KEY
+                ));
+            }
+            Which::Watches(_) if o.keys.is_some() => {
+                return Err("watches: one key is watched".into());
+            }
             Which::Timers => plan.connections = workloads::Timers::connections(plan.connections),
             _ => {}
         }
@@ -367,6 +419,13 @@ impl Run {
                 return Err("etcd://: one request in flight per connection (--pipeline 1)".into());
             }
             plan.pipeline = 1;
+        }
+        let scrapers = o.scrapers.unwrap_or(0);
+        if scrapers > 0 && o.metrics.is_none() {
+            return Err("--scrapers: needs --metrics HOST:PORT".into());
+        }
+        if matches!(o.server, Some(Address::Etcd { .. })) && scrapers > 0 {
+            return Err("--scrapers: not with etcd://".into());
         }
         let duration = o.duration.unwrap_or(Duration::from_secs(duration));
         let server = match o.server {
@@ -393,6 +452,8 @@ impl Run {
             key_prefix: o.key_prefix.unwrap_or_else(|| prefix.to_owned()),
             warmup: o.warmup.unwrap_or(Duration::from_secs(warmup)),
             duration: (!duration.is_zero()).then_some(duration),
+            scrapers,
+            metrics: o.metrics,
             json: o.json,
         })
     }
@@ -407,6 +468,8 @@ impl Run {
             Which::Waiters(n) => format!("waiters {n}"),
             Which::Idle(n) => format!("idle {n}"),
             Which::Timers => "timers".into(),
+            Which::Watches(n) => format!("watches {n}"),
+            Which::HandOver(n) => format!("handover {n}"),
         }
     }
 
@@ -420,6 +483,19 @@ impl Run {
             Which::Waiters(n) => Box::new(workloads::Waiters::new(plan, n)),
             Which::Idle(_) => Box::new(workloads::Idle::new(&plan)),
             Which::Timers => Box::new(workloads::Timers::new((plan.connections - 1) / 3)),
+            Which::Watches(n) => Box::new(events::Watches::new(
+                n,
+                plan.connections,
+                plan.lease_s,
+                plan.wait_s,
+            )),
+            Which::HandOver(n) => Box::new(events::HandOver::new(
+                n,
+                plan.keys,
+                plan.connections,
+                plan.lease_s,
+                plan.wait_s,
+            )),
         }
     }
 
@@ -451,6 +527,14 @@ impl Run {
         .map_err(|e| e.to_string())?;
         let mut workload = self.workload();
         let mut progress = Progress::new(std::io::stderr().is_terminal());
+        let scrapers = Scrapers::start(self.scrapers, self.metrics.as_deref());
+        let pinger =
+            matches!(self.which, Which::Watches(_) | Which::HandOver(_)) || self.scrapers > 0;
+        let mut pinger = if pinger {
+            Some(Pinger::start(&self.server).map_err(|e| format!("the innocent client: {e}"))?)
+        } else {
+            None
+        };
 
         let start = Instant::now();
         fleet.wire.now = start;
@@ -472,6 +556,10 @@ impl Run {
                 break;
             }
             let next = workload.tick(&mut fleet.wire, &mut stats);
+            scrapers.collect(&mut stats);
+            if let Some(pinger) = pinger.as_mut() {
+                pinger.collect(&mut stats);
+            }
             progress.show(now, &stats, &*workload);
             let wake = [
                 next,
@@ -491,6 +579,13 @@ impl Run {
                 )
                 .map_err(|e| format!("poll failed: {e}"))?;
         }
+        scrapers.collect(&mut stats);
+        drop(scrapers);
+        if let Some(pinger) = pinger.as_mut() {
+            pinger.collect(&mut stats);
+            pinger.during(&workload.windows(Instant::now()), measure_from, &mut stats);
+        }
+        drop(pinger);
         let stopped = Instant::now();
         stats.end(stopped);
         fleet.wire.now = stopped;
@@ -595,6 +690,211 @@ impl Run {
             ("warmup_s", crate::decimal::seconds(self.warmup, 3)),
         ]);
         header
+    }
+}
+
+/// Threads that scrape a metrics listener in a loop (`--scrapers`), each
+/// scrape's time sent back to the run; they stop when this is dropped.
+struct Scrapers {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    done: std::sync::mpsc::Receiver<Result<Duration, String>>,
+}
+
+impl Scrapers {
+    fn start(count: usize, address: Option<&str>) -> Scrapers {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sender, done) = std::sync::mpsc::channel();
+        let threads = match address {
+            Some(address) => (0..count)
+                .map(|_| {
+                    let (stop, sender) = (Arc::clone(&stop), sender.clone());
+                    let address = address.to_owned();
+                    std::thread::spawn(move || {
+                        while !stop.load(Ordering::Relaxed) {
+                            let started = Instant::now();
+                            let result = scrape(&address).map(|()| started.elapsed());
+                            if sender.send(result).is_err() {
+                                return;
+                            }
+                        }
+                    })
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        Scrapers {
+            stop,
+            threads,
+            done,
+        }
+    }
+
+    /// Adds the scrapes finished since the last call to `stats`.
+    fn collect(&self, stats: &mut Stats) {
+        if self.threads.is_empty() {
+            return;
+        }
+        while let Ok(result) = self.done.try_recv() {
+            match result {
+                Ok(took) => {
+                    stats.count("scrapes", 1);
+                    stats.sample("scrape", took);
+                }
+                Err(e) => stats.error(format!("scrape: {e}")),
+            }
+        }
+    }
+}
+
+impl Drop for Scrapers {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// An innocent client: one thread, one connection of its own, a ping at a
+/// time 1 ms apart; each round trip is a sample of `innocent_ping`. Kept
+/// out of the fleet's loop, which a burst of answers may keep busy.
+struct Pinger {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    done: std::sync::mpsc::Receiver<Result<(Instant, Duration), String>>,
+    /// Every round trip so far: when it started, how long it took.
+    samples: Vec<(Instant, Duration)>,
+}
+
+impl Pinger {
+    fn start(server: &Address) -> Result<Pinger, String> {
+        let mut stream: Box<dyn ReadWrite> = match server {
+            Address::Tcp(host_port) => {
+                let stream = std::net::TcpStream::connect(host_port.as_str())
+                    .map_err(|e| format!("{server}: {e}"))?;
+                stream.set_nodelay(true).map_err(|e| e.to_string())?;
+                Box::new(stream)
+            }
+            Address::Unix(path) => Box::new(
+                std::os::unix::net::UnixStream::connect(path)
+                    .map_err(|e| format!("{server}: {e}"))?,
+            ),
+            _ => return Err("only tcp and unix: servers".into()),
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sender, done) = std::sync::mpsc::channel();
+        let thread = {
+            let stop = Arc::clone(&stop);
+            // Named, so that a benchmark script can find it (and renice it).
+            std::thread::Builder::new()
+                .name("innocent-ping".into())
+                .spawn(move || {
+                    let mut nonce = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        nonce += 1;
+                        let started = Instant::now();
+                        let result =
+                            ping(&mut *stream, nonce).map(|()| (started, started.elapsed()));
+                        let failed = result.is_err();
+                        if sender.send(result).is_err() || failed {
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                })
+        }
+        .map_err(|e| e.to_string())?;
+        Ok(Pinger {
+            stop,
+            thread: Some(thread),
+            done,
+            samples: Vec::new(),
+        })
+    }
+
+    fn collect(&mut self, stats: &mut Stats) {
+        while let Ok(result) = self.done.try_recv() {
+            match result {
+                Ok((started, took)) => {
+                    stats.sample("innocent_ping", took);
+                    self.samples.push((started, took));
+                }
+                Err(e) => stats.error(format!("the innocent client: {e}")),
+            }
+        }
+    }
+
+    /// Adds `ping_in_event`: the round trips measured (from `from` on)
+    /// that overlap one of `windows`, the spans of the workload's events.
+    fn during(&self, windows: &[(Instant, Instant)], from: Instant, stats: &mut Stats) {
+        for &(started, took) in &self.samples {
+            let ended = started + took;
+            let overlaps = windows
+                .iter()
+                .any(|&(begin, end)| started < end && ended > begin);
+            if started >= from && overlaps {
+                stats.sample("ping_in_event", took);
+            }
+        }
+    }
+}
+
+impl Drop for Pinger {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+trait ReadWrite: std::io::Read + std::io::Write + Send {}
+impl<T: std::io::Read + std::io::Write + Send> ReadWrite for T {}
+
+/// One `P nonce` and its `Pong`.
+fn ping(stream: &mut dyn ReadWrite, nonce: u64) -> Result<(), String> {
+    let mut frame = Vec::new();
+    crate::protocol::encode_request(&crate::protocol::Request::Ping { nonce }, &mut frame);
+    stream.write_all(&frame).map_err(|e| e.to_string())?;
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 64];
+    loop {
+        match crate::protocol::decode_response(&answer) {
+            Ok(Some((crate::protocol::Response::Pong { nonce: got }, _))) if got == nonce => {
+                return Ok(());
+            }
+            Ok(Some((other, _))) => return Err(format!("answered {other:?}")),
+            Ok(None) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        let n = stream.read(&mut buffer).map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("the server closed the connection".into());
+        }
+        answer.extend_from_slice(&buffer[..n]);
+    }
+}
+
+/// One `GET /metrics` on a fresh connection, read to the end.
+fn scrape(address: &str) -> Result<(), String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|e| e.to_string())?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: kunci\r\n\r\n")
+        .map_err(|e| e.to_string())?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).map_err(|e| e.to_string())?;
+    if answer.starts_with(b"HTTP/1.1 200 ") {
+        Ok(())
+    } else {
+        Err(format!(
+            "answered {:?}",
+            String::from_utf8_lossy(&answer[..answer.len().min(40)])
+        ))
     }
 }
 

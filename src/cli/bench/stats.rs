@@ -15,10 +15,17 @@ pub enum Kind {
     Release,
     Extend,
     Ping,
+    Observe,
 }
 
 impl Kind {
-    const ALL: [Kind; 4] = [Kind::Acquire, Kind::Release, Kind::Extend, Kind::Ping];
+    const ALL: [Kind; 5] = [
+        Kind::Acquire,
+        Kind::Release,
+        Kind::Extend,
+        Kind::Ping,
+        Kind::Observe,
+    ];
 
     fn name(self) -> &'static str {
         match self {
@@ -26,12 +33,13 @@ impl Kind {
             Kind::Release => "release",
             Kind::Extend => "extend",
             Kind::Ping => "ping",
+            Kind::Observe => "observe",
         }
     }
 }
 
 /// Reply ops in the order they are reported.
-const REPLY_OPS: [u8; 10] = *b"ATBRENQPIX";
+const REPLY_OPS: [u8; 11] = *b"ATBRENQPIVX";
 
 /// At most this many error descriptions are kept for the report; the rest
 /// are only counted.
