@@ -208,6 +208,15 @@ impl Endpoint {
         {
             self.handshakes_this_turn = 0;
         }
+        if !self.yielded.is_empty() {
+            self.resume_yielded(now);
+        }
+    }
+
+    /// Lets the connections that yielded in the last turn go on, first in
+    /// this one. Out of line: most turns have none.
+    #[inline(never)]
+    fn resume_yielded(&mut self, now: Micros) {
         for id in std::mem::take(&mut self.yielded) {
             let Some(conn) = self.conn_mut(id) else {
                 continue;
@@ -959,6 +968,11 @@ impl Endpoint {
             if conn.output_full() {
                 return (at, Stop::OutputFull);
             }
+            // A read used up (at P=1, after its only request): what the
+            // decoder would say, without asking it.
+            if at == buf.len() {
+                return (at, Stop::Incomplete);
+            }
             let spent = conn.work >= TURN_WORK_MAX;
             let output_before = conn.output.len();
             if at >= prefetched && self.core.prefetch_pays() {
@@ -1121,7 +1135,9 @@ impl Endpoint {
                     return;
                 };
                 if conn.input.is_empty() {
-                    if !self.keeps_accept_deadline(id) {
+                    // The usual case has no timer to cancel: test that
+                    // first, before what the accept's deadline needs.
+                    if conn.timer.is_armed() && !self.keeps_accept_deadline(id) {
                         self.cancel(id);
                     }
                 } else if self.keeps_accept_deadline(id) {

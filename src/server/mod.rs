@@ -30,7 +30,7 @@ use crate::addr::{Address, Network};
 use crate::core::access::AccessList;
 use crate::core::connection::READ_CHUNK;
 use crate::core::endpoint::{Action, Endpoint};
-use crate::core::restart::CleanStop;
+use crate::core::restart::{CleanStop, Promise};
 use crate::core::{ConnId, Core, Limits, Micros};
 use crate::stream::Stream;
 use listener::{Listener, Peer};
@@ -179,6 +179,9 @@ struct Shell {
     clock_start: Instant,
     /// The clock (µs since `clock_start`) as last read.
     clock: Micros,
+    /// Whether the loop slept since `clock` was read: a write then reads
+    /// the clock itself (see `now_for_write`).
+    clock_stale: bool,
     read_buffer: Box<[u8]>,
     /// Sockets to read before the next poll.
     ready: Vec<usize>,
@@ -378,6 +381,7 @@ impl Server {
             sockets: Slab::new(),
             clock_start,
             clock: 0,
+            clock_stale: true,
             read_buffer: vec![0; READ_CHUNK].into_boxed_slice(),
             ready: Vec::new(),
             accept_paused_until: None,
@@ -481,8 +485,16 @@ impl Server {
             }
             // Connections that spent their share of the last turn go on
             // first (spec §4, fairness); what they answer is written below.
-            let now = self.shell.now();
-            self.shell.endpoint.begin_turn(now);
+            // The clock is read for the turn only when one does: otherwise
+            // the first read stamps its bytes itself, and a P=1 wake-up
+            // reads the clock once fewer (issue 38).
+            self.shell.clock_stale = true;
+            if self.shell.endpoint.has_yielded() {
+                let now = self.shell.now();
+                self.shell.endpoint.begin_turn(now);
+            } else {
+                self.shell.endpoint.begin_turn(self.shell.clock);
+            }
             for event in events.iter() {
                 match event.token() {
                     WAKE_TOKEN => {
@@ -586,7 +598,19 @@ impl Shell {
     /// Reads the clock (and remembers it in `clock`).
     fn now(&mut self) -> Micros {
         self.clock = micros(self.clock_start.elapsed());
+        self.clock_stale = false;
         self.clock
+    }
+
+    /// The clock for a write: the last read or wake-up's when the loop has
+    /// not slept since (recent enough for what a write can start: frames
+    /// held back were read earlier, a linger deadline), else read now.
+    fn now_for_write(&mut self) -> Micros {
+        if self.clock_stale {
+            self.now()
+        } else {
+            self.clock
+        }
     }
 
     fn poll_timeout(&self) -> Option<Duration> {
@@ -699,11 +723,9 @@ impl Shell {
                     return Ok(());
                 }
                 Ok(n) => {
-                    // The clock of the last read or wake-up is recent
-                    // enough for what a write can start (held-back frames
-                    // were read earlier, a linger deadline): no clock read
-                    // per write.
-                    self.endpoint.handle_written(id as ConnId, n, self.clock);
+                    // No clock read per write (see `now_for_write`).
+                    let now = self.now_for_write();
+                    self.endpoint.handle_written(id as ConnId, n, now);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -746,10 +768,23 @@ impl Shell {
     /// file holds (`B` for what needs more), holds back the answers that
     /// waited for this write, and the write is tried again each second
     /// until one succeeds; the failure is logged at most once a minute.
+    ///
+    /// The check is inline (it runs before every write); the write is not.
+    #[inline(always)]
     fn make_durable(&mut self) -> io::Result<()> {
-        let Some(promise) = self.endpoint.poll_persist() else {
+        if self.state.is_none() {
             return Ok(());
-        };
+        }
+        match self.endpoint.poll_persist() {
+            Some(promise) => self.write_promise(promise),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes `promise` to the state file when a write is due (see
+    /// `make_durable`).
+    #[inline(never)]
+    fn write_promise(&mut self, promise: Promise) -> io::Result<()> {
         let Some(state) = self.state.as_mut() else {
             return Ok(());
         };
