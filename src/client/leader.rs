@@ -57,7 +57,8 @@ impl Leader {
     }
 }
 
-/// The longest pause between two attempts of [`Observe`] after a failure.
+/// The longest pause between two attempts of [`Observe`] after a failure
+/// (each pause is taken ±25 %, `jitter.rs`).
 const PAUSE_MAX: Duration = Duration::from_secs(2);
 /// The first such pause; it doubles up to [`PAUSE_MAX`].
 const PAUSE_FIRST: Duration = Duration::from_millis(100);
@@ -205,7 +206,7 @@ impl Iterator for Observe {
                         self.name,
                         crate::decimal::seconds_shortest(pause)
                     );
-                    std::thread::sleep(pause);
+                    super::jitter::sleep(pause);
                     pause = (pause * 2).min(PAUSE_MAX);
                 }
             }

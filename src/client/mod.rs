@@ -37,6 +37,7 @@ mod engine;
 mod etcd;
 mod handoff;
 mod io;
+mod jitter;
 mod keep_alive;
 mod kept;
 mod leader;
