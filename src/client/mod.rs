@@ -248,6 +248,7 @@ impl Client {
                     permits,
                     lease,
                     sent_at,
+                    label,
                 ))
             }
             outcome => Err(outcome_error(outcome)),
