@@ -201,3 +201,180 @@ fn during_a_crash_grace_the_leader_is_unknown_not_none() {
         Err(kunci::client::Error::NotHeld)
     );
 }
+
+/// Spec §13.4a, §13.6 (v5): a leader changes its value and keeps its
+/// term — `proclaim` on a campaign's lead (Rust) and `kunci proclaim`
+/// (exit 0; 6 for a token that does not hold; 2 for an empty value) —
+/// and observers (`observe`, `kunci leader --watch`) report the new value
+/// with the same term. A lead already lost proclaims nothing (`NotHeld`).
+#[test]
+fn proclaim_changes_the_value_keeps_the_term_and_observers_report_it() {
+    use kunci::client::{Client, Config, Error};
+
+    let server = TestServer::start(&[]);
+    let addr = server.addr.clone();
+    let client = Client::new([addr.parse().unwrap()], Config::default()).unwrap();
+    let (sender, items) = std::sync::mpsc::channel();
+    let follower = client.clone();
+    std::thread::spawn(move || {
+        for item in follower.observe("svc") {
+            let item = item.map(|l| l.map(|l| (l.value.unwrap_or_default(), l.term)));
+            if sender.send(item).is_err() {
+                return;
+            }
+        }
+    });
+    let next = |limit| items.recv_timeout(limit).expect("an item").unwrap();
+    assert_eq!(next(Duration::from_secs(5)), None);
+    let mut watcher = spawn_kunci(&addr, &["leader", "svc", "--watch"]);
+    let watched = stdout_lines(&mut watcher);
+    assert_eq!(next_line(&watched, Duration::from_secs(10)), "none");
+
+    let lead = client
+        .campaign("svc", "10.0.0.1:5432", Duration::from_secs(30))
+        .unwrap();
+    let term = lead.token();
+    assert_eq!(
+        next(Duration::from_secs(5)),
+        Some(("10.0.0.1:5432".into(), term))
+    );
+    assert_eq!(
+        term_of(
+            &next_line(&watched, Duration::from_secs(5)),
+            "10.0.0.1:5432"
+        ),
+        term
+    );
+    // A proclaim that reaches the server before an observer's next `O`
+    // (one round trip after its last answer) is not seen by it (spec
+    // §13.4a: the watch compares tokens): let both ask again first.
+    std::thread::sleep(Duration::from_millis(300));
+    lead.proclaim("10.0.0.2:5432").unwrap();
+    assert_eq!(
+        next(Duration::from_secs(5)),
+        Some(("10.0.0.2:5432".into(), term))
+    );
+    assert_eq!(
+        term_of(
+            &next_line(&watched, Duration::from_secs(5)),
+            "10.0.0.2:5432"
+        ),
+        term
+    );
+    let leader = client.leader("svc").unwrap().expect("a leader");
+    assert_eq!(
+        (leader.value.as_deref(), leader.term),
+        (Some("10.0.0.2:5432"), term)
+    );
+
+    // The command line: the same grant, by its token.
+    std::thread::sleep(Duration::from_millis(300));
+    let proclaimed = kunci(&addr, &["proclaim", "svc", &term.to_string(), "host c"]);
+    assert_eq!(
+        (proclaimed.status.code(), stdout_text(&proclaimed)),
+        (Some(0), "proclaimed\n".into())
+    );
+    assert_eq!(next(Duration::from_secs(5)), Some(("host c".into(), term)));
+    assert_eq!(
+        term_of(&next_line(&watched, Duration::from_secs(5)), "host c"),
+        term
+    );
+    // Another token does not hold the key: 6, and nothing changes.
+    let refused = kunci(
+        &addr,
+        &["proclaim", "svc", &(term + 1).to_string(), "thief"],
+    );
+    assert_eq!(refused.status.code(), Some(6));
+    for (value, why) in [("", "empty"), ("two\nlines", "newline")] {
+        let usage = kunci(&addr, &["proclaim", "svc", &term.to_string(), value]);
+        assert_eq!(usage.status.code(), Some(2), "{why}");
+    }
+    let usage = kunci(
+        &addr,
+        &["proclaim", "svc", &term.to_string(), &"v".repeat(129)],
+    );
+    assert_eq!(usage.status.code(), Some(2));
+    let usage = kunci(&addr, &["proclaim", "svc", "twelve", "v"]);
+    assert_eq!(usage.status.code(), Some(2));
+    assert_eq!(
+        lead.proclaim(""),
+        Err(Error::InvalidArgument("value is empty"))
+    );
+    assert!(
+        items.recv_timeout(Duration::from_millis(300)).is_err(),
+        "nothing changed"
+    );
+    assert_eq!(
+        client
+            .leader("svc")
+            .unwrap()
+            .and_then(|l| l.value)
+            .as_deref(),
+        Some("host c")
+    );
+
+    // The lead is lost (released behind its back): a proclaim says so,
+    // reports the loss once, and the resign after it is quiet.
+    client.release("svc", term).unwrap();
+    assert_eq!(next(Duration::from_secs(5)), None);
+    assert_eq!(lead.proclaim("too late"), Err(Error::NotHeld));
+    assert_eq!(lead.lost(), Some(kunci::client::Loss::NotHeld));
+    assert_eq!(lead.proclaim("later still"), Err(Error::NotHeld));
+    assert_eq!(lead.release(), Ok(()));
+    signal(&watcher, libc::SIGINT);
+    assert_eq!(watcher.wait().unwrap().code(), Some(0));
+    server.stop();
+}
+
+/// Spec §7.5 (v5): a server restarted after a crash adopts a held grant
+/// when its holder renews, without its label; a campaign's keep-alive
+/// then reads the key and proclaims its value again at once, so that the
+/// leader is known by its value again — the latest proclaimed one — with
+/// the same term.
+#[test]
+fn a_campaign_proclaims_its_value_again_after_its_grant_was_adopted() {
+    use kunci::client::{Client, Config};
+
+    let dir = TempDir::new("leader-adopt");
+    let socket = format!("unix:{}", dir.join("kunci.sock").display());
+    let state = dir.join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let state = state.to_string_lossy().into_owned();
+    let args = ["--listen", socket.as_str(), "--state-dir", state.as_str()];
+    let server = TestServer::start(&args);
+    let client = Client::new([socket.parse().unwrap()], Config::default()).unwrap();
+    let lead = client
+        .campaign("svc", "host a", Duration::from_secs(6))
+        .unwrap();
+    lead.proclaim("host b").unwrap();
+    let term = lead.token();
+    server.kill();
+    let restarted = Instant::now();
+    let server = TestServer::start(&args);
+    // The grace: someone leads, unknown who, until the holder renews.
+    let mut seen = Vec::new();
+    let leader = loop {
+        let leader = client.leader("svc").unwrap().expect("a leader");
+        if leader
+            .value
+            .as_deref()
+            .is_some_and(|value| !value.is_empty())
+        {
+            break leader;
+        }
+        seen.push(leader.value.clone());
+        assert!(
+            restarted.elapsed() < Duration::from_secs(6),
+            "the value was not proclaimed again: {seen:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        (leader.value.as_deref(), leader.term),
+        (Some("host b"), term)
+    );
+    assert!(lead.lost().is_none() && lead.is_valid());
+    lead.release().unwrap();
+    assert_eq!(client.leader("svc").unwrap(), None);
+    server.stop();
+}

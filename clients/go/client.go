@@ -32,7 +32,7 @@ const (
 	// Unavailable or Indeterminate while valid_until is ahead.
 	renewRetry = 50 * time.Millisecond
 	// retryPauseFirst and retryPauseMax: the pauses of Campaign and
-	// Observe after an outage, doubling.
+	// Observe after an outage, doubling; each is taken ±25 % (jittered).
 	retryPauseFirst = 100 * time.Millisecond
 	retryPauseMax   = 2 * time.Second
 	// shutdownNoticeWait: how long after a B the X 8 of a server shutting

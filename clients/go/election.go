@@ -107,7 +107,7 @@ func (c *Client) Campaign(ctx context.Context, name, value string, opts ...Optio
 		if bounded && !time.Now().Before(waitEnd) {
 			return nil, &Error{Kind: ErrTimeout, Detail: "the campaign's wait ran out", Cause: err}
 		}
-		if !sleepCtx(ctx, pause) {
+		if !sleepCtx(ctx, jittered(pause)) {
 			return nil, &Error{Kind: ErrUnavailable, Detail: "cancelled while waiting to campaign again", Cause: ctx.Err()}
 		}
 		pause *= 2
@@ -145,7 +145,7 @@ func (c *Client) releaseOwnGrant(ctx context.Context, acquire *call) error {
 		} else if errors.Is(err, ErrInvalidArgument) || errors.Is(err, ErrPermissionDenied) {
 			return err
 		}
-		if !sleepCtx(ctx, pause) {
+		if !sleepCtx(ctx, jittered(pause)) {
 			return ctx.Err()
 		}
 		pause *= 2
@@ -267,7 +267,7 @@ func (c *Client) follow(ctx context.Context, key []byte, ch chan<- *Leader) {
 			if errors.Is(err, ErrInvalidArgument) || errors.Is(err, ErrPermissionDenied) || errors.Is(err, ErrClosed) {
 				return
 			}
-			if !sleepCtx(ctx, pause) {
+			if !sleepCtx(ctx, jittered(pause)) {
 				return
 			}
 			pause *= 2

@@ -1,6 +1,6 @@
-//! The client commands: `acquire`, `release`, `renew`, `query`, `info`,
-//! `ping`, as a table of what each accepts, prints and runs, and their
-//! dispatch. Their options are in `options.rs` and what they print when
+//! The client commands: `acquire`, `release`, `renew`, `proclaim`,
+//! `query`, `who`, `list`, `info`, `ping`, as a table of what each
+//! accepts, prints and runs, and their dispatch. Their options are in `options.rs` and what they print when
 //! a call fails in `messages.rs`; both are handed on from here to `run`,
 //! `elect`, `top` and `bench`.
 
@@ -132,6 +132,36 @@ Options:
             let token = token(&options.positionals[1])?;
             client.renew(&options.positionals[0], token, options.lease)?;
             say(out, "renewed")
+        },
+    },
+    Command {
+        name: "proclaim",
+        accepts: Accepts {
+            positionals: &["NAME", "TOKEN", "VALUE"],
+            ..NONE
+        },
+        help: "\
+kunci proclaim — change a leader's value, keeping its term
+
+Usage: kunci proclaim NAME TOKEN VALUE [--server ADDR]...
+
+Sets the value (the label) of the grant TOKEN of the election (or key)
+NAME to VALUE (1..=128 bytes, no newline) and changes nothing else: not
+the term, not the lease, not the time in office (spec §13.4a, etcd's
+Proclaim). Observers (`kunci leader --watch`) see the new value with the
+same term. Exits 0 when set, 6 when TOKEN does not hold NAME (the lead is
+lost), 2 for a VALUE that is empty, too long or has a newline.
+
+Options:
+",
+        run: |client, options, out| {
+            let token = token(&options.positionals[1])?;
+            let value = &options.positionals[2];
+            if value.is_empty() {
+                return Err(Error::InvalidArgument("VALUE is empty"));
+            }
+            client.proclaim(&options.positionals[0], token, value)?;
+            say(out, "proclaimed")
         },
     },
     Command {
@@ -352,7 +382,7 @@ pub(super) fn main(name: &str, arguments: Vec<OsString>) -> u8 {
                     .accepts
                     .positionals
                     .first()
-                    .filter(|name| **name == "KEY")
+                    .filter(|name| matches!(**name, "KEY" | "NAME"))
                     .and_then(|_| options.positionals.first())
                     .map(String::as_str),
                 wait: command.accepts.wait.then_some(options.wait),

@@ -39,6 +39,7 @@ Usage:
         [options] -- CMD [ARGS]...
   kunci elect NAME VALUE [options] -- CMD   run a command while leading
   kunci leader NAME [--json] [--watch]      show (or follow) who leads
+  kunci proclaim NAME TOKEN VALUE           change the leader's value
   kunci bench [WORKLOAD] [options]          load-test a server
   kunci secret NAME SCOPE...                make a secret and its --auth line
   kunci help [COMMAND]                      show this help, or a command's

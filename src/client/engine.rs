@@ -272,6 +272,8 @@ pub(crate) struct Engine<R> {
     last_final_refusal: Refusal,
     /// `X 8` (server shutting down) frames seen so far.
     shutdown_notices: u64,
+    /// Connections that were up and ended, so far.
+    sessions_ended: u64,
     /// Sent as `U` first on every session.
     secret: Option<Secret>,
     /// Why no request can run with this configuration (a secret that
@@ -313,6 +315,7 @@ impl<R> Engine<R> {
             last_final_refusal: Refusal::Unavailable(Unavailable::NotAllowed),
             refusals: 0,
             shutdown_notices: 0,
+            sessions_ended: 0,
             secret: None,
             refusal: None,
             end_at_refusal: false,
@@ -342,6 +345,12 @@ impl<R> Engine<R> {
     /// How many times a server said it is shutting down (`X 8`).
     pub(crate) fn shutdown_notices(&self) -> u64 {
         self.shutdown_notices
+    }
+
+    /// How many connections that were up have ended (a kept lease renewed
+    /// after one may have been adopted by a restarted server).
+    pub(crate) fn sessions_ended(&self) -> u64 {
+        self.sessions_ended
     }
 
     /// No request is pending: nothing would be lost by stopping.
@@ -1251,6 +1260,7 @@ impl<R> Engine<R> {
         if session.link != Link::Up {
             return;
         }
+        self.sessions_ended += 1;
         // A healthy session (one that had answers: `failures` is 0) is
         // reopened at once; one that keeps closing backs off.
         session.failures = session.failures.saturating_add(1);
@@ -1419,7 +1429,9 @@ fn encode<R>(req: &Req<R>, now: Instant, out: &mut Vec<u8>) {
             count,
             prefix: key,
         },
-        Op::Observe { id, since, wait_s } => Request::Observe {
+        Op::Observe {
+            id, since, wait_s, ..
+        } => Request::Observe {
             wait_s,
             id,
             since,

@@ -10,6 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use super::keep_alive::{Grant, KeepAlives, KeepId, Loss, Step};
+use super::permits::Label;
 use super::vocabulary::{Key, Outcome, Submission};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -83,10 +84,17 @@ impl Slot {
 }
 
 /// Where an outcome goes: a waiting call (its thread's slot and its
-/// number), or the renewal of a kept lease.
+/// number), the renewal of a kept lease, or the read of a
+/// [`KeepTask::CheckLabel`] (then grant `token` of `key` is proclaimed
+/// `label` again if the read shows it without it).
 pub(crate) enum Reply {
-    Call { slot: Arc<Slot>, seq: u64 },
+    Call {
+        slot: Arc<Slot>,
+        seq: u64,
+    },
     KeepAlive(KeepId),
+    /// Boxed: rare, and every request carries a `Reply`.
+    CheckLabel(Box<(Key, u64, Label)>),
 }
 
 /// What callers hand a backend: a request goes straight to it, and only
@@ -109,6 +117,9 @@ pub(crate) enum LeaseMessage {
     },
     /// Stop keeping a lease: it is being released.
     Forget(KeepId),
+    /// The holder proclaimed a new label: restore that one after an
+    /// adoption.
+    Relabel { id: KeepId, label: Label },
 }
 
 /// A callback run once, on the backend's thread, when the lock is lost.
@@ -182,6 +193,9 @@ pub(crate) enum KeepTask {
     },
     /// Release a grant nobody holds any more, in the background.
     Release { key: Key, token: u64 },
+    /// Read `key` (`O`, wait 0) and proclaim `label` for grant `token` if
+    /// it is the key's current grant with another label ([`Reply::CheckLabel`]).
+    CheckLabel { key: Key, token: u64, label: Label },
 }
 
 /// The kept leases of one backend: the [`KeepAlives`] rules, and the
@@ -204,7 +218,14 @@ impl KeptLeases {
                 self.keep.remove(id);
                 self.mirrors.remove(&id);
             }
+            LeaseMessage::Relabel { id, label } => self.keep.relabel(id, label),
         }
+    }
+
+    /// The client's count of ended connections (a renewal that succeeds
+    /// after it changed may be an adoption: `keep_alive.rs`).
+    pub(crate) fn set_connections(&mut self, count: u64) {
+        self.keep.set_connections(count);
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) is next due.
@@ -240,6 +261,9 @@ impl KeptLeases {
                     });
                 }
                 Step::Release { key, token } => return Some(KeepTask::Release { key, token }),
+                Step::CheckLabel { key, token, label } => {
+                    return Some(KeepTask::CheckLabel { key, token, label });
+                }
                 Step::Renewed { id, valid_until } => {
                     if let Some(mirror) = self.mirrors.get(&id) {
                         mirror.renewed(valid_until);

@@ -21,7 +21,8 @@ use mio::{Events, Interest, Poll, Registry, Token, Waker};
 use super::config::Config;
 use super::engine::{Action, Engine, SessionId};
 use super::handoff::{KeepTask, KeptLeases, Message, Reply, Slot};
-use super::vocabulary::{Op, Outcome, Submission, TRANSPORT_DEADLINE, Unavailable};
+use super::permits::Label;
+use super::vocabulary::{Key, Op, Outcome, Submission, TRANSPORT_DEADLINE, Unavailable};
 use crate::addr::Address;
 use crate::stream::Stream;
 
@@ -215,6 +216,7 @@ pub(crate) fn start(
         attempts: vec![0; sessions],
         buf: vec![0; READ_CHUNK],
         tls,
+        observe_ids: super::random_u64(),
     };
     std::thread::Builder::new()
         .name(IO_THREAD.into())
@@ -245,6 +247,9 @@ struct Shell {
     /// How `tls://` sessions start.
     #[cfg_attr(not(feature = "tls"), allow(dead_code))]
     tls: TlsConfig,
+    /// The ids of the label checks' `O`s: a random base, counted up, so
+    /// that they meet no id of the client's own calls (nor 0).
+    observe_ids: u64,
 }
 
 fn would_block(error: &io::Error) -> bool {
@@ -361,7 +366,14 @@ impl Shell {
                 progressed = true;
                 match reply {
                     Reply::Call { slot, seq } => slot.deliver(seq, outcome),
-                    Reply::KeepAlive(id) => self.kept.handle_outcome(id, outcome, Instant::now()),
+                    Reply::KeepAlive(id) => {
+                        self.kept.set_connections(self.engine.sessions_ended());
+                        self.kept.handle_outcome(id, outcome, Instant::now());
+                    }
+                    Reply::CheckLabel(check) => {
+                        let (key, token, label) = *check;
+                        self.proclaim_again(key, token, label, outcome);
+                    }
                 }
             }
             progressed |= self.run_keep_tasks();
@@ -397,9 +409,54 @@ impl Shell {
                 KeepTask::Release { key, token } => {
                     self.engine.release_in_background(key, token, now)
                 }
+                KeepTask::CheckLabel { key, token, label } => {
+                    self.observe_ids = self.observe_ids.wrapping_add(1);
+                    self.engine.submit(
+                        Submission {
+                            op: Op::Observe {
+                                id: self.observe_ids,
+                                since: 0,
+                                wait_s: 0,
+                                seen: None,
+                            },
+                            key,
+                            deadline: now + TRANSPORT_DEADLINE,
+                            reply: Some(Reply::CheckLabel(Box::new((key, token, label)))),
+                        },
+                        now,
+                    );
+                }
             }
         }
         any
+    }
+
+    /// After a renewal through an outage or a reconnect (spec §7.5): the
+    /// grant's label again when the read shows the grant without it (a
+    /// server restarted after a crash adopted it). Only then: a server
+    /// without `C` would end the connection that carries one. Nobody
+    /// waits for the proclaim; a failure is left to the renewals.
+    fn proclaim_again(&mut self, key: Key, token: u64, label: Label, read: Outcome) {
+        let Outcome::Observed(state) = read else {
+            log::debug!("reading {key:?} to restore its label: {}", read.summary());
+            return;
+        };
+        if state.token != token || state.label == label.as_str() {
+            return;
+        }
+        log::debug!(
+            "{key:?}: grant {token} lost its label (adopted after a crash); proclaiming it again"
+        );
+        let now = Instant::now();
+        self.engine.submit(
+            Submission {
+                op: Op::Proclaim { token, label },
+                key,
+                deadline: now + TRANSPORT_DEADLINE,
+                reply: None,
+            },
+            now,
+        );
     }
 
     fn perform_actions(&mut self) {

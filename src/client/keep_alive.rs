@@ -18,11 +18,19 @@
 //! lost the moment `valid_until` passes without a successful renewal, even
 //! with a renewal in flight; if that renewal is answered `E` later, nobody
 //! holds the grant any more, so it is released in the background.
+//!
+//! A renewal that succeeds after one that reached no verdict, or after a
+//! connection of the client ended since the last success, may have been
+//! an adoption by a server restarted after a crash (spec §7.3), which
+//! keeps the grant without its label (§7.5): a lease with a label then
+//! asks for [`Step::CheckLabel`], a read of the key and a proclaim of the
+//! label if the read shows it gone.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use super::permits::Label;
 use super::vocabulary::{Key, Outcome, valid_until};
 
 /// Identifies one kept lease within a client.
@@ -73,6 +81,11 @@ pub(crate) enum Step {
     /// A grant nobody holds any more (a renewal answered after the loss):
     /// release it in the background.
     Release { key: Key, token: u64 },
+    /// A renewal succeeded through an outage or a reconnect: read the key
+    /// and, if grant `token` is its current one with another label,
+    /// proclaim `label` again (nobody waits for the outcome; a loss is the
+    /// renewals' to find).
+    CheckLabel { key: Key, token: u64, label: Label },
 }
 
 /// A lease to keep: granted (or last renewed) by a request handed to the
@@ -84,6 +97,8 @@ pub(crate) struct Grant {
     pub lease: Duration,
     pub set_at: Instant,
     pub valid_until: Instant,
+    /// The grant's label (empty: nothing to proclaim again).
+    pub label: Label,
 }
 
 struct Kept {
@@ -96,6 +111,11 @@ struct Kept {
     renewing: Option<Instant>,
     /// The instant this lease is filed under in `wakes`.
     wake: Instant,
+    label: Label,
+    /// A renewal reached no verdict since the last success.
+    outage: bool,
+    /// The client's count of ended connections at the last success.
+    connections: u64,
 }
 
 impl Kept {
@@ -116,6 +136,9 @@ pub(crate) struct KeepAlives {
     /// is answered `E` after all.
     lost_renewing: HashMap<KeepId, (Key, u64)>,
     steps: VecDeque<Step>,
+    /// How many connections of the client have ended (the backend says;
+    /// etcd, which adopts nothing, leaves it 0).
+    connections: u64,
 }
 
 impl KeepAlives {
@@ -127,6 +150,7 @@ impl KeepAlives {
             lease,
             set_at,
             valid_until,
+            label,
         } = grant;
         if now >= valid_until {
             self.steps.push_back(Step::Lost {
@@ -143,6 +167,9 @@ impl KeepAlives {
             next_renewal: set_at + lease / 3,
             renewing: None,
             wake: now,
+            label,
+            outage: false,
+            connections: self.connections,
         };
         self.file(id, kept);
         self.handle_timeout(now);
@@ -155,6 +182,18 @@ impl KeepAlives {
             self.wakes.remove(&(kept.wake, id));
         }
         self.lost_renewing.remove(&id);
+    }
+
+    /// The holder proclaimed a new label: it is the one to restore.
+    pub(crate) fn relabel(&mut self, id: KeepId, label: Label) {
+        if let Some(kept) = self.kept.get_mut(&id) {
+            kept.label = label;
+        }
+    }
+
+    /// The client's count of ended connections is now `count`.
+    pub(crate) fn set_connections(&mut self, count: u64) {
+        self.connections = count;
     }
 
     #[cfg(test)]
@@ -247,6 +286,16 @@ impl KeepAlives {
                     id,
                     valid_until: kept.valid_until,
                 });
+                let through = kept.outage || kept.connections != self.connections;
+                kept.outage = false;
+                kept.connections = self.connections;
+                if through && !kept.label.as_str().is_empty() {
+                    self.steps.push_back(Step::CheckLabel {
+                        key: kept.key,
+                        token: kept.token,
+                        label: kept.label,
+                    });
+                }
             }
             Outcome::NotHeld => {
                 self.steps.push_back(Step::Lost {
@@ -256,7 +305,10 @@ impl KeepAlives {
                 return;
             }
             // No verdict: the lease is as it was; try again soon.
-            _ => kept.next_renewal = now + RETRY_PAUSE,
+            _ => {
+                kept.next_renewal = now + RETRY_PAUSE;
+                kept.outage = true;
+            }
         }
         self.file(id, kept);
         self.handle_timeout(now);
@@ -301,6 +353,7 @@ mod tests {
             lease,
             set_at,
             valid_until: valid_until(set_at, lease),
+            label: Label::new("host-a").unwrap(),
         }
     }
 
@@ -328,6 +381,9 @@ mod tests {
                 Step::Renewed { id, valid_until } => format!("renewed {id} {valid_until:?}"),
                 Step::Lost { id, loss } => format!("lost {id} {loss:?}"),
                 Step::Release { key, token } => format!("release {} {token}", key.as_str()),
+                Step::CheckLabel { key, token, label } => {
+                    format!("check {} {token} {}", key.as_str(), label.as_str())
+                }
             })
             .collect()
     }
@@ -464,6 +520,42 @@ mod tests {
         assert!(steps(&mut keep).is_empty());
         assert_eq!(keep.poll_timeout(), None);
         assert!(keep.is_empty());
+    }
+
+    #[test]
+    fn a_renewal_through_an_outage_or_a_reconnect_checks_the_label_once() {
+        let lease = 30 * S;
+        let (mut keep, clock, _) = kept(lease);
+        // A plain renewal: nothing to check.
+        keep.handle_timeout(clock.at(10 * S));
+        assert_eq!(steps(&mut keep), ["renew 7 kept 42 30"]);
+        let sent_at = clock.at(10 * S);
+        keep.handle_outcome(7, Outcome::Extended { sent_at }, clock.at(10 * S + MS));
+        assert_eq!(steps(&mut keep).len(), 1, "renewed only");
+        // A renewal that reached no verdict, then one that succeeded.
+        keep.handle_timeout(clock.at(20 * S));
+        assert_eq!(steps(&mut keep).len(), 1);
+        keep.handle_outcome(7, Outcome::Indeterminate, clock.at(21 * S));
+        keep.handle_timeout(clock.at(21 * S) + RETRY_PAUSE);
+        assert_eq!(steps(&mut keep), ["renew 7 kept 42 30"]);
+        let sent_at = clock.at(21 * S) + RETRY_PAUSE;
+        keep.handle_outcome(7, Outcome::Extended { sent_at }, sent_at + MS);
+        let renewed = format!("renewed 7 {:?}", valid_until(sent_at, lease));
+        assert_eq!(steps(&mut keep), [renewed, "check kept 42 host-a".into()]);
+        // A connection ended meanwhile (a restart within lease/3), and the
+        // holder proclaimed a new value: that one is checked, once.
+        keep.relabel(7, Label::new("host-b").unwrap());
+        keep.set_connections(1);
+        let due = sent_at + lease / 3;
+        keep.handle_timeout(due);
+        assert_eq!(steps(&mut keep).len(), 1);
+        keep.handle_outcome(7, Outcome::Extended { sent_at: due }, due + MS);
+        assert_eq!(steps(&mut keep)[1], "check kept 42 host-b");
+        keep.handle_timeout(due + lease / 3);
+        assert_eq!(steps(&mut keep).len(), 1);
+        let sent_at = due + lease / 3;
+        keep.handle_outcome(7, Outcome::Extended { sent_at }, sent_at + MS);
+        assert_eq!(steps(&mut keep).len(), 1, "no reconnect since: no check");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::handoff::{LeaseMessage, Message, Mirror, OnLost};
 use super::keep_alive::{Grant, KeepId, Loss};
+use super::ticket::campaign_value;
 use super::vocabulary::{Error, Key, drift_margin};
 use super::{Client, Permits, Ticket};
 
@@ -70,6 +71,8 @@ pub struct KeptLease {
     lease: Duration,
     id: KeepId,
     mirror: Arc<Mirror>,
+    /// A campaign's lead: releasing it after a loss is a quiet resign.
+    campaign: bool,
     /// Released: the drop has nothing left to do.
     done: bool,
 }
@@ -146,12 +149,13 @@ impl Ticket {
 
     fn keep(self, on_lost: Option<OnLost>) -> KeptLease {
         let client = self.client().clone();
-        let (key, token, permits, lease, valid_until) = (
+        let (key, token, permits, lease, valid_until, label) = (
             self.raw_key(),
             self.token(),
             self.permits(),
             self.lease(),
             self.valid_until(),
+            self.raw_label(),
         );
         // The renewals take over: the ticket's drop must not release.
         let _ = self.into_token();
@@ -168,6 +172,7 @@ impl Ticket {
             lease,
             set_at,
             valid_until,
+            label,
         };
         let sent = client.send(Message::Lease(LeaseMessage::Keep {
             id,
@@ -187,6 +192,7 @@ impl Ticket {
             lease,
             id,
             mirror,
+            campaign: false,
             done: false,
         }
     }
@@ -274,13 +280,74 @@ impl KeptLease {
     /// Stops the renewals and releases the lock (`R` for exactly this
     /// token), waiting for the answer. After a loss it sends nothing and
     /// returns [`Error::NotHeld`]; [`Error::NotHeld`] also when the server
-    /// no longer had this grant.
-    pub fn release(mut self) -> Result<(), Error> {
+    /// no longer had this grant. A campaign's lead
+    /// ([`Client::campaign`]) resigns quietly instead: see
+    /// [`resign`](Self::resign).
+    pub fn release(self) -> Result<(), Error> {
+        if self.campaign {
+            return self.resign();
+        }
+        self.release_loudly()
+    }
+
+    /// Resigns: stops the renewals and releases the lock as
+    /// [`release`](Self::release) does, but a lock (or lead) that is
+    /// already lost — known here, or found gone by the server's `N` — is
+    /// `Ok`, as etcd's `Resign` and Curator's `close()`: the holder wanted
+    /// it gone, and it is.
+    pub fn resign(self) -> Result<(), Error> {
+        match self.release_loudly() {
+            Err(Error::NotHeld) => Ok(()),
+            done => done,
+        }
+    }
+
+    fn release_loudly(mut self) -> Result<(), Error> {
         self.done = true;
         if self.stop().is_some() {
             return Err(Error::NotHeld);
         }
         self.client.release(self.key.as_str(), self.token)
+    }
+
+    /// Marks a campaign's lead: its [`release`](Self::release) resigns
+    /// quietly.
+    pub(super) fn for_campaign(mut self) -> KeptLease {
+        self.campaign = true;
+        self
+    }
+
+    /// Changes the grant's label to `value` (1..=128 bytes, no newline),
+    /// keeping its token, lease and grant time (spec §13.4a, `C`): a
+    /// leader changes its value and keeps its term; observers see the
+    /// new value with the same term; and it is this value that is
+    /// proclaimed again if a restarted server adopts the grant.
+    ///
+    /// After a loss it sends nothing and returns [`Error::NotHeld`]. If
+    /// the server answers `N` the lock is lost: it is reported as a loss
+    /// ([`Loss::NotHeld`]; the callback runs on this thread then), the
+    /// renewals stop, and [`Error::NotHeld`] is returned. On etcd it is a
+    /// put of the grant's own entry (guarded by its create revision, on
+    /// its own lease).
+    pub fn proclaim(&self, value: &str) -> Result<(), Error> {
+        let label = campaign_value(value)?;
+        if self.mirror.lock().lost.is_some() {
+            return Err(Error::NotHeld);
+        }
+        match self.client.proclaim(self.key.as_str(), self.token, value) {
+            Ok(()) => {
+                self.client
+                    .send(Message::Lease(LeaseMessage::Relabel { id: self.id, label }));
+                Ok(())
+            }
+            Err(Error::NotHeld) => {
+                self.mirror.lose(Loss::NotHeld);
+                self.client
+                    .send(Message::Lease(LeaseMessage::Forget(self.id)));
+                Err(Error::NotHeld)
+            }
+            Err(error) => Err(error),
+        }
     }
 
     /// Marks the lease released and tells the I/O thread to stop renewing

@@ -6,8 +6,9 @@
 
 use std::time::{Duration, Instant};
 
+use super::ticket::campaign_value;
 use super::vocabulary::{
-    Error, Key, KeyState, Op, Outcome, TRANSPORT_DEADLINE, WAIT_MAX, outcome_error,
+    Error, Key, KeyState, Op, Outcome, Seen, TRANSPORT_DEADLINE, WAIT_MAX, outcome_error,
 };
 use super::{AcquireOptions, Client, KeptLease};
 
@@ -57,7 +58,8 @@ impl Leader {
     }
 }
 
-/// The longest pause between two attempts of [`Observe`] after a failure.
+/// The longest pause between two attempts of [`Observe`] after a failure
+/// (each pause is taken ±25 %, `jitter.rs`).
 const PAUSE_MAX: Duration = Duration::from_secs(2);
 /// The first such pause; it doubles up to [`PAUSE_MAX`].
 const PAUSE_FIRST: Duration = Duration::from_millis(100);
@@ -71,6 +73,18 @@ impl Client {
     /// again is always safe. A server with no room for one more watch
     /// answers [`Error::Busy`].
     pub fn observe_key(&self, key: &str, since: u64, wait: Duration) -> Result<KeyState, Error> {
+        self.observe_seen(key, since, wait, None)
+    }
+
+    /// [`observe_key`](Self::observe_key) that, on etcd, also ends when
+    /// the key's state no longer shows what `seen` says was reported.
+    fn observe_seen(
+        &self,
+        key: &str,
+        since: u64,
+        wait: Duration,
+        seen: Option<Seen>,
+    ) -> Result<KeyState, Error> {
         let key = Key::new(key).map_err(Error::InvalidArgument)?;
         if wait > WAIT_MAX {
             return Err(Error::InvalidArgument("wait is longer than 255 s"));
@@ -80,6 +94,7 @@ impl Client {
             id: self.fresh_owner(),
             since,
             wait_s,
+            seen,
         };
         let deadline = Instant::now() + wait + TRANSPORT_DEADLINE;
         match self.call(op, key, deadline) {
@@ -100,7 +115,10 @@ impl Client {
     /// pause that doubles up to 2 s, and yields a state only when it
     /// differs from the last one yielded; a change shorter than one round
     /// trip may be missed, and terms only ever increase. A new value of
-    /// the same term (a proclaim) is a change. A crash grace is not
+    /// the same term (a proclaim) is a change, and so is a time in office
+    /// that becomes known (on etcd, where a campaign stamps its grant time
+    /// just after its grant: the leader is yielded again with `held_for`).
+    /// Pauses are taken ±25 %. A crash grace is not
     /// "nobody leads": an observer that was following a leader keeps it
     /// (the grant adopted with the same term is no change, nor is its
     /// value empty until the holder proclaims it again), and one with
@@ -125,6 +143,7 @@ impl Client {
             client: self.clone(),
             name: name.to_owned(),
             since: None,
+            seen: None,
             reported: None,
             ended: false,
         }
@@ -136,13 +155,42 @@ impl Client {
     /// kept alive in the background. It returns once this candidate
     /// leads; the lease's token is its term. Releasing the lease resigns;
     /// a candidate whose process dies loses the lead at its lease's end.
+    ///
+    /// The lead's [`proclaim`](KeptLease::proclaim) changes the value and
+    /// keeps the term; its [`release`](KeptLease::release) after a loss
+    /// resigns quietly (`Ok`), as etcd's `Resign`; its
+    /// [`wait_lost`](KeptLease::wait_lost) blocks until the lead is lost.
+    /// After a restarted server adopted the grant (spec §7.5) the value is
+    /// proclaimed again at once.
     pub fn campaign(&self, name: &str, value: &str, lease: Duration) -> Result<KeptLease, Error> {
-        if value.is_empty() {
-            return Err(Error::InvalidArgument("value is empty"));
-        }
+        campaign_value(value)?;
         let options = AcquireOptions::new().label(value).for_campaign();
-        self.acquire_forever(name, lease, options)?
-            .keep_alive_fresh()
+        Ok(self
+            .acquire_forever(name, lease, options)?
+            .keep_alive_fresh()?
+            .for_campaign())
+    }
+
+    /// [`campaign`](Self::campaign) bounded by `wait` (at most 255 s, as
+    /// an acquire's, spec §13.6 `wait=`): one wait in the queue, which
+    /// ends [`Error::Timeout`] if this candidate does not lead by then
+    /// (its place in the queue is given up). Like an acquire it returns
+    /// by `start + wait + 5 s`, and a server that cannot be reached is
+    /// [`Error::Unavailable`] rather than waited through; for longer
+    /// waits, call it again (or use [`campaign`](Self::campaign)).
+    pub fn campaign_within(
+        &self,
+        name: &str,
+        value: &str,
+        lease: Duration,
+        wait: Duration,
+    ) -> Result<KeptLease, Error> {
+        campaign_value(value)?;
+        let options = AcquireOptions::new().label(value).for_campaign();
+        Ok(self
+            .acquire_with(name, wait, lease, options)?
+            .keep_alive_fresh()?
+            .for_campaign())
     }
 }
 
@@ -153,10 +201,20 @@ pub struct Observe {
     name: String,
     /// The token of the last answer, `None` before the first.
     since: Option<u64>,
-    /// The last state yielded (value and term), `None` before the first.
-    reported: Option<Option<(Option<String>, u64)>>,
+    /// What the last answer showed besides its token (etcd answers a
+    /// change of it at once).
+    seen: Option<Seen>,
+    /// The last state yielded (value, term, and whether the time in
+    /// office was known), `None` before the first.
+    reported: Option<Option<Shown>>,
     ended: bool,
 }
+
+/// What [`Observe`] reports a change of: the value, the term, and whether
+/// the time in office is known (on etcd a campaign stamps its grant time
+/// into its entry just after the grant; an observer that saw the
+/// hand-over first reports the leader again once it is there).
+type Shown = (Option<String>, u64, bool);
 
 impl Iterator for Observe {
     type Item = Result<Option<Leader>, Error>;
@@ -171,24 +229,27 @@ impl Iterator for Observe {
                 None => (0, Duration::ZERO),
                 Some(since) => (since, WAIT_MAX),
             };
-            match self.client.observe_key(&self.name, since, wait) {
+            match self.client.observe_seen(&self.name, since, wait, self.seen) {
                 Ok(state) => {
                     pause = PAUSE_FIRST;
                     self.since = Some(state.token);
+                    self.seen = Some(Seen::of(&state));
                     let leader = Leader::of(state);
-                    let shown = leader.as_ref().map(|l| (l.value.clone(), l.term));
+                    let shown = leader
+                        .as_ref()
+                        .map(|l| (l.value.clone(), l.term, l.held_for.is_some()));
                     let last_term = self
                         .reported
                         .as_ref()
-                        .and_then(|last| last.as_ref().map(|(_, term)| *term));
-                    let older = matches!((&shown, last_term), (Some((_, term)), Some(last)) if *term < last);
+                        .and_then(|last| last.as_ref().map(|(_, term, _)| *term));
+                    let older = matches!((&shown, last_term), (Some((_, term, _)), Some(last)) if *term < last);
                     // An adopted grant has no label until its holder
                     // proclaims it again (spec §7.5); a campaign's value
                     // is never empty, so an empty one of the same term is
                     // the leader not yet restored, not a new value.
                     let unproclaimed = matches!(
                         (&shown, last_term),
-                        (Some((Some(value), term)), Some(last)) if value.is_empty() && *term == last
+                        (Some((Some(value), term, _)), Some(last)) if value.is_empty() && *term == last
                     );
                     if self.reported.as_ref() != Some(&shown) && !older && !unproclaimed {
                         self.reported = Some(shown);
@@ -205,7 +266,7 @@ impl Iterator for Observe {
                         self.name,
                         crate::decimal::seconds_shortest(pause)
                     );
-                    std::thread::sleep(pause);
+                    super::jitter::sleep(pause);
                     pause = (pause * 2).min(PAUSE_MAX);
                 }
             }

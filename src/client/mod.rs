@@ -37,6 +37,7 @@ mod engine;
 mod etcd;
 mod handoff;
 mod io;
+mod jitter;
 mod keep_alive;
 mod kept;
 mod leader;
@@ -247,6 +248,7 @@ impl Client {
                     permits,
                     lease,
                     sent_at,
+                    label,
                 ))
             }
             outcome => Err(outcome_error(outcome)),

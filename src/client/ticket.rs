@@ -3,6 +3,7 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use super::permits::Label;
 use super::vocabulary::{Error, Key, valid_until};
 use super::{Client, Permits};
 
@@ -21,6 +22,10 @@ pub struct Ticket {
     permits: Permits,
     lease: Duration,
     valid_until: Instant,
+    /// The grant's label (a campaign's value), as the acquire or the
+    /// latest proclaim set it: a managed lease proclaims it again after a
+    /// restarted server adopted the grant without it (spec §7.5).
+    label: Label,
     /// Whether dropping the ticket releases the lock.
     armed: bool,
 }
@@ -33,6 +38,7 @@ impl Ticket {
         permits: Permits,
         lease: Duration,
         sent_at: Instant,
+        label: Label,
     ) -> Ticket {
         Ticket {
             client,
@@ -41,8 +47,13 @@ impl Ticket {
             permits,
             lease,
             valid_until: valid_until(sent_at, lease),
+            label,
             armed: true,
         }
+    }
+
+    pub(super) fn raw_label(&self) -> Label {
+        self.label
     }
 
     pub(super) fn client(&self) -> &Client {
@@ -97,6 +108,37 @@ impl Ticket {
         self.client.release(self.key.as_str(), self.token)
     }
 
+    /// The grant's label: the acquire's, or the latest
+    /// [`proclaim`](Self::proclaim)ed value (empty when it has none).
+    pub fn label(&self) -> &str {
+        self.label.as_str()
+    }
+
+    /// Changes the grant's label to `value` (1..=128 bytes, no newline)
+    /// without touching its token, lease or grant time (spec §13.4a,
+    /// `C`): a campaign's leader changes its value and keeps its term,
+    /// and observers see the new value with the same term. Asking again
+    /// is always safe.
+    ///
+    /// [`Error::NotHeld`]: the server no longer has this grant (the lock
+    /// is lost; [`valid_until`](Self::valid_until) becomes now). On etcd
+    /// it is a put of the grant's own entry, guarded by its create
+    /// revision, on its own lease.
+    pub fn proclaim(&mut self, value: &str) -> Result<(), Error> {
+        let label = campaign_value(value)?;
+        match self.client.proclaim(self.key.as_str(), self.token, value) {
+            Ok(()) => {
+                self.label = label;
+                Ok(())
+            }
+            Err(Error::NotHeld) => {
+                self.valid_until = self.valid_until.min(Instant::now());
+                Err(Error::NotHeld)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
     /// Resets the lease to `lease` (whole seconds, 1..=255) from now.
     ///
     /// On success, [`valid_until`](Self::valid_until) moves to this
@@ -140,6 +182,15 @@ impl Ticket {
     }
 }
 
+/// A campaign's value as a label: 1..=128 bytes without a newline (spec
+/// §13.6), or why not.
+pub(super) fn campaign_value(value: &str) -> Result<Label, Error> {
+    if value.is_empty() {
+        return Err(Error::InvalidArgument("value is empty"));
+    }
+    Label::new(value).map_err(Error::InvalidArgument)
+}
+
 impl Drop for Ticket {
     fn drop(&mut self) {
         if self.armed {
@@ -156,6 +207,7 @@ impl fmt::Debug for Ticket {
             .field("permits", &self.permits)
             .field("lease", &self.lease)
             .field("valid_until", &self.valid_until)
+            .field("label", &self.label())
             .finish()
     }
 }

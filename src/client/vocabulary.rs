@@ -121,17 +121,44 @@ pub(crate) enum Op {
         count: u16,
     },
     /// `O`: the key's state, at once when its token is not `since`, else
-    /// when it changes or `wait_s` ends (spec §13).
+    /// when it changes or `wait_s` ends (spec §13). `seen`: what the
+    /// observer last reported besides the token; on etcd a change of it
+    /// is answered at once too (a kunci server answers a proclaim
+    /// itself, and sends nothing of it).
     Observe {
         id: u64,
         since: u64,
         wait_s: u8,
+        seen: Option<Seen>,
     },
     /// `C`: the label of the grant `token` becomes `label` (spec §13.4a).
     Proclaim {
         token: u64,
         label: Label,
     },
+}
+
+/// What an observer last reported of a leader besides its term: a hash of
+/// its value and whether its time in office was known (on etcd a
+/// campaign stamps it into its entry just after its grant).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Seen {
+    pub label_hash: u64,
+    pub held_known: bool,
+}
+
+impl Seen {
+    /// What a key's state shows an observer.
+    pub(crate) fn of(state: &KeyState) -> Seen {
+        use std::hash::{Hash, Hasher};
+        // Fixed keys: both sides of one process hash alike.
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        state.label.hash(&mut hasher);
+        Seen {
+            label_hash: hasher.finish(),
+            held_known: state.held_ms.is_some(),
+        }
+    }
 }
 
 /// One request as the caller hands it over: what to ask, about which key,

@@ -31,7 +31,7 @@ impl Client {
 }
 
 /// The longest pause between two attempts of `--wait inf` after a restart
-/// or an outage (spec §9).
+/// or an outage (spec §9); each pause is taken ±25 % (`jitter.rs`).
 const RETRY_PAUSE_MAX: Duration = Duration::from_secs(2);
 /// The first such pause; it doubles up to [`RETRY_PAUSE_MAX`].
 const RETRY_PAUSE_FIRST: Duration = Duration::from_millis(100);
@@ -192,7 +192,7 @@ pub(crate) fn acquire_until_granted(
             }
             outcome => return outcome,
         }
-        std::thread::sleep(pause);
+        super::jitter::sleep(pause);
         pause = (pause * 2).min(RETRY_PAUSE_MAX);
     }
 }
@@ -247,7 +247,7 @@ fn release_own_grant(client: &Client, key: &str, owner: u64, silence: &mut Silen
                 say_unheard(silence, client, key);
             }
         }
-        std::thread::sleep(pause);
+        super::jitter::sleep(pause);
         pause = (pause * 2).min(RETRY_PAUSE_MAX);
     }
 }

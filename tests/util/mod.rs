@@ -95,10 +95,12 @@ pub fn stdout_lines(child: &mut Child) -> mpsc::Receiver<String> {
 }
 
 /// The next line of [`stdout_lines`], within `limit`.
+#[track_caller]
 pub fn next_line(lines: &mpsc::Receiver<String>, limit: Duration) -> String {
+    let caller = std::panic::Location::caller();
     lines
         .recv_timeout(limit)
-        .unwrap_or_else(|_| panic!("no line within {limit:?}"))
+        .unwrap_or_else(|_| panic!("no line within {limit:?} (at {caller})"))
 }
 
 /// Sends `signal` to a child of this test.

@@ -183,6 +183,7 @@ impl Sim {
                 id,
                 since: 0,
                 wait_s: 0,
+                seen: None,
             },
         };
         let tag = match op {

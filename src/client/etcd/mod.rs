@@ -141,8 +141,13 @@ fn execute(cluster: &Arc<Cluster>, op: Op, key: Key, deadline: Instant) -> Outco
         // `Indeterminate` has already revoked its own lease.
         Op::Holders { .. } => cluster.holders(key, deadline),
         Op::List { cursor, count, .. } => cluster.list(key, cursor, count, deadline),
-        Op::Observe { since, wait_s, .. } => cluster.observe(key, since, wait_s != 0, deadline),
-        Op::Proclaim { .. } => Outcome::Invalid("proclaim is not supported on etcd"),
+        Op::Observe {
+            since,
+            wait_s,
+            seen,
+            ..
+        } => cluster.observe(key, since, wait_s != 0, seen, deadline),
+        Op::Proclaim { token, label } => cluster.proclaim(key, token, label.as_str(), deadline),
     }
 }
 
@@ -230,6 +235,9 @@ impl Keeper {
                         );
                     }
                 }
+                // etcd keeps a label with its entry: nothing is adopted
+                // without it (and the connection count stays 0).
+                KeepTask::CheckLabel { .. } => {}
                 KeepTask::Release { key, token } => run_in_background(
                     &self.cluster,
                     Submission {

@@ -25,7 +25,7 @@ use super::json::{self, JsonValue};
 use crate::addr::EtcdLayout;
 use crate::client::vocabulary::{
     Denied, Grant, HOLDERS_MAX, Holders, Key, KeyPage, KeyState, KeyStatus, KeySummary, Outcome,
-    TRANSPORT_DEADLINE, Unavailable, Waiter, valid_until,
+    Seen, TRANSPORT_DEADLINE, Unavailable, Waiter, valid_until,
 };
 
 /// The pause before a read that changes nothing is tried again.
@@ -197,6 +197,12 @@ impl Claim {
             take: self.take,
         }
     }
+}
+
+/// The longest a campaign's hand-over waits for its grant time to be
+/// written ([`Cluster::stamp`]): min(1 s, lease/4).
+fn stamp_limit(lease_s: u8) -> Duration {
+    Duration::from_secs(1).min(Duration::from_secs(lease_s.into()) / 4)
 }
 
 /// A campaign's value with its grant time, now: the trailer
@@ -431,7 +437,7 @@ fn range_body(prefix: &str, limit: i64, order: &str, max_create_revision: i64) -
 }
 
 /// A `/v3/watch` request from `from_revision` with one `filter`
-/// (`NOPUT`, `NODELETE`): on the entry named `name`, or with `prefix` on
+/// (`NOPUT`, `NODELETE`; empty: none): on the entry named `name`, or with `prefix` on
 /// every entry of a key (under its prefix).
 fn watch_body(name: &[u8], prefix: Option<&str>, from_revision: i64, filter: &str) -> String {
     let range = match prefix {
@@ -444,9 +450,13 @@ fn watch_body(name: &[u8], prefix: Option<&str>, from_revision: i64, filter: &st
         }
         None => format!(r#""key":"{}""#, json::base64(name)),
     };
-    format!(
-        r#"{{"create_request":{{{range},"start_revision":"{from_revision}","filters":["{filter}"]}}}}"#
-    )
+    // An empty filter: every event (a proclaim's put as well as a delete).
+    let filters = if filter.is_empty() {
+        String::new()
+    } else {
+        format!(r#","filters":["{filter}"]"#)
+    };
+    format!(r#"{{"create_request":{{{range},"start_revision":"{from_revision}"{filters}}}}}"#)
 }
 
 /// Where every kunci key's entries live: the prefix [`prefix`] puts
@@ -900,7 +910,7 @@ impl Cluster {
             };
             return match verdict {
                 Verdict::Holds => {
-                    self.stamp(&place, lease, deadline);
+                    self.stamp(&place, lease, lease_s, deadline);
                     Ok(Outcome::Acquired {
                         token: revision as u64,
                         sent_at: set_at,
@@ -990,7 +1000,7 @@ impl Cluster {
                         }
                         Err(_) => {}
                     }
-                    self.stamp(&place, lease, deadline);
+                    self.stamp(&place, lease, lease_s, deadline);
                     return Outcome::Acquired {
                         token: place.revision as u64,
                         sent_at: set_at,
@@ -1113,9 +1123,11 @@ impl Cluster {
     /// was queued (what a leader's held_for reads): one put of the same
     /// value with the time, on the same lease, guarded by the entry's
     /// create revision and lease so that it never re-creates a released
-    /// entry nor moves it back to a lease it left. Best effort (at most
-    /// 1 s): without it the time is unknown, nothing else.
-    fn stamp(&self, place: &Place, lease: i64, deadline: Instant) {
+    /// entry nor moves it back to a lease it left. Best effort, for at
+    /// most min(1 s, lease/4) (the campaign's hand-over waits for it; a
+    /// short lease must keep most of itself): without it the time is
+    /// unknown, nothing else.
+    fn stamp(&self, place: &Place, lease: i64, lease_s: u8, deadline: Instant) {
         let Some(value) = &place.campaign_value else {
             return;
         };
@@ -1125,7 +1137,7 @@ impl Cluster {
             json::base64(granted_value(value).as_bytes()),
             name = json::base64(place.name.as_bytes()),
         );
-        let by = deadline.min(Instant::now() + Duration::from_secs(1));
+        let by = deadline.min(Instant::now() + stamp_limit(lease_s));
         if self.write("/v3/kv/txn", &txn, by).is_err() {
             log::debug!("could not write the grant time of {}", place.revision);
         }
@@ -1236,6 +1248,49 @@ impl Cluster {
         }
     }
 
+    /// `C` (spec §13.4a) on etcd: a put of the holder's own entry, guarded
+    /// by its create revision (`token`), on the lease it has
+    /// (`ignore_lease`), with `label` as its label. In kunci's layout the
+    /// owner, limit, take and grant time stay; in etcd's the value is the
+    /// label alone, as an `Election`'s `Proclaim` writes it. `NotHeld`
+    /// when `token` does not hold `key`.
+    pub(crate) fn proclaim(&self, key: Key, token: u64, label: &str, deadline: Instant) -> Outcome {
+        let entry = match self.held_by(key, token, deadline) {
+            Ok(entry) => entry,
+            Err(outcome) => return outcome,
+        };
+        let value = match self.layout {
+            EtcdLayout::Etcd => label.to_owned(),
+            EtcdLayout::Kunci => {
+                let (owner, slot) = decode(&entry.value);
+                let claim = Claim {
+                    limit: slot.limit,
+                    take: slot.take,
+                    label: label.to_owned(),
+                    campaign: false,
+                };
+                let trailer = &entry.value[first_line(&entry.value).len()..];
+                claim.value(owner) + &String::from_utf8_lossy(trailer)
+            }
+        };
+        let txn = format!(
+            r#"{{"compare":[{{"key":"{name}","target":"CREATE","result":"EQUAL","create_revision":"{token}"}}],"success":[{{"request_put":{{"key":"{name}","value":"{}","ignore_lease":true}}}}]}}"#,
+            json::base64(value.as_bytes()),
+            name = json::base64(&entry.name),
+        );
+        match self.write("/v3/kv/txn", &txn, deadline) {
+            Ok((_, answer)) if json::field(&answer, "header").is_some() => {
+                if json::boolean(&answer, "succeeded") {
+                    Outcome::Proclaimed
+                } else {
+                    Outcome::NotHeld
+                }
+            }
+            Ok(_) => Outcome::Indeterminate,
+            Err(fault) => fault.outcome(),
+        }
+    }
+
     /// Every entry of `key` in create-revision order, in one read; the
     /// outcome to end the call with when that read fails.
     fn key_entries(&self, key: Key, deadline: Instant) -> Result<Vec<Entry>, Outcome> {
@@ -1278,13 +1333,24 @@ impl Cluster {
     /// create revision of its first entry (the earliest grant; 0 when it
     /// has none), answered at once when that differs from `since` or the
     /// call does not wait; else followed with an etcd watch (not polling)
-    /// until it differs or the wait (`deadline` less the transport
-    /// deadline) ends. The first entry can change only by its own
-    /// deletion (later entries come after it), so a held key's watch is
-    /// on that entry's deletion alone, and a free key's on a put under its
-    /// prefix. A watch that breaks or cannot be opened (an outage) only
-    /// sends it back to the read, which is retried until `deadline`.
-    pub(crate) fn observe(&self, key: Key, since: u64, waits: bool, deadline: Instant) -> Outcome {
+    /// until it differs, or what it shows besides the token differs from
+    /// `seen` (the first read's, when the caller gives none): a proclaim,
+    /// a grant time stamped after the grant; or the wait (`deadline` less
+    /// the transport deadline) ends. The first entry can be replaced only
+    /// by its own deletion (later entries come after it), so a held key's
+    /// watch is on that entry (its deletion, and its puts: a proclaim, a
+    /// stamp), and a free key's on a put under its prefix. A watch that
+    /// breaks or cannot be opened (an outage) only sends it back to the
+    /// read, which is retried until `deadline`.
+    pub(crate) fn observe(
+        &self,
+        key: Key,
+        since: u64,
+        waits: bool,
+        seen: Option<Seen>,
+        deadline: Instant,
+    ) -> Outcome {
+        let mut seen = seen;
         let wait_until = deadline.checked_sub(TRANSPORT_DEADLINE).unwrap_or(deadline);
         let prefix = self.prefix(key);
         let range = range_body(&prefix, 0, "ASCEND", 0);
@@ -1298,11 +1364,13 @@ impl Cluster {
                 return Outcome::Indeterminate;
             };
             let state = key_state(&found);
-            if state.token != since || !waits || Instant::now() >= wait_until {
+            let shows = Seen::of(&state);
+            let changed = *seen.get_or_insert(shows) != shows;
+            if state.token != since || changed || !waits || Instant::now() >= wait_until {
                 return Outcome::Observed(state);
             }
             let watch = match found.first() {
-                Some(first) => watch_body(&first.name, None, revision.saturating_add(1), "NOPUT"),
+                Some(first) => watch_body(&first.name, None, revision.saturating_add(1), ""),
                 None => watch_body(&[], Some(&prefix), revision.saturating_add(1), "NODELETE"),
             };
             self.watch_until(&watch, wait_until, &|_| true);
