@@ -769,12 +769,20 @@ impl Shell {
     /// waited for this write, and the write is tried again each second
     /// until one succeeds; the failure is logged at most once a minute.
     ///
-    /// The check is inline (it runs before every write); the write is not.
+    /// Only the test for a state directory is inline (it runs before
+    /// every write): what follows it would cost a server without one in
+    /// every caller.
     #[inline(always)]
     fn make_durable(&mut self) -> io::Result<()> {
         if self.state.is_none() {
             return Ok(());
         }
+        self.make_durable_with_state()
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn make_durable_with_state(&mut self) -> io::Result<()> {
         match self.endpoint.poll_persist() {
             Some(promise) => self.write_promise(promise),
             None => Ok(()),
