@@ -708,7 +708,11 @@ impl Shell {
     /// Writes `id`'s queued output until it is all sent or the socket
     /// would block (its write readiness then brings it back).
     fn flush(&mut self, id: usize) -> io::Result<()> {
-        self.make_durable()?;
+        // Durability before visibility: only output about to leave needs
+        // the promise on disk (most flushes find none).
+        if self.state.is_some() && self.endpoint.has_output(id as ConnId) {
+            self.make_durable_with_state()?;
+        }
         loop {
             let Some(socket) = self.sockets.get_mut(id) else {
                 return Ok(());
