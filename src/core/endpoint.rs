@@ -700,6 +700,11 @@ impl Endpoint {
     /// The bytes `id` has to send now, if any: none while a promise
     /// waits to be made durable ([`poll_persist`](Self::poll_persist)).
     pub fn transmit(&mut self, id: ConnId) -> Option<&[u8]> {
+        // Nothing to send is the usual answer (a write's second look): say
+        // it before asking the state file.
+        if !self.has_output(id) {
+            return None;
+        }
         // While writes fail (spec §7.6) the core promises nothing past the
         // file: only the output that waited at the failure waits on.
         let failing = self.durability.as_ref().is_some_and(Durability::failing);
@@ -707,15 +712,26 @@ impl Endpoint {
             return None;
         }
         let conn = self.conns.get_mut(id as usize)?.as_mut()?;
-        if conn.awaits_disk {
-            return None;
-        }
         #[cfg(feature = "tls")]
         if let Some(tls) = conn.tls.as_mut() {
             let records = tls.records(&conn.output, &mut self.spare_outputs);
             return (!records.is_empty()).then_some(records);
         }
         (!conn.output.is_empty()).then_some(&conn.output[..])
+    }
+
+    /// Whether [`transmit`](Self::transmit) may have bytes for `id`
+    /// (with TLS, records may wait with no output): when not, nothing of
+    /// `id`'s can leave, and no promise needs to be durable for it.
+    pub fn has_output(&self, id: ConnId) -> bool {
+        let Some(conn) = self.connection(id) else {
+            return false;
+        };
+        #[cfg(feature = "tls")]
+        if conn.tls.is_some() {
+            return !conn.awaits_disk;
+        }
+        !conn.awaits_disk && !conn.output.is_empty()
     }
 
     /// The socket of `id` took the first `written` bytes of

@@ -708,7 +708,11 @@ impl Shell {
     /// Writes `id`'s queued output until it is all sent or the socket
     /// would block (its write readiness then brings it back).
     fn flush(&mut self, id: usize) -> io::Result<()> {
-        self.make_durable()?;
+        // Durability before visibility: only output about to leave needs
+        // the promise on disk (most flushes find none).
+        if self.state.is_some() && self.endpoint.has_output(id as ConnId) {
+            self.make_durable_with_state()?;
+        }
         loop {
             let Some(socket) = self.sockets.get_mut(id) else {
                 return Ok(());
@@ -769,12 +773,20 @@ impl Shell {
     /// waited for this write, and the write is tried again each second
     /// until one succeeds; the failure is logged at most once a minute.
     ///
-    /// The check is inline (it runs before every write); the write is not.
+    /// Only the test for a state directory is inline (it runs before
+    /// every write): what follows it would cost a server without one in
+    /// every caller.
     #[inline(always)]
     fn make_durable(&mut self) -> io::Result<()> {
         if self.state.is_none() {
             return Ok(());
         }
+        self.make_durable_with_state()
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn make_durable_with_state(&mut self) -> io::Result<()> {
         match self.endpoint.poll_persist() {
             Some(promise) => self.write_promise(promise),
             None => Ok(()),
