@@ -313,6 +313,25 @@ fn proclaim_changes_the_value_keeps_the_term_and_observers_report_it() {
         Some("host c")
     );
 
+    // A plain ticket proclaims too, and knows its label.
+    let options = kunci::client::AcquireOptions::new().label("first");
+    let mut ticket = client
+        .acquire_with("plain", Duration::ZERO, Duration::from_secs(30), options)
+        .unwrap();
+    assert_eq!(ticket.label(), "first");
+    ticket.proclaim("second").unwrap();
+    assert_eq!(ticket.label(), "second");
+    let leader = client.leader("plain").unwrap().expect("a holder");
+    assert_eq!(
+        (leader.value.as_deref(), leader.term),
+        (Some("second"), ticket.token())
+    );
+    client.release("plain", ticket.token()).unwrap();
+    assert_eq!(ticket.proclaim("third"), Err(Error::NotHeld));
+    assert!(!ticket.is_valid());
+    assert_eq!(ticket.label(), "second");
+    let _ = ticket.into_token();
+
     // The lead is lost (released behind its back): a proclaim says so,
     // reports the loss once, and the resign after it is quiet.
     client.release("svc", term).unwrap();
