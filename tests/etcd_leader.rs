@@ -539,3 +539,54 @@ fn etcd_observer_reports_held_for_once_the_grant_time_is_stamped() {
     signal(&watch, libc::SIGTERM);
     assert_eq!(watch.wait().unwrap().code(), Some(0));
 }
+
+/// Spec §13.6 (v5) on etcd, both layouts: a bounded campaign ends
+/// `Timeout` when its wait runs out (its entry removed: nobody waits),
+/// leads when freed in time, and `kunci elect --wait S` exits 1.
+#[test]
+fn etcd_a_bounded_campaign_ends_timeout_in_both_layouts() {
+    if !require_tool("etcd", "etcd-server") {
+        return;
+    }
+    let cluster = Cluster::start(1);
+    for layout in ["", "?layout=etcd"] {
+        let addr = format!("{}{layout}", cluster.address());
+        let client = client_of(&addr);
+        let lead = client
+            .campaign_within("svc", "host a", 30 * S, Duration::ZERO)
+            .unwrap();
+        let started = Instant::now();
+        let refused = client.campaign_within("svc", "host b", 30 * S, 1500 * MS);
+        let waited = started.elapsed();
+        assert_eq!(
+            refused.err(),
+            Some(kunci::client::Error::Timeout),
+            "{layout}"
+        );
+        assert!((1500 * MS..5 * S).contains(&waited), "{layout}: {waited:?}");
+        assert_eq!(client.holders("svc").unwrap().waiters.len(), 0, "{layout}");
+        let started = Instant::now();
+        let timed_out = kunci(
+            &addr,
+            &["elect", "svc", "host c", "--wait", "1", "--", "true"],
+        );
+        assert_eq!(timed_out.status.code(), Some(1), "{layout}");
+        assert!(started.elapsed() >= S, "{layout}");
+        let resigned = {
+            let client = client.clone();
+            let term = lead.token();
+            std::thread::spawn(move || {
+                std::thread::sleep(500 * MS);
+                client.release("svc", term).unwrap();
+            })
+        };
+        let next = client
+            .campaign_within("svc", "host b", 30 * S, 10 * S)
+            .unwrap();
+        resigned.join().unwrap();
+        assert!(next.token() > lead.token(), "{layout}");
+        // Lost behind its back: resigning is quiet, on etcd too.
+        assert_eq!(lead.release(), Ok(()), "{layout}");
+        next.release().unwrap();
+    }
+}

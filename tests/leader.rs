@@ -313,6 +313,25 @@ fn proclaim_changes_the_value_keeps_the_term_and_observers_report_it() {
         Some("host c")
     );
 
+    // A plain ticket proclaims too, and knows its label.
+    let options = kunci::client::AcquireOptions::new().label("first");
+    let mut ticket = client
+        .acquire_with("plain", Duration::ZERO, Duration::from_secs(30), options)
+        .unwrap();
+    assert_eq!(ticket.label(), "first");
+    ticket.proclaim("second").unwrap();
+    assert_eq!(ticket.label(), "second");
+    let leader = client.leader("plain").unwrap().expect("a holder");
+    assert_eq!(
+        (leader.value.as_deref(), leader.term),
+        (Some("second"), ticket.token())
+    );
+    client.release("plain", ticket.token()).unwrap();
+    assert_eq!(ticket.proclaim("third"), Err(Error::NotHeld));
+    assert!(!ticket.is_valid());
+    assert_eq!(ticket.label(), "second");
+    let _ = ticket.into_token();
+
     // The lead is lost (released behind its back): a proclaim says so,
     // reports the loss once, and the resign after it is quiet.
     client.release("svc", term).unwrap();
@@ -376,5 +395,138 @@ fn a_campaign_proclaims_its_value_again_after_its_grant_was_adopted() {
     assert!(lead.lost().is_none() && lead.is_valid());
     lead.release().unwrap();
     assert_eq!(client.leader("svc").unwrap(), None);
+    server.stop();
+}
+
+/// Spec §13.6 (v5): a bounded campaign. `campaign_within` ends `Timeout`
+/// when the wait runs out (not before), and leads when the key is free
+/// or freed in time; `kunci elect --wait S` exits 1 as `kunci run` does
+/// (`-E N` and `-q` as run's), and its messages start `kunci elect:`.
+/// `kunci leader` points to `--json` on stderr for a value with spaces
+/// or an empty one, and says nothing for others.
+#[test]
+fn a_bounded_campaign_ends_timeout_and_elect_wait_exits_1() {
+    use kunci::client::{AcquireOptions, Client, Config, Error};
+
+    let server = TestServer::start(&[]);
+    let addr = server.addr.clone();
+    let client = Client::new([addr.parse().unwrap()], Config::default()).unwrap();
+    let lease = Duration::from_secs(30);
+    let lead = client
+        .campaign_within("svc", "host a", lease, Duration::ZERO)
+        .unwrap();
+    let started = Instant::now();
+    let refused = client.campaign_within("svc", "host b", lease, Duration::from_millis(1500));
+    let waited = started.elapsed();
+    assert_eq!(refused.err(), Some(Error::Timeout));
+    assert!(
+        (Duration::from_millis(1500)..Duration::from_secs(4)).contains(&waited),
+        "{waited:?}"
+    );
+    assert_eq!(
+        client.query("svc").unwrap().waiters,
+        0,
+        "the place is given up"
+    );
+    // Freed within the wait: it leads.
+    let releaser = {
+        let client = client.clone();
+        let term = lead.token();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            client.release("svc", term).unwrap();
+        })
+    };
+    let next = client
+        .campaign_within("svc", "host b", lease, Duration::from_secs(5))
+        .unwrap();
+    releaser.join().unwrap();
+    assert!(next.token() > lead.token());
+    assert_eq!(lead.release(), Ok(()), "resigning a lost lead is quiet");
+    assert_eq!(
+        client
+            .campaign_within("svc", "", lease, Duration::ZERO)
+            .err(),
+        Some(Error::InvalidArgument("value is empty"))
+    );
+
+    // The command line: held by `next`.
+    let stderr =
+        |output: &std::process::Output| String::from_utf8_lossy(&output.stderr).into_owned();
+    let started = Instant::now();
+    let timed_out = kunci(
+        &addr,
+        &["elect", "svc", "host c", "--wait", "1", "--", "true"],
+    );
+    let waited = started.elapsed();
+    assert_eq!(timed_out.status.code(), Some(1));
+    assert!(
+        (Duration::from_secs(1)..Duration::from_secs(5)).contains(&waited),
+        "{waited:?}"
+    );
+    assert!(
+        stderr(&timed_out).starts_with("kunci elect: timeout: "),
+        "{}",
+        stderr(&timed_out)
+    );
+    let quiet = kunci(
+        &addr,
+        &[
+            "elect", "svc", "host c", "-w", "0", "-q", "-E", "9", "--", "true",
+        ],
+    );
+    assert_eq!(
+        (quiet.status.code(), stderr(&quiet)),
+        (Some(9), String::new())
+    );
+    let usage = kunci(
+        &addr,
+        &["elect", "svc", "host c", "--lease", "x", "--", "true"],
+    );
+    assert_eq!(usage.status.code(), Some(2));
+    assert!(
+        stderr(&usage).starts_with("kunci elect: "),
+        "{}",
+        stderr(&usage)
+    );
+    // With a wait long enough it leads and runs the command.
+    let releaser = {
+        let client = client.clone();
+        let term = next.token();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            client.release("svc", term).unwrap();
+        })
+    };
+    let ran = kunci(
+        &addr,
+        &[
+            "elect", "svc", "host c", "--wait", "10", "--", "sh", "-c", "echo led",
+        ],
+    );
+    releaser.join().unwrap();
+    assert_eq!(
+        (ran.status.code(), stdout_text(&ran)),
+        (Some(0), "led\n".into())
+    );
+
+    // `kunci leader`: a hint on stderr for values the line cannot carry.
+    for (value, hinted) in [("host-a:5432", false), ("host a", true), ("", true)] {
+        let options = AcquireOptions::new().label(value);
+        let held = client
+            .acquire_with("hint", Duration::ZERO, lease, options)
+            .unwrap();
+        let shown = kunci(&addr, &["leader", "hint"]);
+        assert_eq!(shown.status.code(), Some(0));
+        assert_eq!(
+            stderr(&shown).contains("use --json"),
+            hinted,
+            "{value:?}: {}",
+            stderr(&shown)
+        );
+        let json = kunci(&addr, &["leader", "hint", "--json"]);
+        assert_eq!(stderr(&json), "", "{value:?}");
+        held.release().unwrap();
+    }
     server.stop();
 }

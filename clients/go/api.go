@@ -87,7 +87,7 @@ func (c *Client) granted(call *call, r result, cleanUp bool) (*Ticket, error) {
 	lease := time.Duration(call.lease) * time.Second
 	t := &Ticket{client: c, keyBytes: call.key, key: string(call.key), token: token,
 		limit: call.limit, take: call.take, lease: lease, leaseSentAt: call.sentAt,
-		validUntil: validUntil(call.sentAt, lease)}
+		validUntil: validUntil(call.sentAt, lease), label: call.label}
 	c.mu.Lock()
 	if !c.closing {
 		c.tickets[t] = struct{}{}

@@ -66,7 +66,10 @@ type Client struct {
 	connecting  []chan struct{}
 
 	shutdowns atomic.Int64
-	closedCh  chan struct{}
+	// ended counts sessions that ended: a keep-alive that sees it change
+	// between two renewals may have renewed on a restarted server.
+	ended    atomic.Int64
+	closedCh chan struct{}
 
 	bgMu     sync.Mutex
 	bgQueue  []keyToken
@@ -556,6 +559,7 @@ func (c *Client) sessionEnded(s *session, reason, denied string, shuttingDown bo
 	c.noteFailureLocked(s.index, reason)
 	closed := c.closed
 	c.mu.Unlock()
+	c.ended.Add(1)
 	if shuttingDown {
 		c.shutdowns.Add(1)
 	}

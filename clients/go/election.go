@@ -198,7 +198,38 @@ func (l *Leadership) Proclaim(ctx context.Context, value string) error {
 		t.declareLost()
 		return &Error{Kind: ErrLockLost, Detail: "the server no longer has this term's grant", Cause: err}
 	}
+	if err == nil {
+		t.mu.Lock()
+		t.label = label
+		t.mu.Unlock()
+	}
 	return err
+}
+
+// proclaimAgain: after a renewal that came through an outage or a
+// reconnect (a restarted server may have adopted the grant, which it
+// keeps without its label after a crash: spec §7.5), reads the key (one O,
+// wait 0) and, when its grant shows another label, proclaims the
+// ticket's again, once. Only then: a server without C ends the connection
+// that carries one. Failures are left to the next renewal.
+func (t *Ticket) proclaimAgain() {
+	t.mu.Lock()
+	label := t.label
+	gone := t.lost || t.released
+	t.mu.Unlock()
+	if len(label) == 0 || gone {
+		return
+	}
+	c := t.client
+	ctx, cancel := context.WithTimeout(context.Background(), transportDeadline)
+	defer cancel()
+	r, err := c.ask(ctx, c.observeCall(ctx, t.keyBytes, 0, 0), 'V')
+	if err != nil || r.f.b != t.token || r.f.text == string(label) {
+		return
+	}
+	call := c.simpleCall(ctx, 'C', t.keyBytes)
+	call.token, call.label = t.token, label
+	_, _ = c.ask(ctx, call, 'C')
 }
 
 // Resign ends the lead (releases its grant). Resigning a lead that is

@@ -233,3 +233,42 @@ func TestCampaignWaitsThroughARestart(t *testing.T) {
 		t.Fatal("not elected after the release")
 	}
 }
+
+// A campaign whose grant a server restarted after a crash adopted (its
+// keep-alive renews it during the grace; the server keeps it without its
+// label, spec §7.5) proclaims its value — the latest proclaimed — again
+// at once: the leader is known by its value again, with the same term.
+func TestCampaignProclaimsItsValueAgainAfterAnAdoption(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	addr := "unix:" + filepath.Join(dir, "kunci.sock") // the same address after a restart
+	srv := startServer(t, "--state-dir", dir, "--listen", addr)
+	c := dial(t, addr)
+	lead, err := c.Campaign(bg(), "adopted", "host a", Lease(6*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lead.Proclaim(bg(), "host b"); err != nil {
+		t.Fatal(err)
+	}
+	srv.crash()
+	startServer(t, "--state-dir", dir, "--listen", addr)
+	fresh := dial(t, addr)
+	var last *Leader
+	waitFor(t, 6*time.Second, "the value proclaimed again", func() bool {
+		l, err := fresh.Leader(bg(), "adopted")
+		last = l
+		return err == nil && l != nil && l.Value != ""
+	})
+	if last.Value != "host b" || last.Term != lead.Term() {
+		t.Fatalf("leader %+v, want host b with term %d", last, lead.Term())
+	}
+	select {
+	case <-lead.Lost():
+		t.Fatal("the lead was lost")
+	default:
+	}
+	if err := lead.Resign(bg()); err != nil {
+		t.Fatal(err)
+	}
+}

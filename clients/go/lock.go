@@ -111,6 +111,11 @@ func (k *keepAlive) run() {
 	t := k.t
 	var renewal chan error
 	retryAt := time.Time{}
+	// A renewal that succeeds after one that reached no verdict, or after
+	// a session of the client ended, may have adopted the grant on a
+	// restarted server: its label is checked (and proclaimed again).
+	outage := false
+	sessionsEnded := t.client.ended.Load()
 	for {
 		t.mu.Lock()
 		due := t.leaseSentAt.Add(t.lease / 3)
@@ -140,7 +145,13 @@ func (k *keepAlive) run() {
 			retryAt = time.Time{}
 			switch {
 			case err == nil:
+				ended := t.client.ended.Load()
+				if outage || ended != sessionsEnded {
+					go t.proclaimAgain()
+				}
+				outage, sessionsEnded = false, ended
 			case isRetryable(err):
+				outage = true
 				if !t.declareLostIfExpired() {
 					retryAt = time.Now().Add(renewRetry)
 				}

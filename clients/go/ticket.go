@@ -32,6 +32,10 @@ type Ticket struct {
 	lostCh      chan struct{} // a managed lock's: closed on loss
 	onLost      func()
 	keepAlive   *keepAlive
+	// label is the grant's label (a campaign's value, as last proclaimed):
+	// a managed lock proclaims it again after a restarted server adopted
+	// the grant without it (spec §7.5).
+	label []byte
 }
 
 // Key is the key the ticket holds.

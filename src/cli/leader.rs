@@ -17,8 +17,8 @@ use crate::protocol::LABEL_LEN_MAX;
 const ELECT_HELP: &str = "\
 kunci elect — run a command while this candidate leads
 
-Usage: kunci elect NAME VALUE [--lease S] [--kill-after S] [--server ADDR]...
-                   -- CMD [ARGS]...
+Usage: kunci elect NAME VALUE [--lease S] [-w|--wait S] [--kill-after S]
+                   [-E N] [-q] [--server ADDR]... -- CMD [ARGS]...
 
 Campaigns in the election NAME with VALUE (an address, a host name:
 1..=128 bytes, no newline) and runs CMD once this candidate leads, with
@@ -26,10 +26,17 @@ KUNCI_KEY and KUNCI_TOKEN (the term: a fencing token for what the leader
 writes) set. It is `kunci run NAME --wait inf --label VALUE -- CMD`: it
 waits as long as it takes, through restarts and outages, renews the lease
 while CMD runs, stops CMD if the lead is lost, and resigns when CMD ends.
-A leader whose host dies loses the lead at its lease's end.
+A leader whose host dies loses the lead at its lease's end. With --wait S
+it campaigns for at most S seconds (as `kunci run --wait S`: one wait in
+the queue, at most 255 s) and exits 1 if this candidate does not lead by
+then. The lead's value can change with `kunci proclaim NAME TOKEN VALUE`.
 
 Options:
   --lease S       the lease, whole seconds 1..=255 (default 30)
+  -w, --wait S    campaign for at most S seconds (default: until elected)
+  -E, --conflict-exit-code N
+                  the exit status when --wait ran out (default 1)
+  -q, --quiet     no message when --wait ran out
   --kill-after S  how long after SIGTERM CMD's group gets SIGKILL
                   (default 5)
 ";
@@ -76,14 +83,7 @@ pub fn elect(mut arguments: Vec<OsString>) -> u8 {
     if value.is_empty() || value.len() > LABEL_LEN_MAX || value.contains('\n') {
         return usage("VALUE must be 1..=128 bytes without a newline");
     }
-    for option in [
-        "--wait",
-        "--label",
-        "--limit",
-        "--take",
-        "--shared",
-        "--exclusive",
-    ] {
+    for option in ["--label", "--limit", "--take", "--shared", "--exclusive"] {
         if arguments.iter().take_while(|arg| *arg != "--").any(|arg| {
             arg == option
                 || arg
@@ -93,8 +93,17 @@ pub fn elect(mut arguments: Vec<OsString>) -> u8 {
             return usage(&format!("{option} is not an option of elect"));
         }
     }
+    // Without a wait of its own it waits as long as it takes.
+    let waits = arguments.iter().take_while(|arg| *arg != "--").any(|arg| {
+        arg.to_str().is_some_and(|a| {
+            a == "-n" || a == "--wait" || a.starts_with("--wait=") || a.starts_with("-w")
+        })
+    });
     let mut run = vec![arguments.remove(0)];
-    run.extend(["--wait", "inf", "--label", value].map(OsString::from));
+    if !waits {
+        run.extend(["--wait", "inf"].map(OsString::from));
+    }
+    run.extend(["--label", value].map(OsString::from));
     run.extend(arguments);
     super::run::campaign(run)
 }
@@ -142,12 +151,19 @@ pub fn leader(mut arguments: Vec<OsString>) -> u8 {
         }
     };
     let name = options.positionals[0].clone();
+    // A value with spaces, or an empty one, does not read back from the
+    // text line: say so once, on stderr, and point to --json.
+    let hinted = std::cell::Cell::new(false);
     let line = |leader: &Option<Leader>| {
         if options.json {
-            leader_json(leader.as_ref())
-        } else {
-            leader_text(leader.as_ref())
+            return leader_json(leader.as_ref());
         }
+        if let Some(hint) = json_hint(leader.as_ref())
+            && !hinted.replace(true)
+        {
+            eprintln!("kunci leader: {hint}");
+        }
+        leader_text(leader.as_ref())
     };
     let fail = |error| {
         let attempt = Attempt {
@@ -217,6 +233,18 @@ fn leader_text(leader: Option<&Leader>) -> String {
     }
 }
 
+/// The note for a value the text line cannot carry whole (spec §13.6:
+/// parsers of values with spaces use `--json`), if this one is such.
+fn json_hint(leader: Option<&Leader>) -> Option<&'static str> {
+    match leader?.value.as_deref()? {
+        "" => Some("note: the value is empty; to read the value exactly, use --json"),
+        value if value.contains(char::is_whitespace) => {
+            Some("note: the value has spaces; to read the value exactly, use --json")
+        }
+        _ => None,
+    }
+}
+
 /// `{"value": …, "term": "TOKEN", "held_for": SECONDS}`, or `null`.
 fn leader_json(leader: Option<&Leader>) -> String {
     match leader {
@@ -270,6 +298,27 @@ mod tests {
         assert!(leader_json(Some(&unknown)).ends_with("\"held_for\": null}"));
         assert_eq!(leader_text(None), "none");
         assert_eq!(leader_json(None), "null");
+        // Values the text line cannot carry whole point to --json.
+        assert_eq!(json_hint(None), None);
+        assert_eq!(json_hint(Some(&Leader::UNKNOWN)), None);
+        let with = |value: &str| Leader {
+            value: Some(value.to_owned()),
+            term: 1,
+            held_for: None,
+        };
+        assert_eq!(json_hint(Some(&with("host-a:5432"))), None);
+        assert_eq!(
+            json_hint(Some(&with("host a"))),
+            Some("note: the value has spaces; to read the value exactly, use --json")
+        );
+        assert_eq!(
+            json_hint(Some(&with("a\tb"))),
+            Some("note: the value has spaces; to read the value exactly, use --json")
+        );
+        assert_eq!(
+            json_hint(Some(&with(""))),
+            Some("note: the value is empty; to read the value exactly, use --json")
+        );
         // During a crash grace (spec §13.6): someone leads, unknown who.
         assert_eq!(
             leader_text(Some(&Leader::UNKNOWN)),

@@ -77,7 +77,7 @@ pub(super) fn message(
     let token = attempt
         .token
         .map_or_else(|| "the token".to_owned(), |token| format!("token {token}"));
-    let is_lock_request = matches!(command, "acquire" | "run");
+    let is_lock_request = matches!(command, "acquire" | "run" | "elect");
     // Under a limit the key may have free permits and still time out: the
     // queue is FIFO, and a request waits behind every earlier one.
     let held = if attempt.permits {

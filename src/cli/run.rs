@@ -175,6 +175,14 @@ pub fn main(arguments: Vec<OsString>) -> u8 {
     run(arguments, false)
 }
 
+/// The command's name in its messages: `run`, or `elect` (spec §13.6:
+/// `kunci elect`'s messages start `kunci elect:`).
+static COMMAND: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+fn command_name() -> &'static str {
+    COMMAND.get().copied().unwrap_or("run")
+}
+
 /// `kunci elect`: `kunci run` whose acquire is a campaign's (on etcd its
 /// entry stores its grant time, which `kunci leader` shows as held_for).
 pub fn campaign(arguments: Vec<OsString>) -> u8 {
@@ -182,6 +190,8 @@ pub fn campaign(arguments: Vec<OsString>) -> u8 {
 }
 
 fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
+    let _ = COMMAND.set(if campaign { "elect" } else { "run" });
+    let name = command_name();
     let accepts = Accepts {
         wait: true,
         lease: true,
@@ -200,7 +210,7 @@ fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
             return exit::DONE;
         }
         Err(message) => {
-            eprintln!("kunci run: {message}\n(see kunci run --help)");
+            eprintln!("kunci {name}: {message}\n(see kunci {name} --help)");
             return exit::USAGE;
         }
     };
@@ -212,7 +222,7 @@ fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
     let watchdog = match Watchdog::start(options.kill_after) {
         Ok(watchdog) => watchdog,
         Err(error) => {
-            eprintln!("kunci run: cannot start the watchdog process: {error}");
+            eprintln!("kunci {name}: cannot start the watchdog process: {error}");
             return exit::USAGE;
         }
     };
@@ -227,7 +237,7 @@ fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
     ) {
         Ok(client) => client,
         Err(message) => {
-            eprintln!("kunci run: {message}");
+            eprintln!("kunci {name}: {message}");
             return exit::UNAVAILABLE;
         }
     };
@@ -244,9 +254,9 @@ fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
         Ok(ticket) => ticket,
         Err(Error::Timeout) => {
             if !options.quiet {
-                let why = common::message("run", &Error::Timeout, &options.servers, &attempt);
+                let why = common::message(name, &Error::Timeout, &options.servers, &attempt);
                 let grace = common::grace_note(&client, key, deadline);
-                eprintln!("kunci run: timeout: {why}{grace}");
+                eprintln!("kunci {name}: timeout: {why}{grace}");
             }
             return options.conflict_exit_code;
         }
@@ -256,7 +266,7 @@ fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
                 connect_failure: failure.as_deref(),
                 ..attempt
             };
-            return common::report("run", error, &options.servers, &attempt);
+            return common::report(name, error, &options.servers, &attempt);
         }
     };
     let token = ticket.token();
@@ -270,7 +280,7 @@ fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
         Ok(kept) => kept,
         Err(Error::NotHeld) => {
             eprintln!(
-                "kunci run: lock lost: {key:?} was granted after the wait, but its lease \
+                "kunci {name}: lock lost: {key:?} was granted after the wait, but its lease \
                  ran out before it could be renewed; the command was not started"
             );
             watchdog.disarm();
@@ -278,11 +288,11 @@ fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
         }
         Err(error) => {
             watchdog.disarm();
-            return common::report("run", error, &options.servers, &attempt);
+            return common::report(name, error, &options.servers, &attempt);
         }
     };
     if let Err(error) = forward_signals() {
-        eprintln!("kunci run: cannot handle signals: {error}");
+        eprintln!("kunci {name}: cannot handle signals: {error}");
         release(kept);
         watchdog.disarm();
         return exit::USAGE;
@@ -334,7 +344,10 @@ fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
             if let Some(terminal) = terminal {
                 terminal.restore(None);
             }
-            eprintln!("kunci run: cannot start {:?}: {error}", options.command[0]);
+            eprintln!(
+                "kunci {name}: cannot start {:?}: {error}",
+                options.command[0]
+            );
             watchdog.disarm();
             release(kept);
             // As a shell does: 127 when there is no such command, 126 when
@@ -415,7 +428,7 @@ fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
             exit_status(status)
         }
         Err(stop) => {
-            eprintln!("kunci run: lock lost: {stop}; stopping the command");
+            eprintln!("kunci {name}: lock lost: {stop}; stopping the command");
             terminate(group);
             // SIGKILL never later than the `valid_until` known at the
             // SIGTERM: after it, someone else may hold the lock. A renewal
@@ -439,6 +452,7 @@ fn run(arguments: Vec<OsString>, campaign: bool) -> u8 {
 /// not. With `inbox`, the command itself has not been reaped yet: wait for
 /// its exit there.
 fn stop_group(group: Pid, grace_end: Instant, inbox: Option<&mailbox::Receiver<Event>>) {
+    let name = command_name();
     let mut killed = false;
     // Without a grace (the lease has run out) SIGKILL is no news.
     let has_grace = grace_end > Instant::now();
@@ -450,7 +464,7 @@ fn stop_group(group: Pid, grace_end: Instant, inbox: Option<&mailbox::Receiver<E
                 Ok(Event::Lost(_) | Event::Stopped) => {}
                 Err(mpsc::RecvTimeoutError::Timeout) if !killed => {
                     if has_grace {
-                        eprintln!("kunci run: the command did not stop; killing it");
+                        eprintln!("kunci {name}: the command did not stop; killing it");
                     }
                     signal_group(group, Signal::KILL);
                     killed = true;
@@ -498,12 +512,13 @@ fn group_alive(group: Pid) -> bool {
 }
 
 fn release(kept: KeptLease) {
+    let name = command_name();
     match kept.release() {
         Ok(()) => {}
         Err(Error::NotHeld) => {
-            eprintln!("kunci run: warning: the lock was no longer held when the command ended")
+            eprintln!("kunci {name}: warning: the lock was no longer held when the command ended")
         }
-        Err(error) => eprintln!("kunci run: warning: release failed: {error}"),
+        Err(error) => eprintln!("kunci {name}: warning: release failed: {error}"),
     }
 }
 

@@ -1741,6 +1741,17 @@ mod tests {
     }
 
     #[test]
+    fn a_campaign_s_stamp_waits_at_most_a_quarter_of_its_lease_and_1_s() {
+        let ms = Duration::from_millis;
+        assert_eq!(stamp_limit(1), ms(250));
+        assert_eq!(stamp_limit(2), ms(500));
+        assert_eq!(stamp_limit(3), ms(750));
+        assert_eq!(stamp_limit(4), ms(1000));
+        assert_eq!(stamp_limit(30), ms(1000));
+        assert_eq!(stamp_limit(255), ms(1000));
+    }
+
+    #[test]
     fn a_campaign_s_grant_time_is_a_trailer_every_reader_skips() {
         let campaign = Claim {
             campaign: true,
