@@ -162,12 +162,12 @@ impl Durability {
         {
             return None;
         }
-        self.wanted(next_token, lease_deadline, grace_until, counted_grants)
+        self.needed_in_full(next_token, lease_deadline, grace_until, counted_grants)
     }
 
     /// [`needed_for`](Self::needed_for) when the file may not cover it.
     #[inline(never)]
-    fn wanted(
+    fn needed_in_full(
         &self,
         next_token: u64,
         lease_deadline: Micros,
@@ -708,7 +708,7 @@ mod tests {
                             for counted in [false, true] {
                                 assert_eq!(
                                     durability.needed_for(next_token, lease, grace, counted),
-                                    durability.wanted(next_token, lease, grace, counted),
+                                    durability.needed_in_full(next_token, lease, grace, counted),
                                     "{persisted:?} lowering {lowering} {next_token} {lease} \
                                      {grace} {counted}"
                                 );
