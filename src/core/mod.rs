@@ -29,6 +29,7 @@ pub mod restart;
 pub mod script;
 #[cfg(feature = "tls")]
 pub(crate) mod tls;
+pub mod token_binding;
 pub mod wait_histogram;
 pub mod waiters;
 pub mod watches;
