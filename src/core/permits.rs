@@ -265,8 +265,7 @@ impl Core {
         label: Option<Box<str>>,
         now: Micros,
     ) -> u32 {
-        let token = self.next_token;
-        self.next_token += 1;
+        let token = self.take_token(entry);
         let grant = self.grants.insert(Grant {
             token,
             owner,

@@ -35,7 +35,7 @@ pub const MAC_AHEAD_MAX: u64 = 1 << 51;
 
 /// The secret a server's tokens are bound with. Its `Debug` shows
 /// nothing of it: it must never reach a log.
-#[derive(Clone)]
+#[derive(Clone, Copy)]
 pub struct TokenBinding {
     /// SipHash-1-3 keyed with the secret, before any input: cloned per
     /// MAC, so the key schedule is not redone for every grant.
