@@ -1790,22 +1790,28 @@ fn the_horizon_comes_down_as_long_leases_end_and_never_below_a_running_one() {
 }
 
 #[test]
-fn adoption_by_extend_may_take_the_table_to_twice_the_key_limit_and_no_further() {
-    let mut fake = Fake::new(limits(1, 10, 10, 10), 2);
+fn adoption_is_charged_like_a_grant_and_b_when_the_limits_are_full() {
+    let mut fake = Fake::new(limits(2, 10, 10, 10), 2);
     fake.crash_grace(10 * S);
-    // A waiter of this run fills the key limit...
+    // A waiter of this run takes one key of two...
     fake.enqueue(1, "w", 60, 30, 1);
-    assert_eq!(fake.acquire(1, "x", 60, 30, 2), vec![(1, busy(2))]);
-    // ...yet an earlier holder adopts its key; one more finds no room.
+    // ...an earlier holder adopts its key, the second; one more finds no
+    // room: `B` with its token, and the key stays the unknown grant's.
     assert_eq!(
         fake.extend(1, "a", 30, old("a", 10)),
         vec![(1, extended(old("a", 10)))]
     );
     assert_eq!(
         fake.extend(1, "b", 30, old("b", 11)),
-        vec![(1, not_held(old("b", 11)))]
+        vec![(1, busy(old("b", 11)))]
     );
     assert_eq!(fake.query("b"), (0, 0, 10_000, 0));
+    assert_eq!(fake.core.keys(), 2);
+    // The waited-on key adds no key: it is adopted within the limit.
+    assert_eq!(
+        fake.extend(1, "w", 30, old("w", 12)),
+        vec![(1, extended(old("w", 12)))]
+    );
     fake.core.check_invariants();
 }
 

@@ -379,6 +379,7 @@ impl Core {
                 }
                 self.restore_permits(entry, grant);
                 self.grants_held += 1;
+                self.restored = (self.table.len(), self.grants_held);
                 return Ok(());
             }
             let entry = self
@@ -391,6 +392,7 @@ impl Core {
                 .set_grant_time(queue, waiters::grant_time_before_start(held_ms));
             self.arm_lease_at(entry, deadline.max(1));
             self.grants_held += 1;
+            self.restored = (self.table.len(), self.grants_held);
             return Ok(());
         }
         let entry = match found {
@@ -430,6 +432,7 @@ impl Core {
         if take != 0 {
             self.counted_grants_made = true;
         }
+        self.restored = (self.table.len(), self.grants_held);
         Ok(())
     }
 
@@ -525,37 +528,34 @@ impl Core {
         deadline: Micros,
         now: Micros,
     ) {
-        // As in §7.3, adoption may take the table to twice the key limit
-        // and the grants to twice their limit: the earlier run held at
-        // most that many, and the bound on memory stays.
-        let room = self.grants_held + self.waiters.len() < self.limits.max_grants.saturating_mul(2);
         let held = self
             .held_by_counted_unknown(key, token, now)
             .filter(|_| self.adoption_passes(conn, key, token));
         let entry = match held {
-            Some(_) if !room => None,
-            Some(Some(entry)) => Some(entry),
+            Some(entry) if !self.adoption_fits(entry.is_none()) => {
+                return self.adoption_busy(conn, token);
+            }
+            Some(Some(entry)) => entry,
             Some(None) => {
                 let hash = self.table.hash(key);
-                let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
-                    .then(|| self.table.insert(key, hash, 0, 0))
-                    .flatten();
-                if let Some(entry) = entry {
-                    self.unknown_holders += 1;
-                    self.arm_lease_at(entry, self.grace_until);
-                }
+                let Some(entry) = self.table.insert(key, hash, 0, 0) else {
+                    return self.adoption_busy(conn, token);
+                };
+                self.quotas.charge_key(entry);
+                self.unknown_holders += 1;
+                self.arm_lease_at(entry, self.grace_until);
                 entry
             }
-            None => None,
-        };
-        let Some(entry) = entry else {
-            self.stats.extend_not_held += 1;
-            return self.not_held(conn, token);
+            None => {
+                self.stats.extend_not_held += 1;
+                return self.not_held(conn, token);
+            }
         };
         if self.table.get(entry).token != PERMITS {
             self.set_limit(entry, 0, now);
         }
-        self.adopt_grant(entry, token, deadline, now);
+        let grant = self.adopt_grant(entry, token, deadline, now);
+        self.quotas.charge_adopted(LabelOf::Grant(grant));
         self.stats.extended += 1;
         self.outbox.push((conn, Response::Extended { token }));
     }
@@ -631,36 +631,60 @@ impl Core {
             self.adopt_beside_unknown_grant(conn, key, token, deadline, now);
             return None;
         }
+        // An adoption is a grant (spec §7.3 v5): charged to the adopting
+        // identity and the server's limits like an `A`. No room: `B`,
+        // nothing changed, and the key stays held by the unknown grant
+        // until the horizon (availability lost, never safety).
         let entry = match self.adoptable(conn, key, token, now) {
             Some(Adoptable::Waited(entry)) => {
+                if !self.adoption_fits(false) {
+                    self.adoption_busy(conn, token);
+                    return None;
+                }
                 self.unknown_holders -= 1;
                 let held = self.table.get_mut(entry);
                 held.token = token;
                 held.owner = 0;
-                self.grants_held += 1;
-                Some(entry)
-            }
-            Some(Adoptable::Untracked) => {
-                // An earlier run's holders must not lose their keys to
-                // this run's waiters filling the table, so adoption may
-                // take it to twice the key limit: that run held at most
-                // that many, and the bound on memory stays. No room:
-                // nothing changed, and the key stays held by the unknown
-                // grant until the horizon.
-                let hash = self.table.hash(key);
-                let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
-                    .then(|| self.table.insert(key, hash, token, 0))
-                    .flatten();
-                self.grants_held += usize::from(entry.is_some());
                 entry
             }
-            None => None,
+            Some(Adoptable::Untracked) => {
+                let hash = self.table.hash(key);
+                let inserted = self
+                    .adoption_fits(true)
+                    .then(|| self.table.insert(key, hash, token, 0))
+                    .flatten();
+                let Some(entry) = inserted else {
+                    self.adoption_busy(conn, token);
+                    return None;
+                };
+                self.quotas.charge_key(entry);
+                entry
+            }
+            None => {
+                self.stats.extend_not_held += 1;
+                self.not_held(conn, token);
+                return None;
+            }
         };
-        if entry.is_none() {
-            self.stats.extend_not_held += 1;
-            self.not_held(conn, token);
-        }
-        entry
+        self.grants_held += 1;
+        self.quotas.charge_adopted(LabelOf::Entry(entry));
+        Some(entry)
+    }
+
+    /// Whether an adoption fits the server's limits and the current
+    /// identity's quotas (spec §7.3 v5): one grant more, and with
+    /// `new_key` one key more.
+    fn adoption_fits(&self, new_key: bool) -> bool {
+        self.grants_held + self.waiters.len() < self.limits.max_grants
+            && self.quotas.grant_fits()
+            && (!new_key || (self.table.len() < self.limits.max_keys && self.quotas.key_fits()))
+    }
+
+    /// An adoption without room: `B` with the token in place of the owner.
+    #[cold]
+    fn adoption_busy(&mut self, conn: ConnId, token: u64) {
+        self.stats.busy += 1;
+        self.outbox.push((conn, Response::Busy { owner: token }));
     }
 
     /// Whether `key`, not in the table, counts as held by the unknown

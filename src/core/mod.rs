@@ -256,6 +256,9 @@ pub struct Core {
     /// Live grants of this run or adopted, of every kind: inline ones and
     /// `grants` (spec §10.9 `grants_held`).
     grants_held: usize,
+    /// The keys and grants restored at start (spec §7.1: even beyond the
+    /// limits), for the invariants.
+    restored: (usize, usize),
     /// The labels of grants and waiters that have one.
     labels: Labels,
     /// Held observe requests (spec §13).
@@ -375,6 +378,7 @@ impl Core {
             permit_keys: slab::Slab::new(),
             grants: Grants::default(),
             grants_held: 0,
+            restored: (0, 0),
             labels: Labels::default(),
             watches: Watches::default(),
             waking: VecDeque::new(),
@@ -713,6 +717,7 @@ impl Core {
             identity: index,
             max_keys: quota.max_keys.unwrap_or(quota::NO_QUOTA),
             max_watches: quota.max_watches.unwrap_or(quota::NO_QUOTA),
+            max_grants: quota.max_grants.unwrap_or(quota::NO_QUOTA),
         });
         let max_grants = match *request {
             Request::Acquire { key, .. } => quota.max_grants.map(|max| (key, max)),

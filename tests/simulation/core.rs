@@ -839,6 +839,12 @@ impl Sim {
         // Timeouts first: a waiter at the same tick may go before a grant.
         for (conn, response) in out {
             let owner = match *response {
+                // An earlier run's holder found no room to adopt its key
+                // (spec §7.3 v5: `B` with its token); it stays an orphan.
+                Response::Busy { owner } if self.orphans.contains_key(&owner) => {
+                    self.counts.busy += 1;
+                    continue;
+                }
                 Response::Timeout { owner } | Response::Busy { owner } => owner,
                 _ => continue,
             };
@@ -986,6 +992,7 @@ impl Sim {
         };
         match out.first() {
             Some((_, Response::Extended { .. } | Response::Released { .. })) => Ok(()),
+            Some((_, Response::Busy { owner })) if *owner == token => Ok(()),
             _ => Err(format!(
                 "the renewal of {key:?} by {token} of an earlier run, within its lease, got {out:?}"
             )),

@@ -352,19 +352,24 @@ impl Model {
                 key,
             } if self.adopts(key, token, now) => {
                 let lease_tick = tick_of(now + u64::from(lease_s) * S);
-                let room = self.keys.len() < 2 * self.limits.max_keys;
+                // Charged like a grant (spec §7.3 v5): `B` with the token
+                // when the limits leave no room.
+                let grants = self.keys.values().filter(|held| held.token != 0).count();
+                let waiters: usize = self.keys.values().map(|held| held.queue.len()).sum();
+                let grant_room = grants + waiters < self.limits.max_grants;
+                let key_room = self.keys.len() < self.limits.max_keys;
                 match self.keys.get_mut(key) {
-                    Some(held) => {
+                    Some(held) if grant_room => {
                         held.token = token;
                         held.owner = 0;
                         held.lease_tick = lease_tick;
                     }
-                    None if room => {
+                    None if grant_room && key_room => {
                         self.restore(key, token, 0, lease_tick);
                     }
-                    None => {
-                        self.counters.not_held += 1;
-                        return vec![(conn, Response::NotHeld { token })];
+                    _ => {
+                        self.counters.busy += 1;
+                        return vec![(conn, Response::Busy { owner: token })];
                     }
                 }
                 self.counters.extended += 1;
