@@ -1050,7 +1050,7 @@ impl Core {
             }
             Some(binding) => {
                 self.next_token = next + token_binding::STEP;
-                let key = self.table.key(entry).as_bytes();
+                let key = self.table.key_bytes(entry);
                 next | u64::from(binding.mac16(key, next >> token_binding::MAC_BITS))
             }
         }

@@ -19,11 +19,16 @@ use std::hash::Hasher;
 
 use siphasher::sip::SipHasher13;
 
+use crate::protocol::KEY_LEN_MAX;
+
 /// The bits of a token that hold its MAC.
 pub const MAC_BITS: u32 = 16;
 /// How far apart two consecutive grants' tokens start: one counter step.
 pub const STEP: u64 = 1 << MAC_BITS;
 const MAC_MASK: u64 = STEP - 1;
+/// Keys up to this long are hashed from a buffer on the stack this size
+/// (+ 8); longer ones out of line.
+const SHORT_KEY: usize = 56;
 /// The secret's length: 128 bits.
 pub const SECRET_BYTES: usize = 16;
 /// How far the next token may run above the clock's first token
@@ -58,10 +63,34 @@ impl TokenBinding {
     /// The 16-bit MAC of `key` and `counter`.
     #[inline]
     pub fn mac16(&self, key: &[u8], counter: u64) -> u16 {
-        let mut hasher = self.keyed;
-        hasher.write(key);
-        hasher.write(&counter.to_be_bytes());
-        hasher.finish() as u16
+        // One contiguous message hashed in one pass: `Hasher::write` in
+        // two parts buffers the tail between them, and a buffer for the
+        // longest key costs a memset per grant (docs/BENCHMARKS.md,
+        // "Binding tokens to their keys").
+        if key.len() > SHORT_KEY {
+            return self.mac16_long(key, counter);
+        }
+        let mut message = [0u8; SHORT_KEY + 8];
+        message[..key.len()].copy_from_slice(key);
+        message[key.len()..key.len() + 8].copy_from_slice(&counter.to_be_bytes());
+        self.keyed.hash(&message[..key.len() + 8]) as u16
+    }
+
+    /// [`mac16`](Self::mac16) of a key longer than [`SHORT_KEY`].
+    #[cold]
+    #[inline(never)]
+    fn mac16_long(&self, key: &[u8], counter: u64) -> u16 {
+        let mut message = [0u8; KEY_LEN_MAX + 8];
+        let Some(room) = message.get_mut(..key.len()) else {
+            // Longer than any key the protocol carries: streamed.
+            let mut hasher = self.keyed;
+            hasher.write(key);
+            hasher.write(&counter.to_be_bytes());
+            return hasher.finish() as u16;
+        };
+        room.copy_from_slice(key);
+        message[key.len()..key.len() + 8].copy_from_slice(&counter.to_be_bytes());
+        self.keyed.hash(&message[..key.len() + 8]) as u16
     }
 
     /// The token of grant number `counter` on `key`. `counter` must be
@@ -131,7 +160,16 @@ mod tests {
     #[test]
     fn the_mac_is_the_low_16_bits_of_siphash_1_3_over_key_and_big_endian_counter() {
         let binding = TokenBinding::new(&SECRET);
-        for (key, counter) in [("db", 1u64), ("", 0), ("a-much-longer-key/x", 1 << 40)] {
+        let long = "k".repeat(300);
+        for (key, counter) in [
+            ("db", 1u64),
+            ("", 0),
+            ("a-much-longer-key/x", 1 << 40),
+            (&long[..56], 9),
+            (&long[..57], 9),
+            (&long[..255], 9),
+            (&long, 9),
+        ] {
             let mut message = key.as_bytes().to_vec();
             message.extend_from_slice(&counter.to_be_bytes());
             assert_eq!(
