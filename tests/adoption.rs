@@ -239,3 +239,70 @@ fn another_secret_adopts_nothing() {
     assert_eq!(fake.request(0, &Request::Query { key: "db" }).len(), 1);
     assert_eq!(fake.core.keys(), 0);
 }
+
+/// The endpoint names the adopter: a TCP peer by its address (an
+/// IPv4-mapped IPv6 one as IPv4), every Unix peer as one.
+#[test]
+fn refused_tries_count_per_peer_address_through_the_endpoint() {
+    use std::net::Ipv6Addr;
+
+    use kunci::protocol::{encode_request, encode_response};
+
+    let mut wire = crate::util::wire::Wire::new();
+    {
+        let core = wire.endpoint.core_mut();
+        core.bind_tokens(binding(), 0);
+        core.set_adoptable_until(FIRST_TOKEN - 1);
+        core.set_grace_until(10 * S);
+    }
+    let a = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
+    let a_mapped = IpAddr::V6(Ipv4Addr::new(192, 0, 2, 1).to_ipv6_mapped());
+    let b = IpAddr::V6(Ipv6Addr::LOCALHOST);
+    for (id, peer) in [
+        (0, Some(a)),
+        (1, Some(a_mapped)),
+        (2, Some(b)),
+        (3, None),
+        (4, None),
+    ] {
+        wire.endpoint.accept(id, peer, 0);
+    }
+    let extend = |key: &str, token: u64| {
+        let mut bytes = Vec::new();
+        let request = Request::Extend {
+            lease_s: 30,
+            token,
+            key,
+        };
+        encode_request(&request, &mut bytes);
+        bytes
+    };
+    let answer = |response: Response| {
+        let mut bytes = Vec::new();
+        encode_response(&response, &mut bytes);
+        bytes
+    };
+    // 16 refusals from address a (over its two connections), and from the
+    // Unix peers.
+    for i in 0..16u64 {
+        let forged = old("k", 1) + 1 + i;
+        for id in [(i % 2) as u32, 3] {
+            assert_eq!(
+                wire.exchange(id, &extend("k", forged)),
+                answer(not_held(forged))
+            );
+        }
+    }
+    let genuine = old("k", 1);
+    for id in [0, 1, 4] {
+        assert_eq!(
+            wire.exchange(id, &extend("k", genuine)),
+            answer(not_held(genuine)),
+            "connection {id}"
+        );
+    }
+    assert_eq!(
+        wire.exchange(2, &extend("k", genuine)),
+        answer(extended(genuine))
+    );
+}
