@@ -12,7 +12,9 @@ use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 use kunci::server::state::{self, Clocks, Recorded, SavedGrant};
 use proptest::prelude::*;
 
-use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
+use kunci::core::token_binding::step_at_or_above;
+
+use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, binding, old, tick_of};
 use crate::util::model::{Model, same_as_multiset, same_in_order};
 use crate::util::plain_acquire;
 
@@ -854,7 +856,7 @@ fn shutdown_answers_every_waiter_busy_then_every_connection_x_8() {
 #[test]
 fn shutdown_during_the_grace_answers_its_waiters_busy_and_empties_the_table() {
     let mut fake = Fake::with_conns(3);
-    fake.core.set_grace_until(30 * S);
+    fake.crash_grace(30 * S);
     fake.enqueue(1, "a", 100, 30, 1);
     fake.enqueue(2, "a", 100, 30, 2);
     fake.enqueue(2, "b", 100, 30, 3);
@@ -871,7 +873,7 @@ fn shutdown_during_the_grace_answers_its_waiters_busy_and_empties_the_table() {
 fn grace_wait_0_times_out_and_waits_are_granted_after_the_horizon() {
     let mut fake = Fake::with_conns(4);
     let horizon = 10 * S + 500;
-    fake.core.set_grace_until(horizon);
+    fake.crash_grace(horizon);
     fake.set_now(S);
     assert_eq!(fake.acquire(1, "a", 0, 30, 1), vec![(1, timeout(1))]);
     assert_eq!(fake.core.keys(), 0);
@@ -923,7 +925,7 @@ fn grace_wait_0_times_out_and_waits_are_granted_after_the_horizon() {
 #[test]
 fn grace_query_shows_token_0_and_the_time_left_to_the_horizon() {
     let mut fake = Fake::with_conns(3);
-    fake.core.set_grace_until(10 * S);
+    fake.crash_grace(10 * S);
     fake.set_now(2 * S + 300);
     assert_eq!(fake.query("a"), (0, 0, 8_000, 0));
     fake.enqueue(1, "a", 100, 30, 1);
@@ -953,7 +955,7 @@ fn grace_query_shows_token_0_and_the_time_left_to_the_horizon() {
 fn grace_query_time_left_does_not_drop_when_a_waiter_queues() {
     for horizon in [10 * S, 10 * S + 1, 10 * S + 999] {
         let mut fake = Fake::with_conns(2);
-        fake.core.set_grace_until(horizon);
+        fake.crash_grace(horizon);
         fake.set_now(2 * S + 300);
         let before = fake.query("a");
         fake.enqueue(1, "a", 100, 30, 1);
@@ -970,7 +972,7 @@ fn grace_query_time_left_does_not_drop_when_a_waiter_queues() {
 #[test]
 fn grace_limits_still_apply() {
     let mut fake = Fake::new(limits(1, 10, 10, 10), 3);
-    fake.core.set_grace_until(10 * S);
+    fake.crash_grace(10 * S);
     fake.enqueue(1, "a", 100, 30, 1);
     // A new key during the grace needs a table entry: the key limit counts.
     assert_eq!(fake.acquire(1, "b", 100, 30, 2), vec![(1, busy(2))]);
@@ -1222,6 +1224,9 @@ fn a_clean_stop_keeps_every_permit_with_its_take_label_and_limit() {
 #[test]
 fn after_a_crash_two_readers_one_releases_and_the_writer_waits_for_the_other_lease() {
     let mut fake = Fake::with_conns(3);
+    // As with a state directory: tokens bound to their keys.
+    fake.core.bind_tokens(binding(), FIRST_TOKEN);
+    assert!(fake.core.binds_tokens());
     let mut durability = Durability::new();
     durability.persisted(durability.needed(&fake.core).unwrap());
     let reader_1 = fake.grant_permits(0, "rw", 10, 1, 65_535, 1);
@@ -1246,9 +1251,11 @@ fn after_a_crash_two_readers_one_releases_and_the_writer_waits_for_the_other_lea
     assert!(restart.counted_grants);
     let mut next = Fake::new(Limits::default(), 3);
     next.core = Core::new(Limits::default(), on_disk.token_high_water);
+    next.core.bind_tokens(binding(), on_disk.token_high_water);
     for conn in 0..3 {
         next.core.connect(conn);
     }
+    assert_eq!(restart.macs_until, on_disk.token_high_water - 1);
     restart.resume(&mut next.core, recorded.grants()).unwrap();
     // The first reader renews, then releases: neither frees the key. Its
     // renewal adopts its token beside the unknown grant (spec §7.4).
@@ -1288,23 +1295,23 @@ fn after_a_crash_two_readers_one_releases_and_the_writer_waits_for_the_other_lea
 #[test]
 fn adoption_by_extend_during_the_grace_makes_the_token_the_holder_again() {
     let mut fake = Fake::with_conns(3);
-    fake.core.set_grace_until(10 * S);
+    fake.crash_grace(10 * S);
     fake.set_now(2 * S);
     assert_eq!(
-        fake.extend(1, "a", 30, EARLIER),
-        vec![(1, extended(EARLIER))]
+        fake.extend(1, "a", 30, old("a", 10)),
+        vec![(1, extended(old("a", 10)))]
     );
     // Owner 0, the new lease from now; Q shows the token.
-    assert_eq!(fake.query("a"), (EARLIER, 0, 30_000, 0));
+    assert_eq!(fake.query("a"), (old("a", 10), 0, 30_000, 0));
     assert_eq!(fake.acquire(2, "a", 0, 30, 1), vec![(2, timeout(1))]);
     // From now on it is an ordinary grant: another earlier token is N.
     assert_eq!(
-        fake.extend(2, "a", 5, EARLIER - 1),
-        vec![(2, not_held(EARLIER - 1))]
+        fake.extend(2, "a", 5, old("a", 9)),
+        vec![(2, not_held(old("a", 9)))]
     );
     assert_eq!(
-        fake.extend(1, "a", 20, EARLIER),
-        vec![(1, extended(EARLIER))]
+        fake.extend(1, "a", 20, old("a", 10)),
+        vec![(1, extended(old("a", 10)))]
     );
     let info = fake.info();
     assert_eq!((info["keys"].as_str(), info["held"].as_str()), ("1", "1"));
@@ -1317,14 +1324,14 @@ fn adoption_by_extend_during_the_grace_makes_the_token_the_holder_again() {
     // A key waited on during the grace (an entry held by the unknown
     // grant) is adopted the same way; its waiter stays queued behind.
     let mut fake = Fake::with_conns(3);
-    fake.core.set_grace_until(10 * S);
+    fake.crash_grace(10 * S);
     fake.enqueue(2, "b", 60, 30, 3);
     fake.set_now(S);
     assert_eq!(
-        fake.extend(1, "b", 15, EARLIER),
-        vec![(1, extended(EARLIER))]
+        fake.extend(1, "b", 15, old("b", 10)),
+        vec![(1, extended(old("b", 10)))]
     );
-    assert_eq!(fake.query("b"), (EARLIER, 0, 15_000, 1));
+    assert_eq!(fake.query("b"), (old("b", 10), 0, 15_000, 1));
     assert_eq!(fake.run_until(16 * S - 1), vec![]);
     assert_eq!(fake.run_until(16 * S), vec![(2, acquired(3, FIRST_TOKEN))]);
     assert_eq!(fake.core.stats().expired, 1);
@@ -1334,20 +1341,23 @@ fn adoption_by_extend_during_the_grace_makes_the_token_the_holder_again() {
 #[test]
 fn adoption_by_release_frees_the_key_and_hands_it_to_the_head_waiter() {
     let mut fake = Fake::with_conns(4);
-    fake.core.set_grace_until(10 * S);
+    fake.crash_grace(10 * S);
     fake.enqueue(2, "a", 60, 30, 1);
     fake.enqueue(3, "a", 60, 30, 2);
     fake.set_now(S);
     assert_eq!(
-        fake.release(1, "a", EARLIER),
-        vec![(1, released(EARLIER)), (2, acquired(1, FIRST_TOKEN))]
+        fake.release(1, "a", old("a", 10)),
+        vec![(1, released(old("a", 10))), (2, acquired(1, FIRST_TOKEN))]
     );
     assert_eq!(fake.query("a"), (FIRST_TOKEN, 1, 30_000, 1));
     fake.core.check_invariants();
 
     // Without waiters the key is simply free, for the rest of the grace
     // too — also after a grant of this run on it ends.
-    assert_eq!(fake.release(1, "b", EARLIER), vec![(1, released(EARLIER))]);
+    assert_eq!(
+        fake.release(1, "b", old("b", 10)),
+        vec![(1, released(old("b", 10)))]
+    );
     assert_eq!(fake.query("b"), (0, 0, 0, 0));
     assert_eq!(fake.query("c"), (0, 0, 9_000, 0));
     let token = fake.grant(1, "b", 1, 3);
@@ -1358,10 +1368,13 @@ fn adoption_by_release_frees_the_key_and_hands_it_to_the_head_waiter() {
     assert_eq!(fake.query("b"), (0, 0, 0, 0));
     // A freed key is no longer held by the unknown grant: nothing to adopt.
     assert_eq!(
-        fake.extend(1, "b", 5, EARLIER),
-        vec![(1, not_held(EARLIER))]
+        fake.extend(1, "b", 5, old("b", 10)),
+        vec![(1, not_held(old("b", 10)))]
     );
-    assert_eq!(fake.release(1, "b", EARLIER), vec![(1, not_held(EARLIER))]);
+    assert_eq!(
+        fake.release(1, "b", old("b", 10)),
+        vec![(1, not_held(old("b", 10)))]
+    );
     fake.core.check_invariants();
 }
 
@@ -1373,20 +1386,20 @@ fn adoption_by_release_frees_the_key_and_hands_it_to_the_head_waiter() {
 #[test]
 fn after_a_run_with_counted_grants_adopted_grants_hold_their_key_past_the_horizon() {
     let mut fake = Fake::with_conns(4);
-    fake.core.set_grace_until(10 * S);
+    fake.crash_grace(10 * S);
     fake.core.set_grace_counted(true);
     assert!(fake.core.counted_grants());
     fake.set_now(S);
     // Two old tokens of one key are both adopted, in any order.
     assert_eq!(
-        fake.extend(1, "rw", 5, EARLIER + 1),
-        vec![(1, extended(EARLIER + 1))]
+        fake.extend(1, "rw", 5, old("rw", 11)),
+        vec![(1, extended(old("rw", 11)))]
     );
     assert_eq!(
-        fake.extend(1, "rw", 20, EARLIER),
-        vec![(1, extended(EARLIER))]
+        fake.extend(1, "rw", 20, old("rw", 10)),
+        vec![(1, extended(old("rw", 10)))]
     );
-    assert_eq!(fake.query("rw"), (EARLIER, 0, 20_000, 0));
+    assert_eq!(fake.query("rw"), (old("rw", 10), 0, 20_000, 0));
     fake.core.check_invariants();
     // A writer and a reader wait; nothing is granted at once.
     fake.enqueue_permits(2, "rw", 60, 30, 2, 65_535, 0);
@@ -1399,8 +1412,8 @@ fn after_a_run_with_counted_grants_adopted_grants_hold_their_key_past_the_horizo
         holders(&mut fake, 9, "rw"),
         vec![
             grant_frame(0, 0, 9_000, 0, 0, ""),
-            grant_frame(EARLIER, 0, 20_000, 0, 0, ""),
-            grant_frame(EARLIER + 1, 0, 5_000, 0, 0, ""),
+            grant_frame(old("rw", 10), 0, 20_000, 0, 0, ""),
+            grant_frame(old("rw", 11), 0, 5_000, 0, 0, ""),
             waiter_frame(2, 60_000, 0, ""),
             waiter_frame(3, 60_000, 1, ""),
             end_frame(5, 0)
@@ -1409,38 +1422,38 @@ fn after_a_run_with_counted_grants_adopted_grants_hold_their_key_past_the_horizo
     // `R` of an adopted token, and of an old token never adopted, answer
     // `R`; neither frees the key.
     assert_eq!(
-        fake.release(1, "rw", EARLIER + 1),
-        vec![(1, released(EARLIER + 1))]
+        fake.release(1, "rw", old("rw", 11)),
+        vec![(1, released(old("rw", 11)))]
     );
     assert_eq!(
-        fake.release(1, "rw", EARLIER + 2),
-        vec![(1, released(EARLIER + 2))]
+        fake.release(1, "rw", old("rw", 12)),
+        vec![(1, released(old("rw", 12)))]
     );
     assert_eq!(
-        fake.release(1, "untracked", EARLIER + 3),
-        vec![(1, released(EARLIER + 3))]
+        fake.release(1, "untracked", old("untracked", 13)),
+        vec![(1, released(old("untracked", 13)))]
     );
-    assert_eq!(fake.query("rw"), (EARLIER, 0, 20_000, 2));
+    assert_eq!(fake.query("rw"), (old("rw", 10), 0, 20_000, 2));
     assert_eq!(fake.query("untracked"), (0, 0, 9_000, 0));
     // A key whose only adopted grant was released stays held too.
     assert_eq!(
-        fake.extend(1, "gone", 5, EARLIER + 4),
-        vec![(1, extended(EARLIER + 4))]
+        fake.extend(1, "gone", 5, old("gone", 14)),
+        vec![(1, extended(old("gone", 14)))]
     );
     assert_eq!(
-        fake.release(1, "gone", EARLIER + 4),
-        vec![(1, released(EARLIER + 4))]
+        fake.release(1, "gone", old("gone", 14)),
+        vec![(1, released(old("gone", 14)))]
     );
     assert_eq!(fake.query("gone"), (0, 0, 9_000, 0));
     assert_eq!(fake.acquire(0, "gone", 0, 30, 5), vec![(0, timeout(5))]);
     fake.core.check_invariants();
     // The horizon passes; the adopted grant still holds "rw".
     assert_eq!(fake.run_until(10 * S), vec![]);
-    assert_eq!(fake.query("rw"), (EARLIER, 0, 11_000, 2));
+    assert_eq!(fake.query("rw"), (old("rw", 10), 0, 11_000, 2));
     assert_eq!(
         holders(&mut fake, 9, "rw"),
         vec![
-            grant_frame(EARLIER, 0, 11_000, 9_000, 0, ""),
+            grant_frame(old("rw", 10), 0, 11_000, 9_000, 0, ""),
             waiter_frame(2, 51_000, 0, ""),
             waiter_frame(3, 51_000, 1, ""),
             end_frame(3, 0)
@@ -1448,12 +1461,12 @@ fn after_a_run_with_counted_grants_adopted_grants_hold_their_key_past_the_horizo
     );
     // After the horizon an old token not adopted is not held.
     assert_eq!(
-        fake.extend(1, "rw", 5, EARLIER + 2),
-        vec![(1, not_held(EARLIER + 2))]
+        fake.extend(1, "rw", 5, old("rw", 12)),
+        vec![(1, not_held(old("rw", 12)))]
     );
     assert_eq!(
-        fake.release(1, "rw", EARLIER + 2),
-        vec![(1, not_held(EARLIER + 2))]
+        fake.release(1, "rw", old("rw", 12)),
+        vec![(1, not_held(old("rw", 12)))]
     );
     assert_eq!(
         fake.acquire(0, "untracked", 0, 30, 6),
@@ -1474,21 +1487,24 @@ fn after_a_run_with_counted_grants_adopted_grants_hold_their_key_past_the_horizo
 #[test]
 fn after_a_run_with_counted_grants_a_waiter_gets_the_key_when_the_adopted_grant_is_released() {
     let mut fake = Fake::with_conns(3);
-    fake.core.set_grace_until(10 * S);
+    fake.crash_grace(10 * S);
     fake.core.set_grace_counted(true);
     fake.enqueue(2, "waited", 60, 30, 1);
     fake.set_now(S);
     assert_eq!(
-        fake.extend(1, "waited", 30, EARLIER),
-        vec![(1, extended(EARLIER))]
+        fake.extend(1, "waited", 30, old("waited", 10)),
+        vec![(1, extended(old("waited", 10)))]
     );
-    assert_eq!(fake.query("waited"), (EARLIER, 0, 30_000, 1));
+    assert_eq!(fake.query("waited"), (old("waited", 10), 0, 30_000, 1));
     assert_eq!(fake.run_until(10 * S), vec![]);
     fake.core.check_invariants();
     fake.set_now(12 * S);
     assert_eq!(
-        fake.release(1, "waited", EARLIER),
-        vec![(1, released(EARLIER)), (2, acquired(1, FIRST_TOKEN))]
+        fake.release(1, "waited", old("waited", 10)),
+        vec![
+            (1, released(old("waited", 10))),
+            (2, acquired(1, FIRST_TOKEN))
+        ]
     );
     fake.core.check_invariants();
 }
@@ -1505,12 +1521,12 @@ fn a_limit_named_by_a_request_that_ends_at_once_during_the_grace_is_not_set() {
             ..Limits::default()
         };
         let mut fake = Fake::new(limits, 3);
-        fake.core.set_grace_until(10 * S);
+        fake.crash_grace(10 * S);
         fake.core.set_grace_counted(true);
         fake.set_now(S);
         assert_eq!(
-            fake.extend(1, "k", 120, EARLIER),
-            vec![(1, extended(EARLIER))]
+            fake.extend(1, "k", 120, old("k", 10)),
+            vec![(1, extended(old("k", 10)))]
         );
         // `T` at once; then `B` from a full waiter table.
         assert_eq!(
@@ -1574,10 +1590,10 @@ fn a_clean_stop_saves_and_restores_several_adopted_grants_of_one_key() {
     {
         let mut state = state::StateDir::open(&dir.0).unwrap();
         state.resume(&mut fake.core).unwrap();
-        fake.core.set_grace_until(5 * S);
+        fake.crash_grace(5 * S);
         fake.core.set_grace_counted(true);
         fake.set_now(S);
-        for token in [EARLIER + 1, EARLIER] {
+        for token in [old("rw", 11), old("rw", 10)] {
             assert_eq!(fake.extend(1, "rw", 60, token), vec![(1, extended(token))]);
         }
         fake.run_until(6 * S);
@@ -1592,12 +1608,15 @@ fn a_clean_stop_saves_and_restores_several_adopted_grants_of_one_key() {
         .grants()
         .map(|grant| (grant.token, grant.owner, grant.take))
         .collect();
-    assert_eq!(tokens, vec![(EARLIER, 0, 0), (EARLIER + 1, 0, 0)]);
+    assert_eq!(tokens, vec![(old("rw", 10), 0, 0), (old("rw", 11), 0, 0)]);
     assert_eq!(
         next.permits(0, "rw", 0, 30, 4, 65_535, 1, ""),
         vec![(0, timeout(4))]
     );
-    assert_eq!(next.release(0, "rw", EARLIER), vec![(0, released(EARLIER))]);
+    assert_eq!(
+        next.release(0, "rw", old("rw", 10)),
+        vec![(0, released(old("rw", 10)))]
+    );
     assert_eq!(next.acquire(0, "rw", 0, 30, 5), vec![(0, timeout(5))]);
     next.core.check_invariants();
 }
@@ -1614,10 +1633,14 @@ fn adopted_grants_restored_within_the_grace_keep_their_key_held_until_the_horizo
     {
         let mut state = state::StateDir::open(&dir.0).unwrap();
         state.resume(&mut fake.core).unwrap();
-        fake.core.set_grace_until(60 * S);
+        fake.crash_grace(60 * S);
         fake.core.set_grace_counted(true);
         fake.set_now(S);
-        for (key, token) in [("rw", EARLIER + 1), ("rw", EARLIER), ("one", EARLIER + 2)] {
+        for (key, token) in [
+            ("rw", old("rw", 11)),
+            ("rw", old("rw", 10)),
+            ("one", old("one", 12)),
+        ] {
             assert_eq!(fake.extend(1, key, 60, token), vec![(1, extended(token))]);
         }
         fake.enqueue_permits(0, "rw", 60, 30, 3, 65_535, 1);
@@ -1628,7 +1651,11 @@ fn adopted_grants_restored_within_the_grace_keep_their_key_held_until_the_horizo
         now: 0,
     };
     assert!(next.core.counted_grants() && next.core.grace_until() > 50 * S);
-    for (key, token) in [("rw", EARLIER), ("rw", EARLIER + 1), ("one", EARLIER + 2)] {
+    for (key, token) in [
+        ("rw", old("rw", 10)),
+        ("rw", old("rw", 11)),
+        ("one", old("one", 12)),
+    ] {
         assert_eq!(next.release(0, key, token), vec![(0, released(token))]);
     }
     for key in ["rw", "one"] {
@@ -1649,7 +1676,7 @@ fn the_counted_grants_flag_survives_a_crash_and_governs_the_next_grace() {
             let mut state = state::StateDir::open(&dir.0).unwrap();
             let mut fake = Fake::with_conns(1);
             state.resume(&mut fake.core).unwrap();
-            fake.core.set_grace_until(60 * S);
+            fake.crash_grace(60 * S);
             fake.core.set_grace_counted(counted);
             let promise = Durability::new().needed(&fake.core).unwrap();
             assert_eq!(promise.counted_grants, counted);
@@ -1660,11 +1687,13 @@ fn the_counted_grants_flag_survives_a_crash_and_governs_the_next_grace() {
         let mut next = Fake::new(Limits::default(), 1);
         state.resume(&mut next.core).unwrap();
         assert_eq!(next.core.counted_grants(), counted);
+        // Bound with the directory's secret, as that run would have.
+        let earlier = state.binding().token(b"k", 10);
         assert_eq!(
-            next.extend(0, "k", 5, EARLIER),
-            vec![(0, extended(EARLIER))]
+            next.extend(0, "k", 5, earlier),
+            vec![(0, extended(earlier))]
         );
-        assert_eq!(next.release(0, "k", EARLIER), vec![(0, released(EARLIER))]);
+        assert_eq!(next.release(0, "k", earlier), vec![(0, released(earlier))]);
         // Under §7.4 the key stays held by the unknown grant; under §7.3
         // the release freed it.
         let token_0_lease = next.query("k").2;
@@ -1676,7 +1705,7 @@ fn the_counted_grants_flag_survives_a_crash_and_governs_the_next_grace() {
 #[test]
 fn during_the_grace_a_token_not_below_the_first_or_token_0_is_still_not_held() {
     let mut fake = Fake::with_conns(2);
-    fake.core.set_grace_until(10 * S);
+    fake.crash_grace(10 * S);
     fake.enqueue(1, "waited", 60, 30, 1);
     for key in ["waited", "untracked"] {
         for token in [0, FIRST_TOKEN, FIRST_TOKEN + 7, u64::MAX] {
@@ -1689,12 +1718,12 @@ fn during_the_grace_a_token_not_below_the_first_or_token_0_is_still_not_held() {
     // After the grace an earlier token adopts nothing.
     fake.run_until(10 * S);
     assert_eq!(
-        fake.extend(2, "untracked", 5, EARLIER),
-        vec![(2, not_held(EARLIER))]
+        fake.extend(2, "untracked", 5, old("untracked", 10)),
+        vec![(2, not_held(old("untracked", 10)))]
     );
     assert_eq!(
-        fake.release(2, "untracked", EARLIER),
-        vec![(2, not_held(EARLIER))]
+        fake.release(2, "untracked", old("untracked", 10)),
+        vec![(2, not_held(old("untracked", 10)))]
     );
     assert_eq!(fake.core.stats().not_held, 18);
     fake.core.check_invariants();
@@ -1761,22 +1790,28 @@ fn the_horizon_comes_down_as_long_leases_end_and_never_below_a_running_one() {
 }
 
 #[test]
-fn adoption_by_extend_may_take_the_table_to_twice_the_key_limit_and_no_further() {
-    let mut fake = Fake::new(limits(1, 10, 10, 10), 2);
-    fake.core.set_grace_until(10 * S);
-    // A waiter of this run fills the key limit...
+fn adoption_is_charged_like_a_grant_and_b_when_the_limits_are_full() {
+    let mut fake = Fake::new(limits(2, 10, 10, 10), 2);
+    fake.crash_grace(10 * S);
+    // A waiter of this run takes one key of two...
     fake.enqueue(1, "w", 60, 30, 1);
-    assert_eq!(fake.acquire(1, "x", 60, 30, 2), vec![(1, busy(2))]);
-    // ...yet an earlier holder adopts its key; one more finds no room.
+    // ...an earlier holder adopts its key, the second; one more finds no
+    // room: `B` with its token, and the key stays the unknown grant's.
     assert_eq!(
-        fake.extend(1, "a", 30, EARLIER),
-        vec![(1, extended(EARLIER))]
+        fake.extend(1, "a", 30, old("a", 10)),
+        vec![(1, extended(old("a", 10)))]
     );
     assert_eq!(
-        fake.extend(1, "b", 30, EARLIER + 1),
-        vec![(1, not_held(EARLIER + 1))]
+        fake.extend(1, "b", 30, old("b", 11)),
+        vec![(1, busy(old("b", 11)))]
     );
     assert_eq!(fake.query("b"), (0, 0, 10_000, 0));
+    assert_eq!(fake.core.keys(), 2);
+    // The waited-on key adds no key: it is adopted within the limit.
+    assert_eq!(
+        fake.extend(1, "w", 30, old("w", 12)),
+        vec![(1, extended(old("w", 12)))]
+    );
     fake.core.check_invariants();
 }
 
@@ -1839,18 +1874,18 @@ fn the_horizon_on_disk_covers_every_lease_and_runs_at_most_5_s_past_the_latest()
 fn a_clean_stop_saved_and_resumed_restores_every_grant_and_the_remaining_grace() {
     let dir = crate::util::TempDir::new("resume");
     let mut fake = Fake::with_conns(2);
-    fake.core.set_grace_until(30 * S);
     {
         let mut state = state::StateDir::open(&dir.0).unwrap();
         state.resume(&mut fake.core).unwrap();
+        fake.crash_grace(30 * S);
         fake.set_now(S);
         // Adopted keys during the grace: one expires, two are released
         // by their earlier holders and granted anew, one runs out now.
-        fake.extend(1, "adopted", 10, EARLIER);
+        fake.extend(1, "adopted", 10, old("adopted", 10));
         fake.run_until(20 * S);
         let long_key = "é/long-key-beyond-the-inline-bytes";
         for (key, token) in [("a", 1), (long_key, 2), ("expires-now", 3)] {
-            fake.release(1, key, EARLIER - token);
+            fake.release(1, key, old(key, 10 - token));
         }
         let a = fake.grant(1, "a", 30, 1);
         let b = fake.grant(1, long_key, 255, 2);
@@ -1886,7 +1921,8 @@ fn a_clean_stop_saved_and_resumed_restores_every_grant_and_the_remaining_grace()
     }
     // The grace of the stopped run goes on: 9 s were left of it.
     assert!(next.grace_until() <= 9 * S + MS && next.grace_until() > 7 * S);
-    assert_eq!(next.next_token(), FIRST_TOKEN + 1_000);
+    // The next run binds its tokens: a multiple of 2^16 at or above.
+    assert_eq!(next.next_token(), step_at_or_above(FIRST_TOKEN + 1_000));
 }
 
 // ---- random sequences against the reference model --------------------------------
@@ -2130,7 +2166,7 @@ proptest! {
             next_owner: 0,
             stale_token: 0,
         };
-        pair.fake.core.set_grace_until(grace);
+        pair.fake.crash_grace(grace);
         pair.model.grace_until = grace;
         for conn in 0..3 {
             pair.model.connect(conn);
@@ -2668,6 +2704,7 @@ fn under_a_ceiling_what_the_state_file_does_not_promise_gets_b_and_the_rest_is_s
         token_high_water: FIRST_TOKEN + 2,
         horizon: 10 * S,
         counted_grants: false,
+        macs_until: 0,
     }));
     // A lease within the horizon is granted; one past it is not.
     let a = fake.grant(0, "a", 10, 1);
@@ -2763,7 +2800,7 @@ fn a_restored_grant_keeps_its_label_and_counts_its_time_held_from_the_original_g
 #[test]
 fn holders_shows_the_unknown_grant_of_the_grace_as_token_0_and_adopted_grants_with_owner_0() {
     let mut fake = Fake::with_conns(3);
-    fake.core.set_grace_until(10 * S);
+    fake.crash_grace(10 * S);
     fake.set_now(2 * S + 300);
     let unknown = grant_frame(0, 0, 8_000, 0, 0, "");
     assert_eq!(
@@ -2786,12 +2823,16 @@ fn holders_shows_the_unknown_grant_of_the_grace_as_token_0_and_adopted_grants_wi
         vec![unknown, waiter_frame(2, 100_000, 1, ""), end_frame(2, 0)]
     );
     // Adoption (spec §7.3) of an earlier run's token: owner 0, held since.
-    assert_eq!(fake.extend(2, "b", 5, 7), vec![(2, extended(7))]);
+    let earlier = old("b", 7);
+    assert_eq!(
+        fake.extend(2, "b", 5, earlier),
+        vec![(2, extended(earlier))]
+    );
     fake.set_now(3 * S + 300);
     assert_eq!(
         holders(&mut fake, 9, "b"),
         // 1,000 ms rounded down from the millisecond after the adoption.
-        vec![grant_frame(7, 0, 4_000, 999, 0, ""), end_frame(1, 0)]
+        vec![grant_frame(earlier, 0, 4_000, 999, 0, ""), end_frame(1, 0)]
     );
     // After the horizon the waiter holds "a".
     fake.set_now(10 * S);

@@ -414,3 +414,87 @@ fn grants_restored_from_an_earlier_run_are_charged_to_nobody() {
     assert_eq!(q.release(0, TENANT, "t/sem", 8), released(0, 8));
     assert_eq!(q.charged(), 2);
 }
+
+/// A core in a crash grace (spec §7.3 v5) with identity 0 `small`
+/// (`lock:* max-keys=1 max-grants=1`) and identity 1 `root` (no quota),
+/// connections 0..3 open; the earlier run's tokens are
+/// [`old`](crate::util::fake::old)'s.
+fn in_grace(counted: bool) -> Quota {
+    let text = format!(
+        "small {} lock:* max-keys=1 max-grants=1\nroot {} lock:* info\n",
+        hash_hex(b"small-secret-0123456789abcdef-01234"),
+        hash_hex(b"root-secret-0123456789abcdef-012345"),
+    );
+    let list = AccessList::parse(&text).unwrap();
+    let identities = (0..2).map(|i| list.identity(i).unwrap().clone()).collect();
+    let mut fake = crate::util::fake::Fake::with_conns(3);
+    fake.crash_grace(30 * S);
+    fake.core.set_grace_counted(counted);
+    Quota {
+        core: fake.core,
+        identities,
+        now: S,
+    }
+}
+
+fn extend(q: &mut Quota, conn: ConnId, who: u32, key: &str, token: u64) -> Vec<Output> {
+    let request = Request::Extend {
+        lease_s: 30,
+        token,
+        key,
+    };
+    q.request(conn, who, &request)
+}
+
+#[test]
+fn an_identity_that_adopted_its_grant_gets_b_for_the_next() {
+    use crate::util::fake::old;
+    for counted in [false, true] {
+        let mut q = in_grace(counted);
+        let db = old("db", 3);
+        assert_eq!(
+            extend(&mut q, 0, 0, "db", db),
+            vec![(0, Response::Extended { token: db })]
+        );
+        assert_eq!(q.core.grants_charged(0), 1);
+        assert_eq!(q.core.keys_charged(0), 1);
+        // Its next adoption, of a genuine token: `B` with the token, and
+        // that key stays the unknown grant's.
+        let queue = old("queue", 4);
+        assert_eq!(extend(&mut q, 0, 0, "queue", queue), busy(0, queue));
+        assert_eq!(q.core.keys(), 1);
+        // Another identity adopts within the server's limits.
+        assert_eq!(
+            extend(&mut q, 1, 1, "queue", queue),
+            vec![(1, Response::Extended { token: queue })]
+        );
+        // After the grace its next `A` gets `B` as well: the adopted
+        // grant (to 31 s) is its one.
+        q.run_until(30 * S);
+        assert_eq!(q.acquire(0, 0, "fresh", 0, 5), busy(0, 5));
+        // The adopted grant ends: its identity gets its grant back.
+        assert_eq!(q.release(0, 0, "db", db), released(0, db));
+        assert_eq!(q.core.grants_charged(0), 0);
+        assert_eq!(q.acquire(0, 0, "fresh", 0, 6), acquired(0, 6, T));
+    }
+}
+
+#[test]
+fn a_max_keys_1_identity_adopts_one_key_not_two_thousand() {
+    use crate::util::fake::old;
+    let mut q = in_grace(false);
+    let mut adopted = 0;
+    for i in 0..2_000u64 {
+        let key = format!("made-up/{i}");
+        // Genuine tokens of those keys, as if the identity had them.
+        let token = old(&key, 1 + i);
+        match extend(&mut q, 0, 0, &key, token).as_slice() {
+            [(0, Response::Extended { .. })] => adopted += 1,
+            [(0, Response::Busy { owner })] if *owner == token => {}
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+    assert_eq!(adopted, 1);
+    assert_eq!(q.core.keys(), 1);
+    assert_eq!(q.core.grants_held(), 1);
+}

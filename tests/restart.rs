@@ -402,6 +402,43 @@ fn after_kill_9_a_holder_keeps_its_key_by_renewing_and_frees_it_by_releasing() {
     }
 }
 
+/// Spec §7.3 v5 end to end: after kill -9 another client cannot take a
+/// held key with a made-up token — token 1, the holder's ±1, a token of
+/// another key, one above the last grant — and the real holder still
+/// adopts its key by renewing.
+#[test]
+fn after_kill_9_only_the_holders_own_token_adopts_its_key() {
+    let dir = TempDir::new("adopt-bound");
+    let (server, mut peer, held) = start_holding(&dir, "db", 20);
+    peer.send(&acquire(0, 20, 2, "other"));
+    let other = granted(peer.recv(), 2);
+    assert!(other > held, "tokens increase");
+    let port = port_of(&server);
+    server.kill();
+
+    let server = start_on(&dir, port);
+    let mut thief = server.peer();
+    for token in [1, held - 1, held + 1, other, other + 1, other + (1 << 16)] {
+        thief.send(&crate::util::extend(9, token, "db"));
+        assert_eq!(thief.recv(), Response::NotHeld { token }, "E {token}");
+        thief.send(&release(token, "db"));
+        assert_eq!(thief.recv(), Response::NotHeld { token }, "R {token}");
+    }
+    assert_eq!(
+        query_key(&mut thief, "db").0,
+        0,
+        "still the unknown grant's"
+    );
+    // The holder renews as usual (another connection from the same address
+    // has 12 refusals, below 16): it adopts its key.
+    let mut holder = server.peer();
+    holder.send(&crate::util::extend(9, held, "db"));
+    assert_eq!(holder.recv(), Response::Extended { token: held });
+    assert_eq!(query_key(&mut holder, "db").0, held);
+    holder.send(&crate::util::extend(9, other, "other"));
+    assert_eq!(holder.recv(), Response::Extended { token: other });
+}
+
 /// After kill -9 with one lease of `lease_s` outstanding: (the time left to
 /// the horizon `Q` shows at the restart, the time from the grant to the
 /// restart).
@@ -654,6 +691,7 @@ fn an_implausible_high_water_mark_is_refused_at_start_naming_the_file() {
             token_high_water,
             horizon: 0,
             counted_grants: false,
+            macs_until: 0,
         };
         state.write_running(promise, 0).unwrap();
     };

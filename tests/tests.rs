@@ -4,6 +4,7 @@ mod abuse;
 mod access;
 mod access_client;
 mod access_server;
+mod adoption;
 mod bench;
 mod client;
 mod core;

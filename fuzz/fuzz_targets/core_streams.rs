@@ -7,9 +7,14 @@
 //! well-formed `S` (permits, spec §10), `O` (a watch, spec §13) or `C` (a
 //! proclaim, spec §13.4a, of the latest token or one near it) built from a
 //! few bytes, on a handful of keys, so that keys with limits, held watches
-//! and label changes are reached at once.
+//! and label changes are reached at once. A first byte with its low bit set
+//! starts the core in a crash grace (spec §7.2–7.4) of a run that bound its
+//! tokens to their keys, and a command may then append an `E` or `R` of
+//! that run's genuine token of a key or of a made-up one next to it (spec
+//! §7.3 v5: refused, 16 tries at most, the limits charged).
 #![no_main]
 
+use kunci::core::token_binding::TokenBinding;
 use kunci::core::{Core, Limits};
 use kunci::protocol::{Decoded, Request, Response, decode_request, encode_request};
 use libfuzzer_sys::fuzz_target;
@@ -27,12 +32,21 @@ fuzz_target!(|data: &[u8]| {
         max_watches: 8,
         max_watches_per_conn: 4,
     };
-    let mut core = Core::new(limits, 1);
+    let binding = TokenBinding::new(&[7; 16]);
+    let first = 1 << 40;
+    let mut core = Core::new(limits, first);
+    let mut bytes = data.iter().copied();
+    let setup = bytes.next().unwrap_or(0);
+    if setup & 1 != 0 {
+        core.bind_tokens(binding, first);
+        core.set_adoptable_until(first - 1);
+        core.set_grace_until(u64::from(setup >> 2) * 100_000 + 1);
+        core.set_grace_counted(setup & 2 != 0);
+    }
     let mut buffers: [Vec<u8>; CONNECTIONS] = Default::default();
     let mut open = [false; CONNECTIONS];
     let mut now: u64 = 0;
     let mut last_token: u64 = 0;
-    let mut bytes = data.iter().copied();
     while let Some(command) = bytes.next() {
         let conn = usize::from(command & 3);
         match command >> 6 {
@@ -55,6 +69,21 @@ fuzz_target!(|data: &[u8]| {
                             token,
                             key,
                             label: ["", "x", "leader"][usize::from(wait_s % 3)],
+                        };
+                        encode_request(&request, &mut buffers[conn]);
+                    } else if command & 8 != 0 && shape & 64 != 0 {
+                        // An `E` or `R` of the crashed run's token of the
+                        // key, or of one next to it (never that key's).
+                        let genuine = binding.token(key.as_bytes(), u64::from(owner % 8) + 1);
+                        let token = genuine ^ u64::from(wait_s & 1);
+                        let request = if lease_s & 1 == 0 {
+                            Request::Extend {
+                                lease_s: lease_s % 4 + 1,
+                                token,
+                                key,
+                            }
+                        } else {
+                            Request::Release { token, key }
                         };
                         encode_request(&request, &mut buffers[conn]);
                     } else if command & 8 != 0 {

@@ -4,14 +4,50 @@
 //! by `E`/`R` during it (§7.3). Everything the core decides about an
 //! earlier run lives here; the state file itself is `server::state`'s.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
 
 use super::labels::{self, LabelOf};
 use super::permits::PERMITS;
+use super::token_binding::{self, MAC_AHEAD_MAX, TokenBinding};
 use super::waiters;
 use super::{ConnId, Core, Micros, TimerNodes};
 use crate::protocol::Response;
 use crate::timer_wheel::{MICROS_PER_TICK, tick_at_or_after};
+
+/// Refused adoption tries one adopter may make in one grace (spec §7.3
+/// v5); after them its tries are refused without being checked.
+pub const REFUSED_TRIES_MAX: u8 = 16;
+
+/// Whose tries at adoption count together (spec §7.3 v5): the identity a
+/// session authenticated as; without `--auth` the peer's address; every
+/// Unix-socket peer (and a connection the core was told nothing of) is
+/// one adopter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Adopter {
+    #[default]
+    Local,
+    Peer(IpAddr),
+    Identity(u32),
+}
+
+/// What adoption is checked against, and the tries it refused.
+#[derive(Default)]
+pub(super) struct Adoption {
+    /// The secret an earlier run bound its tokens with (the state
+    /// directory's): `None` adopts nothing.
+    verify_with: Option<TokenBinding>,
+    /// No earlier token above it is adopted: the last token the previous
+    /// runs may have bound (0: none).
+    until: u64,
+    /// This run's tokens below it may be bound: `u64::MAX` while it binds
+    /// them, the first token it stopped at, 0 when it never did.
+    bound_below: u64,
+    /// Refused tries per adopter during the grace; emptied after it. At
+    /// most `--max-connections` adopters; those beyond share `overflow`.
+    refused: HashMap<Adopter, u8, foldhash::fast::RandomState>,
+    overflow: u8,
+}
 
 /// A grant held now (see [`Core::grants`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,6 +111,117 @@ enum Adoptable {
 }
 
 impl Core {
+    /// Binds this run's tokens to their keys with `binding` (spec §7.3
+    /// v5: a state directory's secret), which also checks the earlier
+    /// runs' tokens at adoption. Call before any request. Tokens then
+    /// start at a multiple of 2^16 and go 2^16 per grant, unless the
+    /// first token runs more than [`MAC_AHEAD_MAX`] above the clock's
+    /// first token `clock_token` (`unix_time_ms × 2^20`): then they go
+    /// +1 without a MAC, so that §7.6's implausible mark (2^52 ahead) is
+    /// never reached (see [`watch_token_clock`](Self::watch_token_clock)).
+    pub fn bind_tokens(&mut self, binding: TokenBinding, clock_token: u64) {
+        debug_assert!(self.wheel.elapsed() == 0 && self.next_token == self.first_token);
+        self.adoption.verify_with = Some(binding);
+        self.issue_with = None;
+        self.token_end = u64::MAX;
+        self.adoption.bound_below = 0;
+        let first = token_binding::step_at_or_above(self.first_token);
+        if first.saturating_sub(clock_token) > MAC_AHEAD_MAX || first > u64::MAX >> 1 {
+            return;
+        }
+        self.first_token = first;
+        self.next_token = first;
+        self.issue_with = Some(binding);
+        self.token_end = u64::MAX - (token_binding::STEP - 1);
+        self.adoption.bound_below = u64::MAX;
+    }
+
+    /// The clock's first token is `clock_token` now: once the next token
+    /// runs more than [`MAC_AHEAD_MAX`] above it (more than ~16,000
+    /// grants a second for a long time), this run stops binding tokens
+    /// and issues them +1 apart; the state file records where (tokens
+    /// from there on adopt nothing after a crash). Returns whether it
+    /// stopped now.
+    pub fn watch_token_clock(&mut self, clock_token: u64) -> bool {
+        if self.issue_with.is_none() || self.next_token.saturating_sub(clock_token) <= MAC_AHEAD_MAX
+        {
+            return false;
+        }
+        self.issue_with = None;
+        self.token_end = u64::MAX;
+        self.adoption.bound_below = self.next_token;
+        true
+    }
+
+    /// Whether this run binds its tokens to their keys.
+    pub fn binds_tokens(&self) -> bool {
+        self.issue_with.is_some()
+    }
+
+    /// No token above `until` is adopted: the last token the previous run
+    /// may have bound to its key (its state file's `macs_until`; 0 adopts
+    /// nothing, as after a file of format 1 to 4).
+    pub fn set_adoptable_until(&mut self, until: u64) {
+        self.adoption.until = until;
+    }
+
+    /// The last token that may carry a MAC, of this run or an earlier
+    /// one, if the tokens below `token_high_water` were all issued: what
+    /// the state file records for the next run's adoption (0: none).
+    pub fn macs_until(&self, token_high_water: u64) -> u64 {
+        let own = self
+            .adoption
+            .bound_below
+            .min(token_high_water)
+            .saturating_sub(1);
+        let own = if own >= self.first_token { own } else { 0 };
+        own.max(self.adoption.until)
+    }
+
+    /// Whose adoption tries `conn`'s count as (see [`Adopter`]).
+    pub fn set_adopter(&mut self, conn: ConnId, adopter: Adopter) {
+        if let Some(state) = self.conns.get_mut(conn as usize) {
+            state.adopter = adopter;
+        }
+    }
+
+    /// Whether `conn`'s `E`/`R` of `token`, an earlier run's on `key` held
+    /// by the unknown grant, adopts it (spec §7.3 v5): at most
+    /// [`REFUSED_TRIES_MAX`] refused tries per adopter per grace, then
+    /// every try is refused unchecked; else the token must be one the
+    /// previous run may have bound (at most its `macs_until`) and its MAC
+    /// that of `key`. A refusal is counted.
+    #[cold]
+    #[inline(never)]
+    fn adoption_passes(&mut self, conn: ConnId, key: &str, token: u64) -> bool {
+        let adopter = self
+            .conns
+            .get(conn as usize)
+            .map_or(Adopter::Local, |state| state.adopter);
+        let adoption = &mut self.adoption;
+        let counted = adoption.refused.get(&adopter).copied();
+        let full =
+            counted.is_none() && adoption.refused.len() >= self.limits.max_connections.max(1);
+        let count = counted.unwrap_or(if full { adoption.overflow } else { 0 });
+        if count >= REFUSED_TRIES_MAX {
+            return false;
+        }
+        let passes = token < self.first_token
+            && token <= adoption.until
+            && adoption
+                .verify_with
+                .as_ref()
+                .is_some_and(|binding| binding.verify(key.as_bytes(), token));
+        if !passes {
+            if full {
+                adoption.overflow += 1;
+            } else {
+                *adoption.refused.entry(adopter).or_insert(0) += 1;
+            }
+        }
+        passes
+    }
+
     /// Treat every key as held by an unknown grant until `until` (spec §7).
     pub fn set_grace_until(&mut self, until: Micros) {
         self.grace_until = until;
@@ -232,6 +379,7 @@ impl Core {
                 }
                 self.restore_permits(entry, grant);
                 self.grants_held += 1;
+                self.restored = (self.table.len(), self.grants_held);
                 return Ok(());
             }
             let entry = self
@@ -244,6 +392,7 @@ impl Core {
                 .set_grant_time(queue, waiters::grant_time_before_start(held_ms));
             self.arm_lease_at(entry, deadline.max(1));
             self.grants_held += 1;
+            self.restored = (self.table.len(), self.grants_held);
             return Ok(());
         }
         let entry = match found {
@@ -283,6 +432,7 @@ impl Core {
         if take != 0 {
             self.counted_grants_made = true;
         }
+        self.restored = (self.table.len(), self.grants_held);
         Ok(())
     }
 
@@ -330,16 +480,18 @@ impl Core {
     /// Whether `token` may adopt `key` (spec §7.3): it is an earlier run's
     /// token and the key is held by the unknown grant — an entry with token
     /// 0 (waited on), or, during the grace, a key not in the table and not
-    /// known free.
-    fn adoptable(&self, key: &str, token: u64, now: Micros) -> Option<Adoptable> {
+    /// known free — and it passes [`adoption_passes`](Self::adoption_passes)
+    /// for `conn`.
+    fn adoptable(&mut self, conn: ConnId, key: &str, token: u64, now: Micros) -> Option<Adoptable> {
         if token == 0 || token >= self.first_token || self.grace_counted {
             return None;
         }
-        match self.table.find(key, self.table.hash(key)) {
+        let adoptable = match self.table.find(key, self.table.hash(key)) {
             Some(entry) => (self.table.get(entry).token == 0).then_some(Adoptable::Waited(entry)),
             None => (now < self.grace_until && !self.freed_in_grace.contains(key))
                 .then_some(Adoptable::Untracked),
-        }
+        }?;
+        self.adoption_passes(conn, key, token).then_some(adoptable)
     }
 
     /// Spec §7.4: whether `key` is held by the unknown grant of a grace
@@ -376,34 +528,34 @@ impl Core {
         deadline: Micros,
         now: Micros,
     ) {
-        // As in §7.3, adoption may take the table to twice the key limit
-        // and the grants to twice their limit: the earlier run held at
-        // most that many, and the bound on memory stays.
-        let room = self.grants_held + self.waiters.len() < self.limits.max_grants.saturating_mul(2);
-        let entry = match self.held_by_counted_unknown(key, token, now) {
-            Some(_) if !room => None,
-            Some(Some(entry)) => Some(entry),
+        let held = self
+            .held_by_counted_unknown(key, token, now)
+            .filter(|_| self.adoption_passes(conn, key, token));
+        let entry = match held {
+            Some(entry) if !self.adoption_fits(entry.is_none()) => {
+                return self.adoption_busy(conn, token);
+            }
+            Some(Some(entry)) => entry,
             Some(None) => {
                 let hash = self.table.hash(key);
-                let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
-                    .then(|| self.table.insert(key, hash, 0, 0))
-                    .flatten();
-                if let Some(entry) = entry {
-                    self.unknown_holders += 1;
-                    self.arm_lease_at(entry, self.grace_until);
-                }
+                let Some(entry) = self.table.insert(key, hash, 0, 0) else {
+                    return self.adoption_busy(conn, token);
+                };
+                self.quotas.charge_key(entry);
+                self.unknown_holders += 1;
+                self.arm_lease_at(entry, self.grace_until);
                 entry
             }
-            None => None,
-        };
-        let Some(entry) = entry else {
-            self.stats.extend_not_held += 1;
-            return self.not_held(conn, token);
+            None => {
+                self.stats.extend_not_held += 1;
+                return self.not_held(conn, token);
+            }
         };
         if self.table.get(entry).token != PERMITS {
             self.set_limit(entry, 0, now);
         }
-        self.adopt_grant(entry, token, deadline, now);
+        let grant = self.adopt_grant(entry, token, deadline, now);
+        self.quotas.charge_adopted(LabelOf::Grant(grant));
         self.stats.extended += 1;
         self.outbox.push((conn, Response::Extended { token }));
     }
@@ -432,7 +584,9 @@ impl Core {
             // Spec §7.4: the key stays held by the unknown grant until the
             // horizon, whoever releases; an adopted token was found as a
             // grant of the key before this.
-            if self.held_by_counted_unknown(key, token, now).is_some() {
+            if self.held_by_counted_unknown(key, token, now).is_some()
+                && self.adoption_passes(conn, key, token)
+            {
                 self.stats.released += 1;
                 self.outbox.push((conn, Response::Released { token }));
             } else {
@@ -441,7 +595,7 @@ impl Core {
             }
             return None;
         }
-        match self.adoptable(key, token, now) {
+        match self.adoptable(conn, key, token, now) {
             Some(Adoptable::Waited(entry)) => {
                 self.unknown_holders -= 1;
                 Some(entry)
@@ -477,36 +631,60 @@ impl Core {
             self.adopt_beside_unknown_grant(conn, key, token, deadline, now);
             return None;
         }
-        let entry = match self.adoptable(key, token, now) {
+        // An adoption is a grant (spec §7.3 v5): charged to the adopting
+        // identity and the server's limits like an `A`. No room: `B`,
+        // nothing changed, and the key stays held by the unknown grant
+        // until the horizon (availability lost, never safety).
+        let entry = match self.adoptable(conn, key, token, now) {
             Some(Adoptable::Waited(entry)) => {
+                if !self.adoption_fits(false) {
+                    self.adoption_busy(conn, token);
+                    return None;
+                }
                 self.unknown_holders -= 1;
                 let held = self.table.get_mut(entry);
                 held.token = token;
                 held.owner = 0;
-                self.grants_held += 1;
-                Some(entry)
-            }
-            Some(Adoptable::Untracked) => {
-                // An earlier run's holders must not lose their keys to
-                // this run's waiters filling the table, so adoption may
-                // take it to twice the key limit: that run held at most
-                // that many, and the bound on memory stays. No room:
-                // nothing changed, and the key stays held by the unknown
-                // grant until the horizon.
-                let hash = self.table.hash(key);
-                let entry = (self.table.len() < self.limits.max_keys.saturating_mul(2))
-                    .then(|| self.table.insert(key, hash, token, 0))
-                    .flatten();
-                self.grants_held += usize::from(entry.is_some());
                 entry
             }
-            None => None,
+            Some(Adoptable::Untracked) => {
+                let hash = self.table.hash(key);
+                let inserted = self
+                    .adoption_fits(true)
+                    .then(|| self.table.insert(key, hash, token, 0))
+                    .flatten();
+                let Some(entry) = inserted else {
+                    self.adoption_busy(conn, token);
+                    return None;
+                };
+                self.quotas.charge_key(entry);
+                entry
+            }
+            None => {
+                self.stats.extend_not_held += 1;
+                self.not_held(conn, token);
+                return None;
+            }
         };
-        if entry.is_none() {
-            self.stats.extend_not_held += 1;
-            self.not_held(conn, token);
-        }
-        entry
+        self.grants_held += 1;
+        self.quotas.charge_adopted(LabelOf::Entry(entry));
+        Some(entry)
+    }
+
+    /// Whether an adoption fits the server's limits and the current
+    /// identity's quotas (spec §7.3 v5): one grant more, and with
+    /// `new_key` one key more.
+    fn adoption_fits(&self, new_key: bool) -> bool {
+        self.grants_held + self.waiters.len() < self.limits.max_grants
+            && self.quotas.grant_fits()
+            && (!new_key || (self.table.len() < self.limits.max_keys && self.quotas.key_fits()))
+    }
+
+    /// An adoption without room: `B` with the token in place of the owner.
+    #[cold]
+    fn adoption_busy(&mut self, conn: ConnId, token: u64) {
+        self.stats.busy += 1;
+        self.outbox.push((conn, Response::Busy { owner: token }));
     }
 
     /// Whether `key`, not in the table, counts as held by the unknown
@@ -516,10 +694,15 @@ impl Core {
         now < self.grace_until && !self.freed_in_grace.contains(key)
     }
 
-    /// Drops the keys remembered free once the grace is over.
+    /// Drops the keys remembered free, and the adoption tries refused,
+    /// once the grace is over.
     pub(super) fn forget_freed_after_grace(&mut self, now: Micros) {
-        if now >= self.grace_until && !self.freed_in_grace.is_empty() {
+        if now >= self.grace_until
+            && !(self.freed_in_grace.is_empty() && self.adoption.refused.is_empty())
+        {
             self.freed_in_grace = HashSet::default();
+            self.adoption.refused = HashMap::default();
+            self.adoption.overflow = 0;
         }
     }
 

@@ -134,6 +134,14 @@ pub struct Endpoint {
     auth_failure_log: super::auth_log::AuthFailureLog,
 }
 
+/// Whose adoption tries a connection from `peer` makes, until it
+/// authenticates (spec §7.3 v5): its address, or every Unix peer as one.
+fn adopter_of(peer: Option<IpAddr>) -> super::Adopter {
+    peer.map_or(super::Adopter::Local, |ip| {
+        super::Adopter::Peer(ip.to_canonical())
+    })
+}
+
 /// A session that has not sent a good `U` (yet).
 const UNAUTHENTICATED: u32 = u32::MAX;
 
@@ -425,6 +433,7 @@ impl Endpoint {
         self.conns[id as usize] = Some(Connection::new(Phase::Open));
         self.count_peer(id, peer);
         self.core.connect(id);
+        self.core.set_adopter(id, adopter_of(peer));
         self.expect_authentication(id, peer, now);
     }
 
@@ -488,6 +497,7 @@ impl Endpoint {
         self.conns[id as usize] = Some(conn);
         self.count_peer(id, peer);
         self.core.connect(id);
+        self.core.set_adopter(id, adopter_of(peer));
         self.arm(id, now + PARTIAL_FRAME_TIMEOUT_US, now);
         self.expect_authentication(id, peer, now);
     }
@@ -1076,6 +1086,7 @@ impl Endpoint {
             }
             *open += 1;
             *session = index;
+            self.core.set_adopter(id, super::Adopter::Identity(index));
             self.unauthenticated_peers.remove(&id);
             let name = access.identity(index).map(|identity| &*identity.name);
             self.core.send_authenticated(id, name.unwrap_or_default());

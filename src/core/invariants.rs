@@ -200,6 +200,23 @@ impl Core {
             "a request's grant quota left set"
         );
         self.check_grant_charges();
+        // Nothing passes the limits but what a clean stop restored (spec
+        // §7.1): adoption is charged like a grant (spec §7.3 v5).
+        assert!(
+            self.table.len() <= self.limits.max_keys.max(self.restored.0),
+            "{} keys, limit {}, {} restored",
+            self.table.len(),
+            self.limits.max_keys,
+            self.restored.0
+        );
+        assert!(
+            self.grants_held + self.waiters.len() <= self.limits.max_grants.max(self.restored.1),
+            "{} grants and {} waiters, limit {}, {} restored",
+            self.grants_held,
+            self.waiters.len(),
+            self.limits.max_grants,
+            self.restored.1
+        );
         let mut open = 0;
         let mut listed = 0;
         for (conn, state) in self.conns.iter().enumerate() {

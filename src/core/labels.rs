@@ -28,9 +28,21 @@ impl LabelOf {
 }
 
 /// `label` to keep, or `None` when it is empty (nothing is allocated).
-#[inline]
+/// The test inline, the copy out of line: the `A` path without a label
+/// pays one branch (callgrind_pairs, docs/BENCHMARKS.md).
+#[inline(always)]
 pub fn owned(label: &str) -> Option<Box<str>> {
-    (!label.is_empty()).then(|| label.into())
+    if label.is_empty() {
+        None
+    } else {
+        Some(boxed(label))
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn boxed(label: &str) -> Box<str> {
+    label.into()
 }
 
 #[derive(Default)]

@@ -305,6 +305,12 @@ impl LockTable {
     }
 
     /// The key of a live entry.
+    /// The key of `index` as bytes, without the UTF-8 check of
+    /// [`key`](Self::key) (what a MAC of it needs, per grant).
+    pub fn key_bytes(&self, index: u32) -> &[u8] {
+        key_bytes(&self.long_keys, &self.entries[index as usize].key)
+    }
+
     pub fn key(&self, index: u32) -> &str {
         let bytes = key_bytes(&self.long_keys, &self.entries[index as usize].key);
         std::str::from_utf8(bytes).expect("keys are stored from validated `&str`s")

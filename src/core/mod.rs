@@ -29,6 +29,7 @@ pub mod restart;
 pub mod script;
 #[cfg(feature = "tls")]
 pub(crate) mod tls;
+pub mod token_binding;
 pub mod wait_histogram;
 pub mod waiters;
 pub mod watches;
@@ -44,11 +45,12 @@ use lock_table::LockTable;
 use memory::NIL;
 use permits::{Grants, PERMITS, PermitKey};
 use restart::LeaseLedger;
+use token_binding::TokenBinding;
 use wait_histogram::WaitHistogram;
 use waiters::{ConnWaiters, Waiters};
 use watches::Watches;
 
-pub use adoption::{EarlierGrant, HeldGrant, RestoreError};
+pub use adoption::{Adopter, EarlierGrant, HeldGrant, RestoreError};
 pub use request::ANSWER_BYTES_MAX;
 
 /// A connection as the core knows it: the shell's slab index.
@@ -205,6 +207,8 @@ pub type Output = (ConnId, Response);
 struct ConnState {
     open: bool,
     waiters: ConnWaiters,
+    /// Whose tries at adoption this connection's count as (spec §7.3).
+    adopter: Adopter,
 }
 
 /// The lock server's state machine.
@@ -252,6 +256,9 @@ pub struct Core {
     /// Live grants of this run or adopted, of every kind: inline ones and
     /// `grants` (spec §10.9 `grants_held`).
     grants_held: usize,
+    /// The keys and grants restored at start (spec §7.1: even beyond the
+    /// limits), for the invariants.
+    restored: (usize, usize),
     /// The labels of grants and waiters that have one.
     labels: Labels,
     /// Held observe requests (spec §13).
@@ -273,6 +280,16 @@ pub struct Core {
     /// costs the plain path nothing.
     grant_cap: usize,
     next_token: u64,
+    /// While this run binds its tokens to their keys (spec §7.3 v5, a
+    /// state directory): the secret they are bound with. `None`: tokens
+    /// go +1 per grant.
+    issue_with: Option<TokenBinding>,
+    /// Grants stop (`B`) once `next_token` reaches it: no token may be
+    /// `u64::MAX` ([`PERMITS`]).
+    token_end: u64,
+    /// Adoption (spec §7.3 v5): what an earlier run's tokens are checked
+    /// with, the refusals counted, what the state file must record.
+    adoption: adoption::Adoption,
     /// While the state file cannot be written (spec §7.6): what it
     /// promises, which no token or lease may pass (see
     /// [`set_ceiling`](Self::set_ceiling)).
@@ -365,6 +382,7 @@ impl Core {
             permit_keys: slab::Slab::new(),
             grants: Grants::default(),
             grants_held: 0,
+            restored: (0, 0),
             labels: Labels::default(),
             watches: Watches::default(),
             waking: VecDeque::new(),
@@ -373,6 +391,9 @@ impl Core {
             quotas: quota::Quotas::default(),
             grant_cap: limits.max_grants,
             next_token: first_token.max(1),
+            issue_with: None,
+            token_end: u64::MAX,
+            adoption: adoption::Adoption::default(),
             ceiling: None,
             stats: Stats::default(),
             outbox: Vec::new(),
@@ -481,6 +502,7 @@ impl Core {
             self.conns[index] = ConnState {
                 open: true,
                 waiters: ConnWaiters::default(),
+                adopter: Adopter::default(),
             };
             self.connections += 1;
             self.stats.connections_accepted += 1;
@@ -701,6 +723,7 @@ impl Core {
             identity: index,
             max_keys: quota.max_keys.unwrap_or(quota::NO_QUOTA),
             max_watches: quota.max_watches.unwrap_or(quota::NO_QUOTA),
+            max_grants: quota.max_grants.unwrap_or(quota::NO_QUOTA),
         });
         let max_grants = match *request {
             Request::Acquire { key, .. } => quota.max_grants.map(|max| (key, max)),
@@ -722,7 +745,7 @@ impl Core {
         // waiter (at the head of its connection's list); a hand-over it
         // causes on another key makes none.
         let made = if self.next_token != before.0 {
-            match self.find_grant(key, before.0) {
+            match self.find_grant(key, self.token_at(key, before.0)) {
                 Some(Held::Inline(entry)) => Some(LabelOf::Entry(entry)),
                 Some(Held::Listed { grant, .. }) => Some(LabelOf::Grant(grant)),
                 None => None,
@@ -989,8 +1012,7 @@ impl Core {
         label: Option<Box<str>>,
         now: Micros,
     ) {
-        let token = self.next_token;
-        self.next_token += 1;
+        let token = self.take_token(entry);
         let held = self.table.get_mut(entry);
         held.token = token;
         held.owner = owner;
@@ -1017,22 +1039,61 @@ impl Core {
     /// promise it needs (see [`set_ceiling`](Self::set_ceiling)).
     #[inline(always)]
     fn may_issue(&self, lease_s: u8, counted: bool, now: Micros) -> bool {
-        self.next_token != u64::MAX
+        self.next_token < self.token_end
             && self.ceiling.is_none_or(|ceiling| {
-                Self::within(&ceiling, self.next_token, lease_s, counted, now)
+                // The largest token the next grant can get.
+                let last = self.next_token | (self.token_step() - 1);
+                Self::within(&ceiling, last, lease_s, counted, now)
             })
+    }
+
+    /// The token of the next grant, on `entry`'s key: the next one, or
+    /// with a state directory the next counter step and its key's MAC
+    /// (spec §7.3 v5). Call only when [`may_issue`](Self::may_issue).
+    #[inline(always)]
+    fn take_token(&mut self, entry: u32) -> u64 {
+        let next = self.next_token;
+        match &self.issue_with {
+            None => {
+                self.next_token = next + 1;
+                next
+            }
+            Some(binding) => {
+                self.next_token = next + token_binding::STEP;
+                let key = self.table.key_bytes(entry);
+                next | u64::from(binding.mac16(key, next >> token_binding::MAC_BITS))
+            }
+        }
+    }
+
+    /// The token a grant on `key` got when the next token was `next`.
+    fn token_at(&self, key: &str, next: u64) -> u64 {
+        match &self.issue_with {
+            None => next,
+            Some(binding) => binding.token(key.as_bytes(), next >> token_binding::MAC_BITS),
+        }
+    }
+
+    /// How far apart the tokens of two grants start: 1, or 2^16 while
+    /// tokens are bound to their keys.
+    pub fn token_step(&self) -> u64 {
+        if self.issue_with.is_some() {
+            token_binding::STEP
+        } else {
+            1
+        }
     }
 
     #[cold]
     #[inline(never)]
     fn within(
         ceiling: &restart::Promise,
-        next_token: u64,
+        last_token: u64,
         lease_s: u8,
         counted: bool,
         now: Micros,
     ) -> bool {
-        next_token < ceiling.token_high_water
+        last_token < ceiling.token_high_water
             && now + u64::from(lease_s) * MICROS_PER_S <= ceiling.horizon
             && (!counted || ceiling.counted_grants)
     }

@@ -275,8 +275,7 @@ impl Core {
         label: Option<Box<str>>,
         now: Micros,
     ) -> u32 {
-        let token = self.next_token;
-        self.next_token += 1;
+        let token = self.take_token(entry);
         let grant = self.grants.insert(Grant {
             token,
             owner,
@@ -300,7 +299,13 @@ impl Core {
     /// Adds `token`, an earlier run's, to permit key `entry` (held by the
     /// unknown grant) as an adopted grant (spec §7.4): owner 0, take 0, its
     /// lease to `deadline`.
-    pub(super) fn adopt_grant(&mut self, entry: u32, token: u64, deadline: Micros, now: Micros) {
+    pub(super) fn adopt_grant(
+        &mut self,
+        entry: u32,
+        token: u64,
+        deadline: Micros,
+        now: Micros,
+    ) -> u32 {
         let grant = self.grants.insert(Grant {
             token,
             owner: 0,
@@ -313,6 +318,7 @@ impl Core {
         self.permit_keys[index].adopt(&self.grants, grant, token);
         self.arm_grant_lease_at(grant, deadline);
         self.grants_held += 1;
+        grant
     }
 
     /// Adds a grant of an earlier run to permit key `entry` (spec §7.4),

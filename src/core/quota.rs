@@ -11,9 +11,10 @@
 //! it in a side map keyed like the labels ([`LabelOf`]); the charge moves
 //! with the waiter into its grant on a hand-over (and with an inline grant
 //! that becomes a permit key's) and is returned when the grant or waiter
-//! ends, whatever ends it. Grants restored from the state directory or
-//! adopted from an earlier run are charged to nobody: the identity is not
-//! persisted.
+//! ends, whatever ends it. A grant (and its key, when new) adopted from
+//! an earlier run during a crash grace is charged to the identity whose
+//! `E` adopted it (spec §7.3 v5). Grants restored from the state directory
+//! are charged to nobody: the identity is not persisted.
 //!
 //! `max-watches=N` bounds the watches (held `O`, spec §13.3) of an
 //! identity's sessions: a held watch is charged to it, by watch id, and
@@ -35,6 +36,9 @@ pub(in crate::core) struct Current {
     pub max_keys: u32,
     /// Its `max-watches`, or [`NO_QUOTA`].
     pub max_watches: u32,
+    /// Its `max-grants`, or [`NO_QUOTA`] (checked here only by an
+    /// adoption, spec §7.3 v5; an `A`/`S` lowers the grant cap instead).
+    pub max_grants: u32,
 }
 
 /// A quota that is not set: above any count (quotas are at most
@@ -203,6 +207,24 @@ impl Quotas {
             .zip(&self.grant_max)
             .enumerate()
             .map(|(identity, (&count, &max))| (identity as u32, count, max))
+    }
+
+    /// Whether the current request's identity may have one more grant
+    /// (an adoption, spec §7.3 v5).
+    pub fn grant_fits(&self) -> bool {
+        self.current
+            .is_none_or(|current| self.grants_of(current.identity) < current.max_grants)
+    }
+
+    /// Charges `of`, a grant just adopted, to the current request's
+    /// identity, if it has a grant quota.
+    pub fn charge_adopted(&mut self, of: LabelOf) {
+        if let Some(current) = self
+            .current
+            .filter(|current| current.max_grants != NO_QUOTA)
+        {
+            self.charge_grant(of, current.identity, current.max_grants);
+        }
     }
 
     /// Whether the current request may hold one more watch.

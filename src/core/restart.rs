@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use super::{Core, EarlierGrant, Micros, RestoreError};
 
-/// Tokens reserved per write of the high-water mark.
+/// Grants reserved per write of the high-water mark: this many tokens, or
+/// with tokens bound to their keys (spec §7.3 v5) this many counter steps
+/// of 2^16 tokens each.
 pub const TOKEN_BLOCK: u64 = 1 << 26;
 /// How far past the latest lease deadline the horizon is pushed per write:
 /// the most the grace after a crash can exceed the longest outstanding
@@ -71,12 +73,15 @@ fn micros(duration: Duration) -> Micros {
 /// and no lease of this run (nor the grace it inherited) runs past
 /// `horizon` (0 = nothing outstanding); `counted_grants`: a lease up to
 /// the horizon may be a counted grant (spec §7.4), recorded before the
-/// first answer that shows one.
+/// first answer that shows one; `macs_until`: the last token, of this run
+/// or an earlier one, that may be bound to its key (spec §7.3 v5; 0 =
+/// none): no token above it is adopted after a crash.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Promise {
     pub token_high_water: u64,
     pub horizon: Micros,
     pub counted_grants: bool,
+    pub macs_until: u64,
 }
 
 /// Durability before visibility: which [`Promise`] must be on disk before
@@ -127,25 +132,47 @@ impl Durability {
 
     /// The promise to make durable before transmitting anything `core`
     /// has queued, or `None` when the one on disk covers it.
-    #[inline(always)]
-    pub fn needed(&self, core: &Core) -> Option<Promise> {
-        self.needed_for(
-            core.next_token(),
-            core.lease_deadline_max(),
-            core.grace_until(),
-            core.counted_grants(),
-        )
-    }
-
-    /// [`needed`](Self::needed) from the figures it depends on: tokens
-    /// below `next_token` may be shown, leases run to `lease_deadline`,
-    /// keys count as held by an earlier run until `grace_until` (µs;
-    /// 0 = none), and any of those leases may be a counted grant when
-    /// `counted_grants`. Once recorded, the flag stays for the run.
     ///
     /// Asked before every write: the usual answer, that the file covers
     /// it all, is found inline without building the promise (what a
     /// state directory cost per request at P=1, issue 38).
+    #[inline(always)]
+    pub fn needed(&self, core: &Core) -> Option<Promise> {
+        if let Some(on_disk) = &self.persisted
+            && self.covers(
+                on_disk,
+                core.next_token(),
+                core.lease_deadline_max(),
+                core.grace_until(),
+                core.counted_grants(),
+            )
+            && core.macs_until(on_disk.token_high_water) == on_disk.macs_until
+        {
+            return None;
+        }
+        self.needed_by(core)
+    }
+
+    /// [`needed`](Self::needed) when the file may not cover it.
+    #[inline(never)]
+    fn needed_by(&self, core: &Core) -> Option<Promise> {
+        let mut wanted = self.wanted(
+            core.next_token(),
+            TOKEN_BLOCK.saturating_mul(core.token_step()),
+            core.lease_deadline_max(),
+            core.grace_until(),
+            core.counted_grants(),
+        );
+        wanted.macs_until = core.macs_until(wanted.token_high_water);
+        (self.persisted != Some(wanted)).then_some(wanted)
+    }
+
+    /// [`needed`](Self::needed) from the figures it depends on, for a core
+    /// whose tokens go +1 per grant: tokens below `next_token` may be
+    /// shown, leases run to `lease_deadline`, keys count as held by an
+    /// earlier run until `grace_until` (µs; 0 = none), and any of those
+    /// leases may be a counted grant when `counted_grants`. Once recorded,
+    /// the flag stays for the run.
     #[inline(always)]
     pub fn needed_for(
         &self,
@@ -155,14 +182,35 @@ impl Durability {
         counted_grants: bool,
     ) -> Option<Promise> {
         if let Some(on_disk) = &self.persisted
-            && !self.lowering
-            && next_token <= on_disk.token_high_water
-            && lease_deadline.max(grace_until) <= on_disk.horizon
-            && (on_disk.counted_grants || !counted_grants)
+            && self.covers(
+                on_disk,
+                next_token,
+                lease_deadline,
+                grace_until,
+                counted_grants,
+            )
         {
             return None;
         }
         self.needed_in_full(next_token, lease_deadline, grace_until, counted_grants)
+    }
+
+    /// The file on disk promises all these figures need, and no lowering
+    /// of the horizon is planned: then the promise wanted is the one on
+    /// disk (its `macs_until` aside, which [`needed`](Self::needed) checks).
+    #[inline(always)]
+    fn covers(
+        &self,
+        on_disk: &Promise,
+        next_token: u64,
+        lease_deadline: Micros,
+        grace_until: Micros,
+        counted_grants: bool,
+    ) -> bool {
+        !self.lowering
+            && next_token <= on_disk.token_high_water
+            && lease_deadline.max(grace_until) <= on_disk.horizon
+            && (on_disk.counted_grants || !counted_grants)
     }
 
     /// [`needed_for`](Self::needed_for) when the file may not cover it.
@@ -174,15 +222,36 @@ impl Durability {
         grace_until: Micros,
         counted_grants: bool,
     ) -> Option<Promise> {
+        let wanted = self.wanted(
+            next_token,
+            TOKEN_BLOCK,
+            lease_deadline,
+            grace_until,
+            counted_grants,
+        );
+        (self.persisted != Some(wanted)).then_some(wanted)
+    }
+
+    /// The promise that covers these figures, `block` tokens reserved at a
+    /// time (its `macs_until` that of the file).
+    fn wanted(
+        &self,
+        next_token: u64,
+        block: u64,
+        lease_deadline: Micros,
+        grace_until: Micros,
+        counted_grants: bool,
+    ) -> Promise {
         // Before the first write the file promises nothing of this run.
         let persisted = self.persisted.unwrap_or(Promise {
             token_high_water: 0,
             horizon: 0,
             counted_grants: false,
+            macs_until: 0,
         });
         let token_high_water =
             if next_token > persisted.token_high_water || self.persisted.is_none() {
-                next_token.saturating_add(TOKEN_BLOCK)
+                next_token.saturating_add(block)
             } else {
                 persisted.token_high_water
             };
@@ -200,12 +269,12 @@ impl Durability {
         } else {
             persisted.horizon
         };
-        let wanted = Promise {
+        Promise {
             token_high_water,
             horizon,
             counted_grants: counted_grants || persisted.counted_grants,
-        };
-        (self.persisted != Some(wanted)).then_some(wanted)
+            macs_until: persisted.macs_until,
+        }
     }
 
     /// The shell made `promise` durable.
@@ -478,6 +547,9 @@ pub struct CleanStop<'c> {
     pub counted_grants: bool,
     /// How many grants [`grants`](Self::grants) lists.
     pub count: usize,
+    /// The last token that may be bound to its key (see
+    /// [`Promise::macs_until`]).
+    pub macs_until: u64,
 }
 
 impl<'c> CleanStop<'c> {
@@ -492,6 +564,7 @@ impl<'c> CleanStop<'c> {
             horizon,
             counted_grants: horizon != 0 && core.counted_grants(),
             count: core.grants().filter(|grant| grant.deadline > now).count(),
+            macs_until: core.macs_until(core.next_token()),
         }
     }
 
@@ -532,6 +605,9 @@ pub struct Restart {
     pub counted_grants: bool,
     /// The time since the state file was written, ms.
     since_ms: u64,
+    /// No earlier token above it is adopted (spec §7.3 v5; the file's
+    /// `macs_until`, 0 for formats 1 to 4: nothing is).
+    pub macs_until: u64,
 }
 
 /// A grant of the earlier run that [`Restart::resume`] could not restore.
@@ -560,6 +636,7 @@ impl Restart {
             grace,
             counted_grants: counted_grants && !grace.is_zero(),
             since_ms,
+            macs_until: 0,
         }
     }
 
@@ -628,6 +705,7 @@ impl Restart {
                 })?;
             restored += 1;
         }
+        core.set_adoptable_until(self.macs_until);
         if let Some(until) = self.grace_until() {
             core.set_grace_until(until);
             core.set_grace_counted(self.counted_grants);
@@ -683,16 +761,19 @@ mod tests {
                 token_high_water: 100,
                 horizon: 10 * S,
                 counted_grants: false,
+                macs_until: 0,
             }),
             Some(Promise {
                 token_high_water: 100,
                 horizon: 10 * S,
                 counted_grants: true,
+                macs_until: 0,
             }),
             Some(Promise {
                 token_high_water: 0,
                 horizon: 0,
                 counted_grants: false,
+                macs_until: 0,
             }),
         ];
         for persisted in on_disk {

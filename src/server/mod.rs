@@ -806,6 +806,22 @@ impl Shell {
         }
         match state.write_running(promise, now) {
             Ok(()) => {
+                // Once per write (a block of grants, or 5 s of horizon):
+                // whether the tokens ran too far ahead of the clock to
+                // stay bound to their keys (spec §7.6's 2^52 mark).
+                if self
+                    .endpoint
+                    .core_mut()
+                    .watch_token_clock(first_token_from_clock())
+                {
+                    warn!(
+                        "state: tokens ran 2^51 above the clock's (unix time ms × 2^20; more \
+                         than ~16,000 grants a second for a long time): from token {} on \
+                         they go +1 apart, not bound to their keys; after a crash their \
+                         holders cannot adopt their keys (docs/OPERATIONS.md, \"Restarts\")",
+                        self.endpoint.core().next_token()
+                    );
+                }
                 if let Some(failures) = self.endpoint.handle_persisted(promise) {
                     info!(
                         "state: the state file is written again (after {}); \

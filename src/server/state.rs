@@ -34,9 +34,17 @@
 //! `LD_PRELOAD` (libfaketime) moves the C library's boot-time clock with the
 //! wall clock, which is exactly the step this must not see.
 //!
-//! # File format, version 4
+//! # The adoption secret
 //!
-//! The ASCII line `kunci-state 4\n`, then, big-endian:
+//! `adoption.key` (0600) holds the 16 random bytes this server binds its
+//! tokens to their keys with (spec §7.3 v5, [`crate::core::token_binding`]):
+//! written and fsynced once, when the directory has none, before the
+//! first token is shown; never rewritten and never logged. Back it up with
+//! the directory: without it the next crash grace adopts nothing.
+//!
+//! # File format, version 5
+//!
+//! The ASCII line `kunci-state 5\n`, then, big-endian:
 //!
 //! | field | type | meaning |
 //! |---|---|---|
@@ -48,11 +56,15 @@
 //! | token high-water mark | u64 | no token ≥ it was issued |
 //! | horizon | u32 | ms after the write; 0 = no lease outstanding |
 //! | flags | u8 | bit 0: a lease up to the horizon may be a counted grant (`take` ≥ 1, spec §7.4); other bits 0 |
+//! | macs until | u64 | the last token that may carry its key's MAC (spec §7.3 v5); 0 = none |
 //! | grant count | u64 | 0 unless kind = 2 |
 //! | grants | … | each: token u64, owner u64, lease ms left u32, ms held u32, take u16, key's limit u16, key length u8, key, label length u8, label |
 //! | checksum | u64 | FNV-1a 64 of every byte before it |
 //!
-//! Version 3 is the same without the ms held (spec §7.5): its grants come
+//! Version 4 is the same without `macs until`: after it a crash grace
+//! adopts nothing (every try is `N`); it is still read.
+//!
+//! Version 3 is the same as 4 without the ms held (spec §7.5): its grants come
 //! back held since the restart; it is still read.
 //!
 //! Version 2 is the same as 3 without the flags byte and with grants of token,
@@ -74,13 +86,16 @@ use log::info;
 pub use crate::core::restart::{
     CleanStop, HORIZON_STEP, MAX_GRACE, Promise, Restart, SavedGrant, TOKEN_BLOCK,
 };
+use crate::core::token_binding::{SECRET_BYTES, TokenBinding};
 use crate::core::{Core, Micros};
 /// The format this build writes.
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 
 /// The file name inside the state directory.
 pub const STATE_FILE: &str = "kunci.state";
 const LOCK_FILE: &str = "kunci.lock";
+/// The secret tokens are bound to their keys with (see the module docs).
+pub const SECRET_FILE: &str = "adoption.key";
 const KIND_RUNNING: u8 = 1;
 const KIND_CLEAN_STOP: u8 = 2;
 /// Flags bit: a lease up to the horizon may be a counted grant.
@@ -173,6 +188,9 @@ pub struct Recorded {
     /// Whether a lease up to the horizon may be a counted grant (spec
     /// §7.4): then no adoption may free a key before the horizon.
     pub counted_grants: bool,
+    /// The last token that may carry its key's MAC (spec §7.3 v5): no
+    /// token above it is adopted; 0 (formats 1 to 4) adopts none.
+    pub macs_until: u64,
     /// How many grants `grant_bytes` holds.
     grant_count: u64,
     /// The grants held at a clean stop, validated, in their file encoding:
@@ -204,6 +222,7 @@ impl Recorded {
             promise.token_high_water,
             promise.horizon,
             promise.counted_grants,
+            promise.macs_until,
         )
     }
 
@@ -217,6 +236,7 @@ impl Recorded {
             stop.next_token,
             stop.horizon,
             stop.counted_grants,
+            stop.macs_until,
         );
         recorded.set_grants(stop.grants());
         recorded
@@ -226,6 +246,7 @@ impl Recorded {
     /// ms: the write is dated `now` rounded up (never before the true
     /// moment), and the horizon is the ms from then until `horizon`
     /// (0 = none), rounded up (never short of a lease).
+    #[allow(clippy::too_many_arguments)]
     fn written_at(
         clean_stop: bool,
         anchor: &Clocks,
@@ -233,9 +254,11 @@ impl Recorded {
         token_high_water: u64,
         horizon: Micros,
         counted_grants: bool,
+        macs_until: u64,
     ) -> Self {
         Recorded {
             counted_grants,
+            macs_until,
             ..Recorded::new(
                 clean_stop,
                 anchor.plus(now.div_ceil(1_000)),
@@ -249,11 +272,13 @@ impl Recorded {
     /// since the write is measured here (on the right clock), the policy
     /// is [`Restart::new`]'s.
     pub fn restart_at(&self, now: &Clocks) -> Restart {
-        Restart::new(
+        let mut restart = Restart::new(
             self.horizon_ms,
             now.since(&self.written),
             self.counted_grants,
-        )
+        );
+        restart.macs_until = self.macs_until;
+        restart
     }
 
     /// How many grants were listed.
@@ -370,6 +395,8 @@ pub struct StateDir {
     /// Held for its `flock`: one server per directory.
     _lock: File,
     recorded: Recorded,
+    /// What this server's tokens are bound to their keys with.
+    binding: TokenBinding,
     /// The clocks at the instant the event loop calls 0 (see
     /// [`anchor`](Self::anchor)).
     anchor: Clocks,
@@ -480,6 +507,51 @@ fn state_error(dir: &Path, what: impl std::fmt::Display) -> io::Error {
     )))
 }
 
+/// Reads the directory's adoption secret, or makes one (16 bytes of
+/// `/dev/urandom`, written to a temporary file, fsynced, renamed, the
+/// directory fsynced) when there is none; `true` when it was made now.
+fn read_or_create_secret(dir: &Path) -> io::Result<([u8; SECRET_BYTES], bool)> {
+    let path = dir.join(SECRET_FILE);
+    let named = |e: io::Error| state_error(dir, format!("{}: {e}", path.display()));
+    match open_private(&path, OpenOptions::new().read(true)) {
+        Ok(mut file) => {
+            let mut bytes = Vec::new();
+            file.read_to_end(&mut bytes).map_err(named)?;
+            let secret = <[u8; SECRET_BYTES]>::try_from(bytes.as_slice()).map_err(|_| {
+                state_error(
+                    dir,
+                    format!(
+                        "{}: {} bytes, not {SECRET_BYTES} (damaged: remove it after making \
+                         sure no lease of the old run can still be running)",
+                        path.display(),
+                        bytes.len()
+                    ),
+                )
+            })?;
+            Ok((secret, false))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let mut secret = [0; SECRET_BYTES];
+            File::open("/dev/urandom")
+                .and_then(|mut random| random.read_exact(&mut secret))
+                .map_err(|e| state_error(dir, format!("cannot read /dev/urandom: {e}")))?;
+            let temporary = dir.join(format!("{SECRET_FILE}.tmp"));
+            let mut file = open_private(
+                &temporary,
+                OpenOptions::new().create(true).write(true).truncate(true),
+            )
+            .map_err(named)?;
+            file.write_all(&secret)
+                .and_then(|()| file.sync_all())
+                .and_then(|()| fs::rename(&temporary, &path))
+                .and_then(|()| File::open(dir)?.sync_all())
+                .map_err(|e| state_error(dir, format!("cannot write {}: {e}", path.display())))?;
+            Ok((secret, true))
+        }
+        Err(e) => Err(named(e)),
+    }
+}
+
 impl StateDir {
     /// Opens (creating) `dir`, takes its lock, and reads what the previous
     /// run recorded. A file that cannot be read exactly is an error that
@@ -530,13 +602,33 @@ impl StateDir {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Recorded::default(),
             Err(e) => return Err(state_error(dir, format!("{}: {e}", path.display()))),
         };
+        let mut recorded = recorded;
+        let (secret, created) = read_or_create_secret(dir)?;
+        if created {
+            // Nothing earlier was bound with a secret made now.
+            if recorded.macs_until != 0 {
+                log::warn!(
+                    "state dir {}: {SECRET_FILE} was missing: made a new one; the previous \
+                     run's holders cannot adopt their keys after its crash (they get N; \
+                     the keys stay held until its lease horizon)",
+                    dir.display()
+                );
+            }
+            recorded.macs_until = 0;
+        }
         Ok(StateDir {
             dir: dir.to_owned(),
             _lock: lock,
             recorded,
+            binding: TokenBinding::new(&secret),
             anchor: Clocks::default(),
             writes: 0,
         })
+    }
+
+    /// What this server binds its tokens to their keys with.
+    pub fn binding(&self) -> &TokenBinding {
+        &self.binding
     }
 
     /// No token at or above this was issued by an earlier run.
@@ -573,6 +665,14 @@ impl StateDir {
         self.anchor(clocks.clone());
         let recorded = self.take_recorded();
         let (version, clean_stop) = (recorded.version, recorded.clean_stop);
+        core.bind_tokens(self.binding, clocks.wall_ms.saturating_mul(1 << 20));
+        if !core.binds_tokens() {
+            log::warn!(
+                "state: tokens run more than 2^51 above the clock's (unix time ms × 2^20): \
+                 this run issues them +1 apart, not bound to their keys; after a crash \
+                 its holders cannot adopt their keys (docs/OPERATIONS.md, \"Restarts\")"
+            );
+        }
         let restart = recorded.restart_at(&clocks);
         let restored = restart.resume(core, recorded.grants()).map_err(|e| {
             state_error(
@@ -580,6 +680,13 @@ impl StateDir {
                 format!("{}: {e}", self.dir.join(STATE_FILE).display()),
             )
         })?;
+        if !restart.grace.is_zero() && restart.macs_until == 0 {
+            info!(
+                "state: the previous run left no adoption record (state file version \
+                 {version}, or {SECRET_FILE} new): no holder can adopt its key during this \
+                 grace; every key stays held until it ends"
+            );
+        }
         if !restart.grace.is_zero() {
             info!(
                 "state: the previous run stopped uncleanly; its leases may last {} s more: \
@@ -620,6 +727,7 @@ impl StateDir {
             stop.next_token,
             stop.horizon,
             stop.counted_grants,
+            stop.macs_until,
             stop.now(),
             stop.count,
             &mut stop.grants(),
@@ -629,19 +737,28 @@ impl StateDir {
     /// Records a clean stop at `now`: tokens from `next_token` on were never
     /// issued; the `count` `grants` were held; keys without a grant may
     /// still be held by an earlier run's lease until `horizon` (0 = none),
-    /// which may be a counted grant when `counted_grants`.
+    /// which may be a counted grant when `counted_grants`; tokens up to
+    /// `macs_until` may be bound to their keys.
     #[allow(clippy::too_many_arguments)]
     pub fn record_clean_stop<'a>(
         &mut self,
         next_token: u64,
         horizon: u64,
         counted_grants: bool,
+        macs_until: u64,
         now: u64,
         count: usize,
         grants: &mut dyn Iterator<Item = SavedGrant<'a>>,
     ) -> io::Result<()> {
-        let header =
-            Recorded::written_at(true, &self.anchor, now, next_token, horizon, counted_grants);
+        let header = Recorded::written_at(
+            true,
+            &self.anchor,
+            now,
+            next_token,
+            horizon,
+            counted_grants,
+            macs_until,
+        );
         self.write(&header, count, grants)
     }
 
@@ -678,6 +795,7 @@ impl StateDir {
         } else {
             0
         }])?;
+        out.write_all(&header.macs_until.to_be_bytes())?;
         out.write_all(&(count as u64).to_be_bytes())?;
         let mut written = 0;
         let mut encoded = Vec::with_capacity(64);
@@ -829,7 +947,7 @@ pub fn parse(bytes: &[u8], now: &Clocks) -> Result<Recorded, String> {
         .ok_or("unreadable format version")?;
     match version {
         1 => parse_v1(bytes, now),
-        2..=4 => parse_binary(bytes, version),
+        2..=5 => parse_binary(bytes, version),
         _ => Err(format!(
             "format version {version} was written by a newer kunci; this build reads \
              versions 1 to {FORMAT_VERSION} (run the newer build, or remove the file \
@@ -913,6 +1031,16 @@ fn parse_binary(bytes: &[u8], version: u32) -> Result<Recorded, String> {
     if flags & !FLAG_COUNTED_GRANTS != 0 {
         return Err(format!("unknown flags {flags:#04x}"));
     }
+    let macs_until = if version >= 5 {
+        reader.u64("macs until")?
+    } else {
+        0
+    };
+    if macs_until >= token_high_water.max(1) {
+        return Err(format!(
+            "macs until {macs_until} not below the token high-water mark {token_high_water}"
+        ));
+    }
     let count = reader.u64("grant count")?;
     if kind == KIND_RUNNING && count != 0 {
         return Err(format!("{count} grants in a file written while running"));
@@ -947,6 +1075,7 @@ fn parse_binary(bytes: &[u8], version: u32) -> Result<Recorded, String> {
         token_high_water,
         horizon_ms,
         counted_grants: flags & FLAG_COUNTED_GRANTS != 0,
+        macs_until,
         grant_count: count,
         grant_bytes: body[grants_start..reader.at].to_vec(),
     })
@@ -974,6 +1103,56 @@ mod tests {
     }
 
     #[test]
+    fn the_adoption_secret_is_made_once_private_and_never_rewritten() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = temp_dir("secret");
+        let binding = |state: &StateDir| state.binding().token(b"db", 1);
+        let first = {
+            let state = StateDir::open(&dir).unwrap();
+            binding(&state)
+        };
+        let path = dir.join(SECRET_FILE);
+        let metadata = fs::metadata(&path).unwrap();
+        assert_eq!(metadata.len(), 16);
+        assert_eq!(metadata.permissions().mode() & 0o777, 0o600);
+        let bytes = fs::read(&path).unwrap();
+        let modified = metadata.modified().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let state = StateDir::open(&dir).unwrap();
+        assert_eq!(binding(&state), first, "the same secret after a reopen");
+        assert_eq!(fs::read(&path).unwrap(), bytes);
+        assert_eq!(fs::metadata(&path).unwrap().modified().unwrap(), modified);
+        assert_eq!(format!("{:?}", state.binding()), "TokenBinding(<secret>)");
+        drop(state);
+        // Another directory, another secret.
+        let other_dir = temp_dir("secret-other");
+        let other = binding(&StateDir::open(&other_dir).unwrap());
+        assert_ne!(other, first);
+        // A damaged secret stops the start, naming the file.
+        fs::write(&path, b"short").unwrap();
+        let error = StateDir::open(&dir).err().unwrap().to_string();
+        assert!(error.contains("adoption.key: 5 bytes, not 16"), "{error}");
+        // A secret made anew (the old one lost) adopts nothing the file
+        // says the old one bound.
+        fs::remove_file(&path).unwrap();
+        let mut state = StateDir::open(&dir).unwrap();
+        state.anchor(clocks("boot-a", 1, 1));
+        let promise = Promise {
+            token_high_water: 1 << 40,
+            horizon: 0,
+            counted_grants: false,
+            macs_until: 1 << 39,
+        };
+        state.write_running(promise, 0).unwrap();
+        drop(state);
+        assert_eq!(StateDir::open(&dir).unwrap().recorded.macs_until, 1 << 39);
+        fs::remove_file(&path).unwrap();
+        assert_eq!(StateDir::open(&dir).unwrap().recorded.macs_until, 0);
+        let _ = fs::remove_dir_all(&dir);
+        let _ = fs::remove_dir_all(&other_dir);
+    }
+
+    #[test]
     fn a_running_promise_is_written_relative_to_its_write_and_survives_reopen() {
         let dir = temp_dir("running");
         {
@@ -984,6 +1163,7 @@ mod tests {
                 token_high_water: 101 + 2 * TOKEN_BLOCK,
                 horizon: 20_000_000,
                 counted_grants: true,
+                macs_until: 77 + TOKEN_BLOCK,
             };
             state.write_running(promise, 2_000).unwrap();
             assert_eq!(state.writes, 1);
@@ -991,7 +1171,8 @@ mod tests {
         }
         let mut state = StateDir::open(&dir).unwrap();
         let recorded = state.take_recorded();
-        assert_eq!(recorded.version, 4);
+        assert_eq!(recorded.version, 5);
+        assert_eq!(recorded.macs_until, 77 + TOKEN_BLOCK);
         assert!(!recorded.clean_stop);
         assert!(recorded.counted_grants);
         assert_eq!(recorded.token_high_water, 101 + 2 * TOKEN_BLOCK);
@@ -1014,6 +1195,7 @@ mod tests {
             token_high_water: 5 + TOKEN_BLOCK,
             horizon: 7_300_001,
             counted_grants: true,
+            macs_until: 4,
         };
         {
             let mut state = StateDir::open(&dir).unwrap();
@@ -1085,7 +1267,7 @@ mod tests {
                 },
             ];
             state
-                .record_clean_stop(9, 0, false, 5_000_000, 2, &mut grants.into_iter())
+                .record_clean_stop(9, 0, false, 0, 5_000_000, 2, &mut grants.into_iter())
                 .unwrap();
         }
         let mut state = StateDir::open(&dir).unwrap();
@@ -1208,7 +1390,7 @@ mod tests {
                 held_ms: 0,
             };
             state
-                .record_clean_stop(9, 7_000, true, 0, 1, &mut std::iter::once(grant))
+                .record_clean_stop(9, 7_000, true, 0, 0, 1, &mut std::iter::once(grant))
                 .unwrap();
         }
         let good = fs::read(dir.join(STATE_FILE)).unwrap();
@@ -1228,7 +1410,7 @@ mod tests {
             damaged[flip] ^= 0x40;
             assert!(parse(&damaged, &now).is_err(), "flip at {flip} accepted");
         }
-        let newer = b"kunci-state 5\nwhatever";
+        let newer = b"kunci-state 6\nwhatever";
         assert!(parse(newer, &now).unwrap_err().contains("newer kunci"));
         let junk = b"hello";
         assert!(
@@ -1392,7 +1574,7 @@ mod tests {
                     held_ms: 0,
                 };
                 state
-                    .record_clean_stop(9, 0, false, 0, 1, &mut std::iter::once(grant))
+                    .record_clean_stop(9, 0, false, 0, 0, 1, &mut std::iter::once(grant))
                     .unwrap();
             }
             let bytes = fs::read(dir.join(STATE_FILE)).unwrap();
@@ -1408,7 +1590,7 @@ mod tests {
         // The flags byte follows the 4-byte horizon; bit 1 is unknown.
         let mut state = StateDir::open(&dir).unwrap();
         state
-            .record_clean_stop(9, 0, false, 0, 0, &mut std::iter::empty())
+            .record_clean_stop(9, 0, false, 0, 0, 0, &mut std::iter::empty())
             .unwrap();
         drop(state);
         let mut bytes = fs::read(dir.join(STATE_FILE)).unwrap();

@@ -19,7 +19,7 @@ use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 use kunci::server::state::{Clocks, Recorded};
 
 use super::{Rng, Simulation, Tally, env_u64, pick_conn, run_seeds};
-use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, tick_of};
+use crate::util::fake::{FIRST_TOKEN, Fake, MS, S, binding, tick_of};
 use crate::util::model::{Model, same_as_multiset, same_in_order};
 use crate::util::plain_acquire;
 
@@ -85,6 +85,10 @@ struct Sim {
     restarts: bool,
     last_token: u64,
     stale_tokens: Vec<u64>,
+    /// Made-up earlier tokens tried in this grace (spec §7.3 v5: each is
+    /// refused; fewer than the 16 an adopter may try, so that the
+    /// orphans still adopt).
+    forged: u32,
     /// The tick of the last `handle_timeout`.
     fired_tick: u64,
     /// What the state file promises: the server's own policy, consulted
@@ -116,6 +120,8 @@ struct Counts {
     unclean_restarts: u64,
     restored: u64,
     adopted: u64,
+    /// Made-up earlier tokens tried during a grace (refused).
+    forged: u64,
     /// Times the state file's horizon was brought down as leases ended.
     horizon_lowered: u64,
     observed_at_once: u64,
@@ -145,6 +151,7 @@ impl Tally for Counts {
         self.unclean_restarts += other.unclean_restarts;
         self.restored += other.restored;
         self.adopted += other.adopted;
+        self.forged += other.forged;
         self.horizon_lowered += other.horizon_lowered;
         self.observed_at_once += other.observed_at_once;
         self.watches_woken += other.watches_woken;
@@ -196,11 +203,13 @@ impl Simulation for Sim {
                 }
             })
             .collect();
-        let mut model = Model::new(limits, FIRST_TOKEN);
+        // With a state directory: tokens bound to their keys.
+        let mut model = Model::bound(limits, FIRST_TOKEN);
         for conn in 0..conns {
             model.connect(conn);
         }
         let mut fake = Fake::new(limits, conns);
+        fake.core.bind_tokens(binding(), FIRST_TOKEN);
         // Some seeds start as after an unclean restart.
         if rng.chance(15) {
             let horizon = rng.range(1, 40 * S);
@@ -232,6 +241,7 @@ impl Simulation for Sim {
             restarts,
             last_token: 0,
             stale_tokens: Vec::new(),
+            forged: 0,
             fired_tick: 0,
             durability,
             watches: BTreeMap::new(),
@@ -829,6 +839,12 @@ impl Sim {
         // Timeouts first: a waiter at the same tick may go before a grant.
         for (conn, response) in out {
             let owner = match *response {
+                // An earlier run's holder found no room to adopt its key
+                // (spec §7.3 v5: `B` with its token); it stays an orphan.
+                Response::Busy { owner } if self.orphans.contains_key(&owner) => {
+                    self.counts.busy += 1;
+                    continue;
+                }
                 Response::Timeout { owner } | Response::Busy { owner } => owner,
                 _ => continue,
             };
@@ -943,6 +959,26 @@ impl Sim {
         if !self.open[conn as usize] {
             return self.reconnect();
         }
+        if self.forged < 8 && self.rng.chance(50) {
+            // Someone else tries a token next to the holder's: refused
+            // (spec §7.3 v5), as the model says.
+            self.forged += 1;
+            self.counts.forged += 1;
+            let forged = token ^ if self.rng.chance(50) { 1 } else { 0x8000 };
+            let request = if self.rng.chance(50) {
+                Request::Extend {
+                    lease_s: 30,
+                    token: forged,
+                    key: &key,
+                }
+            } else {
+                Request::Release {
+                    token: forged,
+                    key: &key,
+                }
+            };
+            return self.request(conn, &request).map(drop);
+        }
         let out = if self.rng.chance(70) {
             let lease_s = self.lease_s();
             let request = Request::Extend {
@@ -956,6 +992,7 @@ impl Sim {
         };
         match out.first() {
             Some((_, Response::Extended { .. } | Response::Released { .. })) => Ok(()),
+            Some((_, Response::Busy { owner })) if *owner == token => Ok(()),
             _ => Err(format!(
                 "the renewal of {key:?} by {token} of an earlier run, within its lease, got {out:?}"
             )),
@@ -1062,7 +1099,10 @@ impl Sim {
         let shift = now + downtime_ms * MS;
         let limits = *self.fake.core.limits();
         let mut core = Core::new(limits, first_token);
-        let mut model = Model::new(limits, first_token);
+        core.bind_tokens(binding(), first_token);
+        let mut model = Model::bound(limits, first_token);
+        model.adoptable_until = restart.macs_until;
+        self.forged = 0;
         // The server's own resume policy, and the same grants and grace
         // for the model.
         restart
@@ -1238,6 +1278,7 @@ fn simulation_of_many_clients_on_a_fake_clock() {
             counts.unclean_restarts,
             counts.restored,
             counts.adopted,
+            counts.forged,
             counts.horizon_lowered,
         ];
         // About 1 seed in 10 adopts a key after a crash.
@@ -1297,6 +1338,7 @@ fn run_grace_limits_seed(seed: u64) -> Result<u64, String> {
     };
     let keys = ["k0", "k1", "k2", "k3"];
     let mut fake = Fake::new(limits, 3);
+    fake.core.bind_tokens(binding(), FIRST_TOKEN);
     let mut durability = Durability::new();
     let persist = |fake: &mut Fake, durability: &mut Durability| {
         durability.plan(&mut fake.core, fake.now);
@@ -1333,6 +1375,7 @@ fn run_grace_limits_seed(seed: u64) -> Result<u64, String> {
     };
     let restart = recorded.restart_at(&restarted);
     let mut core = Core::new(limits, promise.token_high_water);
+    core.bind_tokens(binding(), promise.token_high_water);
     restart
         .resume(&mut core, recorded.grants())
         .map_err(|e| format!("restore: {e}"))?;

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use kunci::core::token_binding::TokenBinding;
 use kunci::core::{ConnId, Core, Limits, Micros, Output};
 use kunci::protocol::{Request, Response};
 
@@ -11,8 +12,24 @@ use super::plain_acquire;
 pub const MS: Micros = 1_000;
 pub const S: Micros = 1_000_000;
 
-/// The first token the tests' cores hand out.
-pub const FIRST_TOKEN: u64 = 1_000;
+/// The first token the tests' cores hand out: far enough above 0 that an
+/// earlier run's tokens bound to their keys (see [`old`]) lie below it,
+/// and a multiple of 2^16 (a state directory's binding keeps it).
+pub const FIRST_TOKEN: u64 = (1 << 52) + (1 << 16);
+
+/// The secret the earlier run of a test's crash grace bound its tokens
+/// with (spec §7.3 v5).
+pub const SECRET: [u8; 16] = *b"kunci-test-adopt";
+
+pub fn binding() -> TokenBinding {
+    TokenBinding::new(&SECRET)
+}
+
+/// The token of the earlier run's grant number `n` (≥ 1), on `key`: what
+/// its holder adopts with during the grace. A larger `n`, a larger token.
+pub fn old(key: &str, n: u64) -> u64 {
+    binding().token(key.as_bytes(), n)
+}
 
 /// The tick at or after `at` (deadlines round up to a 1 ms tick).
 pub fn tick_of(at: Micros) -> u64 {
@@ -36,6 +53,17 @@ impl Fake {
 
     pub fn with_conns(conns: ConnId) -> Fake {
         Fake::new(Limits::default(), conns)
+    }
+
+    /// The grace after a crash of an earlier run (spec §7.2–3) until
+    /// `until`: that run bound its tokens with [`SECRET`], all below this
+    /// run's first. This run's tokens still go +1 (its first token is far
+    /// above a clock at 0, spec §7.6's fallback).
+    pub fn crash_grace(&mut self, until: Micros) {
+        self.core.bind_tokens(binding(), 0);
+        assert!(!self.core.binds_tokens());
+        self.core.set_adoptable_until(FIRST_TOKEN - 1);
+        self.core.set_grace_until(until);
     }
 
     /// Moves the clock to `now` without firing anything.

@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use kunci::core::{ConnId, Limits, Micros, Output};
 use kunci::protocol::{ErrorCode, Request, RequestError, Response};
 
-use super::fake::{MS, S, parse_info, tick_of};
+use super::fake::{MS, S, binding, parse_info, tick_of};
 
 #[derive(Clone, Debug)]
 pub struct Waiter {
@@ -66,6 +66,15 @@ pub struct Model {
     /// which checks the watches' answers itself; they count toward the
     /// wait limits here.
     pub watches: BTreeMap<ConnId, u32>,
+    /// While the core binds its tokens to their keys (spec §7.3 v5): with
+    /// [`binding`]; `next_token` then goes 2^16 per grant.
+    pub bound: bool,
+    /// No earlier token above it adopts (the state file's `macs_until`);
+    /// an earlier run's tokens are checked with [`binding`].
+    pub adoptable_until: u64,
+    /// Adoption tries refused in this grace (every connection of the
+    /// fake core is one adopter).
+    pub refused: std::cell::Cell<u8>,
 }
 
 impl Model {
@@ -81,6 +90,19 @@ impl Model {
             first_token: first_token.max(1),
             ties: 0,
             watches: BTreeMap::new(),
+            bound: false,
+            adoptable_until: 0,
+            refused: std::cell::Cell::new(0),
+        }
+    }
+
+    /// A model of a core that binds its tokens (`Core::bind_tokens` with
+    /// [`binding`] and a clock at `first_token`).
+    pub fn bound(limits: Limits, first_token: u64) -> Model {
+        let first = kunci::core::token_binding::step_at_or_above(first_token);
+        Model {
+            bound: true,
+            ..Model::new(limits, first)
         }
     }
 
@@ -169,9 +191,20 @@ impl Model {
         }
     }
 
-    /// Whether `token` adopts `key` (spec §7.3).
+    /// Whether `token` adopts `key` (spec §7.3): the earlier run bound it
+    /// to `key` with [`binding`], at most 16 tries refused per grace.
     fn adopts(&self, key: &str, token: u64, now: Micros) -> bool {
-        token != 0 && token < self.first_token && self.unknown_holder(key, now)
+        if token == 0 || token >= self.first_token || !self.unknown_holder(key, now) {
+            return false;
+        }
+        if self.refused.get() >= 16 {
+            return false;
+        }
+        let passes = token <= self.adoptable_until && binding().verify(key.as_bytes(), token);
+        if !passes {
+            self.refused.set(self.refused.get() + 1);
+        }
+        passes
     }
 
     fn note_freed(&mut self, key: &str, now: Micros) {
@@ -291,7 +324,7 @@ impl Model {
                     self.counters.busy += 1;
                     return vec![(conn, Response::Busy { owner })];
                 }
-                let token = self.take_token();
+                let token = self.take_token(key);
                 self.keys.insert(
                     key.to_owned(),
                     Key {
@@ -319,19 +352,24 @@ impl Model {
                 key,
             } if self.adopts(key, token, now) => {
                 let lease_tick = tick_of(now + u64::from(lease_s) * S);
-                let room = self.keys.len() < 2 * self.limits.max_keys;
+                // Charged like a grant (spec §7.3 v5): `B` with the token
+                // when the limits leave no room.
+                let grants = self.keys.values().filter(|held| held.token != 0).count();
+                let waiters: usize = self.keys.values().map(|held| held.queue.len()).sum();
+                let grant_room = grants + waiters < self.limits.max_grants;
+                let key_room = self.keys.len() < self.limits.max_keys;
                 match self.keys.get_mut(key) {
-                    Some(held) => {
+                    Some(held) if grant_room => {
                         held.token = token;
                         held.owner = 0;
                         held.lease_tick = lease_tick;
                     }
-                    None if room => {
+                    None if grant_room && key_room => {
                         self.restore(key, token, 0, lease_tick);
                     }
-                    None => {
-                        self.counters.not_held += 1;
-                        return vec![(conn, Response::NotHeld { token })];
+                    _ => {
+                        self.counters.busy += 1;
+                        return vec![(conn, Response::Busy { owner: token })];
                     }
                 }
                 self.counters.extended += 1;
@@ -393,11 +431,29 @@ impl Model {
         }
     }
 
-    fn take_token(&mut self) -> u64 {
-        let token = self.next_token;
-        self.next_token += 1;
+    fn take_token(&mut self, key: &str) -> u64 {
+        let token = self.token_at(key, 0);
+        self.next_token += self.step();
         self.counters.grants += 1;
         token
+    }
+
+    fn step(&self) -> u64 {
+        if self.bound {
+            kunci::core::token_binding::STEP
+        } else {
+            1
+        }
+    }
+
+    /// The token of the `i`th grant from now on `key`.
+    fn token_at(&self, key: &str, i: u64) -> u64 {
+        let next = self.next_token + i * self.step();
+        if self.bound {
+            binding().token(key.as_bytes(), next >> kunci::core::token_binding::MAC_BITS)
+        } else {
+            next
+        }
     }
 
     /// The holder of `key` is gone at `now`: the head waiter gets it, or
@@ -409,7 +465,7 @@ impl Model {
             return None;
         };
         *self.conns.get_mut(&waiter.conn).unwrap() -= 1;
-        let token = self.take_token();
+        let token = self.take_token(key);
         let held = self.keys.get_mut(key).unwrap();
         held.token = token;
         held.owner = waiter.owner;
@@ -521,7 +577,7 @@ impl Model {
                         held.token = token;
                         held.owner = waiter.owner;
                         held.lease_tick = tick_of(now + u64::from(waiter.lease_s) * S);
-                        grants.push((tick, token));
+                        grants.push((tick, token, name.clone()));
                         expected.push((
                             waiter.conn,
                             Response::Acquired {
@@ -557,9 +613,10 @@ impl Model {
             keys.retain(|_, key| key.token != 0 || !key.queue.is_empty());
         }
         // Hand-over tokens continue the sequence, earlier ticks first.
-        grants.sort_by_key(|&(_, token)| token);
-        for (i, &(tick, token)) in grants.iter().enumerate() {
-            if token != self.next_token + i as u64 {
+        grants.sort_by_key(|&(_, token, _)| token);
+        for (i, (tick, token, name)) in grants.iter().enumerate() {
+            let (tick, token) = (*tick, *token);
+            if token != self.token_at(name, i as u64) {
                 return Err(format!(
                     "hand-over tokens {grants:?} do not continue from {}",
                     self.next_token
@@ -569,7 +626,7 @@ impl Model {
                 return Err(format!("hand-over tokens {grants:?} not in tick order"));
             }
         }
-        self.next_token += grants.len() as u64;
+        self.next_token += grants.len() as u64 * self.step();
         Ok(expected)
     }
 }
