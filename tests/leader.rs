@@ -530,3 +530,81 @@ fn a_bounded_campaign_ends_timeout_and_elect_wait_exits_1() {
     }
     server.stop();
 }
+
+/// An observer that followed a leader through a crash sees its grant
+/// adopted with no value yet (spec §7.5) and does not report that; the
+/// holder's proclaim can reach the server before the observer asks again
+/// (here: in the same write as the adopting renewal), which wakes no
+/// watch. The observer then looks again each second instead of holding
+/// for 255 s, and reports the proclaimed value with the same term.
+#[test]
+fn an_observer_finds_a_value_proclaimed_right_after_an_adoption() {
+    use kunci::client::{Client, Config};
+    use kunci::protocol::{Request, Response};
+
+    let dir = TempDir::new("leader-adopt-observe");
+    let socket = format!("unix:{}", dir.join("kunci.sock").display());
+    let state = dir.join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let state = state.to_string_lossy().into_owned();
+    let args = ["--listen", socket.as_str(), "--state-dir", state.as_str()];
+    let server = TestServer::start(&args);
+    let mut peer = crate::util::Peer::connect(&socket);
+    peer.request(&Request::Acquire {
+        wait_s: 0,
+        lease_s: 60,
+        owner: 1,
+        key: "svc",
+        limit: 0,
+        take: 0,
+        label: "host-a",
+    });
+    let Response::Acquired { token, .. } = peer.recv() else {
+        panic!("not granted");
+    };
+    let client = Client::new([socket.parse().unwrap()], Config::default()).unwrap();
+    let (sender, items) = std::sync::mpsc::channel();
+    let follower = client.clone();
+    std::thread::spawn(move || {
+        for item in follower.observe("svc") {
+            let item = item.map(|l| l.map(|l| (l.value.unwrap_or_default(), l.term)));
+            if sender.send(item).is_err() {
+                return;
+            }
+        }
+    });
+    let next = |limit| items.recv_timeout(limit).expect("an item").unwrap();
+    assert_eq!(next(Duration::from_secs(5)), Some(("host-a".into(), token)));
+    server.kill();
+    let server = TestServer::start(&args);
+    // Let the observer find the grace (a leader kept: nothing reported).
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut peer = crate::util::Peer::connect(&socket);
+    let mut bytes = Vec::new();
+    kunci::protocol::encode_request(
+        &Request::Extend {
+            lease_s: 60,
+            token,
+            key: "svc",
+        },
+        &mut bytes,
+    );
+    kunci::protocol::encode_request(
+        &Request::Proclaim {
+            token,
+            key: "svc",
+            label: "host-b",
+        },
+        &mut bytes,
+    );
+    peer.send(&bytes);
+    assert_eq!(peer.recv(), Response::Extended { token });
+    let started = Instant::now();
+    assert_eq!(next(Duration::from_secs(5)), Some(("host-b".into(), token)));
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    server.stop();
+}

@@ -145,6 +145,7 @@ impl Client {
             since: None,
             seen: None,
             reported: None,
+            unproclaimed: false,
             ended: false,
         }
     }
@@ -207,6 +208,9 @@ pub struct Observe {
     /// The last state yielded (value, term, and whether the time in
     /// office was known), `None` before the first.
     reported: Option<Option<Shown>>,
+    /// The last answer was the followed leader's grant adopted after a
+    /// crash, its value not yet proclaimed again.
+    unproclaimed: bool,
     ended: bool,
 }
 
@@ -227,6 +231,11 @@ impl Iterator for Observe {
         loop {
             let (since, wait) = match self.since {
                 None => (0, Duration::ZERO),
+                // An adopted grant's value is due at once (its holder
+                // proclaims it right after its renewal), but a `C` that
+                // reaches the server before this `O` wakes no watch:
+                // look again each second until it is there.
+                Some(since) if self.unproclaimed => (since, Duration::from_secs(1)),
                 Some(since) => (since, WAIT_MAX),
             };
             match self.client.observe_seen(&self.name, since, wait, self.seen) {
@@ -251,6 +260,7 @@ impl Iterator for Observe {
                         (&shown, last_term),
                         (Some((Some(value), term, _)), Some(last)) if value.is_empty() && *term == last
                     );
+                    self.unproclaimed = unproclaimed;
                     if self.reported.as_ref() != Some(&shown) && !older && !unproclaimed {
                         self.reported = Some(shown);
                         return Some(Ok(leader));
