@@ -289,3 +289,47 @@ fn an_expiry_handing_a_key_to_many_waiters_goes_on_over_bounded_turns() {
     assert_eq!(turns, n.div_ceil(u64::from(TURN_WORK)) as usize + 1);
     core.check_invariants();
 }
+
+/// A waiter whose deadline passes while its key is still handing on gets
+/// `T`, never a grant after its deadline (§3): the turns that go on with
+/// the hand-over past its deadline's tick answer it `T`, as its timer
+/// would.
+#[test]
+fn a_waiter_whose_deadline_passes_mid_hand_over_gets_t_not_a_late_grant() {
+    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
+    for conn in 0..5 {
+        core.connect(conn);
+    }
+    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    // Every reader waits 1 s from 0: deadline S.
+    let n = 3 * u64::from(TURN_WORK);
+    for i in 0..n {
+        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 1);
+    }
+    core.drain_outbox().for_each(drop);
+    core.begin_turn();
+    let release = Request::Release {
+        token: FIRST_TOKEN,
+        key: "k",
+    };
+    core.handle_request(0, &release, S - MS);
+    assert_eq!(core.drain_outbox().count(), 1 + TURN_WORK as usize);
+    core.check_invariants();
+    let (mut timeouts, mut turns) = (0, 0);
+    let late = S + MS;
+    while core.poll_timeout().is_some_and(|due| due <= late) {
+        core.begin_turn();
+        core.handle_timeout(late);
+        for (_, response) in core.drain_outbox() {
+            match response {
+                Response::Timeout { .. } => timeouts += 1,
+                other => panic!("after the readers' deadline: {other:?}"),
+            }
+        }
+        core.check_invariants();
+        turns += 1;
+        assert!(turns < 10, "never done");
+    }
+    assert_eq!(timeouts, n - u64::from(TURN_WORK));
+    assert_eq!(core.waiter_count(), 0);
+}
