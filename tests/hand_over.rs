@@ -333,3 +333,57 @@ fn a_waiter_whose_deadline_passes_mid_hand_over_gets_t_not_a_late_grant() {
     assert_eq!(timeouts, n - u64::from(TURN_WORK));
     assert_eq!(core.waiter_count(), 0);
 }
+
+/// The timers due meanwhile fire before a hand-over goes on (spec §4, v5:
+/// a lease ends within 10 ms of its deadline): another key's lease ends in
+/// the first turn at its deadline, not after the whole hand-over.
+#[test]
+fn another_keys_lease_ends_on_time_while_a_hand_over_goes_on() {
+    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
+    for conn in 0..5 {
+        core.connect(conn);
+    }
+    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    let other = Request::Acquire {
+        wait_s: 0,
+        lease_s: 1,
+        owner: 1 << 41,
+        key: "other",
+        limit: 0,
+        take: 0,
+        label: "",
+    };
+    core.handle_request(0, &other, 0);
+    let n = 4 * u64::from(TURN_WORK);
+    for i in 0..n {
+        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 60);
+    }
+    core.drain_outbox().for_each(drop);
+    core.begin_turn();
+    let release = Request::Release {
+        token: FIRST_TOKEN,
+        key: "k",
+    };
+    core.handle_request(0, &release, S - MS);
+    core.drain_outbox().for_each(drop);
+    assert_eq!(core.hand_overs_pending(), 1);
+    core.begin_turn();
+    core.handle_timeout(S);
+    core.drain_outbox().for_each(drop);
+    assert_eq!(core.hand_overs_pending(), 1, "the hand-over goes on");
+    core.handle_request(0, &Request::Query { key: "other" }, S);
+    assert_eq!(
+        core.drain_outbox().collect::<Vec<_>>(),
+        vec![(
+            0,
+            Response::Query {
+                token: 0,
+                owner: 0,
+                lease_ms: 0,
+                waiters: 0
+            }
+        )],
+        "the lease of \"other\" did not end at its deadline"
+    );
+    core.check_invariants();
+}
