@@ -387,3 +387,73 @@ fn another_keys_lease_ends_on_time_while_a_hand_over_goes_on() {
     );
     core.check_invariants();
 }
+
+/// A scan with the turn's work spent goes on past waiters answered `B`
+/// (spec §7.6, a state file that cannot be written) until it has granted
+/// one: a key is never left handing on with no grant at all (token 0, not
+/// held, its fitting waiters kept waiting).
+#[test]
+fn a_scan_past_its_work_that_only_answered_b_still_grants_one() {
+    use kunci::core::restart::Promise;
+    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
+    for conn in 0..5 {
+        core.connect(conn);
+    }
+    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    shared(&mut core, 0, 1 << 41, "k2", 0, 0);
+    let n = 2 * u64::from(TURN_WORK);
+    for i in 0..n {
+        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 60);
+    }
+    // Behind k2's writer: a reader whose lease the file does not promise,
+    // then one whose lease it does.
+    shared(&mut core, 1, 1 << 42, "k2", 1, 60);
+    let reader = Request::Acquire {
+        wait_s: 60,
+        lease_s: 1,
+        owner: 1 << 43,
+        key: "k2",
+        limit: SHARED_LIMIT,
+        take: 1,
+        label: "",
+    };
+    core.handle_request(2, &reader, 0);
+    core.drain_outbox().for_each(drop);
+    core.set_ceiling(Some(Promise {
+        token_high_water: u64::MAX - 1,
+        horizon: 10 * S,
+        counted_grants: true,
+    }));
+    core.begin_turn();
+    // The first release spends the turn's work...
+    let release = Request::Release {
+        token: FIRST_TOKEN,
+        key: "k",
+    };
+    core.handle_request(0, &release, MS);
+    core.drain_outbox().for_each(drop);
+    // ...then the second answers its head `B` and grants the next.
+    let release = Request::Release {
+        token: FIRST_TOKEN + 1,
+        key: "k2",
+    };
+    core.handle_request(0, &release, MS);
+    let out: Vec<_> = core.drain_outbox().collect();
+    assert_eq!(
+        out[..2],
+        [
+            (
+                0,
+                Response::Released {
+                    token: FIRST_TOKEN + 1
+                }
+            ),
+            (1, Response::Busy { owner: 1 << 42 }),
+        ]
+    );
+    assert!(
+        matches!(out[2..], [(2, Response::Acquired { owner, .. })] if owner == 1 << 43),
+        "{out:?}"
+    );
+    core.check_invariants();
+}

@@ -416,7 +416,6 @@ impl Core {
                 self.timeout(conn, owner);
                 continue;
             }
-            answered = true;
             self.observe_wait(head, now);
             let charged = self.quotas.uncharge_grant(LabelOf::Waiter(head));
             let (_, label) = self.unlink_waiter(head);
@@ -424,6 +423,8 @@ impl Core {
                 self.busy(conn, owner);
                 continue;
             }
+            // A grant made: the key's token is set (a `B` sets none).
+            answered = true;
             let grant = self.grant_permits(entry, conn, owner, take, lease_s, label, now);
             // The waiter's charge follows it into its grant.
             self.quotas.recharge(LabelOf::Grant(grant), charged);
