@@ -289,3 +289,171 @@ fn an_expiry_handing_a_key_to_many_waiters_goes_on_over_bounded_turns() {
     assert_eq!(turns, n.div_ceil(u64::from(TURN_WORK)) as usize + 1);
     core.check_invariants();
 }
+
+/// A waiter whose deadline passes while its key is still handing on gets
+/// `T`, never a grant after its deadline (§3): the turns that go on with
+/// the hand-over past its deadline's tick answer it `T`, as its timer
+/// would.
+#[test]
+fn a_waiter_whose_deadline_passes_mid_hand_over_gets_t_not_a_late_grant() {
+    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
+    for conn in 0..5 {
+        core.connect(conn);
+    }
+    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    // Every reader waits 1 s from 0: deadline S.
+    let n = 3 * u64::from(TURN_WORK);
+    for i in 0..n {
+        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 1);
+    }
+    core.drain_outbox().for_each(drop);
+    core.begin_turn();
+    let release = Request::Release {
+        token: FIRST_TOKEN,
+        key: "k",
+    };
+    core.handle_request(0, &release, S - MS);
+    assert_eq!(core.drain_outbox().count(), 1 + TURN_WORK as usize);
+    core.check_invariants();
+    let (mut timeouts, mut turns) = (0, 0);
+    let late = S + MS;
+    while core.poll_timeout().is_some_and(|due| due <= late) {
+        core.begin_turn();
+        core.handle_timeout(late);
+        for (_, response) in core.drain_outbox() {
+            match response {
+                Response::Timeout { .. } => timeouts += 1,
+                other => panic!("after the readers' deadline: {other:?}"),
+            }
+        }
+        core.check_invariants();
+        turns += 1;
+        assert!(turns < 10, "never done");
+    }
+    assert_eq!(timeouts, n - u64::from(TURN_WORK));
+    assert_eq!(core.waiter_count(), 0);
+}
+
+/// The timers due meanwhile fire before a hand-over goes on (spec §4, v5:
+/// a lease ends within 10 ms of its deadline): another key's lease ends in
+/// the first turn at its deadline, not after the whole hand-over.
+#[test]
+fn another_keys_lease_ends_on_time_while_a_hand_over_goes_on() {
+    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
+    for conn in 0..5 {
+        core.connect(conn);
+    }
+    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    let other = Request::Acquire {
+        wait_s: 0,
+        lease_s: 1,
+        owner: 1 << 41,
+        key: "other",
+        limit: 0,
+        take: 0,
+        label: "",
+    };
+    core.handle_request(0, &other, 0);
+    let n = 4 * u64::from(TURN_WORK);
+    for i in 0..n {
+        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 60);
+    }
+    core.drain_outbox().for_each(drop);
+    core.begin_turn();
+    let release = Request::Release {
+        token: FIRST_TOKEN,
+        key: "k",
+    };
+    core.handle_request(0, &release, S - MS);
+    core.drain_outbox().for_each(drop);
+    assert_eq!(core.hand_overs_pending(), 1);
+    core.begin_turn();
+    core.handle_timeout(S);
+    core.drain_outbox().for_each(drop);
+    assert_eq!(core.hand_overs_pending(), 1, "the hand-over goes on");
+    core.handle_request(0, &Request::Query { key: "other" }, S);
+    assert_eq!(
+        core.drain_outbox().collect::<Vec<_>>(),
+        vec![(
+            0,
+            Response::Query {
+                token: 0,
+                owner: 0,
+                lease_ms: 0,
+                waiters: 0
+            }
+        )],
+        "the lease of \"other\" did not end at its deadline"
+    );
+    core.check_invariants();
+}
+
+/// A scan with the turn's work spent goes on past waiters answered `B`
+/// (spec §7.6, a state file that cannot be written) until it has granted
+/// one: a key is never left handing on with no grant at all (token 0, not
+/// held, its fitting waiters kept waiting).
+#[test]
+fn a_scan_past_its_work_that_only_answered_b_still_grants_one() {
+    use kunci::core::restart::Promise;
+    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
+    for conn in 0..5 {
+        core.connect(conn);
+    }
+    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    shared(&mut core, 0, 1 << 41, "k2", 0, 0);
+    let n = 2 * u64::from(TURN_WORK);
+    for i in 0..n {
+        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 60);
+    }
+    // Behind k2's writer: a reader whose lease the file does not promise,
+    // then one whose lease it does.
+    shared(&mut core, 1, 1 << 42, "k2", 1, 60);
+    let reader = Request::Acquire {
+        wait_s: 60,
+        lease_s: 1,
+        owner: 1 << 43,
+        key: "k2",
+        limit: SHARED_LIMIT,
+        take: 1,
+        label: "",
+    };
+    core.handle_request(2, &reader, 0);
+    core.drain_outbox().for_each(drop);
+    core.set_ceiling(Some(Promise {
+        token_high_water: u64::MAX - 1,
+        horizon: 10 * S,
+        counted_grants: true,
+    }));
+    core.begin_turn();
+    // The first release spends the turn's work...
+    let release = Request::Release {
+        token: FIRST_TOKEN,
+        key: "k",
+    };
+    core.handle_request(0, &release, MS);
+    core.drain_outbox().for_each(drop);
+    // ...then the second answers its head `B` and grants the next.
+    let release = Request::Release {
+        token: FIRST_TOKEN + 1,
+        key: "k2",
+    };
+    core.handle_request(0, &release, MS);
+    let out: Vec<_> = core.drain_outbox().collect();
+    assert_eq!(
+        out[..2],
+        [
+            (
+                0,
+                Response::Released {
+                    token: FIRST_TOKEN + 1
+                }
+            ),
+            (1, Response::Busy { owner: 1 << 42 }),
+        ]
+    );
+    assert!(
+        matches!(out[2..], [(2, Response::Acquired { owner, .. })] if owner == 1 << 43),
+        "{out:?}"
+    );
+    core.check_invariants();
+}

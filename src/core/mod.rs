@@ -799,15 +799,17 @@ impl Core {
         if !self.waking.is_empty() {
             self.answer_waking();
         }
-        if !self.handing.is_empty() {
-            self.continue_hand_overs(now);
-        }
         self.forget_freed_after_grace(now);
         let now_tick = tick_reached(now);
         if self.watch_wheel.is_empty() {
             self.fire_timers(now_tick, now);
         } else {
             self.fire_timers_and_watches(now_tick, now);
+        }
+        // After the timers due: a hand-over going on over many turns must
+        // not hold back other keys' leases and deadlines (spec §4, v5).
+        if !self.handing.is_empty() {
+            self.continue_hand_overs(now);
         }
     }
 
@@ -854,6 +856,8 @@ impl Core {
                 leases: &mut self.leases,
             };
             let Some(id) = self.wheel.poll(&mut nodes, until) else {
+                // Nothing fired: the unit is left for the hand-overs.
+                self.turn_work += 1;
                 break;
             };
             // The key this timer is about, if it is watched: its watches

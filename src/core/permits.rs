@@ -19,7 +19,7 @@ use super::memory::NIL;
 use super::waiters::held_ms;
 use super::{ConnId, Core, EarlierGrant, GRANT_TIMER, MICROS_PER_S, Micros};
 use crate::protocol::Response;
-use crate::timer_wheel::{TimerLinks, tick_at_or_after};
+use crate::timer_wheel::{TimerLinks, tick_at_or_after, tick_reached};
 
 /// The `token` of a lock-table entry that is a permit key. No grant ever
 /// gets it: the core answers `B` rather than issue token `u64::MAX`.
@@ -385,6 +385,20 @@ impl Core {
     /// one per waiter). A waiter that leaves meanwhile (its deadline, its
     /// connection) leaves the queue, so it is never granted.
     pub(super) fn scan_permits(&mut self, entry: u32, now: Micros) {
+        // A key still handing on from an earlier turn may hold waiters
+        // whose deadline passed meanwhile, their timers not fired yet.
+        let overdue = if self.permit_key(entry).handing {
+            tick_reached(now)
+        } else {
+            0
+        };
+        self.scan_permits_overdue(entry, now, overdue);
+    }
+
+    /// [`scan_permits`](Self::scan_permits), where a waiter whose deadline
+    /// tick is before `overdue` leaves with `T`, as its timer would have
+    /// it, never granted after its deadline (spec §3).
+    fn scan_permits_overdue(&mut self, entry: u32, now: Micros, overdue: u64) {
         let mut answered = false;
         loop {
             let Some(head) = self.table.get(entry).waiters.head() else {
@@ -401,8 +415,13 @@ impl Core {
             if self.turn_work == 0 && (answered || self.permit_key(entry).handing_on()) {
                 return self.hand_on_later(entry);
             }
-            answered = true;
             self.turn_work = self.turn_work.saturating_sub(1);
+            if overdue != 0 && self.wheel.deadline_of(&self.waiters.get(head).timer) < overdue {
+                self.observe_wait(head, now);
+                self.unlink_waiter(head);
+                self.timeout(conn, owner);
+                continue;
+            }
             self.observe_wait(head, now);
             let charged = self.quotas.uncharge_grant(LabelOf::Waiter(head));
             let (_, label) = self.unlink_waiter(head);
@@ -410,6 +429,8 @@ impl Core {
                 self.busy(conn, owner);
                 continue;
             }
+            // A grant made: the key's token is set (a `B` sets none).
+            answered = true;
             let grant = self.grant_permits(entry, conn, owner, take, lease_s, label, now);
             // The waiter's charge follows it into its grant.
             self.quotas.recharge(LabelOf::Grant(grant), charged);
@@ -459,7 +480,7 @@ impl Core {
             }
             self.permit_key_mut(entry).handing = false;
             let watched = self.watched_entry(entry);
-            self.scan_permits(entry, now);
+            self.scan_permits_overdue(entry, now, tick_reached(now));
             if let Some(slot) = watched {
                 self.wake_watch_slot(slot, now);
             }
