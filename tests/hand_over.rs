@@ -37,6 +37,25 @@ fn shared(core: &mut Core, conn: ConnId, owner: u64, key: &str, take: u16, wait_
     core.handle_request(conn, &request, 0);
 }
 
+/// A core with connections `0..conns` whose shared key "k" is held by a
+/// writer (conn 0, owner 2^40, token `FIRST_TOKEN`, a 60 s lease).
+fn writer_holding_k(conns: ConnId) -> Core {
+    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
+    for conn in 0..conns {
+        core.connect(conn);
+    }
+    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    core
+}
+
+/// Queues `n` readers of "k" (owners 1..=n, on connections 1..=4 in turn),
+/// each waiting `wait_s` from 0.
+fn readers_of_k(core: &mut Core, n: u64, wait_s: u8) {
+    for i in 0..n {
+        shared(core, 1 + (i % 4) as ConnId, i + 1, "k", 1, wait_s);
+    }
+}
+
 /// The connection of waiter `i`: waiter 0 is the writer's own (conn 0), so
 /// that its release answers first on a connection it also hands a grant to.
 fn conn_of(i: u64) -> ConnId {
@@ -197,15 +216,9 @@ fn sixteen_releases_hand_262144_waiters_their_grants_over_bounded_turns() {
 /// that was there, with a larger token.
 #[test]
 fn a_request_on_a_key_still_handing_on_waits_its_turn() {
-    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
-    for conn in 0..6 {
-        core.connect(conn);
-    }
-    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    let mut core = writer_holding_k(6);
     let n = 3 * u64::from(TURN_WORK);
-    for i in 0..n {
-        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 60);
-    }
+    readers_of_k(&mut core, n, 60);
     core.drain_outbox().for_each(drop);
     core.begin_turn();
     let release = Request::Release {
@@ -261,9 +274,7 @@ fn an_expiry_handing_a_key_to_many_waiters_goes_on_over_bounded_turns() {
     };
     core.handle_request(0, &request, 0);
     let n = 4 * u64::from(TURN_WORK);
-    for i in 0..n {
-        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 60);
-    }
+    readers_of_k(&mut core, n, 60);
     core.drain_outbox().for_each(drop);
     core.begin_turn();
     core.handle_timeout(S - 1);
@@ -296,16 +307,10 @@ fn an_expiry_handing_a_key_to_many_waiters_goes_on_over_bounded_turns() {
 /// would.
 #[test]
 fn a_waiter_whose_deadline_passes_mid_hand_over_gets_t_not_a_late_grant() {
-    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
-    for conn in 0..5 {
-        core.connect(conn);
-    }
-    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    let mut core = writer_holding_k(5);
     // Every reader waits 1 s from 0: deadline S.
     let n = 3 * u64::from(TURN_WORK);
-    for i in 0..n {
-        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 1);
-    }
+    readers_of_k(&mut core, n, 1);
     core.drain_outbox().for_each(drop);
     core.begin_turn();
     let release = Request::Release {
@@ -339,11 +344,7 @@ fn a_waiter_whose_deadline_passes_mid_hand_over_gets_t_not_a_late_grant() {
 /// the first turn at its deadline, not after the whole hand-over.
 #[test]
 fn another_keys_lease_ends_on_time_while_a_hand_over_goes_on() {
-    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
-    for conn in 0..5 {
-        core.connect(conn);
-    }
-    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    let mut core = writer_holding_k(5);
     let other = Request::Acquire {
         wait_s: 0,
         lease_s: 1,
@@ -355,9 +356,7 @@ fn another_keys_lease_ends_on_time_while_a_hand_over_goes_on() {
     };
     core.handle_request(0, &other, 0);
     let n = 4 * u64::from(TURN_WORK);
-    for i in 0..n {
-        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 60);
-    }
+    readers_of_k(&mut core, n, 60);
     core.drain_outbox().for_each(drop);
     core.begin_turn();
     let release = Request::Release {
@@ -395,16 +394,10 @@ fn another_keys_lease_ends_on_time_while_a_hand_over_goes_on() {
 #[test]
 fn a_scan_past_its_work_that_only_answered_b_still_grants_one() {
     use kunci::core::restart::Promise;
-    let mut core = Core::new(Limits::default(), FIRST_TOKEN);
-    for conn in 0..5 {
-        core.connect(conn);
-    }
-    shared(&mut core, 0, 1 << 40, "k", 0, 0);
+    let mut core = writer_holding_k(5);
     shared(&mut core, 0, 1 << 41, "k2", 0, 0);
     let n = 2 * u64::from(TURN_WORK);
-    for i in 0..n {
-        shared(&mut core, 1 + (i % 4) as ConnId, i + 1, "k", 1, 60);
-    }
+    readers_of_k(&mut core, n, 60);
     // Behind k2's writer: a reader whose lease the file does not promise,
     // then one whose lease it does.
     shared(&mut core, 1, 1 << 42, "k2", 1, 60);
@@ -423,6 +416,7 @@ fn a_scan_past_its_work_that_only_answered_b_still_grants_one() {
         token_high_water: u64::MAX - 1,
         horizon: 10 * S,
         counted_grants: true,
+        macs_until: 0,
     }));
     core.begin_turn();
     // The first release spends the turn's work...
