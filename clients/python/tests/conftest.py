@@ -141,6 +141,7 @@ class Proxy(object):
       returns the answer bytes, or ``Proxy.CLOSE`` to close that
       connection; nothing is forwarded).
     - ``up``/``down``: "pass" or "drop" (a blackhole for that direction).
+    - ``dropped_down``: bytes "drop" threw away in that direction.
     - ``down_delay``: seconds each server→client chunk is held back.
     - ``cut_up_after``: after forwarding that many client bytes upstream,
       close both sides.
@@ -158,6 +159,9 @@ class Proxy(object):
         self.down = "pass"
         self.down_delay = 0.0
         self.cut_up_after = None
+        #: Server→client bytes "drop" has thrown away, so a test can wait
+        #: until an answer it means to lose is really lost.
+        self.dropped_down = 0
         self.accepted = 0
         self.closed_by_client = 0
         self.received = []  # (monotonic time, bytes) from clients
@@ -310,6 +314,8 @@ class Proxy(object):
             if self.down_delay:
                 time.sleep(self.down_delay)
             if self.down == "drop":
+                with self.lock:
+                    self.dropped_down += len(data)
                 continue
             if not self._forward(data, client, client, server, state):
                 return

@@ -327,9 +327,9 @@ def test_late_clean_up_of_an_indeterminate_acquire_at_the_end_starts_no_thread(
         try:
             assert child.stdout.readline() == b"acquiring\n"
             wait_for(lambda: observer.query(key) is not None, 5)
-            # The proxy's thread drops the grant's answer by then (its
-            # deadline is 1 s).
-            time.sleep(0.3)
+            # The grant's answer (A owner token, 18 bytes) is thrown away
+            # before the proxy passes answers again.
+            wait_for(lambda: proxy.dropped_down >= 18, 5)
             proxy.down = "pass"
             assert child.stdout.readline() == b"indeterminate\n"
             assert child.wait(5) == 0

@@ -229,6 +229,9 @@ def test_an_indeterminate_acquire_on_a_closed_client_is_cleaned_up_at_exit(serve
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             wait_for(lambda: observer.query("cut-short") is not None, 5)
+            # The grant's answer (A owner token, 18 bytes) is thrown away
+            # before the proxy passes answers again.
+            wait_for(lambda: proxy.dropped_down >= 18, 5)
             proxy.down = "pass"
             out, err = child.communicate(b"close\n", timeout=30)
         finally:
