@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use kunci::core::{ConnId, Core, Limits, TURN_WORK};
+use kunci::core::{ConnId, Core, Limits, Micros, TURN_WORK};
 use kunci::protocol::{Request, Response, SHARED_LIMIT};
 
 use crate::util::fake::{FIRST_TOKEN, MS, S};
@@ -46,6 +46,16 @@ fn writer_holding_k(conns: ConnId) -> Core {
     }
     shared(&mut core, 0, 1 << 40, "k", 0, 0);
     core
+}
+
+/// In a new turn, the writer of [`writer_holding_k`] releases "k" at `at`.
+fn writer_releases_k(core: &mut Core, at: Micros) {
+    core.begin_turn();
+    let release = Request::Release {
+        token: FIRST_TOKEN,
+        key: "k",
+    };
+    core.handle_request(0, &release, at);
 }
 
 /// Queues `n` readers of "k" (owners 1..=n, on connections 1..=4 in turn),
@@ -220,12 +230,7 @@ fn a_request_on_a_key_still_handing_on_waits_its_turn() {
     let n = 3 * u64::from(TURN_WORK);
     readers_of_k(&mut core, n, 60);
     core.drain_outbox().for_each(drop);
-    core.begin_turn();
-    let release = Request::Release {
-        token: FIRST_TOKEN,
-        key: "k",
-    };
-    core.handle_request(0, &release, MS);
+    writer_releases_k(&mut core, MS);
     assert_eq!(core.drain_outbox().count(), 1 + TURN_WORK as usize);
     shared(&mut core, 5, 7_000_000, "k", 1, 0);
     shared(&mut core, 5, 7_000_001, "k", 1, 60);
@@ -312,12 +317,7 @@ fn a_waiter_whose_deadline_passes_mid_hand_over_gets_t_not_a_late_grant() {
     let n = 3 * u64::from(TURN_WORK);
     readers_of_k(&mut core, n, 1);
     core.drain_outbox().for_each(drop);
-    core.begin_turn();
-    let release = Request::Release {
-        token: FIRST_TOKEN,
-        key: "k",
-    };
-    core.handle_request(0, &release, S - MS);
+    writer_releases_k(&mut core, S - MS);
     assert_eq!(core.drain_outbox().count(), 1 + TURN_WORK as usize);
     core.check_invariants();
     let (mut timeouts, mut turns) = (0, 0);
@@ -358,12 +358,7 @@ fn another_keys_lease_ends_on_time_while_a_hand_over_goes_on() {
     let n = 4 * u64::from(TURN_WORK);
     readers_of_k(&mut core, n, 60);
     core.drain_outbox().for_each(drop);
-    core.begin_turn();
-    let release = Request::Release {
-        token: FIRST_TOKEN,
-        key: "k",
-    };
-    core.handle_request(0, &release, S - MS);
+    writer_releases_k(&mut core, S - MS);
     core.drain_outbox().for_each(drop);
     assert_eq!(core.hand_overs_pending(), 1);
     core.begin_turn();
@@ -418,13 +413,8 @@ fn a_scan_past_its_work_that_only_answered_b_still_grants_one() {
         counted_grants: true,
         macs_until: 0,
     }));
-    core.begin_turn();
     // The first release spends the turn's work...
-    let release = Request::Release {
-        token: FIRST_TOKEN,
-        key: "k",
-    };
-    core.handle_request(0, &release, MS);
+    writer_releases_k(&mut core, MS);
     core.drain_outbox().for_each(drop);
     // ...then the second answers its head `B` and grants the next.
     let release = Request::Release {

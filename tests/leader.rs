@@ -18,6 +18,18 @@ fn term_of(line: &str, value: &str) -> u64 {
     term.parse().expect("a term")
 }
 
+/// A new temp dir (kept while it lives) with a unix socket's address and a
+/// state directory in it, so that a server restarted with `--listen SOCKET
+/// --state-dir STATE` finds its state.
+fn socket_and_state(name: &str) -> (TempDir, String, String) {
+    let dir = TempDir::new(name);
+    let socket = format!("unix:{}", dir.join("kunci.sock").display());
+    let state = dir.join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let state = state.to_string_lossy().into_owned();
+    (dir, socket, state)
+}
+
 #[test]
 fn elect_takes_over_at_the_lease_end_after_the_leader_is_killed() {
     let server = TestServer::start(&[]);
@@ -101,11 +113,7 @@ fn elect_takes_over_at_the_lease_end_after_the_leader_is_killed() {
 
 #[test]
 fn leader_watch_follows_an_election_across_a_clean_restart() {
-    let dir = TempDir::new("leader-watch");
-    let socket = format!("unix:{}", dir.join("kunci.sock").display());
-    let state = dir.join("state");
-    std::fs::create_dir_all(&state).unwrap();
-    let state = state.to_string_lossy().into_owned();
+    let (_dir, socket, state) = socket_and_state("leader-watch");
     let args = ["--listen", socket.as_str(), "--state-dir", state.as_str()];
     let server = TestServer::start(&args);
     let mut watcher = spawn_kunci(&socket, &["leader", "svc", "--watch"]);
@@ -354,11 +362,7 @@ fn proclaim_changes_the_value_keeps_the_term_and_observers_report_it() {
 fn a_campaign_proclaims_its_value_again_after_its_grant_was_adopted() {
     use kunci::client::{Client, Config};
 
-    let dir = TempDir::new("leader-adopt");
-    let socket = format!("unix:{}", dir.join("kunci.sock").display());
-    let state = dir.join("state");
-    std::fs::create_dir_all(&state).unwrap();
-    let state = state.to_string_lossy().into_owned();
+    let (_dir, socket, state) = socket_and_state("leader-adopt");
     let args = ["--listen", socket.as_str(), "--state-dir", state.as_str()];
     let server = TestServer::start(&args);
     let client = Client::new([socket.parse().unwrap()], Config::default()).unwrap();
@@ -542,11 +546,7 @@ fn an_observer_finds_a_value_proclaimed_right_after_an_adoption() {
     use kunci::client::{Client, Config};
     use kunci::protocol::{Request, Response};
 
-    let dir = TempDir::new("leader-adopt-observe");
-    let socket = format!("unix:{}", dir.join("kunci.sock").display());
-    let state = dir.join("state");
-    std::fs::create_dir_all(&state).unwrap();
-    let state = state.to_string_lossy().into_owned();
+    let (_dir, socket, state) = socket_and_state("leader-adopt-observe");
     let args = ["--listen", socket.as_str(), "--state-dir", state.as_str()];
     let server = TestServer::start(&args);
     let mut peer = crate::util::Peer::connect(&socket);

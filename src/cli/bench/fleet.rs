@@ -111,19 +111,7 @@ impl Wire {
         (limit, take): (u16, u16),
         tag: u32,
     ) {
-        self.next_id += 1;
-        let owner = self.next_id;
-        let request = Request::Acquire {
-            wait_s,
-            lease_s,
-            owner,
-            key: self.keys.name(key),
-            limit,
-            take,
-            label: "",
-        };
-        encode_request(&request, &mut self.out[conn]);
-        self.queued(conn, Kind::Acquire, owner, key, tag);
+        self.acquire_with(conn, key, (wait_s, lease_s), (limit, take), "", tag);
     }
 
     /// Queues an exclusive `S` with a label (spec §11.1) and a fresh
@@ -136,6 +124,19 @@ impl Wire {
         label: &str,
         tag: u32,
     ) {
+        self.acquire_with(conn, key, (wait_s, lease_s), (0, 0), label, tag);
+    }
+
+    /// Queues `S` (spec §10) with a fresh owner.
+    fn acquire_with(
+        &mut self,
+        conn: usize,
+        key: u64,
+        (wait_s, lease_s): (u8, u8),
+        (limit, take): (u16, u16),
+        label: &str,
+        tag: u32,
+    ) {
         self.next_id += 1;
         let owner = self.next_id;
         let request = Request::Acquire {
@@ -143,8 +144,8 @@ impl Wire {
             lease_s,
             owner,
             key: self.keys.name(key),
-            limit: 0,
-            take: 0,
+            limit,
+            take,
             label,
         };
         encode_request(&request, &mut self.out[conn]);
