@@ -255,8 +255,16 @@ fn proclaim_changes_the_value_keeps_the_term_and_observers_report_it() {
     );
     // A proclaim that reaches the server before an observer's next `O`
     // (one round trip after its last answer) is not seen by it (spec
-    // §13.4a: the watch compares tokens): let both ask again first.
-    std::thread::sleep(Duration::from_millis(300));
+    // §13.4a: the watch compares tokens): both ask again first, which the
+    // server's `watches` gauge shows.
+    let asking = Instant::now();
+    while !client.info().unwrap().contains(" watches=2 ") {
+        assert!(
+            asking.elapsed() < Duration::from_secs(5),
+            "the observers did not ask again"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     lead.proclaim("10.0.0.2:5432").unwrap();
     assert_eq!(
         next(Duration::from_secs(5)),
