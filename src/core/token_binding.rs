@@ -19,8 +19,6 @@ use std::hash::Hasher;
 
 use siphasher::sip::SipHasher13;
 
-use crate::protocol::KEY_LEN_MAX;
-
 /// The bits of a token that hold its MAC.
 pub const MAC_BITS: u32 = 16;
 /// How far apart two consecutive grants' tokens start: one counter step.
@@ -76,21 +74,15 @@ impl TokenBinding {
         self.keyed.hash(&message[..key.len() + 8]) as u16
     }
 
-    /// [`mac16`](Self::mac16) of a key longer than [`SHORT_KEY`].
+    /// [`mac16`](Self::mac16) of a key longer than [`SHORT_KEY`]: rare,
+    /// so streamed into the hasher rather than copied.
     #[cold]
     #[inline(never)]
     fn mac16_long(&self, key: &[u8], counter: u64) -> u16 {
-        let mut message = [0u8; KEY_LEN_MAX + 8];
-        let Some(room) = message.get_mut(..key.len()) else {
-            // Longer than any key the protocol carries: streamed.
-            let mut hasher = self.keyed;
-            hasher.write(key);
-            hasher.write(&counter.to_be_bytes());
-            return hasher.finish() as u16;
-        };
-        room.copy_from_slice(key);
-        message[key.len()..key.len() + 8].copy_from_slice(&counter.to_be_bytes());
-        self.keyed.hash(&message[..key.len() + 8]) as u16
+        let mut hasher = self.keyed;
+        hasher.write(key);
+        hasher.write(&counter.to_be_bytes());
+        hasher.finish() as u16
     }
 
     /// The token of grant number `counter` on `key`. `counter` must be
